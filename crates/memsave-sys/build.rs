@@ -1,0 +1,51 @@
+//! Compiles the C++ bridge against the headers of the libtorch that torch-sys found.
+use std::env;
+use std::path::PathBuf;
+
+const SOURCES: &[&str] = &[
+    "cpp/error.cpp",
+    "cpp/allocator.cpp",
+    "cpp/device.cpp",
+    "cpp/tensor.cpp",
+    "cpp/autocast.cpp",
+    "cpp/checkpoint.cpp",
+];
+
+fn main() {
+    println!("cargo:rerun-if-changed=cpp");
+    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let lib_dir = match env::var("DEP_TCH_LIBTORCH_LIB") {
+        Ok(dir) => PathBuf::from(dir),
+        Err(_) => {
+            // torch-sys built in doc-only mode (docs.rs): nothing to link against.
+            println!("cargo:warning=DEP_TCH_LIBTORCH_LIB is not set; run ./libtorch-setup.sh");
+            return;
+        }
+    };
+    let root = lib_dir
+        .parent()
+        .expect("the libtorch lib directory has a parent")
+        .to_path_buf();
+    let include = root.join("include");
+    let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .std("c++20")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .opt_level(2);
+    for source in SOURCES {
+        build.file(source);
+    }
+    build.compile("memsave_bridge");
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+}

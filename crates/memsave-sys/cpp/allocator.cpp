@@ -1,0 +1,167 @@
+// A counting CPU allocator: exact current and peak bytes of every tensor storage
+// allocated through c10's CPU allocator, with an optional limit that simulates a
+// device of N bytes.
+//
+// The DataPtr keeps the raw-deleter convention (context == data pointer, deleter ==
+// raw_deleter()): oneDNN and bf16 kernels check `get() == get_context()`.
+#include "common.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+struct Counters {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> live;  // pointer -> bytes, for frees and the summary
+  int64_t current = 0;
+  int64_t peak = 0;
+  int64_t limit = -1;  // -1: no limit
+};
+
+// Leaked on purpose: storages can be freed during static destruction.
+Counters& counters() {
+  static Counters* c = new Counters();
+  return *c;
+}
+
+void counting_delete(void* ptr) {
+  if (ptr == nullptr) return;
+  auto& c = counters();
+  {
+    std::lock_guard<std::mutex> guard(c.mu);
+    auto it = c.live.find(ptr);
+    if (it != c.live.end()) {
+      c.current -= static_cast<int64_t>(it->second);
+      c.live.erase(it);
+    }
+  }
+  c10::free_cpu(ptr);
+}
+
+struct CountingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    auto& c = counters();
+    const auto n = static_cast<int64_t>(nbytes);
+    {
+      std::lock_guard<std::mutex> guard(c.mu);
+      if (c.limit >= 0 && c.current + n > c.limit) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "memsave: CPU out of memory: tried to allocate ", nbytes,
+                         " bytes with ", c.current, " bytes allocated and a memory limit of ", c.limit,
+                         " bytes (set_memory_limit)");
+      }
+      c.current += n;
+      c.peak = std::max(c.peak, c.current);
+    }
+    void* ptr = nullptr;
+    try {
+      ptr = c10::alloc_cpu(nbytes);
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(c.mu);
+      c.current -= n;
+      throw;
+    }
+    if (ptr == nullptr) {
+      std::lock_guard<std::mutex> guard(c.mu);
+      c.current -= n;
+    } else {
+      std::lock_guard<std::mutex> guard(c.mu);
+      c.live.emplace(ptr, nbytes);
+    }
+    return {ptr, ptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+int ms_cpu_install_counting_allocator() {
+  MS_TRY({
+    // Function-local static: installed exactly once, thread-safely.
+    static bool installed = [] {
+      static CountingAllocator* allocator = new CountingAllocator();
+      c10::SetCPUAllocator(allocator, /*priority=*/100);
+      return true;
+    }();
+    (void)installed;
+  })
+}
+
+int ms_cpu_counting_allocator_active(bool* out) {
+  MS_TRY({ *out = dynamic_cast<CountingAllocator*>(c10::GetCPUAllocator()) != nullptr; })
+}
+
+int64_t ms_cpu_allocated() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  return c.current;
+}
+
+int64_t ms_cpu_peak() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  return c.peak;
+}
+
+void ms_cpu_reset_peak() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  c.peak = c.current;
+}
+
+// Raises the peak to at least `value` (restores an outer scope's peak after an inner reset).
+void ms_cpu_raise_peak(int64_t value) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  c.peak = std::max(c.peak, value);
+}
+
+void ms_cpu_set_limit(int64_t limit) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  c.limit = limit;
+}
+
+int64_t ms_cpu_limit() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  return c.limit;
+}
+
+int64_t ms_cpu_live_allocations() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> guard(c.mu);
+  return static_cast<int64_t>(c.live.size());
+}
+
+// Writes the sizes of the `cap` largest live allocations, largest first; returns how many.
+size_t ms_cpu_largest_allocations(int64_t* out, size_t cap) {
+  std::vector<int64_t> sizes;
+  {
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    sizes.reserve(c.live.size());
+    for (const auto& entry : c.live) sizes.push_back(static_cast<int64_t>(entry.second));
+  }
+  const size_t n = std::min(cap, sizes.size());
+  std::partial_sort(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), sizes.end(),
+                    std::greater<int64_t>());
+  std::copy(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), out);
+  return n;
+}
+
+}  // extern "C"

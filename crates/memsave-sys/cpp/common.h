@@ -1,0 +1,31 @@
+// Shared conventions of the memsave C++ bridge.
+//
+// Every exported function is `extern "C"`, catches every C++ exception and reports
+// failure through its return value; the message is kept per thread and read with
+// `ms_last_error`. No exception ever reaches Rust.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <string>
+
+namespace memsave {
+
+void set_last_error(std::string message);
+
+}  // namespace memsave
+
+// Runs `body` (a statement list); returns 0 on success, 1 after recording the error.
+#define MS_TRY(body)                                                        \
+  try {                                                                     \
+    body;                                                                   \
+    return 0;                                                               \
+  } catch (const c10::Error& e) {                                           \
+    memsave::set_last_error(e.what_without_backtrace());                    \
+  } catch (const std::exception& e) {                                       \
+    memsave::set_last_error(e.what());                                      \
+  } catch (...) {                                                           \
+    memsave::set_last_error("unknown C++ exception");                       \
+  }                                                                         \
+  return 1;

@@ -1,0 +1,57 @@
+// Tensor introspection that tch does not expose: reference counts, the version
+// counter, grad mode, setting a gradient to none, and the AMP unscale kernel.
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <vector>
+
+extern "C" {
+
+int ms_tensor_use_count(const at::Tensor* t, int64_t* out) {
+  MS_TRY({ *out = static_cast<int64_t>(t->use_count()); })
+}
+
+int ms_tensor_storage_use_count(const at::Tensor* t, int64_t* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = t->has_storage() ? static_cast<int64_t>(t->storage().use_count()) : 0;
+  })
+}
+
+int ms_tensor_version(const at::Tensor* t, int64_t* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = static_cast<int64_t>(t->_version());
+  })
+}
+
+int ms_tensor_is_view(const at::Tensor* t, bool* out) {
+  MS_TRY({ *out = t->is_view(); })
+}
+
+int ms_tensor_set_grad_none(at::Tensor* t) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    t->mutable_grad().reset();
+  })
+}
+
+bool ms_grad_mode_enabled() { return at::GradMode::is_enabled(); }
+
+void ms_grad_mode_set_enabled(bool enabled) { at::GradMode::set_enabled(enabled); }
+
+// Multiplies every tensor by `inv_scale` in place and sets `found_inf` to 1 when any
+// holds an inf or NaN (torch._amp_foreach_non_finite_check_and_unscale_).
+int ms_amp_non_finite_check_and_unscale(at::Tensor* const* tensors, size_t n, at::Tensor* found_inf,
+                                        const at::Tensor* inv_scale) {
+  MS_TRY({
+    std::vector<at::Tensor> list;
+    list.reserve(n);
+    for (size_t i = 0; i < n; ++i) list.push_back(*tensors[i]);
+    at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,44 @@
+use std::ffi::CStr;
+
+/// An error reported by libtorch or by the bridge, with libtorch's message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Error {
+    message: String,
+}
+
+impl Error {
+    /// An error with the given message.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+
+    /// The message, as libtorch or the bridge wrote it.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// True when libtorch reported an out-of-memory error (also the simulated one).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.message.contains("out of memory")
+    }
+}
+
+/// The result of a bridge call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Turns a bridge status (0: success) into a `Result`, reading this thread's last error.
+pub(crate) fn check(status: i32) -> Result<()> {
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: ms_last_error returns a NUL-terminated string owned by this thread's
+    // bridge state; it stays valid until the next bridge call on this thread, and it
+    // is copied before that.
+    let message = unsafe { CStr::from_ptr(crate::ffi::ms_last_error()) }
+        .to_string_lossy()
+        .into_owned();
+    Err(Error { message })
+}

@@ -1,0 +1,80 @@
+//! Raw declarations of the C++ bridge (`cpp/*.cpp`). Use the safe modules instead.
+#![allow(dead_code)]
+
+use std::ffi::{c_char, c_int, c_void};
+use torch_sys::C_tensor;
+
+/// Callback that runs a checkpointed closure on `inputs`, reporting via `ms_outputs_*`.
+pub type RunFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    inputs: *const *mut C_tensor,
+    n: usize,
+    out: *mut c_void,
+);
+/// Callback that drops a checkpointed closure.
+pub type DropFn = unsafe extern "C" fn(ctx: *mut c_void);
+
+extern "C" {
+    pub fn ms_last_error() -> *const c_char;
+
+    pub fn ms_cpu_install_counting_allocator() -> c_int;
+    pub fn ms_cpu_counting_allocator_active(out: *mut bool) -> c_int;
+    pub fn ms_cpu_allocated() -> i64;
+    pub fn ms_cpu_peak() -> i64;
+    pub fn ms_cpu_reset_peak();
+    pub fn ms_cpu_raise_peak(value: i64);
+    pub fn ms_cpu_set_limit(limit: i64);
+    pub fn ms_cpu_limit() -> i64;
+    pub fn ms_cpu_live_allocations() -> i64;
+    pub fn ms_cpu_largest_allocations(out: *mut i64, cap: usize) -> usize;
+
+    pub fn ms_accelerator_type() -> c_int;
+    pub fn ms_device_stats(
+        device_type: c_int,
+        index: i64,
+        allocated: *mut i64,
+        peak: *mut i64,
+        live_allocations: *mut i64,
+        reserved: *mut i64,
+    ) -> c_int;
+    pub fn ms_device_reset_peak(device_type: c_int, index: i64) -> c_int;
+    pub fn ms_device_empty_cache(device_type: c_int) -> c_int;
+    pub fn ms_device_synchronize(device_type: c_int, index: i64) -> c_int;
+
+    pub fn ms_tensor_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_storage_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_version(t: *const C_tensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_is_view(t: *const C_tensor, out: *mut bool) -> c_int;
+    pub fn ms_tensor_set_grad_none(t: *mut C_tensor) -> c_int;
+    pub fn ms_grad_mode_enabled() -> bool;
+    pub fn ms_grad_mode_set_enabled(enabled: bool);
+    pub fn ms_amp_non_finite_check_and_unscale(
+        tensors: *const *mut C_tensor,
+        n: usize,
+        found_inf: *mut C_tensor,
+        inv_scale: *const C_tensor,
+    ) -> c_int;
+
+    pub fn ms_autocast_is_enabled(device_type: c_int, out: *mut bool) -> c_int;
+    pub fn ms_autocast_set_enabled(device_type: c_int, enabled: bool) -> c_int;
+    pub fn ms_autocast_get_dtype(device_type: c_int, out: *mut c_int) -> c_int;
+    pub fn ms_autocast_set_dtype(device_type: c_int, scalar_type: c_int) -> c_int;
+    pub fn ms_autocast_increment_nesting() -> i64;
+    pub fn ms_autocast_decrement_nesting() -> i64;
+    pub fn ms_autocast_clear_cache() -> c_int;
+
+    pub fn ms_outputs_push(outputs: *mut c_void, t: *const C_tensor);
+    pub fn ms_outputs_fail(outputs: *mut c_void, message: *const c_char);
+    pub fn ms_checkpoint(
+        inputs: *const *mut C_tensor,
+        n_inputs: usize,
+        ctx: *mut c_void,
+        run: RunFn,
+        drop: DropFn,
+        preserve_rng: bool,
+        out_vec: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_tensor_vec_len(vec: *const c_void) -> usize;
+    pub fn ms_tensor_vec_get(vec: *const c_void, i: usize) -> *mut C_tensor;
+    pub fn ms_tensor_vec_free(vec: *mut c_void);
+}

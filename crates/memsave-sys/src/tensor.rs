@@ -1,0 +1,80 @@
+//! Tensor introspection that tch does not expose: reference counts, versions, grad mode.
+use crate::error::check;
+use crate::{ffi, Result};
+use tch::Tensor;
+
+/// Number of handles to the tensor's `TensorImpl` (tch handles, shallow clones and
+/// tensors autograd saved as inputs all count).
+pub fn use_count(t: &Tensor) -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_use_count(t.as_ptr(), &mut out) })?;
+    Ok(out.max(0) as u64)
+}
+
+/// Number of `TensorImpl`s sharing the tensor's storage (views and outputs saved by
+/// autograd count); 0 for a tensor without storage.
+pub fn storage_use_count(t: &Tensor) -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_storage_use_count(t.as_ptr(), &mut out) })?;
+    Ok(out.max(0) as u64)
+}
+
+/// The tensor's version counter: bumped by every in-place operation on it or its views.
+pub fn version(t: &Tensor) -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_version(t.as_ptr(), &mut out) })?;
+    Ok(out.max(0) as u64)
+}
+
+/// True when the tensor is a view of another tensor's storage.
+pub fn is_view(t: &Tensor) -> Result<bool> {
+    let mut out = false;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_is_view(t.as_ptr(), &mut out) })?;
+    Ok(out)
+}
+
+/// Drops the tensor's gradient (PyTorch's `p.grad = None`), freeing its memory, where
+/// tch's `zero_grad` only fills it with zeros.
+pub fn set_grad_none(t: &Tensor) -> Result<()> {
+    // SAFETY: `t` is a live tch tensor; mutable_grad() is changed through the shared
+    // TensorImpl, which tch itself does for its in-place operations on `&Tensor`.
+    check(unsafe { ffi::ms_tensor_set_grad_none(t.as_ptr() as *mut _) })
+}
+
+/// True when autograd records operations on this thread.
+pub fn grad_mode_enabled() -> bool {
+    // SAFETY: reads a thread-local flag.
+    unsafe { ffi::ms_grad_mode_enabled() }
+}
+
+/// Enables or disables grad mode on this thread; prefer tch's `no_grad` guards.
+pub fn set_grad_mode_enabled(enabled: bool) {
+    // SAFETY: writes a thread-local flag.
+    unsafe { ffi::ms_grad_mode_set_enabled(enabled) }
+}
+
+/// Multiplies each tensor by `inv_scale` in place and sets `found_inf` (a one-element
+/// f32 tensor) to 1.0 when any value is inf or NaN; libtorch's
+/// `_amp_foreach_non_finite_check_and_unscale_`.
+pub fn amp_non_finite_check_and_unscale(
+    tensors: &[Tensor],
+    found_inf: &Tensor,
+    inv_scale: &Tensor,
+) -> Result<()> {
+    let ptrs: Vec<*mut torch_sys::C_tensor> =
+        tensors.iter().map(|t| t.as_ptr() as *mut _).collect();
+    // SAFETY: every pointer comes from a live tch tensor borrowed for the call; the
+    // kernel mutates them through their shared TensorImpls.
+    check(unsafe {
+        ffi::ms_amp_non_finite_check_and_unscale(
+            ptrs.as_ptr(),
+            ptrs.len(),
+            found_inf.as_ptr() as *mut _,
+            inv_scale.as_ptr(),
+        )
+    })
+}
