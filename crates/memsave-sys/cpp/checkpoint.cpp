@@ -14,6 +14,7 @@
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
@@ -144,6 +145,25 @@ bool is_differentiable(const at::Tensor& t) {
   return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
 }
 
+// The root of the recompute's backward: hands its gradients on and keeps no reference,
+// so each incoming gradient is freed as soon as the node it feeds has used it. (A plain
+// `torch::autograd::backward(outputs, grads)` call would hold the recomputed outputs
+// and their gradients until the whole nested backward returns: one activation and one
+// gradient per nesting level.)
+class GradientFeeder final : public Node {
+ public:
+  // `trigger` is the empty tensor the engine is started with (no bytes allocated).
+  GradientFeeder(torch::autograd::edge_list&& next, variable_list grads, const at::Tensor& trigger)
+      : Node(std::move(next)), grads_(std::move(grads)) {
+    add_input_metadata(trigger);
+  }
+  std::string name() const override { return "MemsaveCheckpointGradientFeeder"; }
+  variable_list apply(variable_list&& /*unused*/) override { return std::move(grads_); }
+
+ private:
+  variable_list grads_;
+};
+
 class CheckpointBackward final : public Node {
  public:
   CheckpointBackward(torch::autograd::edge_list&& next, std::unique_ptr<Closure> closure,
@@ -198,8 +218,8 @@ class CheckpointBackward final : public Node {
     }
     TORCH_CHECK(outputs.size() == meta_.size(), "checkpoint: the recomputation returned ", outputs.size(),
                 " tensors but the forward returned ", meta_.size(), "; the function must be deterministic");
-    std::vector<at::Tensor> roots;
-    std::vector<at::Tensor> root_grads;
+    torch::autograd::edge_list roots;
+    variable_list root_grads;
     for (size_t i = 0; i < outputs.size(); ++i) {
       const auto& out = outputs[i];
       const auto& meta = meta_[i];
@@ -210,11 +230,19 @@ class CheckpointBackward final : public Node {
                   " but the forward produced shape ", c10::IntArrayRef(meta.sizes), " and dtype ", meta.dtype,
                   "; the function must compute the same thing when it is rerun");
       if (!meta.differentiable || i >= grads.size() || !grads[i].defined() || !out.requires_grad()) continue;
-      roots.push_back(out);
-      root_grads.push_back(grads[i]);
+      roots.push_back(torch::autograd::impl::gradient_edge(out));
+      root_grads.push_back(std::move(grads[i]));
     }
+    // Only the graph edges are needed from here on: drop the recomputed outputs and the
+    // incoming gradients now, so that they are freed as soon as the graph is done with them.
+    outputs.clear();
+    grads.clear();
     if (!roots.empty()) {
-      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, /*create_graph=*/false);
+      const auto trigger = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+      auto feeder = c10::make_intrusive<GradientFeeder>(std::move(roots), std::move(root_grads), trigger);
+      torch::autograd::Engine::get_default_engine().execute({Edge(std::move(feeder), 0)}, {trigger},
+                                                            /*keep_graph=*/false, /*create_graph=*/false,
+                                                            /*accumulate_grad=*/true);
     }
     variable_list result;
     result.reserve(replay_inputs.size());

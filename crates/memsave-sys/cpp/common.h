@@ -16,10 +16,11 @@ void set_last_error(std::string message);
 
 }  // namespace memsave
 
-// Runs `body` (a statement list); returns 0 on success, 1 after recording the error.
-#define MS_TRY(body)                                                        \
+// Runs the body (a braced statement list); returns 0 on success, 1 after recording
+// the error. Variadic so that commas inside the body need no parentheses.
+#define MS_TRY(...)                                                         \
   try {                                                                     \
-    body;                                                                   \
+    __VA_ARGS__;                                                            \
     return 0;                                                               \
   } catch (const c10::Error& e) {                                           \
     memsave::set_last_error(e.what_without_backtrace());                    \

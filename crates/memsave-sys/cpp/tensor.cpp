@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <vector>
 
@@ -35,6 +36,18 @@ int ms_tensor_set_grad_none(at::Tensor* t) {
   MS_TRY({
     TORCH_CHECK(t->defined(), "the tensor is undefined");
     t->mutable_grad().reset();
+  })
+}
+
+// torch::autograd::backward(tensors, grads): back-propagates given output gradients.
+int ms_backward_with_grads(at::Tensor* const* tensors, at::Tensor* const* grads, size_t n, bool keep_graph) {
+  MS_TRY({
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < n; ++i) {
+      roots.push_back(*tensors[i]);
+      root_grads.push_back(*grads[i]);
+    }
+    torch::autograd::backward(roots, root_grads, keep_graph, /*create_graph=*/false);
   })
 }
 

@@ -46,6 +46,12 @@ extern "C" {
     pub fn ms_tensor_version(t: *const C_tensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_is_view(t: *const C_tensor, out: *mut bool) -> c_int;
     pub fn ms_tensor_set_grad_none(t: *mut C_tensor) -> c_int;
+    pub fn ms_backward_with_grads(
+        tensors: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        n: usize,
+        keep_graph: bool,
+    ) -> c_int;
     pub fn ms_grad_mode_enabled() -> bool;
     pub fn ms_grad_mode_set_enabled(enabled: bool);
     pub fn ms_amp_non_finite_check_and_unscale(

@@ -45,6 +45,28 @@ pub fn set_grad_none(t: &Tensor) -> Result<()> {
     check(unsafe { ffi::ms_tensor_set_grad_none(t.as_ptr() as *mut _) })
 }
 
+/// Back-propagates `grads` from `tensors` (PyTorch's `torch.autograd.backward(tensors,
+/// grads)`), accumulating into every leaf that requires grad. tch's `backward` only
+/// starts from a scalar with an implicit gradient of one.
+pub fn backward_with_grads(tensors: &[Tensor], grads: &[Tensor], keep_graph: bool) -> Result<()> {
+    if tensors.len() != grads.len() {
+        return Err(crate::Error::new(format!(
+            "backward_with_grads: {} tensors but {} gradients",
+            tensors.len(),
+            grads.len()
+        )));
+    }
+    let roots: Vec<*mut torch_sys::C_tensor> =
+        tensors.iter().map(|t| t.as_ptr() as *mut _).collect();
+    let root_grads: Vec<*mut torch_sys::C_tensor> =
+        grads.iter().map(|t| t.as_ptr() as *mut _).collect();
+    // SAFETY: both arrays hold live at::Tensor pointers borrowed for the call and have
+    // the same length, checked above.
+    check(unsafe {
+        ffi::ms_backward_with_grads(roots.as_ptr(), root_grads.as_ptr(), roots.len(), keep_graph)
+    })
+}
+
 /// True when autograd records operations on this thread.
 pub fn grad_mode_enabled() -> bool {
     // SAFETY: reads a thread-local flag.

@@ -1,0 +1,59 @@
+//! Gradient checkpointing for tch-rs: keep few activations, recompute the rest in
+//! backward.
+//!
+//! - [`checkpoint`] / [`checkpoint1`] / [`Checkpoint`]: run a function without keeping its
+//!   activations; a custom autograd node recomputes it in backward. Parameters inside get
+//!   their gradients even when no input requires grad; several inputs and outputs,
+//!   integer outputs and nesting work; the RNG state is restored for the recompute.
+//! - [`CheckpointedSequential`] with a [`Plan`]: `None`, `EveryLayer`, `Segments(k)`
+//!   (parity with `checkpoint_sequential`), `Nested` (logarithmic memory) and
+//!   `Budget(bytes)`: the schedule with the least recomputation whose predicted peak
+//!   fits, solved by dynamic programming ([`Solver`]) over a measured profile.
+//!
+//! Why it helps: in `x = x + linear(x)` every layer saves its input for backward, so a
+//! plain forward keeps one activation per layer. A checkpointed segment keeps only its
+//! input and rebuilds the rest when backward reaches it.
+//!
+//! ```
+//! use memsave_checkpoint::{CheckpointedSequential, Plan};
+//! use memsave_meter::measure;
+//! use tch::nn::{self, Module};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! // No dropout here, so no need to keep an RNG state (5,056 bytes) per checkpoint.
+//! let mut seq = CheckpointedSequential::new().preserve_rng(false);
+//! for i in 0..8 {
+//!     let lin = nn::linear(vs.root() / i, 16, 16, Default::default());
+//!     seq = seq.add_fn(move |x| x + lin.forward(x));
+//! }
+//! let x = Tensor::rand([32, 16], (Kind::Float, Device::Cpu));
+//! let act = 32 * 16 * 4; // bytes of one activation
+//!
+//! let (y, plain) = measure(Device::Cpu, |_| seq.f_forward(&x).unwrap());
+//! assert_eq!(plain.retained_bytes(), 8 * act); // one saved input per layer
+//! drop(y);
+//!
+//! seq.set_plan(Plan::Segments(4)).unwrap(); // checkpoints [0..2] [2..4] [4..6], then 6 7
+//! let (y, ckpt) = measure(Device::Cpu, |_| seq.f_forward(&x).unwrap());
+//! assert_eq!(ckpt.retained_bytes(), 5 * act); // x2 x4 x6 x7 and the output x8
+//! y.square().mean(Kind::Float).backward();
+//! ```
+#![forbid(unsafe_code)]
+
+mod error;
+mod function;
+mod layers;
+mod plan;
+mod profile;
+mod schedule;
+mod sequential;
+mod solver;
+
+pub use error::{CheckpointError, Result};
+pub use function::{checkpoint, checkpoint1, Checkpoint};
+pub use plan::Plan;
+pub use profile::{ChainProfile, LayerProfile};
+pub use schedule::{Block, Schedule};
+pub use sequential::CheckpointedSequential;
+pub use solver::{predict, Prediction, Solver};

@@ -1,0 +1,159 @@
+//! Measuring each layer once: the bytes and times the budget solver plans with.
+use crate::error::{CheckpointError, Result};
+use crate::layers::SharedLayer;
+use memsave_meter::measure;
+use memsave_sys::tensor::{backward_with_grads, set_grad_none};
+use std::time::Instant;
+use tch::Tensor;
+
+/// What one layer costs, measured with the meter and a clock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerProfile {
+    /// Bytes of the layer's input.
+    pub input_bytes: u64,
+    /// Bytes of the layer's output.
+    pub output_bytes: u64,
+    /// Bytes a forward with grad leaves allocated while its output is held: the output
+    /// plus what the layer saved for backward beyond its input.
+    pub retained_bytes: u64,
+    /// Peak of a forward with grad above its start.
+    pub forward_peak_bytes: u64,
+    /// Peak of a forward without grad above its start.
+    pub nograd_peak_bytes: u64,
+    /// Peak of the layer's backward above its start (saved tensors and output gradient
+    /// present), including the input and parameter gradients it creates.
+    pub backward_peak_bytes: u64,
+    /// Bytes of the parameter gradients the layer's backward creates.
+    pub param_grad_bytes: u64,
+    /// True when autograd saved the layer's output for its backward (as `relu` or `exp`
+    /// do), so the output lives until the layer's backward has run.
+    pub saves_output: bool,
+    /// Seconds of a forward with grad.
+    pub forward_time_s: f64,
+    /// Seconds of a forward without grad.
+    pub nograd_time_s: f64,
+    /// Seconds of the layer's backward.
+    pub backward_time_s: f64,
+}
+
+/// The profile of a chain: one entry per layer, then the loss as a last element.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChainProfile {
+    /// Layers in order, the loss ("head") last.
+    pub elements: Vec<LayerProfile>,
+}
+
+impl ChainProfile {
+    /// Number of layers, the loss not included.
+    pub fn layers(&self) -> usize {
+        self.elements.len() - 1
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+fn grad_bytes(params: &[Tensor]) -> u64 {
+    params
+        .iter()
+        .map(|p| p.grad())
+        .filter(|g| g.defined())
+        .map(|g| tensor_bytes(&g))
+        .sum()
+}
+
+fn clear_grads(params: &[Tensor]) -> Result<()> {
+    for p in params {
+        set_grad_none(p)?;
+    }
+    Ok(())
+}
+
+fn min_time(runs: usize, mut f: impl FnMut()) -> f64 {
+    (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Profiles one element: forward without grad (its output feeds the next element),
+/// forward with grad, backward with a gradient of ones.
+fn profile_element(
+    forward: &dyn Fn(&Tensor) -> Tensor,
+    x: &Tensor,
+    params: &[Tensor],
+) -> Result<(LayerProfile, Tensor)> {
+    let device = x.device();
+    clear_grads(params)?;
+    let (y, nograd) = measure(device, |_| tch::no_grad(|| forward(x)));
+    let nograd_time_s = min_time(2, || {
+        let _ = tch::no_grad(|| forward(x));
+    });
+    let xi = x.detach().set_requires_grad(x.is_floating_point());
+    let start = Instant::now();
+    let (out, fwd) = measure(device, |_| forward(&xi));
+    let forward_time_s = start.elapsed().as_secs_f64();
+    // A saved output shares the output's storage: its use count rises above one.
+    let saves_output = memsave_sys::tensor::storage_use_count(&out)? > 1;
+    let grad = out.ones_like();
+    let start = Instant::now();
+    let (result, bwd) = measure(device, |_| {
+        if out.requires_grad() {
+            backward_with_grads(&[out.shallow_clone()], &[grad.shallow_clone()], false)
+        } else {
+            Ok(())
+        }
+    });
+    let backward_time_s = start.elapsed().as_secs_f64();
+    result?;
+    let profile = LayerProfile {
+        input_bytes: tensor_bytes(x),
+        output_bytes: tensor_bytes(&y),
+        retained_bytes: fwd.retained_bytes().max(0) as u64,
+        forward_peak_bytes: fwd.peak_bytes,
+        nograd_peak_bytes: nograd.peak_bytes,
+        backward_peak_bytes: bwd.peak_bytes,
+        param_grad_bytes: grad_bytes(params),
+        saves_output,
+        forward_time_s,
+        nograd_time_s,
+        backward_time_s,
+    };
+    clear_grads(params)?;
+    Ok((profile, y))
+}
+
+/// Profiles every layer on `example` and the loss on the chain's output.
+///
+/// `params` are the model's parameters: their gradients are set to none before each
+/// measurement (so the bytes of newly created gradients are seen) and at the end.
+pub(crate) fn profile_chain(
+    layers: &[SharedLayer],
+    example: &Tensor,
+    params: &[Tensor],
+    loss: &dyn Fn(&Tensor) -> Tensor,
+) -> Result<ChainProfile> {
+    let run = || -> Result<ChainProfile> {
+        let mut elements = Vec::with_capacity(layers.len() + 1);
+        let mut x = example.detach();
+        for layer in layers {
+            let forward = |t: &Tensor| layer.forward(t);
+            let (p, y) = profile_element(&forward, &x, params)?;
+            elements.push(p);
+            x = y;
+        }
+        let (head, _) = profile_element(loss, &x, params)?;
+        elements.push(head);
+        Ok(ChainProfile { elements })
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+        Err(CheckpointError::Torch(format!(
+            "a layer panicked while profiling: {}",
+            crate::layers::panic_message(&*payload)
+        )))
+    })
+}
