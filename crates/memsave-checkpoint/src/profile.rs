@@ -1,5 +1,6 @@
 //! Measuring each layer once: the bytes and times the budget solver plans with.
 use crate::error::{CheckpointError, Result};
+use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
 use memsave_meter::measure;
 use memsave_sys::tensor::{backward_with_grads, set_grad_none};
@@ -41,6 +42,9 @@ pub struct LayerProfile {
 pub struct ChainProfile {
     /// Layers in order, the loss ("head") last.
     pub elements: Vec<LayerProfile>,
+    /// Bytes a checkpoint itself holds while alive: the stashed RNG state (5,056 bytes
+    /// for the CPU generator) when the RNG is preserved, else 0.
+    pub checkpoint_overhead_bytes: u64,
 }
 
 impl ChainProfile {
@@ -85,6 +89,7 @@ fn min_time(runs: usize, mut f: impl FnMut()) -> f64 {
 fn profile_element(
     forward: &dyn Fn(&Tensor) -> Tensor,
     x: &Tensor,
+    input_requires_grad: bool,
     params: &[Tensor],
 ) -> Result<(LayerProfile, Tensor)> {
     let device = x.device();
@@ -93,7 +98,9 @@ fn profile_element(
     let nograd_time_s = min_time(2, || {
         let _ = tch::no_grad(|| forward(x));
     });
-    let xi = x.detach().set_requires_grad(x.is_floating_point());
+    let xi = x
+        .detach()
+        .set_requires_grad(input_requires_grad && x.is_floating_point());
     let start = Instant::now();
     let (out, fwd) = measure(device, |_| forward(&xi));
     let forward_time_s = start.elapsed().as_secs_f64();
@@ -131,24 +138,44 @@ fn profile_element(
 ///
 /// `params` are the model's parameters: their gradients are set to none before each
 /// measurement (so the bytes of newly created gradients are seen) and at the end.
+/// Bytes one checkpoint keeps alive besides its input (the RNG state, if stashed).
+fn checkpoint_overhead(x: &Tensor, options: Checkpoint) -> Result<u64> {
+    let (out, m) = measure(x.device(), |_| {
+        options.run(&[x], |xs| vec![xs[0].shallow_clone()])
+    });
+    let out = out?;
+    let bytes = m.retained_bytes().max(0) as u64;
+    drop(out);
+    Ok(bytes)
+}
+
+/// Profiles every layer on `example` and the loss on the chain's output. The first
+/// layer's input requires grad only if `example` does; the others' always do.
 pub(crate) fn profile_chain(
     layers: &[SharedLayer],
     example: &Tensor,
     params: &[Tensor],
     loss: &dyn Fn(&Tensor) -> Tensor,
+    options: Checkpoint,
 ) -> Result<ChainProfile> {
     let run = || -> Result<ChainProfile> {
         let mut elements = Vec::with_capacity(layers.len() + 1);
         let mut x = example.detach();
+        let mut input_requires_grad = example.requires_grad();
         for layer in layers {
             let forward = |t: &Tensor| layer.forward(t);
-            let (p, y) = profile_element(&forward, &x, params)?;
+            let (p, y) = profile_element(&forward, &x, input_requires_grad, params)?;
             elements.push(p);
             x = y;
+            input_requires_grad = true;
         }
-        let (head, _) = profile_element(loss, &x, params)?;
+        let (head, _) = profile_element(loss, &x, input_requires_grad, params)?;
         elements.push(head);
-        Ok(ChainProfile { elements })
+        let checkpoint_overhead_bytes = checkpoint_overhead(&x, options)?;
+        Ok(ChainProfile {
+            elements,
+            checkpoint_overhead_bytes,
+        })
     };
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
         Err(CheckpointError::Torch(format!(

@@ -75,8 +75,10 @@ impl CheckpointedSequential {
     }
 
     /// Whether checkpoints restore the RNG state for their recompute (default `true`).
+    /// Changing it drops the profile, which measured the other setting.
     pub fn preserve_rng(mut self, preserve: bool) -> Self {
         self.checkpoint = self.checkpoint.preserve_rng(preserve);
+        self.profile = None;
         self
     }
 
@@ -116,7 +118,7 @@ impl CheckpointedSequential {
         params: &[Tensor],
         loss: impl Fn(&Tensor) -> Tensor,
     ) -> Result<&ChainProfile> {
-        let profile = profile_chain(&self.layers, example, params, &loss)?;
+        let profile = profile_chain(&self.layers, example, params, &loss, self.checkpoint)?;
         Ok(self.profile.insert(profile))
     }
 

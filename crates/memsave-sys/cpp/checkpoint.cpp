@@ -184,8 +184,11 @@ class CheckpointBackward final : public Node {
 
   std::string name() const override { return "MemsaveCheckpointBackward"; }
 
+  // Called by the engine once this node has run (unless the graph is kept): frees the
+  // saved inputs and the stashed RNG state, though the node itself lives on with the graph.
   void release_variables() override {
     inputs_.clear();
+    state_.rng.clear();
     released_ = true;
   }
 
