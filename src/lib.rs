@@ -3,6 +3,11 @@
 //!
 //! This facade re-exports the individual crates:
 //! - [`meter`]: `memory_allocated`, peaks, scopes with marks, summaries, leak detection.
+//! - [`checkpoint`]: `checkpoint`, and `CheckpointedSequential` with plans up to an
+//!   optimal schedule for a byte budget.
+//! - [`amp`]: autocast scopes and a `GradScaler` with PyTorch's semantics.
+//! - [`accum`]: gradient accumulation with exact micro-batch weighting, and a search for
+//!   the largest micro-batch that fits a budget.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
 //!   the custom autograd node behind checkpointing).
 //!
@@ -16,5 +21,8 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub use memsave_accum as accum;
+pub use memsave_amp as amp;
+pub use memsave_checkpoint as checkpoint;
 pub use memsave_meter as meter;
 pub use memsave_sys as sys;

@@ -1,0 +1,180 @@
+//! Searching the largest micro-batch whose forward and backward fit a byte budget.
+use crate::error::{AccumError, BoxError, Result};
+use crate::grads::free_grads;
+use crate::limit::LimitGuard;
+use memsave_meter::{measure, memory_allocated, Bytes};
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+use tch::{Device, Tensor};
+
+/// One micro-batch size the search tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trial {
+    /// Samples in the micro-batch.
+    pub micro_batch: i64,
+    /// Whether its forward and backward ran within the budget.
+    pub fits: bool,
+    /// Highest allocation above the search's start: the step's peak when it fits,
+    /// the allocation reached before the refused one when it does not.
+    pub peak_bytes: u64,
+}
+
+/// What [`fit_micro_batch`] found and tried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FitReport {
+    /// The largest micro-batch size that fits (at most the bound searched).
+    pub micro_batch: i64,
+    /// The budget, in bytes above the allocation when the search started.
+    pub budget_bytes: u64,
+    /// Every trial, in the order run.
+    pub trials: Vec<Trial>,
+}
+
+impl fmt::Display for FitReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "largest micro-batch within {}: {}",
+            Bytes(self.budget_bytes),
+            self.micro_batch
+        )?;
+        for t in &self.trials {
+            write!(
+                f,
+                "\n  {:>8} samples  {:<8} peak {}",
+                t.micro_batch,
+                if t.fits { "fits" } else { "too big" },
+                Bytes(t.peak_bytes)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Finds the largest micro-batch, up to `max_micro_batch` samples, whose forward and
+/// backward stay within `budget_bytes` above the CPU memory allocated when the search
+/// starts (after the gradients of `params` are freed).
+///
+/// `micro_loss(n)` runs the forward of a micro-batch of `n` samples and returns its
+/// loss; the search runs backward on it. Each trial runs under the meter's simulated
+/// CPU memory limit ([`memsave_meter::set_memory_limit`]): an allocation past the
+/// budget fails with an out-of-memory error, which counts as "does not fit". The
+/// limit in force before (normally none) is restored when the search ends, also on an
+/// error or a panic. The search doubles the size from 1 until a trial fails or the
+/// bound is reached, then bisects; it assumes memory grows with the micro-batch.
+///
+/// Traps: the gradients of `params` are freed before and after every trial, so each
+/// trial counts the gradient buffers; the optimizer step is not run (it would change
+/// the parameters), so leave room for optimizer state such as Adam's moments, or
+/// create it with one real step before searching. Use tch's `f_` functions in the
+/// closure: a panicking shortcut that hits the limit is caught and counts as "does not
+/// fit", but its panic message is still printed. The model must live on the CPU.
+pub fn fit_micro_batch<F, E>(
+    budget_bytes: u64,
+    max_micro_batch: i64,
+    params: &[Tensor],
+    mut micro_loss: F,
+) -> Result<FitReport>
+where
+    F: FnMut(i64) -> Result<Tensor, E>,
+    E: Into<BoxError>,
+{
+    if max_micro_batch < 1 {
+        return Err(AccumError::ZeroMicroBatchSize(max_micro_batch));
+    }
+    if let Some(p) = params.iter().find(|p| p.device() != Device::Cpu) {
+        return Err(AccumError::Meter(memsave_meter::MeterError::Device {
+            device: p.device(),
+            reason:
+                "the byte budget is simulated on the CPU only; search with a CPU copy of the model"
+                    .into(),
+        }));
+    }
+    free_grads(params)?;
+    let start = memory_allocated(Device::Cpu);
+    let _limit = LimitGuard::set(start.saturating_add(budget_bytes))?;
+    let mut trials = Vec::new();
+    let mut run = |n: i64, trials: &mut Vec<Trial>| -> Result<(bool, Option<String>)> {
+        let (outcome, m) = measure(Device::Cpu, |_| {
+            panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), BoxError> {
+                let loss = micro_loss(n).map_err(Into::into)?;
+                loss.f_backward()?;
+                Ok(())
+            }))
+        });
+        free_grads(params)?;
+        let failure = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) if is_out_of_memory(&*e) => Some(e.to_string()),
+            Ok(Err(source)) => {
+                return Err(AccumError::Trial {
+                    micro_batch: n,
+                    source,
+                })
+            }
+            Err(payload) => match panic_message(&payload) {
+                Some(msg) if msg.contains("out of memory") => Some(msg.to_owned()),
+                _ => panic::resume_unwind(payload),
+            },
+        };
+        let fits = failure.is_none();
+        trials.push(Trial {
+            micro_batch: n,
+            fits,
+            peak_bytes: (m.start_bytes + m.peak_bytes).saturating_sub(start),
+        });
+        Ok((fits, failure))
+    };
+
+    if let (false, reason) = run(1, &mut trials)? {
+        return Err(AccumError::BudgetTooSmall {
+            budget_bytes,
+            reason: reason.unwrap_or_default(),
+        });
+    }
+    let mut fits = 1i64;
+    let mut too_big: Option<i64> = None;
+    let mut next = 2i64;
+    while too_big.is_none() && fits < max_micro_batch {
+        let n = next.min(max_micro_batch);
+        if run(n, &mut trials)?.0 {
+            fits = n;
+        } else {
+            too_big = Some(n);
+        }
+        next = n.saturating_mul(2);
+    }
+    if let Some(mut hi) = too_big {
+        while hi - fits > 1 {
+            let mid = fits + (hi - fits) / 2;
+            if run(mid, &mut trials)?.0 {
+                fits = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    Ok(FitReport {
+        micro_batch: fits,
+        budget_bytes,
+        trials,
+    })
+}
+
+fn is_out_of_memory(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(e);
+    while let Some(err) = current {
+        if err.to_string().contains("out of memory") {
+            return true;
+        }
+        current = err.source();
+    }
+    false
+}
+
+fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> Option<&str> {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+}

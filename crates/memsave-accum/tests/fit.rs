@@ -1,0 +1,157 @@
+//! The micro-batch search under a simulated CPU budget, checked against a linear scan
+//! of measured peaks. Serial: the meter's counter and limit are process-wide.
+use memsave_accum::{fit_micro_batch, AccumError};
+use memsave_meter::{measure, memory_limit};
+use serial_test::serial;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+const CPU: Device = Device::Cpu;
+const MAX: i64 = 24;
+
+struct Seed {
+    vs: nn::VarStore,
+    layers: Vec<nn::Linear>,
+    data: Tensor,
+}
+
+impl Seed {
+    fn new() -> Self {
+        let vs = nn::VarStore::new(CPU);
+        let h = 16;
+        let layers = (0..3)
+            .map(|i| nn::linear(vs.root() / i, h, h, Default::default()))
+            .collect();
+        let data = Tensor::randn([MAX, 4, h], (Kind::Float, CPU));
+        Self { vs, layers, data }
+    }
+
+    /// The forward with tch's fallible functions, so the simulated limit surfaces as Err.
+    fn loss(&self, n: i64) -> Result<Tensor, tch::TchError> {
+        let mut y = self.data.f_narrow(0, 0, n)?;
+        for layer in &self.layers {
+            y = y.f_add(&y.f_linear(&layer.ws, layer.bs.as_ref())?)?;
+        }
+        y.f_mean(Kind::Float)
+    }
+
+    /// The forward with tch's panicking shortcuts.
+    fn loss_panicking(&self, n: i64) -> Tensor {
+        let mut y = self.data.narrow(0, 0, n);
+        for layer in &self.layers {
+            y = &y + layer.forward(&y);
+        }
+        y.mean(Kind::Float)
+    }
+
+    /// The oracle: the peak of forward + backward for `n` samples, measured without a
+    /// limit, gradients freed before and after.
+    fn peak(&self, n: i64) -> u64 {
+        let params = self.vs.trainable_variables();
+        memsave_accum::free_grads(&params).unwrap();
+        let (_, m) = measure(CPU, |_| self.loss(n).unwrap().backward());
+        memsave_accum::free_grads(&params).unwrap();
+        m.peak_bytes
+    }
+}
+
+#[test]
+#[serial]
+fn finds_the_largest_micro_batch_a_linear_scan_finds() {
+    let seed = Seed::new();
+    let peaks: Vec<u64> = (1..=MAX).map(|n| seed.peak(n)).collect();
+    assert!(peaks.windows(2).all(|w| w[0] < w[1]), "{peaks:?}");
+    for expected in [1i64, 5, 6, 13, MAX] {
+        // A budget between the peaks of `expected` and `expected + 1` samples.
+        let budget = match peaks.get(expected as usize) {
+            Some(next) => (peaks[expected as usize - 1] + next) / 2,
+            None => peaks[MAX as usize - 1] + 1_000_000,
+        };
+        let params = seed.vs.trainable_variables();
+        let report = fit_micro_batch(budget, MAX, &params, |n| seed.loss(n)).unwrap();
+        assert_eq!(report.micro_batch, expected, "{report}");
+        assert_eq!(memory_limit(CPU), None, "the limit is removed");
+        assert!(params.iter().all(|p| !p.grad().defined()));
+        let fits = |n: i64| {
+            report
+                .trials
+                .iter()
+                .find(|t| t.micro_batch == n)
+                .map(|t| t.fits)
+        };
+        assert_eq!(fits(expected), Some(true), "{report}");
+        if expected < MAX {
+            assert_eq!(fits(expected + 1), Some(false), "{report}");
+        }
+        for t in report.trials.iter().filter(|t| t.fits) {
+            assert_eq!(t.peak_bytes, peaks[t.micro_batch as usize - 1], "{report}");
+        }
+        // Doubling, then bisecting: a logarithmic number of trials.
+        assert!(report.trials.len() <= 2 * 5 + 1, "{report}");
+    }
+}
+
+#[test]
+#[serial]
+fn panicking_forwards_that_hit_the_limit_count_as_too_big() {
+    let seed = Seed::new();
+    let budget = (seed.peak(7) + seed.peak(8)) / 2;
+    let params = seed.vs.trainable_variables();
+    let report = fit_micro_batch(budget, MAX, &params, |n| {
+        Ok::<_, tch::TchError>(seed.loss_panicking(n))
+    })
+    .unwrap();
+    assert_eq!(report.micro_batch, 7, "{report}");
+    assert_eq!(memory_limit(CPU), None);
+}
+
+#[test]
+#[serial]
+fn errors_and_panics_remove_the_limit_too() {
+    let seed = Seed::new();
+    let params = seed.vs.trainable_variables();
+
+    let err = fit_micro_batch(16, MAX, &params, |n| seed.loss(n)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            AccumError::BudgetTooSmall {
+                budget_bytes: 16,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("even a micro-batch of 1 sample"),
+        "{err}"
+    );
+    assert_eq!(memory_limit(CPU), None);
+
+    let err = fit_micro_batch(1 << 30, 0, &params, |n| seed.loss(n)).unwrap_err();
+    assert!(matches!(err, AccumError::ZeroMicroBatchSize(0)), "{err}");
+
+    let err = fit_micro_batch(1 << 30, MAX, &params, |n| {
+        if n > 3 {
+            return Err(anyhow::anyhow!("corrupt sample"));
+        }
+        Ok(seed.loss(n)?)
+    })
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "trial with a micro-batch of 4 samples failed: corrupt sample"
+    );
+    assert_eq!(memory_limit(CPU), None);
+
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        fit_micro_batch(
+            1 << 30,
+            MAX,
+            &params,
+            |_| -> Result<Tensor, tch::TchError> { panic!("bug in the forward") },
+        )
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(memory_limit(CPU), None);
+}
