@@ -1,0 +1,92 @@
+//! Criterion benches of memsave's overheads: a meter query, checkpointing a small
+//! function against running it plainly, and one GradScaler step.
+//!
+//!   cargo bench --bench overhead
+use criterion::{criterion_group, criterion_main, Criterion};
+use memsave::amp::GradScaler;
+use memsave::checkpoint::{checkpoint1, Checkpoint};
+use memsave::meter::{memory_allocated, measure};
+use std::hint::black_box;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+fn meter(c: &mut Criterion) {
+    memory_allocated(CPU);
+    c.bench_function("meter/memory_allocated", |b| {
+        b.iter(|| black_box(memory_allocated(CPU)))
+    });
+    c.bench_function("meter/measure_empty_scope", |b| {
+        b.iter(|| black_box(measure(CPU, |_| ())))
+    });
+}
+
+fn checkpoint_overhead(c: &mut Criterion) {
+    let mut group = c.benchmark_group("checkpoint");
+    let vs = nn::VarStore::new(CPU);
+    let lin = nn::linear(vs.root(), 64, 64, Default::default());
+    let x = Tensor::rand([32, 64], (Kind::Float, CPU)).set_requires_grad(true);
+    group.bench_function("plain_forward_backward", |b| {
+        b.iter(|| {
+            let y = &x + lin.forward(&x);
+            y.sum(Kind::Float).backward();
+        })
+    });
+    for (name, options) in [
+        ("checkpointed_forward_backward", Checkpoint::new()),
+        (
+            "checkpointed_forward_backward_no_rng",
+            Checkpoint::new().preserve_rng(false),
+        ),
+    ] {
+        let lin = nn::linear(vs.root() / name, 64, 64, Default::default());
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let l = lin.shallow_clone_module();
+                let y = options
+                    .run(&[&x], move |xs| vec![&xs[0] + l.forward(&xs[0])])
+                    .unwrap();
+                y[0].sum(Kind::Float).backward();
+            })
+        });
+    }
+    group.bench_function("checkpoint1_forward_only", |b| {
+        b.iter(|| black_box(checkpoint1(&x, |x| x.relu()).unwrap()))
+    });
+    group.finish();
+}
+
+fn grad_scaler(c: &mut Criterion) {
+    let vs = nn::VarStore::new(CPU);
+    let lin = nn::linear(vs.root(), 256, 256, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+    let mut scaler = GradScaler::default();
+    let x = Tensor::rand([8, 256], (Kind::Float, CPU));
+    c.bench_function("grad_scaler/scale_backward_step_update", |b| {
+        b.iter(|| {
+            opt.zero_grad();
+            let loss = lin.forward(&x).square().mean(Kind::Float);
+            scaler.f_scale(&loss).unwrap().backward();
+            black_box(scaler.f_step(&mut opt).unwrap());
+            scaler.f_update().unwrap();
+        })
+    });
+}
+
+/// A module handle that shares the parameters (tch modules are not Clone).
+trait ShallowClone {
+    fn shallow_clone_module(&self) -> Self;
+}
+
+impl ShallowClone for nn::Linear {
+    fn shallow_clone_module(&self) -> Self {
+        nn::Linear {
+            ws: self.ws.shallow_clone(),
+            bs: self.bs.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+criterion_group!(benches, meter, checkpoint_overhead, grad_scaler);
+criterion_main!(benches);
