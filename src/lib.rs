@@ -5,6 +5,8 @@
 //! - [`meter`]: `memory_allocated`, peaks, scopes with marks, summaries, leak detection.
 //! - [`checkpoint`]: `checkpoint`, and `CheckpointedSequential` with plans up to an
 //!   optimal schedule for a byte budget.
+//! - [`inplace`]: in-place operations exactly where nobody else holds the tensor
+//!   (copy-on-write in the style of `Rc::make_mut`), and version checks.
 //! - [`amp`]: autocast scopes and a `GradScaler` with PyTorch's semantics.
 //! - [`accum`]: gradient accumulation with exact micro-batch weighting, and a search for
 //!   the largest micro-batch that fits a budget.
@@ -24,5 +26,6 @@
 pub use memsave_accum as accum;
 pub use memsave_amp as amp;
 pub use memsave_checkpoint as checkpoint;
+pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
 pub use memsave_sys as sys;

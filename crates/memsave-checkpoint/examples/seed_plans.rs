@@ -120,5 +120,36 @@ fn main() -> Result<()> {
     }
     seq.set_schedule(min_schedule)?;
     run(&mut seq, "least memory".to_owned())?;
+
+    // For every segment count PyTorch's checkpoint_sequential offers: the budget plan
+    // given that plan's measured peak as its budget.
+    println!("\nsegments(k) against budget(peak of segments(k)):");
+    println!(
+        "{:<14} {:>12} {:>9}   {:>12} {:>9}  budget schedule",
+        "k", "seg peak", "seg time", "budget peak", "time"
+    );
+    for k in 2..=args.layers {
+        let mut measure_plan = |plan: Plan| -> Result<(u64, f64)> {
+            seq.set_plan(plan)?;
+            step(&seq, &x, &params)?;
+            let mut best = (u64::MAX, f64::INFINITY);
+            for _ in 0..args.repeats {
+                let (peak, t) = step(&seq, &x, &params)?;
+                best = (best.0.min(peak), best.1.min(t));
+            }
+            Ok(best)
+        };
+        let (seg_peak, seg_time) = measure_plan(Plan::Segments(k))?;
+        let (b_peak, b_time) = measure_plan(Plan::Budget(seg_peak))?;
+        println!(
+            "{:<14} {:>12} {:>8.3}s   {:>12} {:>8.3}s  {}",
+            format!("segments({k})"),
+            Bytes(seg_peak).to_string(),
+            seg_time,
+            Bytes(b_peak).to_string(),
+            b_time,
+            seq.schedule()
+        );
+    }
     Ok(())
 }

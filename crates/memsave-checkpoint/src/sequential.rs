@@ -58,6 +58,7 @@ impl CheckpointedSequential {
 
     /// Appends a module. The plan falls back to [`Plan::None`] (a changed chain needs a
     /// new plan, and a new profile for [`Plan::Budget`]).
+    #[allow(clippy::should_implement_trait)] // tch's `nn::Sequential::add`, which users know
     pub fn add<M: Module + 'static>(mut self, module: M) -> Self {
         self.layers.push(SharedLayer::new(Box::new(module)));
         self.plan = Plan::None;

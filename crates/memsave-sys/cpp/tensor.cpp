@@ -32,6 +32,12 @@ int ms_tensor_is_view(const at::Tensor* t, bool* out) {
   MS_TRY({ *out = t->is_view(); })
 }
 
+// Use count of the base of a view (-1 when `t` is not a view): 1 means only the view
+// itself holds its base.
+int ms_tensor_base_use_count(const at::Tensor* t, int64_t* out) {
+  MS_TRY({ *out = t->is_view() ? static_cast<int64_t>(t->_base().use_count()) : -1; })
+}
+
 int ms_tensor_set_grad_none(at::Tensor* t) {
   MS_TRY({
     TORCH_CHECK(t->defined(), "the tensor is undefined");

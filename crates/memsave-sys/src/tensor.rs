@@ -37,6 +37,15 @@ pub fn is_view(t: &Tensor) -> Result<bool> {
     Ok(out)
 }
 
+/// For a view, the number of handles to its base `TensorImpl` (1: only the view holds
+/// it); `None` when the tensor is not a view.
+pub fn base_use_count(t: &Tensor) -> Result<Option<u64>> {
+    let mut out = 0i64;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_base_use_count(t.as_ptr(), &mut out) })?;
+    Ok((out >= 0).then_some(out as u64))
+}
+
 /// Drops the tensor's gradient (PyTorch's `p.grad = None`), freeing its memory, where
 /// tch's `zero_grad` only fills it with zeros.
 pub fn set_grad_none(t: &Tensor) -> Result<()> {
