@@ -1,11 +1,12 @@
 //! Criterion benches of memsave's overheads: a meter query, checkpointing a small
-//! function against running it plainly, and one GradScaler step.
+//! function against running it plainly, the in-place exclusivity check against the copy
+//! it avoids, and one GradScaler step.
 //!
 //!   cargo bench --bench overhead
 use criterion::{criterion_group, criterion_main, Criterion};
 use memsave::amp::GradScaler;
 use memsave::checkpoint::{checkpoint1, Checkpoint};
-use memsave::meter::{memory_allocated, measure};
+use memsave::meter::{measure, memory_allocated};
 use std::hint::black_box;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -57,6 +58,31 @@ fn checkpoint_overhead(c: &mut Criterion) {
     group.finish();
 }
 
+fn inplace_check(c: &mut Criterion) {
+    let mut group = c.benchmark_group("inplace");
+    let x = Tensor::rand([1024, 1024], (Kind::Float, CPU));
+    group.bench_function("is_exclusive", |b| {
+        b.iter(|| black_box(memsave::inplace::is_exclusive(&x).unwrap()))
+    });
+    group.bench_function("copy_4MiB_avoided", |b| b.iter(|| black_box(x.copy())));
+    let fx = Tensor::rand([1024, 1024], (Kind::Float, CPU));
+    group.bench_function("residual_add_in_place", |b| {
+        b.iter_batched(
+            || x.copy(),
+            |t| black_box(memsave::inplace::residual_add(t, &fx)),
+            criterion::BatchSize::LargeInput,
+        )
+    });
+    group.bench_function("residual_add_out_of_place", |b| {
+        b.iter_batched(
+            || x.copy(),
+            |t| black_box(&t + &fx),
+            criterion::BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+}
+
 fn grad_scaler(c: &mut Criterion) {
     let vs = nn::VarStore::new(CPU);
     let lin = nn::linear(vs.root(), 256, 256, Default::default());
@@ -88,5 +114,5 @@ impl ShallowClone for nn::Linear {
     }
 }
 
-criterion_group!(benches, meter, checkpoint_overhead, grad_scaler);
+criterion_group!(benches, meter, checkpoint_overhead, inplace_check, grad_scaler);
 criterion_main!(benches);
