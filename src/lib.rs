@@ -23,6 +23,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
+/// The README's snippets, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub use memsave_accum as accum;
 pub use memsave_amp as amp;
 pub use memsave_checkpoint as checkpoint;
