@@ -114,5 +114,11 @@ impl ShallowClone for nn::Linear {
     }
 }
 
-criterion_group!(benches, meter, checkpoint_overhead, inplace_check, grad_scaler);
+criterion_group!(
+    benches,
+    meter,
+    checkpoint_overhead,
+    inplace_check,
+    grad_scaler
+);
 criterion_main!(benches);

@@ -70,7 +70,12 @@ fn main() -> Result<()> {
         let sqrt = ((depth as f64).sqrt().round() as usize).max(1);
         let mut cells = Vec::new();
         let mut base_time = None;
-        for plan in [Some(Plan::None), Some(Plan::Segments(sqrt)), Some(Plan::Nested), None] {
+        for plan in [
+            Some(Plan::None),
+            Some(Plan::Segments(sqrt)),
+            Some(Plan::Nested),
+            None,
+        ] {
             match plan {
                 Some(p) => seq.set_plan(p)?,
                 None => seq.set_schedule(least.clone())?,

@@ -18,9 +18,9 @@ pub enum Plan {
     /// cost of about `log2(len)` extra forwards per layer.
     Nested,
     /// The schedule with the least recomputation whose predicted peak (above the step's
-    /// start) fits this many bytes, less 1% kept free for small allocations the model
-    /// leaves out; solved by dynamic programming over a measured profile of each layer
-    /// (in the spirit of Rotor, Beaumont et al. 2019).
+    /// start) fits this many bytes, solved by dynamic programming over a measured
+    /// profile of each layer (in the spirit of Rotor, Beaumont et al. 2019). The model
+    /// assumes the caller holds the model's output until backward is over.
     Budget(u64),
 }
 

@@ -195,3 +195,28 @@ fn without_grad_mode_the_function_just_runs() {
     assert!(!y.requires_grad());
     assert_eq!(y, x.detach().exp());
 }
+
+#[test]
+#[serial]
+fn the_recompute_replays_autocast_and_clears_its_cast_cache() {
+    use memsave_sys::autocast;
+    let w = param(&[16, 16]);
+    let x = Tensor::rand([4, 16], (Kind::Float, CPU));
+    let start = memory_allocated(CPU);
+    autocast::set_dtype(CPU, Kind::BFloat16).unwrap();
+    autocast::set_enabled(CPU, true).unwrap();
+    autocast::increment_nesting();
+    let w2 = w.shallow_clone();
+    let y = checkpoint1(&x, move |x| x.matmul(&w2)).unwrap();
+    if autocast::decrement_nesting() == 0 {
+        autocast::clear_cache().unwrap();
+    }
+    autocast::set_enabled(CPU, false).unwrap();
+    assert_eq!(y.kind(), Kind::BFloat16);
+    y.to_kind(Kind::Float).sum(Kind::Float).backward();
+    drop(y);
+    // The recompute ran under bf16 autocast too (the gradient flows through a bf16
+    // matmul), and left no cached bf16 copy of `w` behind: only w's f32 gradient remains.
+    assert_eq!(w.grad().kind(), Kind::Float);
+    assert_eq!(memory_allocated(CPU), start + 16 * 16 * 4);
+}

@@ -119,10 +119,14 @@ class ReplayGuard {
     at::autocast::set_autocast_dtype(c10::DeviceType::CPU, fwd.autocast_cpu_dtype);
     at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, fwd.autocast_cuda);
     at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, fwd.autocast_cuda_dtype);
+    // An autocast scope of its own, as torch.autocast's __enter__: when it is the
+    // outermost one, leaving it clears the cache of casted weights.
+    at::autocast::increment_nesting();
   }
   ReplayGuard(const ReplayGuard&) = delete;
   ReplayGuard& operator=(const ReplayGuard&) = delete;
   ~ReplayGuard() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
     for (auto& entry : rng_before_) ForwardState::set_state(entry.first, entry.second);
     at::autocast::set_autocast_enabled(c10::DeviceType::CPU, saved_.autocast_cpu);
     at::autocast::set_autocast_dtype(c10::DeviceType::CPU, saved_.autocast_cpu_dtype);

@@ -1,0 +1,237 @@
+//! The suite's networks, built as a `CheckpointedSequential` of per-layer closures so
+//! that checkpoint strategies only set a plan.
+//!
+//! Every block reads a shared [`LayerContext`]: the residual update in force (the
+//! strategy's) and, while a measured forward runs, a recorder of the bytes allocated
+//! before and after each block (the seed's `mem_before`/`mem_after`). The recorder is
+//! off during checkpoint recomputation in backward, so the trace is the real forward.
+use crate::report::TraceEntry;
+use crate::strategies::ResidualUpdate;
+use crate::suite::{ModelKind, ModelSpec};
+use memsave_checkpoint::CheckpointedSequential;
+use memsave_meter::f_memory_allocated;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+/// State the blocks of a model share with the runner.
+#[derive(Debug)]
+pub struct LayerContext {
+    device: Device,
+    residual: AtomicU8,
+    recording: AtomicBool,
+    trace: Mutex<Vec<TraceEntry>>,
+}
+
+impl LayerContext {
+    fn new(device: Device) -> Self {
+        Self {
+            device,
+            residual: AtomicU8::new(0),
+            recording: AtomicBool::new(false),
+            trace: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Sets the residual update every block uses from now on.
+    pub fn set_residual(&self, update: ResidualUpdate) {
+        let code = match update {
+            ResidualUpdate::Add => 0,
+            ResidualUpdate::InplaceAdd => 1,
+            ResidualUpdate::AddOut => 2,
+            ResidualUpdate::Safe => 3,
+        };
+        self.residual.store(code, Ordering::Relaxed);
+    }
+
+    fn residual_update(&self) -> ResidualUpdate {
+        match self.residual.load(Ordering::Relaxed) {
+            1 => ResidualUpdate::InplaceAdd,
+            2 => ResidualUpdate::AddOut,
+            3 => ResidualUpdate::Safe,
+            _ => ResidualUpdate::Add,
+        }
+    }
+
+    /// Starts recording a fresh per-block trace.
+    pub fn start_trace(&self) {
+        self.lock_trace().clear();
+        self.recording.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops recording and returns the trace.
+    pub fn stop_trace(&self) -> Vec<TraceEntry> {
+        self.recording.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *self.lock_trace())
+    }
+
+    fn lock_trace(&self) -> std::sync::MutexGuard<'_, Vec<TraceEntry>> {
+        self.trace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn allocated(&self) -> u64 {
+        f_memory_allocated(self.device).unwrap_or(0)
+    }
+
+    /// Runs block `index` on `x`, recording memory around it when a trace is on.
+    fn block(&self, index: usize, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
+        if !self.recording.load(Ordering::Relaxed) {
+            return f(x);
+        }
+        let before = self.allocated();
+        let y = f(x);
+        let after = self.allocated();
+        self.lock_trace().push(TraceEntry {
+            mark: format!("layer {index}"),
+            before,
+            after,
+        });
+        y
+    }
+
+    /// `x` plus the branch `fx`, by the update in force. Failures panic with
+    /// libtorch's message: a layer closure has no error channel, and
+    /// `CheckpointedSequential::f_forward` turns the panic into an `Err`.
+    fn residual(&self, x: &Tensor, fx: &Tensor) -> Tensor {
+        let result = match self.residual_update() {
+            ResidualUpdate::Add => x.f_add(fx).map_err(|e| e.to_string()),
+            ResidualUpdate::InplaceAdd => {
+                let mut y = x.shallow_clone();
+                y.f_add_(fx).map_err(|e| e.to_string())
+            }
+            ResidualUpdate::AddOut => x.f_add_out(x, fx).map_err(|e| e.to_string()),
+            ResidualUpdate::Safe => safe_residual(x, fx),
+        };
+        result.unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+fn safe_residual(x: &Tensor, fx: &Tensor) -> Result<Tensor, String> {
+    memsave_inplace::f_residual_add(x.shallow_clone(), fx).map_err(|e| e.to_string())
+}
+
+/// A built model: parameters, the layer chain and the context its blocks read.
+pub struct Model {
+    /// The parameters.
+    pub vs: nn::VarStore,
+    /// The blocks, run under a checkpoint plan.
+    pub seq: CheckpointedSequential,
+    /// Shared with the blocks.
+    pub ctx: Arc<LayerContext>,
+}
+
+impl Model {
+    /// Builds `spec` on `device` (parameters from libtorch's current RNG state).
+    pub fn build(spec: &ModelSpec, device: Device) -> Model {
+        let vs = nn::VarStore::new(device);
+        let ctx = Arc::new(LayerContext::new(device));
+        let mut seq = CheckpointedSequential::new();
+        let h = spec.hidden;
+        for i in 0..spec.layers {
+            let p = vs.root() / i;
+            let ctx = Arc::clone(&ctx);
+            seq = match spec.kind {
+                ModelKind::ResidualLinear => {
+                    let lin = linear(&p / "lin", h, h);
+                    seq.add_fn(move |x| ctx.block(i, x, |x| ctx.residual(x, &lin.forward(x))))
+                }
+                ModelKind::ResidualMlp => {
+                    let e = spec.expansion;
+                    let up = linear(&p / "up", h, e * h);
+                    let down = linear(&p / "down", e * h, h);
+                    seq.add_fn(move |x| {
+                        ctx.block(i, x, |x| {
+                            ctx.residual(x, &down.forward(&up.forward(x).gelu("none")))
+                        })
+                    })
+                }
+                ModelKind::Transformer => {
+                    let block = PreLnBlock::new(&p, h, spec.heads.unwrap_or(1));
+                    seq.add_fn(move |x| ctx.block(i, x, |x| block.forward(x, &ctx)))
+                }
+            };
+        }
+        Model { vs, seq, ctx }
+    }
+
+    /// The trainable parameters, in creation order.
+    pub fn params(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+}
+
+/// A linear layer initialized as PyTorch's `nn.Linear`: weight and bias uniform in
+/// `±1/sqrt(in)` (tch's default Kaiming init is sqrt(6) times wider, which makes deep
+/// residual stacks and their gradients blow up, and gradient errors incomparable).
+fn linear(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
+    let bound = 1.0 / (inputs as f64).sqrt();
+    let init = nn::Init::Uniform {
+        lo: -bound,
+        up: bound,
+    };
+    let config = nn::LinearConfig {
+        ws_init: init,
+        bs_init: Some(init),
+        bias: true,
+    };
+    nn::linear(p, inputs, outputs, config)
+}
+
+/// A pre-LN transformer block: causal self-attention, then a 4x GELU MLP, each added
+/// to the residual stream (PyTorch's `scaled_dot_product_attention`).
+struct PreLnBlock {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    up: nn::Linear,
+    down: nn::Linear,
+    heads: i64,
+}
+
+impl PreLnBlock {
+    fn new(p: &nn::Path, h: i64, heads: i64) -> Self {
+        let lin = |name: &str, i, o| linear(p / name, i, o);
+        Self {
+            ln1: nn::layer_norm(p / "ln1", vec![h], Default::default()),
+            qkv: lin("qkv", h, 3 * h),
+            proj: lin("proj", h, h),
+            ln2: nn::layer_norm(p / "ln2", vec![h], Default::default()),
+            up: lin("up", h, 4 * h),
+            down: lin("down", 4 * h, h),
+            heads,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &LayerContext) -> Tensor {
+        let (b, s, h) = x.size3().unwrap_or_else(|e| panic!("{e}"));
+        let qkv = self.qkv.forward(&self.ln1.forward(x)).chunk(3, -1);
+        let split = |t: &Tensor| t.view([b, s, self.heads, h / self.heads]).transpose(1, 2);
+        let a = Tensor::scaled_dot_product_attention(
+            &split(&qkv[0]),
+            &split(&qkv[1]),
+            &split(&qkv[2]),
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        let x = ctx.residual(x, &self.proj.forward(&a.transpose(1, 2).reshape([b, s, h])));
+        let mlp = self
+            .down
+            .forward(&self.up.forward(&self.ln2.forward(&x)).gelu("none"));
+        ctx.residual(&x, &mlp)
+    }
+}
+
+/// The loss of every strategy: the mean of the squared output, in f32.
+pub fn loss(output: &Tensor) -> Result<Tensor, tch::TchError> {
+    let output = if output.kind() == Kind::Float {
+        output.shallow_clone()
+    } else {
+        output.f_to_kind(Kind::Float)?
+    };
+    output.f_square()?.f_mean(Kind::Float)
+}

@@ -1,0 +1,424 @@
+//! Running a suite: every selected model under every strategy, each case isolated
+//! (errors and panics are recorded and the suite goes on), with the suite's threads
+//! and simulated memory limit in force only while it runs.
+use crate::models::Model;
+use crate::report::{CaseResult, Report, Status, StepTime};
+use crate::step::{f_grads, f_step, max_abs_diff};
+use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
+use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
+use memsave_checkpoint::Plan;
+use regex::Regex;
+use std::cell::Cell;
+use std::panic::{self, AssertUnwindSafe};
+use tch::{Device, Kind, Tensor};
+
+/// The libtorch version memsave is built against.
+pub const LIBTORCH_VERSION: &str = "2.13.0";
+
+/// Overrides of the suite's settings, and which cases to run.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Only cases whose `model/strategy` matches. A model with `enabled: false` runs
+    /// only when the filter names it (its text contains the model's name), so that
+    /// `--filter seed-full` opts in and `--filter baseline` does not.
+    pub filter: Option<Regex>,
+    /// Measured repeats per case instead of the suite's.
+    pub repeats: Option<usize>,
+    /// Warm-up steps instead of the suite's.
+    pub warmup: Option<usize>,
+    /// libtorch threads instead of the suite's.
+    pub threads: Option<usize>,
+    /// Simulated memory limit in bytes instead of the suite's.
+    pub memory_limit: Option<u64>,
+}
+
+/// Follows a run, e.g. to show progress. Every method has an empty default.
+pub trait Observer {
+    /// The run is about to start `total` cases.
+    fn started(&mut self, _total: usize) {}
+    /// A case begins.
+    fn case_started(&mut self, _model: &str, _strategy: &str) {}
+    /// A case ended (in any status).
+    fn case_finished(&mut self, _case: &CaseResult) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Silent;
+
+impl Observer for Silent {}
+
+/// A run that could not start or finish as a whole (single cases never fail a run).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The suite's device is not available here.
+    #[error("device {0}: not available on this machine")]
+    DeviceUnavailable(String),
+    /// The memory limit cannot be applied.
+    #[error("cannot apply the memory limit: {0}")]
+    MemoryLimit(String),
+}
+
+/// The models and strategies a run will measure, in suite order.
+pub fn selected_cases<'s>(
+    suite: &'s Suite,
+    options: &RunOptions,
+) -> Vec<(&'s ModelSpec, Vec<&'s StrategySpec>)> {
+    suite
+        .models
+        .iter()
+        .filter(|m| {
+            m.enabled
+                || options
+                    .filter
+                    .as_ref()
+                    .is_some_and(|re| re.as_str().contains(&m.name))
+        })
+        .map(|m| {
+            let strategies = suite
+                .strategies
+                .iter()
+                .filter(|s| match &options.filter {
+                    Some(re) => re.is_match(&format!("{}/{}", m.name, s.name)),
+                    None => true,
+                })
+                .collect();
+            (m, strategies)
+        })
+        .filter(|(_, s): &(_, Vec<_>)| !s.is_empty())
+        .collect()
+}
+
+/// Runs `suite` without progress reporting.
+pub fn run_suite(suite: &Suite, options: &RunOptions) -> Result<Report, RunError> {
+    run_suite_with(suite, options, &mut Silent)
+}
+
+/// Runs `suite`, telling `observer` about each case.
+pub fn run_suite_with(
+    suite: &Suite,
+    options: &RunOptions,
+    observer: &mut dyn Observer,
+) -> Result<Report, RunError> {
+    memsave_meter::install();
+    let device = resolve_device(suite.device)?;
+    if let Some(n) = options.threads.or(suite.threads) {
+        tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    }
+    let limit = options
+        .memory_limit
+        .or(suite.memory_limit.as_ref().map(|s| s.bytes));
+    let _limit = LimitGuard::set(device, limit)?;
+    let settings = Settings {
+        device,
+        seed: suite.seed,
+        warmup: options.warmup.unwrap_or(suite.warmup),
+        repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+    };
+    let selected = selected_cases(suite, options);
+    let jobs = schedule(&selected);
+    observer.started(jobs.len());
+    let mut results: Vec<Option<CaseResult>> = vec![None; jobs.len()];
+    let mut current: Option<(usize, Result<Workbench, String>)> = None;
+    for job in &jobs {
+        let spec = selected[job.model].0;
+        if current.as_ref().map(|c| c.0) != Some(job.model) {
+            drop(current.take()); // free the previous model before building the next
+            current = Some((job.model, Workbench::build(spec, &settings)));
+        }
+        observer.case_started(&spec.name, &job.strategy.name);
+        let case = match current.as_mut().map(|c| &mut c.1) {
+            Some(Ok(bench)) => run_case(bench, spec, job.strategy, &settings),
+            Some(Err(error)) => CaseResult::failed(
+                &spec.name,
+                &job.strategy.name,
+                Status::Error,
+                format!("building the model failed: {error}"),
+            ),
+            None => unreachable!("a model is built before its cases"),
+        };
+        observer.case_finished(&case);
+        results[job.position] = Some(case);
+    }
+    drop(current);
+    let cases = results.into_iter().flatten().collect();
+    Ok(Report {
+        suite: suite.suite.clone(),
+        device: device_name(device),
+        libtorch: LIBTORCH_VERSION.to_owned(),
+        threads: usize::try_from(tch::get_num_threads()).unwrap_or(0),
+        cases,
+    })
+}
+
+struct Settings {
+    device: Device,
+    seed: u64,
+    warmup: usize,
+    repeats: usize,
+}
+
+fn resolve_device(choice: DeviceChoice) -> Result<Device, RunError> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
+        DeviceChoice::Cuda => Err(RunError::DeviceUnavailable("cuda".into())),
+        DeviceChoice::Auto => Ok(Device::cuda_if_available()),
+    }
+}
+
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".to_owned(),
+    }
+}
+
+/// Applies a simulated memory limit and restores the previous one when dropped.
+struct LimitGuard {
+    device: Device,
+    previous: Option<u64>,
+}
+
+impl LimitGuard {
+    fn set(device: Device, limit: Option<u64>) -> Result<Option<LimitGuard>, RunError> {
+        let Some(limit) = limit else {
+            return Ok(None);
+        };
+        let previous = memsave_meter::memory_limit(device);
+        memsave_meter::set_memory_limit(device, Some(limit))
+            .map_err(|e| RunError::MemoryLimit(e.to_string()))?;
+        Ok(Some(LimitGuard { device, previous }))
+    }
+}
+
+impl Drop for LimitGuard {
+    fn drop(&mut self) {
+        let _ = memsave_meter::set_memory_limit(self.device, self.previous);
+    }
+}
+
+/// One case to run: which selected model, which strategy, and where its result goes.
+struct Job<'s> {
+    model: usize,
+    strategy: &'s StrategySpec,
+    position: usize,
+}
+
+/// The order cases run in: suite order, except that strategies writing into their
+/// input (`inplace_add`, `add_out`) run after all others. `x += f(x)` on a tensor saved
+/// for backward makes a reference cycle inside libtorch's autograd graph (through the
+/// view the matmul saved and the `grad_fn` the failed backward regenerates for it),
+/// so its tensor is never freed; running those cases last keeps every other case's
+/// `start_bytes` at parameters plus input. Results are reported in suite order.
+fn schedule<'s>(selected: &[(&'s ModelSpec, Vec<&'s StrategySpec>)]) -> Vec<Job<'s>> {
+    let mut jobs = Vec::new();
+    let mut position = 0;
+    for (model, (_, strategies)) in selected.iter().enumerate() {
+        for strategy in strategies {
+            jobs.push(Job {
+                model,
+                strategy,
+                position,
+            });
+            position += 1;
+        }
+    }
+    let writes_input =
+        |s: &StrategySpec| StepConfig::resolve(s).is_ok_and(|c| c.residual.writes_input());
+    jobs.sort_by_key(|j| writes_input(j.strategy)); // stable: suite order otherwise
+    jobs
+}
+
+/// A model, its input, and the baseline gradients its cases are compared with.
+struct Workbench {
+    model: Model,
+    x: Tensor,
+    reference: Option<Vec<Vec<f32>>>,
+}
+
+impl Workbench {
+    /// Builds the model and input from the suite's seed, so a rebuild is identical.
+    fn build(spec: &ModelSpec, settings: &Settings) -> Result<Workbench, String> {
+        isolated(|| {
+            tch::manual_seed(settings.seed as i64);
+            let model = Model::build(spec, settings.device);
+            let x = Tensor::f_rand(spec.input_shape(), (Kind::Float, settings.device))
+                .map_err(|e| e.to_string())?;
+            Ok(Workbench {
+                model,
+                x,
+                reference: None,
+            })
+        })
+    }
+}
+
+fn run_case(
+    bench: &mut Workbench,
+    spec: &ModelSpec,
+    strategy: &StrategySpec,
+    settings: &Settings,
+) -> CaseResult {
+    let Workbench {
+        model,
+        x,
+        reference,
+    } = bench;
+    let config = match StepConfig::resolve(strategy) {
+        Ok(config) => config,
+        Err(reason) => {
+            return CaseResult::failed(&spec.name, &strategy.name, Status::Unavailable, reason)
+        }
+    };
+    let outcome = isolated(|| measure_case(model, x, strategy, &config, settings, reference));
+    // Leave the model as the next case expects it, whatever happened.
+    model.ctx.set_residual(ResidualUpdate::Add);
+    model.ctx.stop_trace();
+    let _ = model.seq.set_plan(Plan::None);
+    let _ = memsave_accum::free_grads(&model.params());
+    match outcome {
+        Ok(case) => CaseResult {
+            model: spec.name.clone(),
+            strategy: strategy.name.clone(),
+            ..case
+        },
+        Err(error) => CaseResult::failed(&spec.name, &strategy.name, Status::Error, error),
+    }
+}
+
+fn measure_case(
+    model: &mut Model,
+    x: &Tensor,
+    strategy: &StrategySpec,
+    config: &StepConfig,
+    settings: &Settings,
+    reference: &mut Option<Vec<Vec<f32>>>,
+) -> Result<CaseResult, String> {
+    let device = settings.device;
+    model.ctx.set_residual(config.residual);
+    apply_plan(model, x, config, device)?;
+    for _ in 0..settings.warmup {
+        f_step(model, x, config, device, false)?;
+    }
+    let mut times = Vec::with_capacity(settings.repeats);
+    let mut last = None;
+    for i in 0..settings.repeats {
+        let m = f_step(model, x, config, device, i + 1 == settings.repeats)?;
+        times.push(m.time_s);
+        last = Some(m);
+    }
+    let last = last.ok_or("no measured repeat")?;
+    let grads = f_grads(&model.params())?;
+    let grad_max_abs_diff = if strategy.is_baseline() {
+        *reference = Some(grads);
+        None
+    } else {
+        if reference.is_none() {
+            *reference = Some(baseline_grads(model, x, device)?);
+        }
+        reference.as_ref().map(|r| max_abs_diff(&grads, r))
+    };
+    Ok(CaseResult {
+        model: String::new(),
+        strategy: String::new(),
+        status: Status::Ok,
+        error: None,
+        start_bytes: Some(last.start_bytes),
+        peak_bytes: Some(last.peak_bytes),
+        retained_after_forward_bytes: Some(last.retained_after_forward_bytes),
+        step_time_s: StepTime::from_times(times),
+        grad_max_abs_diff,
+        trace: last.trace,
+    })
+}
+
+/// Sets the strategy's checkpoint plan; a budget is solved over a profile of the model
+/// on the step's (first micro-batch's) input, under the strategy's autocast.
+fn apply_plan(
+    model: &mut Model,
+    x: &Tensor,
+    config: &StepConfig,
+    device: Device,
+) -> Result<(), String> {
+    let plan = match config.plan {
+        PlanChoice::Fixed(plan) => plan,
+        PlanChoice::Budget(bytes) => {
+            let example = match config.micro_batches {
+                Some(count) => {
+                    let batch = x.size()[0];
+                    let first = memsave_accum::f_split(batch, memsave_accum::Split::Count(count))
+                        .map_err(|e| e.to_string())?[0];
+                    first.f_narrow(x).map_err(|e| e.to_string())?
+                }
+                None => x.shallow_clone(),
+            };
+            let params = model.params();
+            let _autocast = config
+                .autocast
+                .map(|kind| memsave_amp::AutocastGuard::new(device, kind))
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            model
+                .seq
+                .profile(&example, &params, |y| {
+                    crate::models::loss(y).unwrap_or_else(|e| panic!("{e}"))
+                })
+                .map_err(|e| e.to_string())?;
+            Plan::Budget(bytes)
+        }
+    };
+    model.seq.set_plan(plan).map_err(|e| e.to_string())
+}
+
+/// The gradients of one unmeasured baseline step, for a suite without a baseline case.
+fn baseline_grads(model: &mut Model, x: &Tensor, device: Device) -> Result<Vec<Vec<f32>>, String> {
+    let config = StepConfig::baseline();
+    model.ctx.set_residual(config.residual);
+    model.seq.set_plan(Plan::None).map_err(|e| e.to_string())?;
+    f_step(model, x, &config, device, false)?;
+    f_grads(&model.params())
+}
+
+thread_local! {
+    static IN_CASE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, turning a panic into an error with its message.
+fn isolated<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    let was = IN_CASE.with(|c| c.replace(true));
+    let result = panic::catch_unwind(AssertUnwindSafe(f));
+    IN_CASE.with(|c| c.set(was));
+    match result {
+        Ok(r) => r.map_err(|e| clean_error(&e)),
+        Err(payload) => {
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_owned());
+            Err(format!("panicked: {}", clean_error(&text)))
+        }
+    }
+}
+
+/// Keeps panics inside cases off the terminal (they are recorded in the report);
+/// other panics still reach the previous hook. For binaries; call once.
+pub fn quiet_case_panics() {
+    let previous = panic::take_hook();
+    panic::set_hook(Box::new(move |info| {
+        if !IN_CASE.with(Cell::get) {
+            previous(info);
+        }
+    }));
+}
+
+/// The first line of an error, without tch's `Internal torch error: ` prefix.
+pub fn clean_error(text: &str) -> String {
+    let text = text.replace("Internal torch error: ", "");
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("unknown error")
+        .to_owned()
+}

@@ -1,0 +1,87 @@
+//! What a strategy changes in a training step: the residual update, the checkpoint
+//! plan, autocast and micro-batching, resolved from the suite's techniques.
+use crate::suite::{CheckpointSpec, StrategySpec, Technique};
+use memsave_checkpoint::Plan;
+use tch::Kind;
+
+/// How a residual block adds its branch `f(x)` to its input `x`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResidualUpdate {
+    /// `x + f(x)`, out of place: what autograd needs.
+    #[default]
+    Add,
+    /// `x += f(x)`: mutates `x`, which the layer saved for backward, so backward fails.
+    InplaceAdd,
+    /// `add(x, f(x), out=x)`: `out=` does not support autograd, so the forward fails.
+    AddOut,
+    /// memsave-inplace's `residual_add`: in place only when nothing else holds `x`.
+    Safe,
+}
+
+impl ResidualUpdate {
+    /// True when the update may write into its input, so the runner gives it a copy
+    /// of the suite's input rather than the shared one.
+    pub fn writes_input(self) -> bool {
+        matches!(self, ResidualUpdate::InplaceAdd | ResidualUpdate::AddOut)
+    }
+}
+
+/// The checkpoint plan of a strategy, before a budget is solved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanChoice {
+    /// A plan that needs no profile.
+    Fixed(Plan),
+    /// `Plan::Budget(bytes)`: the model is profiled on the step's input first.
+    Budget(u64),
+}
+
+/// Everything a measured step needs to know about a strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepConfig {
+    /// The residual update of every block.
+    pub residual: ResidualUpdate,
+    /// The checkpoint plan of the model.
+    pub plan: PlanChoice,
+    /// Autocast dtype of the forward and the loss, if any.
+    pub autocast: Option<Kind>,
+    /// Number of micro-batches of the first batch dimension, if any.
+    pub micro_batches: Option<usize>,
+}
+
+impl StepConfig {
+    /// Plain training: the baseline.
+    pub fn baseline() -> Self {
+        Self {
+            residual: ResidualUpdate::Add,
+            plan: PlanChoice::Fixed(Plan::None),
+            autocast: None,
+            micro_batches: None,
+        }
+    }
+
+    /// The step of `strategy`, or why it cannot run in this build.
+    pub fn resolve(strategy: &StrategySpec) -> Result<Self, String> {
+        let mut config = Self::baseline();
+        for technique in &strategy.techniques {
+            match technique {
+                Technique::Baseline => {}
+                Technique::InplaceAdd => config.residual = ResidualUpdate::InplaceAdd,
+                Technique::AddOut => config.residual = ResidualUpdate::AddOut,
+                Technique::SafeResidual => config.residual = ResidualUpdate::Safe,
+                Technique::Checkpoint(spec) => {
+                    config.plan = match spec {
+                        CheckpointSpec::Segments(k) => PlanChoice::Fixed(Plan::Segments(*k)),
+                        CheckpointSpec::EveryLayer => PlanChoice::Fixed(Plan::EveryLayer),
+                        CheckpointSpec::Nested => PlanChoice::Fixed(Plan::Nested),
+                        CheckpointSpec::Budget(size) => PlanChoice::Budget(size.bytes),
+                    }
+                }
+                Technique::Autocast(dtype) => config.autocast = Some(dtype.kind),
+                Technique::Accumulate { micro_batches } => {
+                    config.micro_batches = Some(*micro_batches)
+                }
+            }
+        }
+        Ok(config)
+    }
+}
