@@ -180,7 +180,7 @@ pub(crate) fn profile_chain(
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
         Err(CheckpointError::Torch(format!(
             "a layer panicked while profiling: {}",
-            crate::layers::panic_message(&*payload)
+            memsave_sys::checkpoint::panic_message(&*payload)
         )))
     })
 }

@@ -1,12 +1,13 @@
 //! `CheckpointedSequential`: a chain of layers run under a checkpointing plan.
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
-use crate::layers::{panic_message, SharedLayer};
+use crate::layers::SharedLayer;
 use crate::plan::Plan;
 use crate::profile::{profile_chain, ChainProfile};
 use crate::schedule::{Block, Schedule};
 use crate::solver::{predict, Prediction, Solver};
 use memsave_meter::Bytes;
+use memsave_sys::checkpoint::panic_message;
 use std::fmt;
 use tch::nn::{self, Module};
 use tch::Tensor;

@@ -13,7 +13,8 @@ pub type CheckpointFn = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>, String> 
 
 type Shared = Mutex<CheckpointFn>;
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = payload.downcast_ref::<String>() {
