@@ -392,11 +392,7 @@ fn isolated<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     match result {
         Ok(r) => r.map_err(|e| clean_error(&e)),
         Err(payload) => {
-            let text = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
+            let text = memsave_sys::checkpoint::panic_message(&*payload);
             Err(format!("panicked: {}", clean_error(&text)))
         }
     }
