@@ -10,8 +10,10 @@
 //! - [`amp`]: autocast scopes and a `GradScaler` with PyTorch's semantics.
 //! - [`accum`]: gradient accumulation with exact micro-batch weighting, and a search for
 //!   the largest micro-batch that fits a budget.
+//! - [`hooks`]: saved-tensor hooks (PyTorch's `saved_tensors_hooks`) for Rust, with
+//!   `SaveOnCpu` and `Accounting`.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
-//!   the custom autograd node behind checkpointing).
+//!   the autograd engine with saved-tensor hooks behind checkpointing).
 //!
 //! ```
 //! use memsave::meter::{measure, Bytes};
@@ -31,6 +33,7 @@ pub struct ReadmeDoctests;
 pub use memsave_accum as accum;
 pub use memsave_amp as amp;
 pub use memsave_checkpoint as checkpoint;
+pub use memsave_hooks as hooks;
 pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
 pub use memsave_sys as sys;

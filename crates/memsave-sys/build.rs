@@ -8,6 +8,7 @@ const SOURCES: &[&str] = &[
     "cpp/device.cpp",
     "cpp/tensor.cpp",
     "cpp/autocast.cpp",
+    "cpp/hooks.cpp",
     "cpp/checkpoint.cpp",
 ];
 

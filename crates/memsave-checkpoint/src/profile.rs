@@ -134,17 +134,21 @@ fn profile_element(
     Ok((profile, y))
 }
 
-/// Profiles every layer on `example` and the loss on the chain's output.
-///
-/// `params` are the model's parameters: their gradients are set to none before each
-/// measurement (so the bytes of newly created gradients are seen) and at the end.
-/// Bytes one checkpoint keeps alive besides its input (the RNG state, if stashed).
+/// Bytes one checkpoint keeps alive besides its input and output: the RNG state when it
+/// is preserved. The probe saves a tensor for backward and draws a random number, the
+/// worst case: a checkpoint whose function saves nothing keeps nothing at all, and one
+/// whose function draws no random number keeps no RNG state.
 fn checkpoint_overhead(x: &Tensor, options: Checkpoint) -> Result<u64> {
+    let x = x.detach().set_requires_grad(true);
     let (out, m) = measure(x.device(), |_| {
-        options.run(&[x], |xs| vec![xs[0].shallow_clone()])
+        options.run(&[&x], |xs| vec![xs[0].tanh().dropout(0.5, true)])
     });
     let out = out?;
-    let bytes = m.retained_bytes().max(0) as u64;
+    let output_bytes = out
+        .iter()
+        .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+        .sum::<u64>();
+    let bytes = (m.retained_bytes().max(0) as u64).saturating_sub(output_bytes);
     drop(out);
     Ok(bytes)
 }

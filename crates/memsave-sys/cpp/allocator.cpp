@@ -32,16 +32,18 @@ Counters& counters() {
   return *c;
 }
 
-void counting_delete(void* ptr) {
+// A deleter runs inside destructors: it must not throw, and always frees.
+void counting_delete(void* ptr) noexcept {
   if (ptr == nullptr) return;
   auto& c = counters();
-  {
+  try {
     std::lock_guard<std::mutex> guard(c.mu);
     auto it = c.live.find(ptr);
     if (it != c.live.end()) {
       c.current -= static_cast<int64_t>(it->second);
       c.live.erase(it);
     }
+  } catch (...) {
   }
   c10::free_cpu(ptr);
 }
@@ -72,8 +74,18 @@ struct CountingAllocator final : c10::Allocator {
       std::lock_guard<std::mutex> guard(c.mu);
       c.current -= n;
     } else {
-      std::lock_guard<std::mutex> guard(c.mu);
-      c.live.emplace(ptr, nbytes);
+      try {
+        std::lock_guard<std::mutex> guard(c.mu);
+        c.live.emplace(ptr, nbytes);
+      } catch (...) {
+        // Not tracked: give the memory back and undo the count rather than leak it.
+        {
+          std::lock_guard<std::mutex> guard(c.mu);
+          c.current -= n;
+        }
+        c10::free_cpu(ptr);
+        throw;
+      }
     }
     return {ptr, ptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -105,63 +117,79 @@ int ms_cpu_counting_allocator_active(bool* out) {
   MS_TRY({ *out = dynamic_cast<CountingAllocator*>(c10::GetCPUAllocator()) != nullptr; })
 }
 
-int64_t ms_cpu_allocated() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  return c.current;
+int ms_cpu_allocated(int64_t* out) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *out = c.current;
+  })
 }
 
-int64_t ms_cpu_peak() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  return c.peak;
+int ms_cpu_peak(int64_t* out) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *out = c.peak;
+  })
 }
 
-void ms_cpu_reset_peak() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  c.peak = c.current;
+int ms_cpu_reset_peak() {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    c.peak = c.current;
+  })
 }
 
 // Raises the peak to at least `value` (restores an outer scope's peak after an inner reset).
-void ms_cpu_raise_peak(int64_t value) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  c.peak = std::max(c.peak, value);
-}
-
-void ms_cpu_set_limit(int64_t limit) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  c.limit = limit;
-}
-
-int64_t ms_cpu_limit() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  return c.limit;
-}
-
-int64_t ms_cpu_live_allocations() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> guard(c.mu);
-  return static_cast<int64_t>(c.live.size());
-}
-
-// Writes the sizes of the `cap` largest live allocations, largest first; returns how many.
-size_t ms_cpu_largest_allocations(int64_t* out, size_t cap) {
-  std::vector<int64_t> sizes;
-  {
+int ms_cpu_raise_peak(int64_t value) {
+  MS_TRY({
     auto& c = counters();
     std::lock_guard<std::mutex> guard(c.mu);
-    sizes.reserve(c.live.size());
-    for (const auto& entry : c.live) sizes.push_back(static_cast<int64_t>(entry.second));
-  }
-  const size_t n = std::min(cap, sizes.size());
-  std::partial_sort(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), sizes.end(),
-                    std::greater<int64_t>());
-  std::copy(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), out);
-  return n;
+    c.peak = std::max(c.peak, value);
+  })
+}
+
+int ms_cpu_set_limit(int64_t limit) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    c.limit = limit;
+  })
+}
+
+int ms_cpu_limit(int64_t* out) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *out = c.limit;
+  })
+}
+
+int ms_cpu_live_allocations(int64_t* out) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *out = static_cast<int64_t>(c.live.size());
+  })
+}
+
+// Writes the sizes of the `cap` largest live allocations, largest first, and how many.
+int ms_cpu_largest_allocations(int64_t* out, size_t cap, size_t* written) {
+  MS_TRY({
+    std::vector<int64_t> sizes;
+    {
+      auto& c = counters();
+      std::lock_guard<std::mutex> guard(c.mu);
+      sizes.reserve(c.live.size());
+      for (const auto& entry : c.live) sizes.push_back(static_cast<int64_t>(entry.second));
+    }
+    const size_t n = std::min(cap, sizes.size());
+    std::partial_sort(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), sizes.end(),
+                      std::greater<int64_t>());
+    std::copy(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), out);
+    *written = n;
+  })
 }
 
 }  // extern "C"

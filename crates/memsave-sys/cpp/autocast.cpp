@@ -26,9 +26,13 @@ int ms_autocast_set_dtype(int device_type, int scalar_type) {
   })
 }
 
-int64_t ms_autocast_increment_nesting() { return at::autocast::increment_nesting(); }
+int ms_autocast_increment_nesting(int64_t* out) {
+  MS_TRY({ *out = at::autocast::increment_nesting(); })
+}
 
-int64_t ms_autocast_decrement_nesting() { return at::autocast::decrement_nesting(); }
+int ms_autocast_decrement_nesting(int64_t* out) {
+  MS_TRY({ *out = at::autocast::decrement_nesting(); })
+}
 
 int ms_autocast_clear_cache() {
   MS_TRY({ at::autocast::clear_cache(); })

@@ -1,39 +1,40 @@
-// A custom autograd node whose backward recomputes a Rust closure.
+// Gradient checkpointing on saved-tensor hooks (the non-reentrant scheme).
 //
-// `ms_checkpoint` runs the closure once without building a graph, then gives its
-// differentiable outputs a `MemsaveCheckpointBackward` node. The node keeps only the
-// closure and its inputs; in backward it restores the RNG and autocast state of the
-// forward, reruns the closure with grad enabled and back-propagates through it
-// (a reentrant backward), so parameter gradients accumulate as without
-// checkpointing, and returns the gradients of the inputs.
+// `ms_checkpoint` runs the closure with grad enabled under a CheckpointFrame: autograd
+// builds the ordinary graph, but every tensor it saves is replaced by a handle (an
+// index) and the tensor itself is not kept. The frame keeps the closure, its inputs
+// and the RNG/autocast state. The first handle unpacked in backward recomputes the
+// closure under a capturing frame that stores each saved tensor of the recomputation
+// at its index, and stops the recomputation as soon as every handle still alive has
+// its tensor back. Because the recomputed tensors are handed to the original graph,
+// every autograd entry point (backward, grad to chosen tensors, create_graph,
+// retain_graph) behaves as without checkpointing.
 #include "common.h"
+#include "hooks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
-
-using torch::autograd::Edge;
-using torch::autograd::Node;
-using torch::autograd::variable_list;
 
 // The Rust side: runs the closure on `inputs` and reports through `ms_outputs_*`.
 typedef void (*ms_run_fn)(void* ctx, at::Tensor* const* inputs, size_t n_inputs, void* outputs);
 typedef void (*ms_drop_fn)(void* ctx);
 
 namespace {
+
+using memsave::hooks::SavedMeta;
 
 struct Outputs {
   std::vector<at::Tensor> tensors;
@@ -51,20 +52,53 @@ struct Closure {
   Closure& operator=(const Closure&) = delete;
   ~Closure() { drop(ctx); }
 
-  std::vector<at::Tensor> call(const std::vector<at::Tensor>& inputs, const char* phase) const {
+  // Runs the closure; an error or panic in it comes back in `Outputs::error`.
+  Outputs call(const std::vector<at::Tensor>& inputs) const {
     std::vector<at::Tensor*> ptrs;
     ptrs.reserve(inputs.size());
     for (const auto& t : inputs) ptrs.push_back(const_cast<at::Tensor*>(&t));
     Outputs out;
     run(ctx, ptrs.data(), ptrs.size(), &out);
-    TORCH_CHECK(!out.error, "checkpoint: the function failed during the ", phase, ": ", *out.error);
-    return std::move(out.tensors);
+    return out;
   }
 };
 
-// RNG and autocast state captured at forward and restored for the recompute.
+// With preserve_rng, a checkpointed forward and its recomputation must draw the same
+// numbers from the process-wide generators; no other checkpointed region may draw in
+// between. Regions therefore hold this lock while they run (recursive: nesting).
+std::recursive_timed_mutex& rng_region_mutex() {
+  static auto* m = new std::recursive_timed_mutex();
+  return *m;
+}
+
+constexpr auto kRngWait = std::chrono::seconds(120);
+
+std::unique_lock<std::recursive_timed_mutex> lock_rng_region(bool preserve_rng) {
+  std::unique_lock<std::recursive_timed_mutex> lock(rng_region_mutex(), std::defer_lock);
+  if (preserve_rng) {
+    MS_CHECK(lock.try_lock_for(kRngWait),
+                "checkpoint: waited 120 s for another thread's checkpointed region to finish with the random "
+                "number generator (preserve_rng); a checkpointed function that waits for another thread's "
+                "backward deadlocks this way: pass preserve_rng = false if it draws no random numbers");
+  }
+  return lock;
+}
+
+using RngStates = std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>>;
+
+c10::intrusive_ptr<c10::TensorImpl> get_state(at::Generator& gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state().getIntrusivePtr();
+}
+
+void set_state(at::Generator& gen, const c10::intrusive_ptr<c10::TensorImpl>& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(at::Tensor(state));
+}
+
+// RNG and autocast state captured at forward and restored for the recomputation.
 struct ForwardState {
-  std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> rng;
+  RngStates rng;
   bool autocast_cpu = false;
   bool autocast_cuda = false;
   at::ScalarType autocast_cpu_dtype = at::kBFloat16;
@@ -94,192 +128,349 @@ struct ForwardState {
     return s;
   }
 
-  static c10::intrusive_ptr<c10::TensorImpl> get_state(at::Generator& gen) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    return gen.get_state().getIntrusivePtr();
-  }
-
-  static void set_state(at::Generator& gen, const c10::intrusive_ptr<c10::TensorImpl>& state) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(at::Tensor(state));
+  void apply_autocast() const {
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, autocast_cpu);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, autocast_cpu_dtype);
+    at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, autocast_cuda);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, autocast_cuda_dtype);
   }
 };
 
-// Applies a ForwardState for its lifetime and restores what was there before.
+// Applies a ForwardState for its lifetime and restores what was there before. The
+// destructor never throws: a failed restore cannot be reported from it, and a throw
+// there would end the process.
 class ReplayGuard {
  public:
-  explicit ReplayGuard(const ForwardState& fwd)
-      : saved_(ForwardState::capture({}, false)) {
+  explicit ReplayGuard(const ForwardState& fwd) : saved_(ForwardState::capture({}, false)) {
     for (const auto& entry : fwd.rng) {
       auto gen = entry.first;
-      rng_before_.emplace_back(gen, ForwardState::get_state(gen));
-      ForwardState::set_state(gen, entry.second);
+      rng_before_.emplace_back(gen, get_state(gen));
+      set_state(gen, entry.second);
     }
-    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, fwd.autocast_cpu);
-    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, fwd.autocast_cpu_dtype);
-    at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, fwd.autocast_cuda);
-    at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, fwd.autocast_cuda_dtype);
+    fwd.apply_autocast();
     // An autocast scope of its own, as torch.autocast's __enter__: when it is the
     // outermost one, leaving it clears the cache of casted weights.
     at::autocast::increment_nesting();
   }
   ReplayGuard(const ReplayGuard&) = delete;
   ReplayGuard& operator=(const ReplayGuard&) = delete;
-  ~ReplayGuard() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    for (auto& entry : rng_before_) ForwardState::set_state(entry.first, entry.second);
-    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, saved_.autocast_cpu);
-    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, saved_.autocast_cpu_dtype);
-    at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, saved_.autocast_cuda);
-    at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, saved_.autocast_cuda_dtype);
+  ~ReplayGuard() noexcept {
+    try {
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    } catch (...) {
+    }
+    for (auto& entry : rng_before_) {
+      try {
+        set_state(entry.first, entry.second);
+      } catch (...) {
+      }
+    }
+    try {
+      saved_.apply_autocast();
+    } catch (...) {
+    }
   }
 
  private:
   ForwardState saved_;
-  std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> rng_before_;
+  RngStates rng_before_;
 };
 
-struct OutputMeta {
-  std::vector<int64_t> sizes;
-  at::ScalarType dtype;
-  bool differentiable;
+// Recomputations running on this thread. Whatever a recomputation builds besides the
+// tensors it captures is thrown away, so a checkpoint called inside one needs no frame
+// of its own: it runs under a DiscardFrame (no RNG copy, nothing kept).
+thread_local int recompute_depth = 0;
+
+struct RecomputeScope {
+  RecomputeScope() { ++recompute_depth; }
+  ~RecomputeScope() { --recompute_depth; }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
 };
 
-bool is_differentiable(const at::Tensor& t) {
-  return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
-}
-
-// The root of the recompute's backward: hands its gradients on and keeps no reference,
-// so each incoming gradient is freed as soon as the node it feeds has used it. (A plain
-// `torch::autograd::backward(outputs, grads)` call would hold the recomputed outputs
-// and their gradients until the whole nested backward returns: one activation and one
-// gradient per nesting level.)
-class GradientFeeder final : public Node {
- public:
-  // `trigger` is the empty tensor the engine is started with (no bytes allocated).
-  GradientFeeder(torch::autograd::edge_list&& next, variable_list grads, const at::Tensor& trigger)
-      : Node(std::move(next)), grads_(std::move(grads)) {
-    add_input_metadata(trigger);
+struct DiscardSavedHooks final : torch::autograd::SavedVariableHooks {
+  void call_pack_hook(const at::Tensor& /*tensor*/) override {}
+  at::Tensor call_unpack_hook() override {
+    MS_CHECK(false, "checkpoint: backward through a recomputation's own graph is not supported");
   }
-  std::string name() const override { return "MemsaveCheckpointGradientFeeder"; }
-  variable_list apply(variable_list&& /*unused*/) override { return std::move(grads_); }
-
- private:
-  variable_list grads_;
 };
 
-class CheckpointBackward final : public Node {
+struct DiscardFrame final : memsave::hooks::Frame {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<DiscardSavedHooks>();
+  }
+};
+
+// Why a recomputation was ended early (not an error).
+constexpr const char* kStopMessage = "memsave-checkpoint: recomputation stopped early (not an error)";
+
+// One checkpointed call: owns the closure, its inputs and the tensors recomputed for
+// the handles that autograd holds.
+class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_shared_from_this<CheckpointFrame> {
  public:
-  CheckpointBackward(torch::autograd::edge_list&& next, std::unique_ptr<Closure> closure,
-                     std::vector<at::Tensor> inputs, ForwardState state, std::vector<OutputMeta> meta)
-      : Node(std::move(next)),
-        closure_(std::move(closure)),
-        inputs_(std::move(inputs)),
-        state_(std::move(state)),
-        meta_(std::move(meta)) {
-    for (const auto& t : inputs_) {
+  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng)
+      : closure_(std::move(closure)), preserve_rng_(preserve_rng) {}
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override;
+
+  // Runs the forward under this frame; returns the closure's outputs.
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs) {
+    auto rng_lock = lock_rng_region(preserve_rng_);
+    state_ = ForwardState::capture(inputs, preserve_rng_);
+    std::vector<uint32_t> versions;
+    for (const auto& t : inputs) {
+      inputs_.push_back(t.defined() ? t.detach() : at::Tensor());  // shares storage and version counter
       requires_grad_.push_back(t.defined() && t.requires_grad());
-      versions_.push_back(t.defined() ? static_cast<int64_t>(t._version()) : 0);
+      versions.push_back(t.defined() && !t.is_inference() ? t._version() : 0);
     }
-    for (auto& t : inputs_) {
-      if (t.defined()) t = t.detach();  // shares storage and version counter, drops the graph
-    }
-  }
-
-  std::string name() const override { return "MemsaveCheckpointBackward"; }
-
-  // Called by the engine once this node has run (unless the graph is kept): frees the
-  // saved inputs and the stashed RNG state, though the node itself lives on with the graph.
-  void release_variables() override {
-    inputs_.clear();
-    state_.rng.clear();
-    released_ = true;
-  }
-
-  variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(!released_,
-                "checkpoint: trying to backward through the graph a second time; pass keep_graph=true "
-                "to the first backward if you need to");
-    std::vector<at::Tensor> replay_inputs;
-    replay_inputs.reserve(inputs_.size());
-    for (size_t i = 0; i < inputs_.size(); ++i) {
-      const auto& saved = inputs_[i];
-      if (!saved.defined()) {
-        replay_inputs.emplace_back();
-        continue;
-      }
-      const auto now = static_cast<int64_t>(saved._version());
-      TORCH_CHECK(now == versions_[i], "checkpoint: input ", i,
-                  " was modified in place after the checkpointed forward (version ", versions_[i], " -> ", now,
-                  "); the recomputation would use the new values. Clone it before modifying it.");
-      auto x = saved.detach();
-      if (requires_grad_[i]) x.requires_grad_(true);
-      replay_inputs.push_back(std::move(x));
-    }
-
-    std::vector<at::Tensor> outputs;
+    Outputs out;
     {
-      at::AutoGradMode enable_grad(true);
-      ReplayGuard replay(state_);
-      outputs = closure_->call(replay_inputs, "recomputation in backward");
+      const auto depth = memsave::hooks::push(shared_from_this());
+      struct PopOnExit {
+        size_t depth;
+        ~PopOnExit() {
+          try {
+            memsave::hooks::pop(depth);
+          } catch (...) {
+          }
+        }
+      } pop_on_exit{depth};
+      out = closure_->call(inputs);
     }
-    TORCH_CHECK(outputs.size() == meta_.size(), "checkpoint: the recomputation returned ", outputs.size(),
-                " tensors but the forward returned ", meta_.size(), "; the function must be deterministic");
-    torch::autograd::edge_list roots;
-    variable_list root_grads;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      const auto& out = outputs[i];
-      const auto& meta = meta_[i];
-      TORCH_CHECK(out.defined() && out.sizes().vec() == meta.sizes && out.scalar_type() == meta.dtype,
-                  "checkpoint: output ", i, " of the recomputation has shape ",
-                  out.defined() ? c10::str(out.sizes()) : std::string("undefined"), " and dtype ",
-                  out.defined() ? c10::str(out.scalar_type()) : std::string("undefined"),
-                  " but the forward produced shape ", c10::IntArrayRef(meta.sizes), " and dtype ", meta.dtype,
-                  "; the function must compute the same thing when it is rerun");
-      if (!meta.differentiable || i >= grads.size() || !grads[i].defined() || !out.requires_grad()) continue;
-      roots.push_back(torch::autograd::impl::gradient_edge(out));
-      root_grads.push_back(std::move(grads[i]));
+    MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+    drop_unused_rng_states();
+    versions_ = versions;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto& t = inputs[i];
+      if (!t.defined() || t.is_inference()) continue;
+      MS_CHECK(t._version() == versions[i], "checkpoint: the function modified its input ", i, " (",
+                  t.sizes(), " ", t.scalar_type(),
+                  ") in place; the recomputation in backward would modify it again. Clone the input inside "
+                  "the function before modifying it.");
     }
-    // Only the graph edges are needed from here on: drop the recomputed outputs and the
-    // incoming gradients now, so that they are freed as soon as the graph is done with them.
-    outputs.clear();
-    grads.clear();
-    if (!roots.empty()) {
-      const auto trigger = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-      auto feeder = c10::make_intrusive<GradientFeeder>(std::move(roots), std::move(root_grads), trigger);
-      torch::autograd::Engine::get_default_engine().execute({Edge(std::move(feeder), 0)}, {trigger},
-                                                            /*keep_graph=*/false, /*create_graph=*/false,
-                                                            /*accumulate_grad=*/true);
+    for (size_t i = 0; i < out.tensors.size(); ++i) {
+      MS_CHECK(out.tensors[i].defined(), "checkpoint: output ", i, " of the function is undefined");
     }
-    variable_list result;
-    result.reserve(replay_inputs.size());
-    for (size_t i = 0; i < replay_inputs.size(); ++i) {
-      result.push_back(requires_grad_[i] ? replay_inputs[i].grad() : at::Tensor());
-    }
-    return result;
+    forward_done_ = true;
+    return std::move(out.tensors);
+  }
+
+  // A generator whose state the forward left unchanged was not drawn from (the region
+  // lock keeps other checkpointed regions out): nothing to replay, so its 5 KiB copy
+  // need not be kept.
+  void drop_unused_rng_states() {
+    auto& rng = state_.rng;
+    rng.erase(std::remove_if(rng.begin(), rng.end(),
+                             [](auto& entry) {
+                               auto now = get_state(entry.first);
+                               return at::equal(at::Tensor(now), at::Tensor(entry.second));
+                             }),
+              rng.end());
+  }
+
+  size_t register_handle() {
+    std::lock_guard<std::mutex> lock(mu_);
+    MS_CHECK(!forward_done_,
+                "checkpoint: a tensor was saved under a checkpoint's hooks after its forward ended (a hook scope "
+                "left on another thread?)");
+    storage_.emplace_back();
+    alive_.push_back(true);
+    return storage_.size() - 1;
+  }
+
+  void release_handle(size_t index) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    alive_[index] = false;
+    storage_[index] = at::Tensor();
+  }
+
+  at::Tensor unpack(size_t index, const SavedMeta& meta) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!storage_[index].defined()) recompute(meta);
+    at::Tensor t = std::move(storage_[index]);
+    storage_[index] = at::Tensor();
+    return t;
+  }
+
+  // Called by the capturing frame for each tensor the recomputation saves: stores the
+  // k-th at index k, and ends the recomputation (by throwing kStopMessage) at the first
+  // save after every live handle has its tensor back.
+  void on_recompute_save(const at::Tensor& t) {
+    MS_CHECK(!stopped_, kStopMessage);
+    if (!capture(t)) stopped_ = true;
   }
 
  private:
+  bool capture(const at::Tensor& t) {
+    const size_t k = next_capture_++;
+    MS_CHECK(k < storage_.size(), "checkpoint: the recomputation saved more tensors for backward than the "
+                                     "forward did (",
+                storage_.size(), "); the function must do the same computation when it is rerun");
+    if (alive_[k] && !storage_[k].defined()) {
+      storage_[k] = t.detach();
+      --missing_;
+    }
+    return missing_ > 0;
+  }
+
+  void recompute(const SavedMeta& meta);
+
   std::unique_ptr<Closure> closure_;
+  bool preserve_rng_;
   std::vector<at::Tensor> inputs_;
   std::vector<bool> requires_grad_;
-  std::vector<int64_t> versions_;
+  std::vector<uint32_t> versions_;
   ForwardState state_;
-  std::vector<OutputMeta> meta_;
-  bool released_ = false;
+  bool forward_done_ = false;
+
+  std::mutex mu_;
+  std::vector<at::Tensor> storage_;
+  std::vector<bool> alive_;
+  size_t next_capture_ = 0;
+  size_t missing_ = 0;
+  bool stopped_ = false;
 };
+
+// Handle kept by autograd in place of a tensor saved under a CheckpointFrame.
+struct CheckpointSavedHooks final : torch::autograd::SavedVariableHooks {
+  std::shared_ptr<CheckpointFrame> frame;
+  size_t index = 0;
+  bool registered = false;
+  SavedMeta meta;
+
+  explicit CheckpointSavedHooks(std::shared_ptr<CheckpointFrame> f) : frame(std::move(f)) {}
+  ~CheckpointSavedHooks() override {
+    if (registered) frame->release_handle(index);
+  }
+  void call_pack_hook(const at::Tensor& tensor) override {
+    meta = SavedMeta::of(tensor);
+    index = frame->register_handle();
+    registered = true;
+  }
+  at::Tensor call_unpack_hook() override {
+    meta.check_version();
+    auto t = frame->unpack(index, meta);
+    meta.check_unpacked(t, "checkpoint: the recomputation",
+                        "the function must do the same computation when it is rerun");
+    return t;
+  }
+};
+
+std::unique_ptr<torch::autograd::SavedVariableHooks> CheckpointFrame::make_hooks() {
+  return std::make_unique<CheckpointSavedHooks>(shared_from_this());
+}
+
+// The frame of a recomputation: stores what it saves into the CheckpointFrame and
+// ends the recomputation once nothing more is needed.
+class CaptureFrame final : public memsave::hooks::Frame {
+ public:
+  explicit CaptureFrame(CheckpointFrame* target) : target_(target) {}
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override;
+  CheckpointFrame* target_;
+};
+
+struct CaptureSavedHooks final : torch::autograd::SavedVariableHooks {
+  CheckpointFrame* target;
+  explicit CaptureSavedHooks(CheckpointFrame* t) : target(t) {}
+  void call_pack_hook(const at::Tensor& tensor) override { target->on_recompute_save(tensor); }
+  at::Tensor call_unpack_hook() override {
+    MS_CHECK(false, "checkpoint: backward through a recomputation's own graph is not supported");
+  }
+};
+
+std::unique_ptr<torch::autograd::SavedVariableHooks> CaptureFrame::make_hooks() {
+  return std::make_unique<CaptureSavedHooks>(target_);
+}
+
+void CheckpointFrame::recompute(const SavedMeta& meta) {
+  MS_CHECK(forward_done_, "checkpoint: backward reached the checkpoint before its forward finished");
+  std::vector<at::Tensor> replay_inputs;
+  replay_inputs.reserve(inputs_.size());
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    const auto& saved = inputs_[i];
+    if (!saved.defined()) {
+      replay_inputs.emplace_back();
+      continue;
+    }
+    if (!saved.is_inference()) {
+      const auto now = saved._version();
+      MS_CHECK(now == versions_[i], "checkpoint: input ", i, " (", saved.sizes(), " ", saved.scalar_type(),
+                  ") was modified in place after the checkpointed forward (version ", versions_[i], " -> ", now,
+                  "); the recomputation would use the new values. Clone it before modifying it.");
+    }
+    auto x = saved.detach();
+    if (requires_grad_[i]) x.requires_grad_(true);
+    replay_inputs.push_back(std::move(x));
+  }
+  next_capture_ = 0;
+  missing_ = 0;
+  for (size_t k = 0; k < storage_.size(); ++k) {
+    if (alive_[k] && !storage_[k].defined()) ++missing_;
+  }
+  stopped_ = missing_ == 0;
+  Outputs out;
+  {
+    auto rng_lock = lock_rng_region(preserve_rng_);
+    at::AutoGradMode enable_grad(true);
+    ReplayGuard replay(state_);
+    RecomputeScope recomputing;
+    const auto depth = memsave::hooks::push(std::make_shared<CaptureFrame>(this));
+    struct PopOnExit {
+      size_t depth;
+      ~PopOnExit() {
+        try {
+          memsave::hooks::pop(depth);
+        } catch (...) {
+        }
+      }
+    } pop_on_exit{depth};
+    out = closure_->call(replay_inputs);
+  }
+  out.tensors.clear();  // the recomputation's own outputs are not needed
+  const bool stopped = stopped_;
+  stopped_ = false;
+  if (out.error && !stopped) {
+    MS_CHECK(false, "checkpoint: the function failed during the recomputation in backward (needed for the ",
+                meta.describe(), "): ", *out.error);
+  }
+  MS_CHECK(missing_ == 0, "checkpoint: the recomputation saved ", next_capture_,
+              " tensors for backward but the forward saved ", storage_.size(),
+              "; the function must do the same computation when it is rerun");
+}
 
 }  // namespace
 
 extern "C" {
 
-void ms_outputs_push(void* outputs, const at::Tensor* t) {
-  static_cast<Outputs*>(outputs)->tensors.push_back(t == nullptr ? at::Tensor() : *t);
+void ms_outputs_push(void* outputs, const at::Tensor* t) noexcept {
+  try {
+    static_cast<Outputs*>(outputs)->tensors.push_back(t == nullptr ? at::Tensor() : *t);
+  } catch (...) {
+    try {
+      static_cast<Outputs*>(outputs)->error = "out of memory collecting the function's outputs";
+    } catch (...) {
+    }
+  }
 }
 
-void ms_outputs_fail(void* outputs, const char* message) {
-  static_cast<Outputs*>(outputs)->error = std::string(message == nullptr ? "unknown error" : message);
+void ms_outputs_fail(void* outputs, const char* message) noexcept {
+  try {
+    static_cast<Outputs*>(outputs)->error = std::string(message == nullptr ? "unknown error" : message);
+  } catch (...) {
+  }
 }
+
+// Bytes of the default CPU generator's state, as libtorch copies it (get_state()).
+int ms_cpu_generator_state_bytes(int64_t* out) {
+  MS_TRY({
+    auto gen = at::detail::getDefaultCPUGenerator();
+    *out = static_cast<int64_t>(at::Tensor(get_state(gen)).nbytes());
+  })
+}
+
+// The message of the exception that ends a recomputation early: the Rust side keeps
+// panics carrying it quiet.
+const char* ms_checkpoint_stop_message() noexcept { return kStopMessage; }
 
 // Takes ownership of `ctx` in every case: `drop(ctx)` runs exactly once, either before
 // this returns (error, no graph) or when the autograd graph is freed.
@@ -287,7 +478,14 @@ void ms_outputs_fail(void* outputs, const char* message) {
 // The outputs are returned as a vector handle: read it with `ms_tensor_vec_*`.
 int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_fn run, ms_drop_fn drop,
                   bool preserve_rng, void** out_vec) {
-  auto closure = std::make_unique<Closure>(ctx, run, drop);
+  std::unique_ptr<Closure> closure;
+  try {
+    closure = std::make_unique<Closure>(ctx, run, drop);
+  } catch (...) {
+    drop(ctx);
+    memsave::set_last_error("checkpoint: out of memory");
+    return 1;
+  }
   MS_TRY({
     std::vector<at::Tensor> in;
     in.reserve(n_inputs);
@@ -295,48 +493,44 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     auto result = std::make_unique<std::vector<at::Tensor>>();
     if (!at::GradMode::is_enabled()) {
       // No graph is being built (inference or an outer no_grad): nothing to save.
-      *result = closure->call(in, "forward");
+      auto out = closure->call(in);
+      MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+      *result = std::move(out.tensors);
       *out_vec = result.release();
       return 0;
     }
-    auto state = ForwardState::capture(in, preserve_rng);
-    std::vector<at::Tensor> outputs;
-    {
-      at::NoGradGuard no_grad;
-      outputs = closure->call(in, "forward");
-    }
-    std::vector<OutputMeta> meta;
-    meta.reserve(outputs.size());
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      const auto& o = outputs[i];
-      TORCH_CHECK(o.defined(), "checkpoint: output ", i, " of the function is undefined");
-      meta.push_back({o.sizes().vec(), o.scalar_type(), is_differentiable(o)});
-    }
-    auto node = c10::make_intrusive<CheckpointBackward>(torch::autograd::collect_next_edges(in),
-                                                        std::move(closure), in, std::move(state), meta);
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (meta[i].differentiable) {
-        // A fresh TensorImpl sharing storage: an output that aliases an input must not
-        // change the input's own autograd history.
-        auto wrapped = outputs[i].detach();
-        torch::autograd::impl::set_gradient_edge(wrapped, Edge(node, node->add_input_metadata(wrapped)));
-        result->push_back(std::move(wrapped));
-      } else {
-        node->add_input_metadata(Node::undefined_input());
-        result->push_back(outputs[i]);
+    memsave::hooks::install_engine();
+    if (recompute_depth > 0) {
+      // Inside an outer checkpoint's recomputation: only the outer capture matters.
+      const auto depth = memsave::hooks::push(std::make_shared<DiscardFrame>());
+      Outputs out;
+      try {
+        out = closure->call(in);
+      } catch (...) {
+        memsave::hooks::pop(depth);
+        throw;
       }
+      memsave::hooks::pop(depth);
+      MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+      *result = std::move(out.tensors);
+      *out_vec = result.release();
+      return 0;
     }
+    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng);
+    *result = frame->forward(in);
     *out_vec = result.release();
   })
 }
 
-size_t ms_tensor_vec_len(const void* vec) { return static_cast<const std::vector<at::Tensor>*>(vec)->size(); }
-
-// A new handle to element `i` (a `new at::Tensor`, owned by the caller).
-at::Tensor* ms_tensor_vec_get(const void* vec, size_t i) {
-  return new at::Tensor((*static_cast<const std::vector<at::Tensor>*>(vec))[i]);
+size_t ms_tensor_vec_len(const void* vec) noexcept {
+  return static_cast<const std::vector<at::Tensor>*>(vec)->size();
 }
 
-void ms_tensor_vec_free(void* vec) { delete static_cast<std::vector<at::Tensor>*>(vec); }
+// Writes a new handle to element `i` (a `new at::Tensor`, owned by the caller).
+int ms_tensor_vec_get(const void* vec, size_t i, at::Tensor** out) {
+  MS_TRY({ *out = new at::Tensor((*static_cast<const std::vector<at::Tensor>*>(vec)).at(i)); })
+}
+
+void ms_tensor_vec_free(void* vec) noexcept { delete static_cast<std::vector<at::Tensor>*>(vec); }
 
 }  // extern "C"

@@ -12,9 +12,16 @@
 
 namespace memsave {
 
-void set_last_error(std::string message);
+void set_last_error(std::string message) noexcept;
 
 }  // namespace memsave
+
+// Like TORCH_CHECK, but the error carries no C++ backtrace: an error meant for the
+// user (a hook or a checkpoint failing in backward) reaches tch as one line.
+#define MS_CHECK(cond, ...)                                        \
+  do {                                                             \
+    if (!(cond)) throw c10::Error(c10::str(__VA_ARGS__), nullptr); \
+  } while (false)
 
 // Runs the body (a braced statement list); returns 0 on success, 1 after recording
 // the error. Variadic so that commas inside the body need no parentheses.

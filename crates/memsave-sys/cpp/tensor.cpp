@@ -57,9 +57,9 @@ int ms_backward_with_grads(at::Tensor* const* tensors, at::Tensor* const* grads,
   })
 }
 
-bool ms_grad_mode_enabled() { return at::GradMode::is_enabled(); }
+bool ms_grad_mode_enabled() noexcept { return at::GradMode::is_enabled(); }
 
-void ms_grad_mode_set_enabled(bool enabled) { at::GradMode::set_enabled(enabled); }
+void ms_grad_mode_set_enabled(bool enabled) noexcept { at::GradMode::set_enabled(enabled); }
 
 // Multiplies every tensor by `inv_scale` in place and sets `found_inf` to 1 when any
 // holds an inf or NaN (torch._amp_foreach_non_finite_check_and_unscale_).

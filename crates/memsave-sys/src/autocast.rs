@@ -69,14 +69,30 @@ pub fn set_dtype(device: Device, kind: Kind) -> Result<()> {
 
 /// Enters one autocast nesting level; returns the new depth.
 pub fn increment_nesting() -> i64 {
-    // SAFETY: updates a thread-local counter.
-    unsafe { ffi::ms_autocast_increment_nesting() }
+    let mut depth = 0i64;
+    // SAFETY: `depth` is a valid, writable i64; the bridge catches every C++ exception.
+    nesting_ok(check(unsafe {
+        ffi::ms_autocast_increment_nesting(&mut depth)
+    }));
+    depth
 }
 
 /// Leaves one autocast nesting level; returns the new depth.
 pub fn decrement_nesting() -> i64 {
-    // SAFETY: updates a thread-local counter.
-    unsafe { ffi::ms_autocast_decrement_nesting() }
+    let mut depth = 0i64;
+    // SAFETY: `depth` is a valid, writable i64; the bridge catches every C++ exception.
+    nesting_ok(check(unsafe {
+        ffi::ms_autocast_decrement_nesting(&mut depth)
+    }));
+    depth
+}
+
+/// The nesting depth is a thread-local counter in libtorch; updating it cannot fail
+/// short of a broken C++ runtime, and a wrong depth would corrupt the cast cache.
+fn nesting_ok(result: Result<()>) {
+    if let Err(e) = result {
+        panic!("memsave-sys: autocast nesting failed: {e}");
+    }
 }
 
 /// Clears the cache of casted weights (done by PyTorch when the outermost scope ends).

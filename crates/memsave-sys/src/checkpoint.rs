@@ -1,10 +1,15 @@
-//! A custom autograd node whose backward reruns a Rust closure (the mechanism of
-//! gradient checkpointing; `memsave-checkpoint` builds the user-facing API on it).
+//! Gradient checkpointing on saved-tensor hooks (`memsave-checkpoint` builds the
+//! user-facing API on it).
+//!
+//! The closure runs with grad enabled under a hook frame that keeps a handle instead of
+//! each tensor autograd saves; the first handle unpacked in backward reruns the closure
+//! and hands the recomputed tensors to the original graph (PyTorch's non-reentrant
+//! scheme), so every autograd entry point works through a checkpoint.
 use crate::error::check;
 use crate::{ffi, Error, Result};
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
+use std::sync::{Mutex, Once};
 use tch::Tensor;
 use torch_sys::C_tensor;
 
@@ -73,16 +78,56 @@ unsafe extern "C" fn drop_closure(ctx: *mut c_void) {
     }));
 }
 
-/// Runs `f(inputs)` without building a graph and attaches its floating-point outputs to
-/// a node that reruns `f` in backward.
+/// The text of the error that ends a recomputation once every tensor backward needs is
+/// back; a closure that unwraps it panics with this text, which is not a failure.
+fn stop_message() -> &'static str {
+    // SAFETY: the bridge returns a pointer to a static NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(ffi::ms_checkpoint_stop_message()) }
+        .to_str()
+        .unwrap_or("memsave-checkpoint: recomputation stopped early")
+}
+
+/// Bytes of one copy of the CPU generator's state: what a checkpoint whose function
+/// draws random numbers keeps to replay them (with `preserve_rng`).
+pub fn cpu_generator_state_bytes() -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `out` is a valid, writable i64; the bridge catches every C++ exception.
+    check(unsafe { ffi::ms_cpu_generator_state_bytes(&mut out) })?;
+    Ok(out.max(0) as u64)
+}
+
+/// Keeps panics that carry the early-stop message off stderr. Installed once per process
+/// on the first checkpoint; every other panic goes to the hook that was there before.
+fn quiet_early_stop_panics() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let previous = std::panic::take_hook();
+        let stop = stop_message();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = panic_message(info.payload());
+            if !message.contains(stop) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Runs `f(inputs)` with grad enabled, keeping a handle instead of every tensor autograd
+/// saves inside it, and reruns `f` in backward to get those tensors back.
 ///
-/// In backward the node restores the RNG state of the forward (when `preserve_rng`)
-/// and its autocast state, reruns `f` with grad enabled on detached copies of the
-/// inputs, back-propagates through the rerun (so parameter gradients accumulate as
-/// without checkpointing, even when no input requires grad) and hands the inputs'
-/// gradients on. An error or panic in `f` comes back as `Err` from the forward, or from
-/// the `f_backward` call in backward. When grad mode is off, `f` simply runs.
+/// In backward the first handle unpacked restores the RNG state of the forward (when
+/// `preserve_rng`) and its autocast state, reruns `f` on detached copies of the inputs
+/// and stops it as soon as every tensor still needed is back. The original graph then
+/// continues, so parameter gradients, `run_backward` to chosen tensors, `create_graph`
+/// and `keep_graph` behave as without checkpointing. An error or panic in `f` comes back
+/// as `Err` from the forward, or from the backward call when the rerun fails. A
+/// function that modifies an input in place is refused at the forward. When grad mode
+/// is off, `f` simply runs.
+///
+/// With `preserve_rng`, checkpointed regions on different threads take turns (a
+/// process-wide lock held while `f` runs), so that each one's random draws are its own.
 pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Result<Vec<Tensor>> {
+    quiet_early_stop_panics();
     let ptrs: Vec<*mut C_tensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let ctx = Box::into_raw(Box::new(Mutex::new(f))) as *mut c_void;
     let mut vec: *mut c_void = std::ptr::null_mut();
@@ -102,15 +147,32 @@ pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Res
     if vec.is_null() {
         return Err(Error::new("checkpoint: the bridge returned no outputs"));
     }
-    // SAFETY: `vec` is the vector handle the bridge returned; each get() is a new
-    // at::Tensor owned by the Tensor wrapping it, and the vector is freed once.
-    let outputs = unsafe {
-        let n = ffi::ms_tensor_vec_len(vec);
-        let outputs = (0..n)
-            .map(|i| Tensor::from_ptr(ffi::ms_tensor_vec_get(vec, i)))
-            .collect();
-        ffi::ms_tensor_vec_free(vec);
-        outputs
-    };
-    Ok(outputs)
+    take_tensor_vec(vec)
+}
+
+/// Reads and frees a vector handle returned by the bridge.
+fn take_tensor_vec(vec: *mut c_void) -> Result<Vec<Tensor>> {
+    // SAFETY: `vec` is a live vector handle returned by the bridge.
+    let n = unsafe { ffi::ms_tensor_vec_len(vec) };
+    let mut outputs = Vec::with_capacity(n);
+    let mut failure = None;
+    for i in 0..n {
+        let mut t: *mut C_tensor = std::ptr::null_mut();
+        // SAFETY: `i < n`; on success `t` is a new at::Tensor owned by the Tensor that
+        // wraps it.
+        match check(unsafe { ffi::ms_tensor_vec_get(vec, i, &mut t) }) {
+            // SAFETY: the bridge wrote a new at::Tensor that nothing else owns.
+            Ok(()) => outputs.push(unsafe { Tensor::from_ptr(t) }),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    // SAFETY: the handle is freed exactly once, after its last use.
+    unsafe { ffi::ms_tensor_vec_free(vec) };
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(outputs),
+    }
 }

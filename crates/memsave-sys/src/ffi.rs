@@ -11,22 +11,42 @@ pub type RunFn = unsafe extern "C" fn(
     n: usize,
     out: *mut c_void,
 );
-/// Callback that drops a checkpointed closure.
+/// Callback that drops a checkpointed closure or a hook context.
 pub type DropFn = unsafe extern "C" fn(ctx: *mut c_void);
+/// Saved-tensor pack hook: stores `t`, writes an opaque handle to `packed`; non-zero
+/// status after writing a message with `ms_error_sink_set(error, ..)`.
+pub type HookPackFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    t: *const C_tensor,
+    saved_by: *const c_char,
+    packed: *mut *mut c_void,
+    error: *mut c_void,
+) -> c_int;
+/// Saved-tensor unpack hook: writes the tensor for `packed` with `ms_tensor_assign(out, ..)`.
+pub type HookUnpackFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    packed: *mut c_void,
+    out: *mut C_tensor,
+    error: *mut c_void,
+) -> c_int;
+/// Frees a handle written by the pack hook (called once per successful pack).
+pub type HookFreeFn = unsafe extern "C" fn(ctx: *mut c_void, packed: *mut c_void);
 
 extern "C" {
     pub fn ms_last_error() -> *const c_char;
+    pub fn ms_error_sink_set(sink: *mut c_void, message: *const c_char);
+    pub fn ms_tensor_assign(dst: *mut C_tensor, src: *const C_tensor);
 
     pub fn ms_cpu_install_counting_allocator() -> c_int;
     pub fn ms_cpu_counting_allocator_active(out: *mut bool) -> c_int;
-    pub fn ms_cpu_allocated() -> i64;
-    pub fn ms_cpu_peak() -> i64;
-    pub fn ms_cpu_reset_peak();
-    pub fn ms_cpu_raise_peak(value: i64);
-    pub fn ms_cpu_set_limit(limit: i64);
-    pub fn ms_cpu_limit() -> i64;
-    pub fn ms_cpu_live_allocations() -> i64;
-    pub fn ms_cpu_largest_allocations(out: *mut i64, cap: usize) -> usize;
+    pub fn ms_cpu_allocated(out: *mut i64) -> c_int;
+    pub fn ms_cpu_peak(out: *mut i64) -> c_int;
+    pub fn ms_cpu_reset_peak() -> c_int;
+    pub fn ms_cpu_raise_peak(value: i64) -> c_int;
+    pub fn ms_cpu_set_limit(limit: i64) -> c_int;
+    pub fn ms_cpu_limit(out: *mut i64) -> c_int;
+    pub fn ms_cpu_live_allocations(out: *mut i64) -> c_int;
+    pub fn ms_cpu_largest_allocations(out: *mut i64, cap: usize, written: *mut usize) -> c_int;
 
     pub fn ms_accelerator_type() -> c_int;
     pub fn ms_device_stats(
@@ -66,8 +86,8 @@ extern "C" {
     pub fn ms_autocast_set_enabled(device_type: c_int, enabled: bool) -> c_int;
     pub fn ms_autocast_get_dtype(device_type: c_int, out: *mut c_int) -> c_int;
     pub fn ms_autocast_set_dtype(device_type: c_int, scalar_type: c_int) -> c_int;
-    pub fn ms_autocast_increment_nesting() -> i64;
-    pub fn ms_autocast_decrement_nesting() -> i64;
+    pub fn ms_autocast_increment_nesting(out: *mut i64) -> c_int;
+    pub fn ms_autocast_decrement_nesting(out: *mut i64) -> c_int;
     pub fn ms_autocast_clear_cache() -> c_int;
 
     pub fn ms_outputs_push(outputs: *mut c_void, t: *const C_tensor);
@@ -82,6 +102,24 @@ extern "C" {
         out_vec: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_tensor_vec_len(vec: *const c_void) -> usize;
-    pub fn ms_tensor_vec_get(vec: *const c_void, i: usize) -> *mut C_tensor;
+    pub fn ms_tensor_vec_get(vec: *const c_void, i: usize, out: *mut *mut C_tensor) -> c_int;
+    pub fn ms_checkpoint_stop_message() -> *const c_char;
+    pub fn ms_cpu_generator_state_bytes(out: *mut i64) -> c_int;
+
+    pub fn ms_hooks_install_engine() -> c_int;
+    pub fn ms_hooks_push(
+        ctx: *mut c_void,
+        pack: HookPackFn,
+        unpack: HookUnpackFn,
+        free_packed: HookFreeFn,
+        drop: DropFn,
+        record_ops: bool,
+        depth: *mut usize,
+    ) -> c_int;
+    pub fn ms_hooks_pop(depth: usize, popped: *mut bool) -> c_int;
+    pub fn ms_tensor_grad_fn_name(t: *const C_tensor, sink: *mut c_void, has: *mut bool) -> c_int;
+    pub fn ms_string_new(out: *mut *mut c_void) -> c_int;
+    pub fn ms_string_data(s: *const c_void) -> *const c_char;
+    pub fn ms_string_free(s: *mut c_void);
     pub fn ms_tensor_vec_free(vec: *mut c_void);
 }

@@ -4,7 +4,8 @@
 //! against the same libtorch and offers safe Rust functions over it: a counting CPU
 //! allocator ([`alloc`]), accelerator statistics ([`device`]), tensor introspection
 //! ([`tensor`]), device-generic autocast state ([`autocast`]) and a custom autograd
-//! node whose backward calls back into Rust ([`checkpoint`]).
+//! saved-tensor hooks that call back into Rust ([`hooks`]) and checkpointing built on them
+//! ([`checkpoint`]).
 //!
 //! No C++ exception and no Rust panic crosses the boundary: every fallible call returns
 //! [`Result`] with libtorch's message.
@@ -25,6 +26,7 @@ pub mod checkpoint;
 pub mod device;
 mod error;
 mod ffi;
+pub mod hooks;
 pub mod tensor;
 
 pub use error::{Error, Result};

@@ -1,0 +1,39 @@
+//! Saved-tensor hooks for tch-rs: decide what autograd keeps for backward.
+//!
+//! Every activation-memory technique goes through one door: the tensors autograd saves
+//! during the forward so that backward can use them. PyTorch opens that door with
+//! `torch.autograd.graph.saved_tensors_hooks`, but libtorch offers it to Python only.
+//! This crate offers it to Rust: inside [`saved_tensors_hooks`] (or while a
+//! [`HooksGuard`] lives), each tensor autograd saves on this thread goes through your
+//! [`SavedTensorHooks::pack`], and backward gets it back through
+//! [`SavedTensorHooks::unpack`]. Built-ins: [`SaveOnCpu`] keeps CUDA activations in host
+//! memory, [`Accounting`] tells which ops keep your memory.
+//!
+//! ```
+//! use memsave_hooks::{saved_tensors_hooks, Accounting};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let w = Tensor::ones([256, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+//! let x = Tensor::ones([64, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+//! // Parameters stay alive anyway: leave them out of the account.
+//! let accounting = Accounting::new().excluding(&[w.shallow_clone()]);
+//! let loss = saved_tensors_hooks(accounting.clone(), || x.matmul(&w).tanh().sum(Kind::Float)).unwrap();
+//! // mm saved its input x (64 x 256 floats, a leaf); tanh saved its own output.
+//! assert_eq!(accounting.bytes_by_op().get("aten::mm"), Some(&(64 * 256 * 4)));
+//! assert_eq!(accounting.bytes_by_op().get("aten::tanh"), Some(&(64 * 256 * 4)));
+//! assert_eq!(accounting.bytes_by_producer().get("leaf"), Some(&(64 * 256 * 4)));
+//! assert_eq!(accounting.bytes_by_producer().get("TanhBackward0"), Some(&(64 * 256 * 4)));
+//! loss.backward();
+//! assert!(w.grad().defined());
+//! ```
+#![forbid(unsafe_code)]
+
+mod accounting;
+mod error;
+mod save_on_cpu;
+mod scope;
+
+pub use accounting::{Accounting, SavedRecord};
+pub use error::{HookError, HooksError};
+pub use save_on_cpu::{OnCpu, SaveOnCpu};
+pub use scope::{hooks_from_fn, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks};

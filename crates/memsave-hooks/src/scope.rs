@@ -1,0 +1,169 @@
+//! The hook scope: a pack/unpack pair on the calling thread's stack.
+use crate::error::{HookError, HooksError};
+use memsave_sys::hooks::{self as raw, HookFrame, Packed, RawHooks};
+use std::sync::Arc;
+use tch::Tensor;
+
+/// A pack/unpack pair for the tensors autograd saves (PyTorch's `pack_hook`/`unpack_hook`).
+///
+/// - `pack` runs in the forward, on the thread that runs the op, with grad mode off and
+///   hooks disabled (a tensor saved inside `pack` is saved plainly).
+/// - `unpack` runs in backward, on whichever thread runs that node (the calling thread
+///   on the CPU, an engine thread per CUDA device), once per use; with
+///   `keep_graph`/`create_graph` it may run several times for one packed value, so it
+///   must not consume it.
+/// - `unpack` must return a tensor of the packed shape and dtype on the same device;
+///   another shape or dtype makes backward fail naming the tensor.
+/// - An `Err` (or a panic) in either hook makes the backward call that needs the
+///   tensor return `Err` naming it; the process goes on.
+pub trait SavedTensorHooks: Send + Sync + 'static {
+    /// What is kept in place of the tensor.
+    type Packed: Send + 'static;
+    /// Keeps `tensor`, or what is needed to rebuild it.
+    fn pack(&self, tensor: &Tensor) -> Result<Self::Packed, HookError>;
+    /// Rebuilds the tensor from what [`pack`](Self::pack) kept.
+    fn unpack(&self, packed: &Self::Packed) -> Result<Tensor, HookError>;
+    /// Whether to call [`pack_saved_by`](Self::pack_saved_by) with the name of the op
+    /// that saves each tensor. Off by default: it costs a callback per op while the
+    /// scope is open.
+    fn records_ops(&self) -> bool {
+        false
+    }
+    /// [`pack`](Self::pack), told which aten op saved the tensor (`aten::addmm`);
+    /// called instead of `pack` when [`records_ops`](Self::records_ops) is true.
+    fn pack_saved_by(
+        &self,
+        tensor: &Tensor,
+        saved_by: Option<&str>,
+    ) -> Result<Self::Packed, HookError> {
+        let _ = saved_by;
+        self.pack(tensor)
+    }
+}
+
+struct Erased<H>(H);
+
+impl<H: SavedTensorHooks> RawHooks for Erased<H> {
+    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, String> {
+        let packed = if self.0.records_ops() {
+            self.0.pack_saved_by(tensor, saved_by)
+        } else {
+            self.0.pack(tensor)
+        };
+        packed
+            .map(|p| Box::new(p) as Packed)
+            .map_err(|e| e.to_string())
+    }
+
+    fn unpack(&self, packed: &Packed) -> Result<Tensor, String> {
+        let packed = packed
+            .downcast_ref::<H::Packed>()
+            .ok_or_else(|| "the packed value has an unexpected type".to_owned())?;
+        self.0.unpack(packed).map_err(|e| e.to_string())
+    }
+
+    fn records_ops(&self) -> bool {
+        self.0.records_ops()
+    }
+}
+
+/// Hooks made of two closures; see [`hooks_from_fn`].
+pub struct FnHooks<P, U> {
+    pack: P,
+    unpack: U,
+}
+
+/// Hooks from a pack closure and an unpack closure, as PyTorch's
+/// `saved_tensors_hooks(pack_hook, unpack_hook)` takes them.
+///
+/// ```
+/// use memsave_hooks::{hooks_from_fn, saved_tensors_hooks};
+/// use tch::{Device, Kind, Tensor};
+///
+/// // Keep saved activations in bf16 and restore their dtype in backward.
+/// let hooks = hooks_from_fn(
+///     |t: &Tensor| Ok((t.kind(), t.to_kind(Kind::BFloat16))),
+///     |(kind, t): &(Kind, Tensor)| Ok(t.to_kind(*kind)),
+/// );
+/// let x = Tensor::linspace(-1.0, 1.0, 8, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let y = saved_tensors_hooks(hooks, || x.tanh().sum(Kind::Float)).unwrap();
+/// y.backward();
+/// let exact = 1.0 - x.detach().tanh().square();
+/// assert!(x.grad().allclose(&exact, 1e-2, 1e-2, false));
+/// ```
+pub fn hooks_from_fn<T, P, U>(pack: P, unpack: U) -> FnHooks<P, U>
+where
+    T: Send + 'static,
+    P: Fn(&Tensor) -> Result<T, HookError> + Send + Sync + 'static,
+    U: Fn(&T) -> Result<Tensor, HookError> + Send + Sync + 'static,
+{
+    FnHooks { pack, unpack }
+}
+
+impl<T, P, U> SavedTensorHooks for FnHooks<P, U>
+where
+    T: Send + 'static,
+    P: Fn(&Tensor) -> Result<T, HookError> + Send + Sync + 'static,
+    U: Fn(&T) -> Result<Tensor, HookError> + Send + Sync + 'static,
+{
+    type Packed = T;
+    fn pack(&self, tensor: &Tensor) -> Result<T, HookError> {
+        (self.pack)(tensor)
+    }
+    fn unpack(&self, packed: &T) -> Result<Tensor, HookError> {
+        (self.unpack)(packed)
+    }
+}
+
+/// While it lives, `hooks` handle every tensor autograd saves on this thread.
+///
+/// Traps:
+/// - **Thread-local.** The guard covers the thread that made it; ops on other threads
+///   save plainly. It is not `Send`, so it is also left on that thread.
+/// - **Innermost wins.** Guards nest; the newest one handles saves until it is
+///   dropped. A checkpoint (`memsave-checkpoint`) is itself a hook scope, so tensors
+///   saved inside a checkpointed function go to the checkpoint, not to outer hooks.
+/// - **Only new saves.** Tensors saved before the guard was made keep their plain
+///   storage; what matters is when the op runs, not when backward runs.
+/// - **Drop order.** Drop guards in reverse order of creation; [`HooksGuard::exit`]
+///   reports a guard left out of order.
+///
+/// The first guard (or checkpoint) installs memsave's autograd engine as libtorch's
+/// default, for the rest of the process: libtorch's own engine plus the hook lookup.
+pub struct HooksGuard {
+    frame: HookFrame,
+}
+
+impl HooksGuard {
+    /// Pushes `hooks` as this thread's innermost saved-tensor hooks.
+    pub fn new<H: SavedTensorHooks>(hooks: H) -> Result<Self, HooksError> {
+        let frame = raw::push(Arc::new(Erased(hooks)))?;
+        Ok(Self { frame })
+    }
+
+    /// Leaves the scope; `Err` when an inner guard is still alive (left out of order).
+    pub fn exit(self) -> Result<(), HooksError> {
+        Ok(self.frame.exit()?)
+    }
+}
+
+impl std::fmt::Debug for HooksGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HooksGuard").finish_non_exhaustive()
+    }
+}
+
+/// Runs `f` with `hooks` handling every tensor autograd saves on this thread (PyTorch's
+/// `with saved_tensors_hooks(pack, unpack):`). See [`HooksGuard`] for the traps.
+///
+/// The scope ends when `f` returns or panics; the tensors packed inside it stay packed
+/// until backward uses or frees them.
+pub fn saved_tensors_hooks<H: SavedTensorHooks, T>(
+    hooks: H,
+    f: impl FnOnce() -> T,
+) -> Result<T, HooksError> {
+    let guard = HooksGuard::new(hooks)?;
+    let value = f();
+    guard.exit()?;
+    Ok(value)
+}

@@ -1,0 +1,284 @@
+// memsave's autograd engine and the Rust-facing saved-tensor hook frames.
+#include "hooks.h"
+
+#include "common.h"
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <mutex>
+#include <sstream>
+
+namespace memsave::hooks {
+namespace {
+
+struct Entry {
+  std::shared_ptr<Frame> frame;
+  at::CallbackHandle op_callback = at::INVALID_CALLBACK_HANDLE;
+};
+
+struct ThreadState {
+  std::vector<Entry> stack;
+  int disabled = 0;
+  // Names of the aten ops running, innermost last (schema names live as long as the process).
+  std::vector<const char*> ops;
+  int op_recorders = 0;
+};
+
+ThreadState& tls() {
+  thread_local ThreadState state;
+  return state;
+}
+
+// The base engine's behaviour, plus the calling thread's innermost hook frame.
+struct MemsaveEngine final : torch::autograd::Engine {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    auto& state = tls();
+    if (state.disabled > 0 || state.stack.empty()) return nullptr;
+    // Hooks of one frame are never asked for while that frame packs (DisableGuard).
+    return state.stack.back().frame->make_hooks();
+  }
+};
+
+torch::autograd::Engine& memsave_engine() {
+  // Leaked on purpose: graphs can be freed during static destruction.
+  static auto* engine = new MemsaveEngine();
+  return *engine;
+}
+
+}  // namespace
+
+SavedMeta SavedMeta::of(const at::Tensor& t) {
+  SavedMeta m;
+  m.sizes = t.sizes().vec();
+  m.dtype = t.scalar_type();
+  m.device = t.device();
+  // Read without `grad_fn()`, which can regenerate a view's node as a side effect.
+  auto* autograd_meta = torch::autograd::impl::get_autograd_meta(t);
+  const auto* fn = autograd_meta != nullptr ? autograd_meta->grad_fn_.get() : nullptr;
+  m.producer = fn != nullptr ? fn->name() : std::string(t.requires_grad() ? "leaf" : "constant");
+  if (!t.is_inference()) {
+    m.version = torch::autograd::impl::version_counter(t);
+    m.track_version = m.version.enabled();
+    if (m.track_version) m.saved_version = m.version.current_version();
+  }
+  return m;
+}
+
+std::string SavedMeta::describe() const {
+  std::ostringstream s;
+  s << "tensor " << c10::IntArrayRef(sizes) << " " << dtype << " on " << device << " saved from " << producer;
+  return s.str();
+}
+
+void SavedMeta::check_version() const {
+  if (!track_version) return;
+  const auto now = version.current_version();
+  MS_CHECK(now == saved_version, "a ", describe(),
+              " needed for gradient computation was modified by an in-place operation (version ", saved_version,
+              " at save, ", now, " now); clone it before modifying it, or use tch's out-of-place op");
+}
+
+void SavedMeta::check_unpacked(const at::Tensor& t, const char* who, const char* hint) const {
+  MS_CHECK(t.defined(), who, " returned an undefined tensor for the ", describe(), "; ", hint);
+  MS_CHECK(t.sizes() == c10::IntArrayRef(sizes) && t.scalar_type() == dtype, who, " gave a tensor of shape ",
+              t.sizes(), " and dtype ", t.scalar_type(), " for the ", describe(), "; ", hint);
+}
+
+void install_engine() {
+  static std::once_flag once;
+  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&memsave_engine); });
+}
+
+namespace {
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  tls().ops.push_back(fn.name());
+  return nullptr;
+}
+
+void on_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  auto& ops = tls().ops;
+  if (!ops.empty()) ops.pop_back();
+}
+
+}  // namespace
+
+size_t push(std::shared_ptr<Frame> frame, bool record_ops) {
+  auto& state = tls();
+  Entry entry{std::move(frame)};
+  if (record_ops) {
+    entry.op_callback = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_op_start, &on_op_end).scopes({at::RecordScope::FUNCTION}));
+    ++state.op_recorders;
+  }
+  try {
+    state.stack.push_back(std::move(entry));
+  } catch (...) {
+    if (record_ops) {
+      at::removeCallback(entry.op_callback);
+      --state.op_recorders;
+    }
+    throw;
+  }
+  return state.stack.size();
+}
+
+bool pop(size_t depth) {
+  auto& state = tls();
+  auto& stack = state.stack;
+  if (stack.size() != depth || depth == 0) return false;
+  // Move out first: the frame's destructor may run Rust code that pushes or pops.
+  auto entry = std::move(stack.back());
+  stack.pop_back();
+  if (entry.op_callback != at::INVALID_CALLBACK_HANDLE) {
+    at::removeCallback(entry.op_callback);
+    if (--state.op_recorders == 0) state.ops.clear();
+  }
+  entry.frame.reset();
+  return true;
+}
+
+const char* current_op() {
+  const auto& state = tls();
+  return state.op_recorders > 0 && !state.ops.empty() ? state.ops.back() : nullptr;
+}
+
+DisableGuard::DisableGuard() { ++tls().disabled; }
+DisableGuard::~DisableGuard() { --tls().disabled; }
+
+}  // namespace memsave::hooks
+
+// ---------------------------------------------------------------------------------
+// Hooks written in Rust: the frame owns a Rust context with pack/unpack callbacks.
+
+typedef int (*ms_hook_pack_fn)(void* ctx, const at::Tensor* t, const char* saved_by, void** packed, void* error);
+typedef int (*ms_hook_unpack_fn)(void* ctx, void* packed, at::Tensor* out, void* error);
+typedef void (*ms_hook_free_fn)(void* ctx, void* packed);
+typedef void (*ms_hook_drop_fn)(void* ctx);
+
+namespace {
+
+using memsave::hooks::SavedMeta;
+
+struct RustHookFrame final : memsave::hooks::Frame, std::enable_shared_from_this<RustHookFrame> {
+  void* ctx;
+  ms_hook_pack_fn pack;
+  ms_hook_unpack_fn unpack;
+  ms_hook_free_fn free_packed;
+  ms_hook_drop_fn drop;
+
+  RustHookFrame(void* c, ms_hook_pack_fn p, ms_hook_unpack_fn u, ms_hook_free_fn f, ms_hook_drop_fn d)
+      : ctx(c), pack(p), unpack(u), free_packed(f), drop(d) {}
+  RustHookFrame(const RustHookFrame&) = delete;
+  RustHookFrame& operator=(const RustHookFrame&) = delete;
+  ~RustHookFrame() override { drop(ctx); }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override;
+};
+
+struct RustSavedHooks final : torch::autograd::SavedVariableHooks {
+  std::shared_ptr<RustHookFrame> frame;
+  void* packed = nullptr;
+  SavedMeta meta;
+  std::string pack_error;  // non-empty: the pack hook failed; reported at unpack
+
+  explicit RustSavedHooks(std::shared_ptr<RustHookFrame> f) : frame(std::move(f)) {}
+  RustSavedHooks(const RustSavedHooks&) = delete;
+  RustSavedHooks& operator=(const RustSavedHooks&) = delete;
+  ~RustSavedHooks() override {
+    if (packed != nullptr) frame->free_packed(frame->ctx, packed);
+  }
+
+  void call_pack_hook(const at::Tensor& tensor) override {
+    meta = SavedMeta::of(tensor);
+    const char* saved_by = memsave::hooks::current_op();
+    memsave::hooks::DisableGuard no_hooks;
+    std::string error;
+    if (frame->pack(frame->ctx, &tensor, saved_by, &packed, &error) != 0) {
+      packed = nullptr;
+      pack_error = error.empty() ? std::string("unknown error") : error;
+    }
+  }
+
+  at::Tensor call_unpack_hook() override {
+    MS_CHECK(pack_error.empty(), "saved_tensors_hooks: the pack hook failed for the ", meta.describe(), ": ",
+                pack_error);
+    meta.check_version();
+    at::Tensor out;
+    std::string error;
+    if (frame->unpack(frame->ctx, packed, &out, &error) != 0) {
+      MS_CHECK(false, "saved_tensors_hooks: the unpack hook failed for the ", meta.describe(), ": ",
+                  error.empty() ? std::string("unknown error") : error);
+    }
+    meta.check_unpacked(out, "saved_tensors_hooks: the unpack hook",
+                        "unpack must restore the packed shape and dtype");
+    return out;
+  }
+};
+
+std::unique_ptr<torch::autograd::SavedVariableHooks> RustHookFrame::make_hooks() {
+  return std::make_unique<RustSavedHooks>(shared_from_this());
+}
+
+}  // namespace
+
+extern "C" {
+
+void ms_error_sink_set(void* sink, const char* message) noexcept {
+  try {
+    *static_cast<std::string*>(sink) = message == nullptr ? "unknown error" : message;
+  } catch (...) {
+  }
+}
+
+void ms_tensor_assign(at::Tensor* dst, const at::Tensor* src) noexcept { *dst = *src; }
+
+int ms_hooks_install_engine() {
+  MS_TRY({ memsave::hooks::install_engine(); })
+}
+
+// Takes ownership of `ctx` in every case: `drop(ctx)` runs exactly once, when the
+// frame and every tensor packed by it are gone (or before this returns on error).
+int ms_hooks_push(void* ctx, ms_hook_pack_fn pack, ms_hook_unpack_fn unpack, ms_hook_free_fn free_packed,
+                  ms_hook_drop_fn drop, bool record_ops, size_t* depth) {
+  std::shared_ptr<RustHookFrame> frame;
+  try {
+    frame = std::make_shared<RustHookFrame>(ctx, pack, unpack, free_packed, drop);
+  } catch (...) {
+    drop(ctx);
+    memsave::set_last_error("saved_tensors_hooks: out of memory creating a hook frame");
+    return 1;
+  }
+  MS_TRY({
+    memsave::hooks::install_engine();
+    *depth = memsave::hooks::push(std::move(frame), record_ops);
+  })
+}
+
+// Writes the name of `t`'s grad_fn into `sink` (a std::string), or nothing when it has
+// none; read without `grad_fn()`, which can regenerate a view's node.
+int ms_tensor_grad_fn_name(const at::Tensor* t, void* sink, bool* has) {
+  MS_TRY({
+    MS_CHECK(t->defined(), "the tensor is undefined");
+    auto* meta = torch::autograd::impl::get_autograd_meta(*t);
+    const auto* fn = meta != nullptr ? meta->grad_fn_.get() : nullptr;
+    *has = fn != nullptr;
+    if (fn != nullptr) *static_cast<std::string*>(sink) = fn->name();
+  })
+}
+
+int ms_string_new(void** out) {
+  MS_TRY({ *out = new std::string(); })
+}
+
+const char* ms_string_data(const void* s) noexcept { return static_cast<const std::string*>(s)->c_str(); }
+
+void ms_string_free(void* s) noexcept { delete static_cast<std::string*>(s); }
+
+int ms_hooks_pop(size_t depth, bool* popped) {
+  MS_TRY({ *popped = memsave::hooks::pop(depth); })
+}
+
+}  // extern "C"

@@ -1,0 +1,71 @@
+// Saved-tensor hooks without Python: a thread-local stack of hook frames consulted by
+// memsave's autograd engine for every tensor autograd saves.
+//
+// libtorch asks `Engine::get_default_engine().get_default_saved_variable_hooks()` each
+// time a SavedVariable is made (while `at::SavedTensorDefaultHooks::is_enabled()`).
+// memsave installs an Engine subclass whose answer is the innermost frame of the
+// calling thread's stack. Each frame makes one `SavedVariableHooks` object per saved
+// tensor; those objects live with the graph and may be unpacked on any thread.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace memsave::hooks {
+
+// What every packed tensor remembers, to check what unpack gives back and to name the
+// tensor in errors: libtorch skips its own version check when hooks are set.
+struct SavedMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device = c10::Device(c10::kCPU);
+  std::string producer;  // grad_fn name of the saved tensor, or "leaf"
+  c10::VariableVersion version{c10::VariableVersion::Disabled::DISABLED};
+  uint32_t saved_version = 0;
+  bool track_version = false;
+
+  static SavedMeta of(const at::Tensor& t);
+  std::string describe() const;  // "tensor [4, 8] Float saved from AddmmBackward0"
+  // Throws a c10::Error naming the tensor when it was modified in place since pack.
+  void check_version() const;
+  // Throws when `t` does not have the packed shape and dtype; `hint` says what to fix.
+  void check_unpacked(const at::Tensor& t, const char* who, const char* hint) const;
+};
+
+// One entry of a thread's hook stack.
+class Frame {
+ public:
+  virtual ~Frame() = default;
+  virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() = 0;
+};
+
+// Installs memsave's engine as libtorch's default (once per process; idempotent).
+void install_engine();
+
+// Pushes `frame` on the calling thread's stack; returns the new depth. With
+// `record_ops`, the thread tracks the op running (a RecordFunction callback) until the
+// frame is popped, for `current_op()`.
+size_t push(std::shared_ptr<Frame> frame, bool record_ops = false);
+
+// The innermost aten op running on this thread ("aten::addmm"), or nullptr when no
+// frame with `record_ops` is pushed.
+const char* current_op();
+// Pops the innermost frame if the depth matches; false when it does not (a scope left
+// out of order or on another thread).
+bool pop(size_t depth);
+
+// Hooks are off on this thread while a guard lives (inside pack hooks, as PyTorch does).
+class DisableGuard {
+ public:
+  DisableGuard();
+  ~DisableGuard();
+  DisableGuard(const DisableGuard&) = delete;
+  DisableGuard& operator=(const DisableGuard&) = delete;
+};
+
+}  // namespace memsave::hooks

@@ -1,0 +1,225 @@
+//! Saved-tensor hooks: a thread-local stack of pack/unpack pairs that autograd consults
+//! for every tensor it saves for backward (PyTorch's `saved_tensors_hooks`, which
+//! libtorch otherwise offers to Python only). `memsave-hooks` builds the user-facing
+//! scope on it.
+//!
+//! The first push installs memsave's autograd engine as libtorch's default: a subclass
+//! of libtorch's engine that behaves like it and, in addition, asks the calling thread's
+//! innermost frame for hooks whenever a tensor is saved.
+use crate::checkpoint::panic_message;
+use crate::error::check;
+use crate::{ffi, Error, Result};
+use std::any::Any;
+use std::ffi::{c_char, c_void, CString};
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+/// What a pack hook keeps in place of a saved tensor.
+pub type Packed = Box<dyn Any + Send>;
+
+/// The bridge may unpack on any engine thread: the packed value is reached through a
+/// lock, so it needs to be `Send` only.
+type Stored = Mutex<Packed>;
+
+/// A pack/unpack pair. Both run with grad mode off; `pack` runs on the thread that saves
+/// the tensor (the forward's), `unpack` on whichever thread runs that part of backward.
+pub trait RawHooks: Send + Sync + 'static {
+    /// Keeps `tensor` (or what is needed to rebuild it); an `Err` is reported, naming
+    /// the tensor, when backward needs it. `saved_by` is the aten op that saved it
+    /// (`aten::addmm`) when [`records_ops`](Self::records_ops) is true.
+    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> std::result::Result<Packed, String>;
+    /// Whether `pack` wants `saved_by`: tracking the running op costs a callback per op
+    /// while the frame is pushed.
+    fn records_ops(&self) -> bool {
+        false
+    }
+    /// Rebuilds the tensor from what `pack` kept; it must have the packed shape and dtype.
+    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, String>;
+}
+
+type Ctx = Arc<dyn RawHooks>;
+
+fn write_error(sink: *mut c_void, message: &str) {
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: `sink` is the live std::string the bridge passed; it copies the message.
+    unsafe { ffi::ms_error_sink_set(sink, message.as_ptr()) }
+}
+
+unsafe extern "C" fn pack(
+    ctx: *mut c_void,
+    t: *const C_tensor,
+    saved_by: *const c_char,
+    packed: *mut *mut c_void,
+    error: *mut c_void,
+) -> i32 {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `ctx` is the `Box<Ctx>` leaked in `push`, alive until `drop_ctx`.
+        let hooks = unsafe { &*(ctx as *const Ctx) };
+        // SAFETY: `t` is a live at::Tensor for the call; this makes a new handle to it.
+        let tensor = unsafe { Tensor::clone_from_ptr(t as *mut C_tensor) };
+        let saved_by = (!saved_by.is_null())
+            // SAFETY: a non-null `saved_by` is a NUL-terminated op name that outlives the call.
+            .then(|| unsafe { std::ffi::CStr::from_ptr(saved_by) }.to_string_lossy());
+        hooks.pack(&tensor, saved_by.as_deref())
+    }));
+    match result {
+        Ok(Ok(p)) => {
+            // SAFETY: `packed` is a valid out-pointer; ownership passes to the bridge,
+            // which hands it back to `free_packed` exactly once.
+            unsafe { *packed = Box::into_raw(Box::new(Stored::new(p))) as *mut c_void };
+            0
+        }
+        Ok(Err(message)) => {
+            write_error(error, &message);
+            1
+        }
+        Err(payload) => {
+            write_error(error, &format!("panicked: {}", panic_message(&*payload)));
+            1
+        }
+    }
+}
+
+unsafe extern "C" fn unpack(
+    ctx: *mut c_void,
+    packed: *mut c_void,
+    out: *mut C_tensor,
+    error: *mut c_void,
+) -> i32 {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: as in `pack`.
+        let hooks = unsafe { &*(ctx as *const Ctx) };
+        // SAFETY: `packed` is the Box<Stored> that `pack` returned; the bridge still owns it.
+        let stored = unsafe { &*(packed as *const Stored) };
+        let packed = stored
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        hooks.unpack(&packed)
+    }));
+    match result {
+        Ok(Ok(t)) => {
+            // SAFETY: `out` is a live at::Tensor slot of the bridge; the handle is copied.
+            unsafe { ffi::ms_tensor_assign(out, t.as_ptr()) };
+            0
+        }
+        Ok(Err(message)) => {
+            write_error(error, &message);
+            1
+        }
+        Err(payload) => {
+            write_error(error, &format!("panicked: {}", panic_message(&*payload)));
+            1
+        }
+    }
+}
+
+unsafe extern "C" fn free_packed(_ctx: *mut c_void, packed: *mut c_void) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `packed` came from `Box::into_raw` in `pack`; freed only here, once.
+        drop(unsafe { Box::from_raw(packed as *mut Stored) });
+    }));
+}
+
+unsafe extern "C" fn drop_ctx(ctx: *mut c_void) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `ctx` came from `Box::into_raw` in `push`; dropped only here, once.
+        drop(unsafe { Box::from_raw(ctx as *mut Ctx) });
+    }));
+}
+
+/// A frame pushed on the calling thread's hook stack; popped when dropped.
+///
+/// Not `Send`: the stack is per thread, so a frame must be left on the thread that
+/// entered it. Frames must be left in reverse order of entry; [`HookFrame::exit`] says
+/// when they are not.
+#[derive(Debug)]
+pub struct HookFrame {
+    depth: usize,
+    exited: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+/// Pushes `hooks` as the calling thread's innermost saved-tensor hooks.
+pub fn push(hooks: Arc<dyn RawHooks>) -> Result<HookFrame> {
+    let record_ops = hooks.records_ops();
+    let ctx = Box::into_raw(Box::new(hooks)) as *mut c_void;
+    let mut depth = 0usize;
+    // SAFETY: ownership of `ctx` passes to the bridge, which calls `drop_ctx` exactly
+    // once; the callbacks match the bridge's signatures; `depth` is writable.
+    check(unsafe {
+        ffi::ms_hooks_push(
+            ctx,
+            pack,
+            unpack,
+            free_packed,
+            drop_ctx,
+            record_ops,
+            &mut depth,
+        )
+    })?;
+    Ok(HookFrame {
+        depth,
+        exited: false,
+        _not_send: PhantomData,
+    })
+}
+
+impl HookFrame {
+    /// Pops this frame; `Err` when it is not the innermost one (frames left out of order).
+    pub fn exit(mut self) -> Result<()> {
+        self.exited = true;
+        pop(self.depth)
+    }
+}
+
+fn pop(depth: usize) -> Result<()> {
+    let mut popped = false;
+    // SAFETY: plain values and a writable bool; the bridge catches every exception.
+    check(unsafe { ffi::ms_hooks_pop(depth, &mut popped) })?;
+    if popped {
+        Ok(())
+    } else {
+        Err(Error::new(
+            "saved_tensors_hooks: a hook scope was left out of order (an inner scope is still open); \
+             leave scopes in reverse order of entry",
+        ))
+    }
+}
+
+impl Drop for HookFrame {
+    fn drop(&mut self) {
+        if !self.exited {
+            let _ = pop(self.depth);
+        }
+    }
+}
+
+/// Installs memsave's autograd engine as libtorch's default (idempotent). Pushing a
+/// frame or checkpointing does this; call it first only to make later behaviour
+/// independent of which comes first.
+pub fn install_engine() -> Result<()> {
+    // SAFETY: no arguments; the bridge catches every C++ exception.
+    check(unsafe { ffi::ms_hooks_install_engine() })
+}
+
+/// The name of the autograd node that produced `t` (`AddmmBackward0`), or `None` for a
+/// leaf or a tensor without history.
+pub fn grad_fn_name(t: &Tensor) -> Result<Option<String>> {
+    let mut sink: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `sink` is a writable pointer; on success it owns a new std::string.
+    check(unsafe { ffi::ms_string_new(&mut sink) })?;
+    let mut has = false;
+    // SAFETY: `t` is a live tch tensor and `sink` the string made above.
+    let status = check(unsafe { ffi::ms_tensor_grad_fn_name(t.as_ptr(), sink, &mut has) });
+    // SAFETY: `sink` is a live std::string; its text is copied before it is freed once.
+    let name = unsafe { std::ffi::CStr::from_ptr(ffi::ms_string_data(sink)) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: freed exactly once, after its last use.
+    unsafe { ffi::ms_string_free(sink) };
+    status?;
+    Ok(has.then_some(name))
+}
