@@ -52,4 +52,4 @@ pub use accumulate::{AccumConfig, AccumStep, GradAccumulator, MicroStep};
 pub use error::{AccumError, BoxError, Result};
 pub use fit::{fit_micro_batch, FitReport, Trial};
 pub use grads::free_grads;
-pub use split::{f_split, MicroBatch, Split};
+pub use split::{f_split, MicroBatch, Split, MAX_MICRO_BATCHES};
