@@ -147,7 +147,11 @@ mod tests {
             (1 << 40, Split::MaxSize(1), "at most 1048576"),
             (1 << 40, Split::Count(1 << 38), "at most 1048576"),
             (i64::MAX, Split::MaxSize(1), "at most 1048576"),
-            (i64::MAX, Split::Count(usize::MAX), "at most one micro-batch per sample"),
+            (
+                i64::MAX,
+                Split::Count(usize::MAX),
+                "at most one micro-batch per sample",
+            ),
         ] {
             let e = f_split(b, split).unwrap_err().to_string();
             assert!(e.contains(needle), "{b} {split:?}: {e}");
@@ -181,7 +185,10 @@ mod tests {
         );
         // One past the limit by size, exactly the limit by count and by size.
         assert!(f_split((1 << 20) + 1, Split::MaxSize(1)).is_err());
-        assert_eq!(f_split(1 << 40, Split::Count(1 << 20)).unwrap().len(), 1 << 20);
+        assert_eq!(
+            f_split(1 << 40, Split::Count(1 << 20)).unwrap().len(),
+            1 << 20
+        );
         let by_size = f_split(1 << 40, Split::MaxSize(1 << 20)).unwrap();
         assert_eq!(by_size.len(), 1 << 20);
         assert_eq!(by_size.last().unwrap().end(), 1 << 40);

@@ -180,8 +180,16 @@ fn a_tighter_limit_already_set_is_honoured_and_restored() {
 
     let report = fit_micro_batch(10_000_000, MAX, &params, |n| seed.loss(n)).unwrap();
     assert_eq!(report.micro_batch, 5, "{report}");
-    assert_eq!(report.budget_bytes, (p5 + p6) / 2, "the limit's room is the budget");
-    assert_eq!(memory_limit(CPU), Some(user_limit), "the user's limit is back");
+    assert_eq!(
+        report.budget_bytes,
+        (p5 + p6) / 2,
+        "the limit's room is the budget"
+    );
+    assert_eq!(
+        memory_limit(CPU),
+        Some(user_limit),
+        "the user's limit is back"
+    );
 
     // A budget tighter than the limit still wins, and the limit is back after it too.
     let budget = (seed.peak(2) + seed.peak(3)) / 2;
@@ -201,7 +209,10 @@ fn parameters_on_two_devices_are_refused() {
     let err = fit_micro_batch(1 << 30, MAX, &params, |n| seed.loss(n));
     match err {
         Err(e @ AccumError::MixedDevices { .. }) => {
-            assert!(e.to_string().contains("move the model to one device"), "{e}")
+            assert!(
+                e.to_string().contains("move the model to one device"),
+                "{e}"
+            )
         }
         other => panic!("expected MixedDevices, got {other:?}"),
     }

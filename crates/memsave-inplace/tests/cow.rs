@@ -122,7 +122,10 @@ fn a_view_is_copied_while_its_base_is_held_and_mutated_once_it_alone_holds_it() 
     assert!(y.equal(&base.view([4, 3]).relu()));
     drop(base);
     let (in_place, _) = run(exclusive_f32().view([4, 3]), f_relu);
-    assert!(!in_place, "the temporary base is still alive during the call");
+    assert!(
+        !in_place,
+        "the temporary base is still alive during the call"
+    );
 
     // Once the base is unreachable the view alone holds it (exclusivity.rs) and the
     // update happens in place, with the same values.
@@ -154,7 +157,10 @@ fn grad_through_first_half(a: &Tensor, f: impl FnOnce(Tensor) -> Tensor) -> (Ten
 fn one_of_several_views_of_one_op_is_copied_in_training_as_libtorch_refuses_the_write() {
     let a = Tensor::randn([4, 3], F32);
     let half = first_half_of_a_split(&a.detach().set_requires_grad(true));
-    assert!(is_exclusive(&half).unwrap(), "the counts alone say exclusive");
+    assert!(
+        is_exclusive(&half).unwrap(),
+        "the counts alone say exclusive"
+    );
     assert!(!can_mutate_in_place(&half).unwrap());
     drop(half);
 
@@ -207,7 +213,10 @@ fn a_view_made_under_no_grad_is_copied_in_training_and_mutated_under_no_grad() {
     };
     let w = Tensor::randn([2, 3], F32).set_requires_grad(true);
     let view = no_grad_view();
-    assert!(is_exclusive(&view).unwrap(), "the counts alone say exclusive");
+    assert!(
+        is_exclusive(&view).unwrap(),
+        "the counts alone say exclusive"
+    );
     assert!(!can_mutate_in_place(&view).unwrap());
     let expected = &no_grad_view() + &w;
     let (in_place, y) = run(view, |x| f_add(x, &w));
@@ -251,7 +260,6 @@ fn a_leaf_that_requires_grad_is_never_mutated_even_under_no_grad() {
     let (in_place, _) = run(w, |w| f_clamp(w, 0.0, 1.0));
     assert!(!in_place);
 }
-
 
 #[test]
 #[serial]

@@ -39,7 +39,10 @@ pub enum ParseBytesError {
         input: String,
     },
     /// A well-formed size of more than `u64::MAX` bytes.
-    #[error("size '{input}' is too large: at most {} bytes (16 EiB) can be counted", u64::MAX)]
+    #[error(
+        "size '{input}' is too large: at most {} bytes (16 EiB) can be counted",
+        u64::MAX
+    )]
     TooLarge {
         /// The text given.
         input: String,
@@ -142,7 +145,16 @@ mod tests {
         assert_eq!("1.5GB".parse::<Bytes>(), Ok(Bytes(1_500_000_000)));
         assert_eq!("4096".parse::<Bytes>(), Ok(Bytes(4096)));
         for bad in [
-            "60MB!", "", "MiB", "-1MiB", "1.2.3KB", "0.5B", "10 parsecs", ".", "1e3", "+5",
+            "60MB!",
+            "",
+            "MiB",
+            "-1MiB",
+            "1.2.3KB",
+            "0.5B",
+            "10 parsecs",
+            ".",
+            "1e3",
+            "+5",
         ] {
             let e = bad.parse::<Bytes>().unwrap_err();
             assert!(
@@ -159,10 +171,7 @@ mod tests {
             "9007199254740993".parse::<Bytes>(),
             Ok(Bytes(9_007_199_254_740_993))
         );
-        assert_eq!(
-            "18446744073709551615".parse::<Bytes>(),
-            Ok(Bytes(u64::MAX))
-        );
+        assert_eq!("18446744073709551615".parse::<Bytes>(), Ok(Bytes(u64::MAX)));
         assert_eq!("0000000000000000000000042".parse::<Bytes>(), Ok(Bytes(42)));
         assert_eq!(
             "8796093022207 KiB".parse::<Bytes>(),
@@ -208,6 +217,9 @@ mod tests {
             "0.0000000000000000000000000001TiB".parse::<Bytes>(),
             Ok(Bytes(1))
         );
-        assert_eq!("1.0000000000000000000000000000KiB".parse::<Bytes>(), Ok(Bytes(1024)));
+        assert_eq!(
+            "1.0000000000000000000000000000KiB".parse::<Bytes>(),
+            Ok(Bytes(1024))
+        );
     }
 }

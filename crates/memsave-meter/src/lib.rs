@@ -48,9 +48,8 @@ pub use leak::{detect_leak, f_detect_leak, LeakReport};
 pub use scope::{f_measure, measure, Mark, Marks, Measurement};
 pub use stats::{
     empty_cache, f_empty_cache, f_live_allocations, f_max_memory_allocated, f_memory_allocated,
-    f_reset_peak_memory_stats, f_set_memory_limit, install, live_allocations,
-    max_memory_allocated, memory_allocated, memory_limit, reset_peak_memory_stats,
-    set_memory_limit,
+    f_reset_peak_memory_stats, f_set_memory_limit, install, live_allocations, max_memory_allocated,
+    memory_allocated, memory_limit, reset_peak_memory_stats, set_memory_limit,
 };
 pub use summary::memory_summary;
 

@@ -209,7 +209,10 @@ mod tests {
         assert!(f_reset_peak_memory_stats(Device::Mps).is_err());
         let panic = std::panic::catch_unwind(|| memory_allocated(Device::Mps)).unwrap_err();
         let message = panic.downcast_ref::<String>().unwrap();
-        assert!(message.contains("only the CPU and CUDA devices"), "{message}");
+        assert!(
+            message.contains("only the CPU and CUDA devices"),
+            "{message}"
+        );
         assert!(std::panic::catch_unwind(|| empty_cache(Device::Mps)).is_err());
         assert!(std::panic::catch_unwind(|| live_allocations(Device::Mps)).is_err());
     }

@@ -239,16 +239,18 @@ fn an_unmeterable_device_is_an_error_never_zero_bytes() {
     let mut ran = false;
     let err = f_measure(Device::Mps, |_| ran = true).unwrap_err();
     assert!(err.to_string().contains("cannot meter Mps"), "{err}");
-    assert!(!ran, "the closure does not run when the device cannot be read");
+    assert!(
+        !ran,
+        "the closure does not run when the device cannot be read"
+    );
 
     let err = f_detect_leak(Device::Mps, 3, |_| -> anyhow::Result<()> { Ok(()) }).unwrap_err();
     assert!(err.to_string().contains("cannot meter Mps"), "{err}");
 
     // The short names panic with the meter's message instead of reporting "no leak".
-    let panic = std::panic::catch_unwind(|| {
-        detect_leak(Device::Mps, 3, |_| -> Result<(), ()> { Ok(()) })
-    })
-    .unwrap_err();
+    let panic =
+        std::panic::catch_unwind(|| detect_leak(Device::Mps, 3, |_| -> Result<(), ()> { Ok(()) }))
+            .unwrap_err();
     let message = panic.downcast_ref::<String>().unwrap();
     assert!(message.contains("cannot meter Mps"), "{message}");
     let panic = std::panic::catch_unwind(|| measure(Device::Mps, |_| ())).unwrap_err();
