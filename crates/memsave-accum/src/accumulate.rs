@@ -3,7 +3,7 @@ use crate::error::{AccumError, BoxError, Result};
 use crate::grads::free_grads;
 use crate::split::{f_split, MicroBatch, Split};
 use memsave_amp::{f_clip_grad_norm_, GradScaler, StepOutcome};
-use memsave_meter::measure;
+use memsave_meter::f_measure;
 use tch::{nn, Tensor};
 
 /// Settings of a [`GradAccumulator`].
@@ -151,9 +151,9 @@ impl GradAccumulator {
                 end: mb.end(),
                 source,
             };
-            let (result, m) = measure(device, |marks| -> Result<(f64, u64)> {
+            let (result, m) = f_measure(device, |marks| -> Result<(f64, u64)> {
                 let loss = micro_loss(mb).map_err(|e| fail(e.into()))?;
-                let retained = marks.mark("forward");
+                let retained = marks.f_mark("forward")?;
                 if loss.numel() != 1 {
                     return Err(AccumError::LossNotScalar {
                         index: mb.index,
@@ -168,7 +168,7 @@ impl GradAccumulator {
                 };
                 to_backward.f_backward().map_err(|e| fail(e.into()))?;
                 Ok((value, retained))
-            });
+            })?;
             let (loss, retained_abs) = result?;
             steps.push(MicroStep {
                 micro_batch: *mb,

@@ -27,6 +27,16 @@ pub enum AccumError {
         /// Micro-batches asked for.
         micro_batches: usize,
     },
+    /// More micro-batches than [`MAX_MICRO_BATCHES`](crate::MAX_MICRO_BATCHES).
+    #[error("cannot split a batch of {batch_size} samples into {micro_batches} micro-batches: at most {limit} are supported; use larger micro-batches")]
+    TooManyMicroBatches {
+        /// Samples in the batch.
+        batch_size: i64,
+        /// Micro-batches the split asked for.
+        micro_batches: u64,
+        /// The most supported.
+        limit: u64,
+    },
     /// The optimizer (or parameter list) has no parameters.
     #[error("no trainable parameters: build the optimizer from a VarStore that holds the model")]
     NoParameters,
@@ -59,17 +69,25 @@ pub enum AccumError {
         source: BoxError,
     },
     /// Even one sample does not fit in the budget.
-    #[error("even a micro-batch of 1 sample does not fit in a budget of {} above the current allocation: {reason}; raise the budget, shrink the model or checkpoint it", Bytes(*.budget_bytes))]
+    #[error("even a micro-batch of 1 sample does not fit in a budget of {} above the current allocation: {reason}; raise the budget (or a memory limit already set), shrink the model or checkpoint it", Bytes(*.budget_bytes))]
     BudgetTooSmall {
         /// The budget asked for.
         budget_bytes: u64,
         /// The out-of-memory error of the 1-sample trial.
         reason: String,
     },
+    /// The parameters given to the search live on more than one device.
+    #[error("the parameters live on {first:?} and {other:?}: the search measures one device, so move the model to one device first")]
+    MixedDevices {
+        /// The device of the first parameter.
+        first: tch::Device,
+        /// Another device found.
+        other: tch::Device,
+    },
     /// The gradient scaler refused a call.
     #[error(transparent)]
     Amp(#[from] memsave_amp::AmpError),
-    /// The meter refused a device (the byte budget works on the CPU only).
+    /// The meter refused a device (it meters the CPU and CUDA only).
     #[error(transparent)]
     Meter(#[from] memsave_meter::MeterError),
     /// libtorch reported an error through tch.

@@ -10,7 +10,8 @@
 //! optimizer once (optionally through a [`memsave_amp::GradScaler`], skipping the whole
 //! step on inf/NaN) and frees the gradients with set-to-none semantics
 //! ([`free_grads`]). [`fit_micro_batch`] searches the largest micro-batch whose
-//! forward and backward fit under a byte budget, using the meter's simulated CPU limit.
+//! forward and backward fit under a byte budget: on the CPU under the meter's
+//! simulated limit, on CUDA by the measured peak of each trial.
 //!
 //! With `N` balanced micro-batches of a batch of `B` samples, the activations alive at
 //! once are those of `ceil(B / N)` samples instead of `B`.
@@ -52,4 +53,4 @@ pub use accumulate::{AccumConfig, AccumStep, GradAccumulator, MicroStep};
 pub use error::{AccumError, BoxError, Result};
 pub use fit::{fit_micro_batch, FitReport, Trial};
 pub use grads::free_grads;
-pub use split::{f_split, MicroBatch, Split};
+pub use split::{f_split, MicroBatch, Split, MAX_MICRO_BATCHES};

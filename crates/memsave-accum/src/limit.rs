@@ -1,6 +1,6 @@
 //! A scoped CPU memory limit that is removed however the scope ends.
 use crate::error::Result;
-use memsave_meter::{memory_limit, set_memory_limit};
+use memsave_meter::{f_set_memory_limit, memory_limit};
 use tch::Device;
 
 /// Sets the meter's CPU memory limit; dropping it (also while unwinding from a panic)
@@ -14,7 +14,7 @@ impl LimitGuard {
     /// Limits counted CPU memory to `limit_bytes` until the guard is dropped.
     pub(crate) fn set(limit_bytes: u64) -> Result<Self> {
         let previous = memory_limit(Device::Cpu);
-        set_memory_limit(Device::Cpu, Some(limit_bytes))?;
+        f_set_memory_limit(Device::Cpu, Some(limit_bytes))?;
         Ok(Self { previous })
     }
 }
@@ -22,6 +22,6 @@ impl LimitGuard {
 impl Drop for LimitGuard {
     fn drop(&mut self) {
         // Cannot fail on the CPU, which `set` already used.
-        let _ = set_memory_limit(Device::Cpu, self.previous);
+        let _ = f_set_memory_limit(Device::Cpu, self.previous);
     }
 }

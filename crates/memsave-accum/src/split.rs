@@ -47,10 +47,19 @@ impl MicroBatch {
     }
 }
 
+/// The most micro-batches one batch may be split into: 1,048,576 (2^20).
+///
+/// Each micro-batch is a forward and a backward of its own, so a split past this is
+/// a mistake (a `MaxSize(1)` on a huge batch size), and its list alone would take
+/// tens of megabytes; [`f_split`] refuses it before allocating anything.
+pub const MAX_MICRO_BATCHES: u64 = 1 << 20;
+
 /// Splits a batch of `batch_size` samples into micro-batches, in order.
 ///
-/// Errors on an empty batch, `Count(0)`, `MaxSize(0)` and more micro-batches than
-/// samples; never returns an empty micro-batch.
+/// Errors on an empty batch, `Count(0)`, `MaxSize(0)`, more micro-batches than
+/// samples and more than [`MAX_MICRO_BATCHES`] micro-batches; never returns an empty
+/// micro-batch. The count is checked before anything is allocated, so no batch size
+/// or split, however large, can exhaust memory.
 pub fn f_split(batch_size: i64, split: Split) -> Result<Vec<MicroBatch>> {
     if batch_size < 0 {
         return Err(AccumError::NegativeBatch(batch_size));
@@ -58,7 +67,7 @@ pub fn f_split(batch_size: i64, split: Split) -> Result<Vec<MicroBatch>> {
     if batch_size == 0 {
         return Err(AccumError::EmptyBatch);
     }
-    let sizes: Vec<i64> = match split {
+    let count: u64 = match split {
         Split::Count(0) => return Err(AccumError::ZeroMicroBatches),
         Split::Count(n) if n as u64 > batch_size as u64 => {
             return Err(AccumError::MoreMicroBatchesThanSamples {
@@ -66,12 +75,23 @@ pub fn f_split(batch_size: i64, split: Split) -> Result<Vec<MicroBatch>> {
                 micro_batches: n,
             })
         }
-        Split::Count(n) => {
-            let n = n as i64;
+        Split::Count(n) => n as u64,
+        Split::MaxSize(m) if m <= 0 => return Err(AccumError::ZeroMicroBatchSize(m)),
+        Split::MaxSize(m) => (batch_size / m + i64::from(batch_size % m != 0)) as u64,
+    };
+    if count > MAX_MICRO_BATCHES {
+        return Err(AccumError::TooManyMicroBatches {
+            batch_size,
+            micro_batches: count,
+            limit: MAX_MICRO_BATCHES,
+        });
+    }
+    let sizes: Vec<i64> = match split {
+        Split::Count(_) => {
+            let n = count as i64;
             let (base, larger) = (batch_size / n, batch_size % n);
             (0..n).map(|i| base + i64::from(i < larger)).collect()
         }
-        Split::MaxSize(m) if m <= 0 => return Err(AccumError::ZeroMicroBatchSize(m)),
         Split::MaxSize(m) => (0..batch_size)
             .step_by(m as usize)
             .map(|start| m.min(batch_size - start))
@@ -124,9 +144,53 @@ mod tests {
             (5, Split::Count(0), "at least 1"),
             (5, Split::MaxSize(0), "at least 1 sample"),
             (3, Split::Count(4), "at most one micro-batch per sample"),
+            (1 << 40, Split::MaxSize(1), "at most 1048576"),
+            (1 << 40, Split::Count(1 << 38), "at most 1048576"),
+            (i64::MAX, Split::MaxSize(1), "at most 1048576"),
+            (
+                i64::MAX,
+                Split::Count(usize::MAX),
+                "at most one micro-batch per sample",
+            ),
         ] {
             let e = f_split(b, split).unwrap_err().to_string();
             assert!(e.contains(needle), "{b} {split:?}: {e}");
         }
+    }
+
+    #[test]
+    fn too_many_micro_batches_is_a_typed_error_and_the_limit_itself_splits() {
+        let err = f_split(1 << 40, Split::MaxSize(1)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AccumError::TooManyMicroBatches {
+                    batch_size: 1_099_511_627_776,
+                    micro_batches: 1_099_511_627_776,
+                    limit: 1_048_576,
+                }
+            ),
+            "{err:?}"
+        );
+        let err = f_split(1 << 40, Split::Count(1 << 38)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AccumError::TooManyMicroBatches {
+                    micro_batches: 274_877_906_944,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // One past the limit by size, exactly the limit by count and by size.
+        assert!(f_split((1 << 20) + 1, Split::MaxSize(1)).is_err());
+        assert_eq!(
+            f_split(1 << 40, Split::Count(1 << 20)).unwrap().len(),
+            1 << 20
+        );
+        let by_size = f_split(1 << 40, Split::MaxSize(1 << 20)).unwrap();
+        assert_eq!(by_size.len(), 1 << 20);
+        assert_eq!(by_size.last().unwrap().end(), 1 << 40);
     }
 }

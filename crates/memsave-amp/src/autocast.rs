@@ -164,11 +164,47 @@ mod tests {
     }
 
     #[test]
-    fn cuda_without_a_gpu_is_an_error() {
+    fn cuda_is_an_error_exactly_when_there_is_no_gpu() {
+        let result = f_autocast(Device::Cuda(0), Kind::Half, || ());
         if tch::Cuda::is_available() {
-            return;
+            assert!(result.is_ok(), "{result:?}");
+        } else {
+            let err = result.unwrap_err();
+            assert!(err.to_string().contains("CUDA is not available"), "{err}");
         }
-        let err = f_autocast(Device::Cuda(0), Kind::Half, || ()).unwrap_err();
-        assert!(err.to_string().contains("CUDA is not available"), "{err}");
+        let err = f_autocast(Device::Mps, Kind::Half, || ()).unwrap_err();
+        assert!(err.to_string().contains("CPU and CUDA only"), "{err}");
+    }
+
+    /// The CUDA path for real: eligible ops run in the scope's dtype on the GPU, the
+    /// CUDA switches are restored after, and the CPU's are never touched.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn cuda_autocast_casts_matmul_and_restores_the_state() {
+        let dev = Device::Cuda(0);
+        let before = autocast_state(dev).unwrap();
+        let cpu_before = autocast_state(Device::Cpu).unwrap();
+        let x = tch::Tensor::ones([8, 8], (Kind::Float, dev));
+        for dtype in [Kind::Half, Kind::BFloat16] {
+            let y = f_autocast(dev, dtype, || {
+                assert_eq!(
+                    autocast_state(dev).unwrap(),
+                    AutocastState {
+                        enabled: true,
+                        dtype
+                    }
+                );
+                assert_eq!(autocast_state(Device::Cpu).unwrap(), cpu_before);
+                x.matmul(&x)
+            })
+            .unwrap();
+            assert_eq!(y.kind(), dtype);
+            assert_eq!(y.device(), dev);
+            assert_eq!(y.to_kind(Kind::Float).min().double_value(&[]), 8.0);
+            assert_eq!(y.to_kind(Kind::Float).max().double_value(&[]), 8.0);
+            assert_eq!(autocast_state(dev).unwrap(), before);
+        }
+        assert_eq!(x.matmul(&x).kind(), Kind::Float, "outside the scope");
+        assert_eq!(autocast_state(Device::Cpu).unwrap(), cpu_before);
     }
 }

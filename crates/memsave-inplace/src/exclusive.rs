@@ -4,7 +4,7 @@
 //! handle, no view, and no tensor that autograd saved for backward. libtorch keeps two
 //! reference counts that together answer this, read through `memsave-sys`.
 use crate::Result;
-use memsave_sys::tensor;
+use memsave_sys::tensor::{self, ViewCreation};
 use std::fmt;
 use tch::Tensor;
 
@@ -108,13 +108,29 @@ pub fn is_exclusive(t: &Tensor) -> Result<bool> {
 
 /// True when `t` may be updated in place without anybody noticing: it is
 /// [exclusive](is_exclusive), it is not a leaf that requires grad (libtorch forbids
-/// that in grad mode, and a parameter is owned by its `VarStore` anyway), and no two of
-/// its elements share memory (an expanded tensor cannot take an in-place write).
+/// that in grad mode, and a parameter is owned by its `VarStore` anyway), it is not a
+/// view that libtorch refuses to write into (below), and no two of its elements share
+/// memory (an expanded tensor cannot take an in-place write).
+///
+/// # Traps
+/// libtorch refuses an in-place write that autograd records (grad mode on and any
+/// operand requiring grad) into a view made any way but the ordinary one: one of
+/// several views returned by one op (`chunk`, `split`, `unbind`), a view made under
+/// `no_grad` or in inference mode, or one returned by a custom function. Such a view
+/// may well be exclusive, and whether the write is recorded depends on the other
+/// operands too, so while grad mode is on it is never mutated in place; under
+/// `no_grad` libtorch checks nothing and it is. The answer therefore depends on the
+/// grad mode at the time of the call.
 pub fn can_mutate_in_place(t: &Tensor) -> Result<bool> {
     if !is_exclusive(t)? {
         return Ok(false);
     }
     if t.requires_grad() && t.is_leaf() {
+        return Ok(false);
+    }
+    if tensor::grad_mode_enabled()
+        && tensor::view_creation(t)?.is_some_and(|how| how != ViewCreation::Default)
+    {
         return Ok(false);
     }
     Ok(!has_internal_overlap(&t.size(), &t.stride()))

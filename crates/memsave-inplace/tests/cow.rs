@@ -1,8 +1,9 @@
 //! The copy-on-write helpers: in place exactly when the tensor is exclusive and the
 //! result fits, out of place otherwise, the same values either way, and the counters.
 use memsave_inplace::{
-    add, f_add, f_clamp, f_dropout, f_gelu, f_inplace_or, f_mul, f_relu, f_residual_add,
-    inplace_or, is_exclusive, relu, reset_stats, stats, InplaceError, InplaceStats,
+    add, can_mutate_in_place, f_add, f_clamp, f_dropout, f_gelu, f_inplace_or, f_mul, f_relu,
+    f_residual_add, inplace_or, is_exclusive, relu, reset_stats, sharing, stats, InplaceError,
+    InplaceStats,
 };
 use serial_test::serial;
 use tch::{Device, Kind, Tensor};
@@ -112,12 +113,141 @@ fn a_shared_tensor_is_copied_and_left_unchanged() {
 
 #[test]
 #[serial]
-fn a_view_is_copied_even_when_its_base_is_unreachable() {
-    let (in_place, y) = run(exclusive_f32().view([4, 3]), f_relu);
+fn a_view_is_copied_while_its_base_is_held_and_mutated_once_it_alone_holds_it() {
+    // The base is held by a named handle, then by a temporary that outlives the call
+    // (temporaries live to the end of the statement): both times the view is copied.
+    let base = exclusive_f32();
+    let (in_place, y) = run(base.view([4, 3]), f_relu);
     assert!(!in_place);
-    assert!(is_exclusive(&y).unwrap());
+    assert!(y.equal(&base.view([4, 3]).relu()));
+    drop(base);
+    let (in_place, _) = run(exclusive_f32().view([4, 3]), f_relu);
+    assert!(
+        !in_place,
+        "the temporary base is still alive during the call"
+    );
+
+    // Once the base is unreachable the view alone holds it (exclusivity.rs) and the
+    // update happens in place, with the same values.
+    let view = exclusive_f32().view([4, 3]);
+    assert!(is_exclusive(&view).unwrap());
+    let expected = view.relu();
+    let (in_place, y) = run(view, f_relu);
+    assert!(in_place);
+    assert!(y.equal(&expected));
 }
 
+/// `a * 2` split in two, keeping only the first half: a view that alone holds its base.
+fn first_half_of_a_split(a: &Tensor) -> Tensor {
+    let mut halves = (a * 2.0).chunk(2, 0);
+    halves.truncate(1);
+    halves.remove(0)
+}
+
+/// The gradient of `a` after backward through `f(first_half_of_a_split(a))`.
+fn grad_through_first_half(a: &Tensor, f: impl FnOnce(Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let a = a.detach().set_requires_grad(true);
+    let y = f(first_half_of_a_split(&a));
+    y.sum(Kind::Float).backward();
+    (y.detach(), a.grad())
+}
+
+#[test]
+#[serial]
+fn one_of_several_views_of_one_op_is_copied_in_training_as_libtorch_refuses_the_write() {
+    let a = Tensor::randn([4, 3], F32);
+    let half = first_half_of_a_split(&a.detach().set_requires_grad(true));
+    assert!(
+        is_exclusive(&half).unwrap(),
+        "the counts alone say exclusive"
+    );
+    assert!(!can_mutate_in_place(&half).unwrap());
+    drop(half);
+
+    let (expected, expected_grad) = grad_through_first_half(&a, |x| x.relu());
+    let (y, grad) = grad_through_first_half(&a, |x| {
+        let (in_place, y) = run(x, f_relu);
+        assert!(!in_place);
+        y
+    });
+    assert!(y.equal(&expected));
+    assert!(grad.equal(&expected_grad));
+    for op in [
+        |x| f_add(x, &Tensor::ones([2, 3], F32)),
+        |x| f_mul(x, &Tensor::ones([2, 3], F32)),
+        |x| f_residual_add(x, &Tensor::ones([2, 3], F32)),
+        |x| f_dropout(x, 0.5, true),
+        |x: Tensor| f_inplace_or(x, |x| x.f_sigmoid_(), |x| x.f_sigmoid()),
+    ] as [fn(Tensor) -> memsave_inplace::Result<Tensor>; 5]
+    {
+        let a = a.detach().set_requires_grad(true);
+        let y = op(first_half_of_a_split(&a)).unwrap();
+        y.sum(Kind::Float).backward();
+        assert!(a.grad().defined());
+    }
+
+    // The expression as users write it.
+    let a2 = a.detach().set_requires_grad(true);
+    let y = f_relu((&a2 * 2.0).chunk(2, 0).remove(0)).unwrap();
+    assert!(y.equal(&expected));
+    y.sum(Kind::Float).backward();
+    assert!(a2.grad().equal(&expected_grad));
+
+    // An input that does not require grad is not recorded, so nothing is refused; the
+    // helpers still copy (the other operand may require grad) and agree with relu.
+    let half = first_half_of_a_split(&a);
+    let expected = half.relu();
+    assert!(f_relu(half).unwrap().equal(&expected));
+}
+
+#[test]
+#[serial]
+fn a_view_made_under_no_grad_is_copied_in_training_and_mutated_under_no_grad() {
+    // Inputs prepared under no_grad, then updated in training by something that
+    // requires grad: libtorch refuses to write into such a view when the write is
+    // recorded, so the helper copies.
+    let values = Tensor::randn([4, 3], F32);
+    let no_grad_view = || {
+        let b = values.copy();
+        tch::no_grad(|| b.narrow(0, 0, 2))
+    };
+    let w = Tensor::randn([2, 3], F32).set_requires_grad(true);
+    let view = no_grad_view();
+    assert!(
+        is_exclusive(&view).unwrap(),
+        "the counts alone say exclusive"
+    );
+    assert!(!can_mutate_in_place(&view).unwrap());
+    let expected = &no_grad_view() + &w;
+    let (in_place, y) = run(view, |x| f_add(x, &w));
+    assert!(!in_place);
+    assert!(y.equal(&expected));
+    y.sum(Kind::Float).backward();
+    assert!(w.grad().equal(&Tensor::ones([2, 3], F32)));
+
+    // Under no_grad libtorch checks nothing, and the same view is updated in place.
+    let _guard = tch::no_grad_guard();
+    let view = no_grad_view();
+    assert!(can_mutate_in_place(&view).unwrap());
+    let (in_place, y) = run(view, |x| f_add(x, &w));
+    assert!(in_place);
+    assert!(y.equal(&expected));
+}
+
+#[test]
+#[serial]
+fn a_view_of_a_leaf_that_requires_grad_is_never_exclusive() {
+    // libtorch also refuses to write into a view of a leaf that requires grad; such a
+    // view is never exclusive, as autograd's gradient accumulator holds the leaf.
+    let view = Tensor::randn([4, 3], F32)
+        .set_requires_grad(true)
+        .narrow(0, 0, 2);
+    assert_eq!(sharing(&view).unwrap().base_use_count, Some(2));
+    let expected = view.relu();
+    let (in_place, y) = run(view, f_relu);
+    assert!(!in_place);
+    assert!(y.equal(&expected));
+}
 #[test]
 #[serial]
 fn a_leaf_that_requires_grad_is_never_mutated_even_under_no_grad() {

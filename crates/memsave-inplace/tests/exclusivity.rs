@@ -216,3 +216,28 @@ fn sharing_displays_the_counts() {
     }
     .is_exclusive());
 }
+
+#[test]
+#[serial]
+fn libtorch_records_how_each_view_was_made() {
+    use memsave_sys::tensor::{view_creation, ViewCreation};
+    let (_w, x) = activation();
+    assert_eq!(view_creation(&x).unwrap(), None, "not a view");
+    assert_eq!(
+        view_creation(&x.narrow(0, 0, 1)).unwrap(),
+        Some(ViewCreation::Default)
+    );
+    assert_eq!(
+        view_creation(&x.chunk(3, 0)[0]).unwrap(),
+        Some(ViewCreation::MultiOutputNode)
+    );
+    assert_eq!(
+        view_creation(&tch::no_grad(|| x.narrow(0, 0, 1))).unwrap(),
+        Some(ViewCreation::NoGradMode)
+    );
+    assert_eq!(
+        view_creation(&x.detach()).unwrap(),
+        None,
+        "a detached alias is a view autograd does not track"
+    );
+}

@@ -1,6 +1,7 @@
 //! Leak detection: run a training step N times and see what each step leaves behind.
 use crate::bytes::Bytes;
 use crate::stats::f_memory_allocated;
+use crate::MeterError;
 use std::fmt;
 use tch::Device;
 
@@ -66,21 +67,58 @@ impl fmt::Display for LeakReport {
 }
 
 /// Runs `step(i)` for `i` in `0..steps` and records the bytes allocated on `device`
-/// after each; the first error stops the run and is returned.
+/// after each; the first error, of a step or of the meter, stops the run and is
+/// returned (a meter error converted into `E`).
 ///
-/// The classic leak, `total_loss = total_loss + loss`, keeps every step's graph alive
-/// and shows as a steady growth per step; accumulating `loss.double_value(&[])` instead
-/// shows as zero.
+/// The device is read before the first step, so on a device that cannot be metered
+/// no step runs. The classic leak, `total_loss = total_loss + loss`, keeps every
+/// step's graph alive and shows as a steady growth per step; accumulating
+/// `loss.double_value(&[])` instead shows as zero.
+pub fn f_detect_leak<E: From<MeterError>>(
+    device: Device,
+    steps: usize,
+    step: impl FnMut(usize) -> Result<(), E>,
+) -> Result<LeakReport, E> {
+    run_steps(device, steps, step).map_err(|failure| match failure {
+        Failure::Meter(e) => e.into(),
+        Failure::Step(e) => e,
+    })
+}
+
+/// Runs `step(i)` for `i` in `0..steps` and records the bytes allocated on `device`
+/// after each; the first error of a step stops the run and is returned. See
+/// [`f_detect_leak`].
+///
+/// # Panics
+/// When the device cannot be metered, with the meter's message (before the first
+/// step runs): an unmeterable device never reports "no leak".
 pub fn detect_leak<E>(
     device: Device,
     steps: usize,
-    mut step: impl FnMut(usize) -> Result<(), E>,
+    step: impl FnMut(usize) -> Result<(), E>,
 ) -> Result<LeakReport, E> {
-    let start_bytes = f_memory_allocated(device).unwrap_or(0);
-    let mut after_step_bytes = Vec::with_capacity(steps);
+    run_steps(device, steps, step).map_err(|failure| match failure {
+        Failure::Meter(e) => panic!("{e}"),
+        Failure::Step(e) => e,
+    })
+}
+
+enum Failure<E> {
+    Meter(MeterError),
+    Step(E),
+}
+
+fn run_steps<E>(
+    device: Device,
+    steps: usize,
+    mut step: impl FnMut(usize) -> Result<(), E>,
+) -> Result<LeakReport, Failure<E>> {
+    let start_bytes = f_memory_allocated(device).map_err(Failure::Meter)?;
+    // Grown as the steps run: `steps` is the caller's number and may be huge.
+    let mut after_step_bytes = Vec::new();
     for i in 0..steps {
-        step(i)?;
-        after_step_bytes.push(f_memory_allocated(device).unwrap_or(0));
+        step(i).map_err(Failure::Step)?;
+        after_step_bytes.push(f_memory_allocated(device).map_err(Failure::Meter)?);
     }
     Ok(LeakReport {
         start_bytes,

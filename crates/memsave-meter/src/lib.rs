@@ -30,6 +30,11 @@
 //! assert_eq!(m.marks[0].bytes - m.start_bytes, 4_194_304);
 //! assert_eq!(m.end_bytes, m.start_bytes);
 //! ```
+//!
+//! Like tch, every fallible call has an `f_` form that returns a [`Result`]
+//! ([`f_measure`], [`f_detect_leak`], [`f_memory_allocated`], ...); the short name
+//! panics with the error's message. No reading is ever made up: a device that cannot
+//! be metered (CUDA on a machine without a GPU) is an error, not 0 bytes.
 #![forbid(unsafe_code)]
 
 mod bytes;
@@ -39,12 +44,12 @@ mod stats;
 mod summary;
 
 pub use bytes::{format_bytes, Bytes, ParseBytesError};
-pub use leak::{detect_leak, LeakReport};
-pub use scope::{measure, Mark, Marks, Measurement};
+pub use leak::{detect_leak, f_detect_leak, LeakReport};
+pub use scope::{f_measure, measure, Mark, Marks, Measurement};
 pub use stats::{
-    empty_cache, f_empty_cache, f_max_memory_allocated, f_memory_allocated,
-    f_reset_peak_memory_stats, install, live_allocations, max_memory_allocated, memory_allocated,
-    memory_limit, reset_peak_memory_stats, set_memory_limit,
+    empty_cache, f_empty_cache, f_live_allocations, f_max_memory_allocated, f_memory_allocated,
+    f_reset_peak_memory_stats, f_set_memory_limit, install, live_allocations, max_memory_allocated,
+    memory_allocated, memory_limit, reset_peak_memory_stats, set_memory_limit,
 };
 pub use summary::memory_summary;
 

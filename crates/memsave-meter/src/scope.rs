@@ -1,6 +1,7 @@
 //! Measuring a closure: start and end bytes, the peak above the start, named marks.
 use crate::bytes::Bytes;
 use crate::stats::{f_max_memory_allocated, f_memory_allocated, f_reset_peak_memory_stats};
+use crate::Result;
 use memsave_sys::alloc;
 use std::fmt;
 use tch::Device;
@@ -22,14 +23,23 @@ pub struct Marks {
 }
 
 impl Marks {
-    /// Records the bytes allocated now under `label`; returns them.
-    pub fn mark(&mut self, label: impl Into<String>) -> u64 {
-        let bytes = f_memory_allocated(self.device).unwrap_or(0);
+    /// Records the bytes allocated now under `label` and returns them, or returns the
+    /// meter's error and records nothing.
+    pub fn f_mark(&mut self, label: impl Into<String>) -> Result<u64> {
+        let bytes = f_memory_allocated(self.device)?;
         self.marks.push(Mark {
             label: label.into(),
             bytes,
         });
-        bytes
+        Ok(bytes)
+    }
+
+    /// Records the bytes allocated now under `label`; returns them.
+    ///
+    /// # Panics
+    /// When the device cannot be read; see [`f_mark`](Self::f_mark).
+    pub fn mark(&mut self, label: impl Into<String>) -> u64 {
+        self.f_mark(label).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
@@ -80,25 +90,31 @@ impl fmt::Display for Measurement {
     }
 }
 
-/// Runs `f` and measures the memory of `device` around it.
+/// Runs `f` and measures the memory of `device` around it, or returns the meter's
+/// error (a device that cannot be metered, such as CUDA on a machine without a GPU).
 ///
+/// The device is read before `f` runs, so on an unmeterable device `f` is not run.
 /// The device's peak is reset at the start of the scope; on the CPU the enclosing
-/// peak is restored afterwards, so scopes nest. On CUDA the peak stays reset.
-/// On a device that cannot be metered all readings are 0.
-pub fn measure<T>(device: Device, f: impl FnOnce(&mut Marks) -> T) -> (T, Measurement) {
-    let outer_peak = f_max_memory_allocated(device).unwrap_or(0);
-    let start_bytes = f_memory_allocated(device).unwrap_or(0);
-    let _ = f_reset_peak_memory_stats(device);
+/// peak is restored when the scope ends, also when `f` panics, so scopes nest and an
+/// outer scope still sees what happened before an inner one.
+///
+/// # Traps
+/// On CUDA the caching allocator's peak can be reset but not raised back: after an
+/// inner scope the outer scope's peak only covers what came after the inner scope
+/// began. Nest scopes on the CPU only, or measure CUDA code with one scope.
+pub fn f_measure<T>(device: Device, f: impl FnOnce(&mut Marks) -> T) -> Result<(T, Measurement)> {
+    let outer_peak = f_max_memory_allocated(device)?;
+    let start_bytes = f_memory_allocated(device)?;
+    f_reset_peak_memory_stats(device)?;
+    let restore_outer_peak = OuterPeak { device, outer_peak };
     let mut marks = Marks {
         device,
         marks: Vec::new(),
     };
     let value = f(&mut marks);
-    let end_bytes = f_memory_allocated(device).unwrap_or(0);
-    let peak = f_max_memory_allocated(device).unwrap_or(0);
-    if device == Device::Cpu {
-        alloc::raise_peak(outer_peak);
-    }
+    let end_bytes = f_memory_allocated(device)?;
+    let peak = f_max_memory_allocated(device)?;
+    drop(restore_outer_peak);
     let measurement = Measurement {
         device,
         start_bytes,
@@ -106,5 +122,28 @@ pub fn measure<T>(device: Device, f: impl FnOnce(&mut Marks) -> T) -> (T, Measur
         peak_bytes: peak.saturating_sub(start_bytes),
         marks: marks.marks,
     };
-    (value, measurement)
+    Ok((value, measurement))
+}
+
+/// Runs `f` and measures the memory of `device` around it; see [`f_measure`].
+///
+/// # Panics
+/// When the device cannot be metered, with the meter's message (before `f` runs).
+pub fn measure<T>(device: Device, f: impl FnOnce(&mut Marks) -> T) -> (T, Measurement) {
+    f_measure(device, f).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Raises the CPU peak back to the enclosing scope's when dropped: at the end of a
+/// scope, or while unwinding from a panic in it.
+struct OuterPeak {
+    device: Device,
+    outer_peak: u64,
+}
+
+impl Drop for OuterPeak {
+    fn drop(&mut self) {
+        if self.device == Device::Cpu {
+            alloc::raise_peak(self.outer_peak);
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! `memory_summary`: a readable report in the spirit of `torch.cuda.memory_summary()`.
 use crate::bytes::Bytes;
-use crate::stats::{f_max_memory_allocated, f_memory_allocated, live_allocations, memory_limit};
+use crate::stats::{f_live_allocations, f_max_memory_allocated, f_memory_allocated, memory_limit};
 use memsave_sys::alloc;
 use std::fmt::Write;
 use tch::Device;
@@ -19,12 +19,15 @@ pub fn memory_summary(device: Device) -> String {
             return out;
         }
     };
-    let peak = f_max_memory_allocated(device).unwrap_or(0);
     let row = |out: &mut String, name: &str, value: String| {
         let _ = writeln!(out, "  {name:<22}{value:>14}");
     };
     row(&mut out, "allocated", Bytes(current).to_string());
-    row(&mut out, "peak allocated", Bytes(peak).to_string());
+    row(
+        &mut out,
+        "peak allocated",
+        f_max_memory_allocated(device).map_or_else(|_| "?".to_owned(), |b| Bytes(b).to_string()),
+    );
     row(
         &mut out,
         "limit",
@@ -33,7 +36,7 @@ pub fn memory_summary(device: Device) -> String {
     row(
         &mut out,
         "live allocations",
-        live_allocations(device).map_or_else(|_| "?".to_owned(), |n| n.to_string()),
+        f_live_allocations(device).map_or_else(|_| "?".to_owned(), |n| n.to_string()),
     );
     if device == Device::Cpu {
         let largest = alloc::largest_allocations(LARGEST);

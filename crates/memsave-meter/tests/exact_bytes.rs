@@ -1,8 +1,8 @@
 //! Exact byte counts from the meter. Every test here allocates, so they run serially:
 //! the counter is process-wide.
 use memsave_meter::{
-    detect_leak, measure, memory_allocated, memory_summary, reset_peak_memory_stats,
-    set_memory_limit,
+    detect_leak, f_detect_leak, f_measure, f_set_memory_limit, measure, memory_allocated,
+    memory_summary, reset_peak_memory_stats,
 };
 use serial_test::serial;
 use std::sync::{Arc, Barrier};
@@ -15,7 +15,7 @@ const CPU: Device = Device::Cpu;
 struct LimitGuard;
 impl Drop for LimitGuard {
     fn drop(&mut self) {
-        set_memory_limit(CPU, None).unwrap();
+        f_set_memory_limit(CPU, None).unwrap();
     }
 }
 
@@ -131,7 +131,7 @@ fn allocations_from_several_threads_sum_exactly() {
 fn the_limit_fails_an_allocation_with_an_error_and_leaves_the_counter() {
     let _guard = LimitGuard;
     let start = memory_allocated(CPU);
-    set_memory_limit(CPU, Some(start + 1000)).unwrap();
+    f_set_memory_limit(CPU, Some(start + 1000)).unwrap();
     let small = Tensor::f_zeros([250], (Kind::Float, CPU)).expect("1000 bytes fit exactly");
     let err = Tensor::f_zeros([1], (Kind::Float, CPU)).unwrap_err();
     let message = err.to_string();
@@ -213,4 +213,67 @@ fn nested_scopes_keep_the_outer_peak() {
         assert_eq!(inner.peak_bytes, 40);
     });
     assert_eq!(outer.peak_bytes, 4000);
+}
+
+#[test]
+#[serial]
+fn an_inner_scope_that_panics_keeps_the_outer_peak() {
+    reset_peak_memory_stats(CPU);
+    let (_, outer) = measure(CPU, |_| {
+        let big = Tensor::zeros([1_000_000], (Kind::Float, CPU));
+        drop(big);
+        let caught = std::panic::catch_unwind(|| {
+            measure(CPU, |_| {
+                let _small = Tensor::zeros([10], (Kind::Float, CPU));
+                panic!("a bug inside the inner scope");
+            })
+        });
+        assert!(caught.is_err());
+    });
+    assert_eq!(outer.peak_bytes, 4_000_000);
+}
+
+#[test]
+#[serial]
+fn an_unmeterable_device_is_an_error_never_zero_bytes() {
+    let mut ran = false;
+    let err = f_measure(Device::Mps, |_| ran = true).unwrap_err();
+    assert!(err.to_string().contains("cannot meter Mps"), "{err}");
+    assert!(
+        !ran,
+        "the closure does not run when the device cannot be read"
+    );
+
+    let err = f_detect_leak(Device::Mps, 3, |_| -> anyhow::Result<()> { Ok(()) }).unwrap_err();
+    assert!(err.to_string().contains("cannot meter Mps"), "{err}");
+
+    // The short names panic with the meter's message instead of reporting "no leak".
+    let panic =
+        std::panic::catch_unwind(|| detect_leak(Device::Mps, 3, |_| -> Result<(), ()> { Ok(()) }))
+            .unwrap_err();
+    let message = panic.downcast_ref::<String>().unwrap();
+    assert!(message.contains("cannot meter Mps"), "{message}");
+    let panic = std::panic::catch_unwind(|| measure(Device::Mps, |_| ())).unwrap_err();
+    let message = panic.downcast_ref::<String>().unwrap();
+    assert!(message.contains("cannot meter Mps"), "{message}");
+}
+
+#[test]
+#[serial]
+fn a_huge_step_count_allocates_nothing_up_front() {
+    let report = detect_leak(CPU, usize::MAX, |i| if i == 2 { Err(i) } else { Ok(()) });
+    assert_eq!(report, Err(2));
+}
+
+#[test]
+#[serial]
+fn marks_read_the_device_of_their_scope() {
+    let (_, m) = f_measure(CPU, |marks| {
+        let start = marks.f_mark("start").unwrap();
+        let t = Tensor::zeros([256], (Kind::Float, CPU));
+        assert_eq!(marks.f_mark("after t").unwrap(), start + 1024);
+        drop(t);
+    })
+    .unwrap();
+    assert_eq!(m.mark("after t"), Some(m.start_bytes + 1024));
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <vector>
 
@@ -36,6 +37,21 @@ int ms_tensor_is_view(const at::Tensor* t, bool* out) {
 // itself holds its base.
 int ms_tensor_base_use_count(const at::Tensor* t, int64_t* out) {
   MS_TRY({ *out = t->is_view() ? static_cast<int64_t>(t->_base().use_count()) : -1; })
+}
+
+// How a backward-differentiable view was created: torch::autograd::CreationMeta as its
+// number (0 DEFAULT, 1 IN_CUSTOM_FUNCTION, 2 MULTI_OUTPUT_NODE, 3 NO_GRAD_MODE,
+// 4 INFERENCE_MODE), or -1 for any other tensor. libtorch refuses an in-place write that
+// autograd records on a view whose value is not DEFAULT (can_mutate_inplace in
+// torch/csrc/autograd/VariableTypeUtils.h).
+int ms_tensor_view_creation_meta(const at::Tensor* t, int32_t* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    auto* meta = torch::autograd::impl::get_view_autograd_meta(*t);
+    *out = (meta != nullptr && meta->has_bw_view())
+               ? static_cast<int32_t>(meta->get_creation_meta())
+               : -1;
+  })
 }
 
 int ms_tensor_set_grad_none(at::Tensor* t) {

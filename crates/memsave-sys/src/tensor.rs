@@ -46,6 +46,46 @@ pub fn base_use_count(t: &Tensor) -> Result<Option<u64>> {
     Ok((out >= 0).then_some(out as u64))
 }
 
+/// How a view that autograd tracks was created (libtorch's `CreationMeta`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViewCreation {
+    /// An ordinary view, made in grad mode by a single-output view op.
+    Default,
+    /// Returned by a custom autograd function.
+    InCustomFunction,
+    /// One of several views returned by one op (`chunk`, `split`, `unbind`).
+    MultiOutputNode,
+    /// Made while grad mode was off (`no_grad`).
+    NoGradMode,
+    /// Made in inference mode.
+    InferenceMode,
+}
+
+/// For a view that autograd tracks (a backward-differentiable view), how it was
+/// created; `None` for any other tensor, views that autograd does not track included.
+///
+/// libtorch refuses an in-place write to a view created any way but
+/// [`ViewCreation::Default`] when autograd records the write (grad mode on and an
+/// operand that requires grad): "Output 0 of SplitBackward0 is a view and is being
+/// modified inplace...", "A view was created in no_grad mode...".
+pub fn view_creation(t: &Tensor) -> Result<Option<ViewCreation>> {
+    let mut out = -1i32;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*, and
+    // `out` is a valid, writable i32 for the duration of the call.
+    check(unsafe { ffi::ms_tensor_view_creation_meta(t.as_ptr(), &mut out) })?;
+    match out {
+        -1 => Ok(None),
+        0 => Ok(Some(ViewCreation::Default)),
+        1 => Ok(Some(ViewCreation::InCustomFunction)),
+        2 => Ok(Some(ViewCreation::MultiOutputNode)),
+        3 => Ok(Some(ViewCreation::NoGradMode)),
+        4 => Ok(Some(ViewCreation::InferenceMode)),
+        other => Err(crate::Error::new(format!(
+            "libtorch reported an unknown view creation kind {other}"
+        ))),
+    }
+}
+
 /// Drops the tensor's gradient (PyTorch's `p.grad = None`), freeing its memory, where
 /// tch's `zero_grad` only fills it with zeros.
 pub fn set_grad_none(t: &Tensor) -> Result<()> {
