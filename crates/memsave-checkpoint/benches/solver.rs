@@ -76,7 +76,9 @@ fn depth_curve(c: &mut Criterion) {
         let profile = residual_chain(depth);
         let budget = halfway_budget(&profile);
         let start = Instant::now();
-        let schedule = Solver::new(&profile).solve_budget(budget).expect("feasible");
+        let schedule = Solver::new(&profile)
+            .solve_budget(budget)
+            .expect("feasible");
         let elapsed = start.elapsed();
         let peak = predict(&profile, &schedule).peak_bytes;
         assert!(peak <= budget);
@@ -89,12 +91,18 @@ fn depth_curve(c: &mut Criterion) {
         );
     }
     let mut group = c.benchmark_group("solver_plan_halfway_budget");
-    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(5));
     for depth in DEPTHS {
         let profile = residual_chain(depth);
         let budget = halfway_budget(&profile);
         group.bench_with_input(BenchmarkId::from_parameter(depth), &depth, |b, _| {
-            b.iter(|| Solver::new(&profile).solve_budget(budget).expect("feasible"))
+            b.iter(|| {
+                Solver::new(&profile)
+                    .solve_budget(budget)
+                    .expect("feasible")
+            })
         });
     }
     group.finish();

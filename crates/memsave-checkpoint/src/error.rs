@@ -39,7 +39,10 @@ enum Rounding {
 fn exact_bytes(bytes: Bytes, rounding: Rounding) -> String {
     const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
     let n = u128::from(bytes.0);
-    let Some(power) = (1..=UNITS.len() as u32).rev().find(|&p| n >= 1u128 << (10 * p)) else {
+    let Some(power) = (1..=UNITS.len() as u32)
+        .rev()
+        .find(|&p| n >= 1u128 << (10 * p))
+    else {
         return format!("{n} B");
     };
     let unit = 1u128 << (10 * power);

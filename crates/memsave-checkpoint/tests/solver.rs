@@ -119,7 +119,19 @@ fn the_solver_table_stays_within_its_stated_bound() {
 fn the_stated_bound_holds_for_every_depth() {
     // The build itself is benchmarked (benches/solver.rs); here only the arithmetic of
     // the bound: at most 64 MiB at any depth, and within 8 MiB at 500 layers.
-    for layers in [0, 1, 7, 50, 100, 500, 511, 512, 1000, 5000, Solver::MAX_LAYERS] {
+    for layers in [
+        0,
+        1,
+        7,
+        50,
+        100,
+        500,
+        511,
+        512,
+        1000,
+        5000,
+        Solver::MAX_LAYERS,
+    ] {
         let bound = Solver::table_bound_bytes(layers);
         assert!(bound <= 64 << 20, "{layers} layers: {bound} B");
     }
@@ -136,7 +148,9 @@ fn a_chain_past_the_stated_size_is_refused_with_a_plan_to_use_instead() {
     assert!(message.contains("Plan::Nested"), "{message}");
     // A budget that holds the plain run needs no table, at any length.
     let plain = predict(&profile, &Schedule::plain(Solver::MAX_LAYERS + 1));
-    let s = Solver::new(&profile).solve_budget(plain.peak_bytes).unwrap();
+    let s = Solver::new(&profile)
+        .solve_budget(plain.peak_bytes)
+        .unwrap();
     assert_eq!(s.forward_count(), Solver::MAX_LAYERS + 1);
 }
 
@@ -196,8 +210,10 @@ fn the_not_profiled_error_names_the_method_that_exists() {
     );
     // Doing what it says works.
     let x = Tensor::rand([2, 4], (Kind::Float, Device::Cpu));
-    seq.profile(&x, &vs.trainable_variables(), |y| y.square().mean(Kind::Float))
-        .unwrap();
+    seq.profile(&x, &vs.trainable_variables(), |y| {
+        y.square().mean(Kind::Float)
+    })
+    .unwrap();
     seq.set_plan(Plan::Budget(1 << 20)).unwrap();
 }
 

@@ -45,8 +45,8 @@ impl Fronts {
         let pairs = (stages + 1) * (stages + 2) / 2;
         let spans = (stages + 1) * (stages + 1) * std::mem::size_of::<(u32, u32)>();
         let points = (pairs + stages * (TOP_FACTOR - 1)) * cap * POINT_BYTES;
-        let work = (stages + 1) * 8
-            + (Self::scratch_points(stages, cap) + sort_limit(cap)) * POINT_BYTES;
+        let work =
+            (stages + 1) * 8 + (Self::scratch_points(stages, cap) + sort_limit(cap)) * POINT_BYTES;
         spans + points + work
     }
 
@@ -207,7 +207,10 @@ fn reduce(
         candidates.sort_unstable_by(|x, y| x.need.cmp(&y.need).then(x.time_s.total_cmp(&y.time_s)));
         sorted.clear();
         for &p in candidates.iter() {
-            if sorted.last().is_none_or(|last: &Point| p.time_s < last.time_s) {
+            if sorted
+                .last()
+                .is_none_or(|last: &Point| p.time_s < last.time_s)
+            {
                 sorted.push(p);
             }
         }

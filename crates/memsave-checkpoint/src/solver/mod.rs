@@ -37,13 +37,13 @@ use crate::profile::ChainProfile;
 use crate::schedule::{Block, Schedule};
 use fronts::{lookup, Fronts, Point, POINT_BYTES, TOP_FACTOR};
 use memsave_meter::Bytes;
-pub use model::{predict, Prediction};
 use model::Model;
+pub use model::{predict, Prediction};
 use stages::Stages;
 
 /// Chains of more elements (layers and loss) than this are planned over this many
-/// stages of consecutive layers. The build takes time cubic in the stages: about 0.1 s
-/// at 128 in a release build.
+/// stages of consecutive layers. The build takes time cubic in the stages: a few tenths
+/// of a second at 128 in a release build.
 const MAX_STAGES: usize = 128;
 
 /// What the fronts may take, in bytes; the cap on points per front follows from it.
@@ -75,14 +75,16 @@ struct Tables {
 ///   layer; longer ones over 128 stages of consecutive layers (as even as the division
 ///   allows), which a checkpoint can start or end only between. Their plans still fit
 ///   the budget, but may recompute more than the best plan over single layers, and
-///   their smallest feasible budget may be higher (on 500 uniform layers, by less than
-///   one layer's activation);
+///   their smallest feasible budget may be higher (on 200 uniform residual layers of
+///   2,048-byte activations, 960 bytes higher, and no budget's plan more than 0.1%
+///   slower);
 /// - each range keeps at most a few points of its memory/time trade-off (1024 for short
 ///   chains, 28 at 128 stages; eight times as many for ranges that end with the loss),
 ///   always its least-memory and its fastest schedule. Where more points exist, dropped
 ///   ones can cost recomputation time, never memory;
 /// - the table takes at most about 5 MiB, see [`table_bound_bytes`](Self::table_bound_bytes),
-///   and its build about 0.1 s in a release build, at any length;
+///   and its build well under a second in a release build, at any length (the bench
+///   `benches/solver.rs` prints the depth curve);
 /// - chains of more than [`MAX_LAYERS`](Self::MAX_LAYERS) layers are refused with
 ///   [`CheckpointError::InvalidPlan`]: use [`Plan::Nested`](crate::Plan::Nested) there.
 ///
@@ -231,9 +233,7 @@ impl Tables {
                 break;
             }
             let fits = |front: &[Point], used: u64| {
-                budget
-                    .checked_sub(used)
-                    .and_then(|m| lookup(front, m))
+                budget.checked_sub(used).and_then(|m| lookup(front, m))
             };
             if let (Some(rest), Some(inner)) = (
                 fits(self.fronts.get(k, t), c + st.a[k]),
