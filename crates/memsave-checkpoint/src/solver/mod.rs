@@ -76,8 +76,8 @@ struct Tables {
 ///   allows), which a checkpoint can start or end only between. Their plans still fit
 ///   the budget, but may recompute more than the best plan over single layers, and
 ///   their smallest feasible budget may be higher (on 200 uniform residual layers of
-///   2,048-byte activations, 960 bytes higher, and no budget's plan more than 0.1%
-///   slower);
+///   2,048-byte activations, 960 bytes higher, and plans at the same fraction of the
+///   feasible range within 0.1% of the same time);
 /// - each range keeps at most a few points of its memory/time trade-off (1024 for short
 ///   chains, 28 at 128 stages; eight times as many for ranges that end with the loss),
 ///   always its least-memory and its fastest schedule. Where more points exist, dropped
