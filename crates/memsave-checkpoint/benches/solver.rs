@@ -5,7 +5,8 @@
 //!   cargo bench -p memsave-checkpoint --bench solver
 //!
 //! Before the timings it prints, per depth, the table's size bound, the plan's predicted
-//! peak against its budget, and the process's peak resident memory so far (`VmHWM`).
+//! peak against its budget, and the process's peak resident memory so far (`VmHWM`;
+//! compare it with the figure before any solve, most of which is libtorch).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use memsave_checkpoint::{predict, ChainProfile, LayerProfile, Schedule, Solver};
 use std::time::{Duration, Instant};
@@ -71,6 +72,8 @@ fn peak_resident() -> String {
 }
 
 fn depth_curve(c: &mut Criterion) {
+    // libtorch, which this crate links, is most of the process's resident memory.
+    println!("peak RSS before any solve: {}", peak_resident());
     println!("depth  table bound   plan time  predicted peak / budget   forwards  peak RSS so far");
     for depth in DEPTHS {
         let profile = residual_chain(depth);
