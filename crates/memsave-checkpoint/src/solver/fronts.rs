@@ -89,15 +89,14 @@ impl Fronts {
                         .max(st.retained[s] + plain[t])
                 };
             }
-            for t in s..=stages {
+            for (t, &hi) in plain.iter().enumerate().skip(s) {
                 let start = fronts.points.len();
                 if s == t {
                     fronts.points.push(Point {
-                        need: plain[t],
+                        need: hi,
                         time_s: 0.0,
                     });
                 } else {
-                    let hi = plain[t];
                     scratch.clear();
                     // Layer s run normally, then the rest.
                     let floor = (st.forward_peak[s] + st.grads[t]).max(st.backward_peak[s]);

@@ -64,8 +64,7 @@ impl Stages {
             let (mut kept, mut fwd, mut bwd) = (0u64, 0u64, 0u64);
             let (mut time_s, mut nograd_time_s) = (0.0, 0.0);
             let mut nograd_rest = 0u64;
-            for l in start..end {
-                let p = &elements[l];
+            for (l, p) in elements.iter().enumerate().take(end).skip(start) {
                 fwd = fwd.max(kept + p.forward_peak_bytes);
                 bwd = bwd.max(kept + model.backward_need(l));
                 kept += p.retained_bytes;
