@@ -18,8 +18,10 @@
 //!   the RNG state it will restore is held too; the checkpoint's output is freed by
 //!   then, the recompute makes its own).
 //!
-//! `G(t)` for `t <= L` also counts the chain's output `x_L`: the caller may hold it until
-//! the whole backward is over, as a variable holding a model's output does.
+//! `G(t)` for `t <= L` also counts the chain's output `x_L` and the loss value: the caller
+//! may hold the output until the whole backward is over, as a variable holding a model's
+//! output does, and holds the loss it called backward on (so the loss's own backward
+//! counts its output as saved).
 //!
 //! [`Solver`] finds the cheapest schedule (least recomputation time) whose need fits a
 //! budget. It works in exact bytes: for every range `s..t` it keeps the trade-off front

@@ -44,10 +44,11 @@ impl<'a> Model<'a> {
         for i in (0..n).rev() {
             grads_from[i] = grads_from[i + 1] + e[i].param_grad_bytes;
         }
-        // From the loss's backward on, the caller may still hold the output x_L.
-        let output = a[n - 1];
+        // From the loss's backward on, the caller may still hold the output x_L, and it
+        // holds the loss value it called backward on.
+        let held = a[n - 1] + a[n];
         for g in &mut grads_from[..n] {
-            *g += output;
+            *g += held;
         }
         Self {
             profile,
@@ -56,10 +57,11 @@ impl<'a> Model<'a> {
         }
     }
 
-    /// Bytes layer `l` still holds when its backward starts.
+    /// Bytes layer `l` still holds when its backward starts (the loss's output, the loss
+    /// value, is held by the caller).
     pub(super) fn saved_in_backward(&self, l: usize) -> u64 {
         let p = &self.profile.elements[l];
-        if p.saves_output {
+        if p.saves_output || l == self.profile.layers() {
             p.retained_bytes
         } else {
             p.retained_bytes.saturating_sub(self.a[l + 1])
