@@ -6,8 +6,14 @@ pub enum CheckpointError {
     /// libtorch or the checkpointed function failed (in the forward, or the recompute).
     #[error("{0}")]
     Torch(String),
-    /// No schedule fits the memory budget.
-    #[error("no schedule fits a budget of {budget}: the smallest feasible budget for this model and input is {smallest_feasible}")]
+    /// No schedule fits the memory budget. The message gives both budgets in exact bytes
+    /// (a figure to copy), the smallest one also in a binary unit rounded up, so that
+    /// neither form is below what the planner needs.
+    #[error(
+        "no schedule fits a budget of {}: the smallest feasible budget for this model and input is {}",
+        exact_bytes(*.budget, Rounding::Down),
+        exact_bytes(*.smallest_feasible, Rounding::Up)
+    )]
     InfeasibleBudget {
         /// The budget asked for.
         budget: Bytes,
@@ -18,8 +24,38 @@ pub enum CheckpointError {
     #[error("invalid plan: {0}")]
     InvalidPlan(String),
     /// A `Budget` plan was used before profiling the model on an example input.
-    #[error("the Budget plan needs a profile: call CheckpointedSequential::plan_for_budget with an example input first")]
+    #[error("the Budget plan needs a profile: call CheckpointedSequential::profile(example, params, loss) before set_plan(Plan::Budget(..))")]
     NotProfiled,
+}
+
+#[derive(Clone, Copy)]
+enum Rounding {
+    Down,
+    Up,
+}
+
+/// `124969 B (122.05 KiB)`: the exact count, then (from 1 KiB on) two decimals of the
+/// largest binary unit, rounded the given way.
+fn exact_bytes(bytes: Bytes, rounding: Rounding) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let n = u128::from(bytes.0);
+    let Some(power) = (1..=UNITS.len() as u32)
+        .rev()
+        .find(|&p| n >= 1u128 << (10 * p))
+    else {
+        return format!("{n} B");
+    };
+    let unit = 1u128 << (10 * power);
+    let hundredths = match rounding {
+        Rounding::Down => n * 100 / unit,
+        Rounding::Up => (n * 100).div_ceil(unit),
+    };
+    format!(
+        "{n} B ({}.{:02} {})",
+        hundredths / 100,
+        hundredths % 100,
+        UNITS[power as usize - 1]
+    )
 }
 
 impl From<memsave_sys::Error> for CheckpointError {

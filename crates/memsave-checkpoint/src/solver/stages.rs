@@ -1,0 +1,97 @@
+//! The chain as the dynamic program sees it: stages of consecutive layers, with the
+//! byte and time figures of the exact model folded per stage.
+use super::model::Model;
+
+/// Stage `i` covers elements `bounds[i]..bounds[i + 1]`; the loss is always a stage of
+/// its own, the last. Storing a stage runs its layers normally one after the other;
+/// checkpoints start and end only at stage bounds.
+pub(super) struct Stages {
+    pub(super) bounds: Vec<usize>,
+    /// Input bytes at each bound (`len + 1` entries).
+    pub(super) a: Vec<u64>,
+    /// `G` at each bound.
+    pub(super) grads: Vec<u64>,
+    /// Bytes the stage keeps when its layers run normally.
+    pub(super) retained: Vec<u64>,
+    /// Most its normal forward reaches above the start, without the `G(t)` term.
+    pub(super) forward_peak: Vec<u64>,
+    /// Most its backward reaches above the start (gradients included).
+    pub(super) backward_peak: Vec<u64>,
+    /// Forward plus backward seconds of the stage run normally.
+    pub(super) time_s: Vec<f64>,
+    /// No-grad seconds of the stage.
+    pub(super) nograd_time_s: Vec<f64>,
+    /// No-grad peak of the stage's first layer, run with the stage's input held by the
+    /// caller.
+    pub(super) nograd_first: Vec<u64>,
+    /// Most of `a[l] + nograd_peak(l)` over the stage's other layers (0 if none).
+    pub(super) nograd_rest: Vec<u64>,
+    /// Most of `a[l] + nograd_peak(l)` over all its layers.
+    pub(super) nograd_full: Vec<u64>,
+    /// Bytes a checkpoint holds itself.
+    pub(super) overhead: u64,
+}
+
+impl Stages {
+    /// Groups the layers into at most `max_stages` stages (the loss one of them), each
+    /// group as even as the division allows; one stage per element when the chain fits.
+    pub(super) fn new(model: &Model<'_>, max_stages: usize) -> Self {
+        let elements = &model.profile.elements;
+        let n = elements.len();
+        let layers = n - 1;
+        let groups = layers.min(max_stages.max(2) - 1);
+        let mut bounds: Vec<usize> = (0..groups).map(|i| i * layers / groups).collect();
+        bounds.push(layers);
+        bounds.push(n);
+        bounds.dedup();
+
+        let mut stages = Self {
+            a: bounds.iter().map(|&b| model.a[b]).collect(),
+            grads: bounds.iter().map(|&b| model.grads_from[b]).collect(),
+            retained: Vec::new(),
+            forward_peak: Vec::new(),
+            backward_peak: Vec::new(),
+            time_s: Vec::new(),
+            nograd_time_s: Vec::new(),
+            nograd_first: Vec::new(),
+            nograd_rest: Vec::new(),
+            nograd_full: Vec::new(),
+            overhead: model.profile.checkpoint_overhead_bytes,
+            bounds: Vec::new(),
+        };
+        for w in bounds.windows(2) {
+            let (start, end) = (w[0], w[1]);
+            let (mut kept, mut fwd, mut bwd) = (0u64, 0u64, 0u64);
+            let (mut time_s, mut nograd_time_s) = (0.0, 0.0);
+            let mut nograd_rest = 0u64;
+            for (l, p) in elements.iter().enumerate().take(end).skip(start) {
+                fwd = fwd.max(kept + p.forward_peak_bytes);
+                bwd = bwd.max(kept + model.backward_need(l));
+                kept += p.retained_bytes;
+                time_s += p.forward_time_s + p.backward_time_s;
+                nograd_time_s += p.nograd_time_s;
+                if l > start {
+                    nograd_rest = nograd_rest.max(model.a[l] + p.nograd_peak_bytes);
+                }
+            }
+            let first = &elements[start];
+            stages.retained.push(kept);
+            stages.forward_peak.push(fwd);
+            stages.backward_peak.push(bwd);
+            stages.time_s.push(time_s);
+            stages.nograd_time_s.push(nograd_time_s);
+            stages.nograd_first.push(first.nograd_peak_bytes);
+            stages.nograd_rest.push(nograd_rest);
+            stages
+                .nograd_full
+                .push(nograd_rest.max(model.a[start] + first.nograd_peak_bytes));
+        }
+        stages.bounds = bounds;
+        stages
+    }
+
+    /// Number of stages (the loss included).
+    pub(super) fn len(&self) -> usize {
+        self.bounds.len() - 1
+    }
+}
