@@ -9,6 +9,7 @@ const SOURCES: &[&str] = &[
     "cpp/tensor.cpp",
     "cpp/autocast.cpp",
     "cpp/checkpoint.cpp",
+    "cpp/version.cpp",
 ];
 
 fn main() {

@@ -16,6 +16,7 @@ pub type DropFn = unsafe extern "C" fn(ctx: *mut c_void);
 
 extern "C" {
     pub fn ms_last_error() -> *const c_char;
+    pub fn ms_libtorch_version() -> *const c_char;
 
     pub fn ms_cpu_install_counting_allocator() -> c_int;
     pub fn ms_cpu_counting_allocator_active(out: *mut bool) -> c_int;

@@ -26,5 +26,6 @@ pub mod device;
 mod error;
 mod ffi;
 pub mod tensor;
+pub mod version;
 
 pub use error::{Error, Result};
