@@ -65,8 +65,8 @@ pub mod suite;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
-pub use plot::{write_plots, PlotError};
 pub use message::one_line;
+pub use plot::{write_plots, PlotError};
 pub use report::{CaseResult, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
     run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,

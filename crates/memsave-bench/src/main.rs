@@ -147,19 +147,17 @@ fn invalid(message: impl std::fmt::Display) -> anyhow::Error {
 fn load(name_or_path: &str) -> Result<Suite> {
     let path = Path::new(name_or_path);
     let looks_like_path = name_or_path.contains(['/', std::path::MAIN_SEPARATOR])
-        || path
-            .extension()
-            .is_some_and(|e| e == "yaml" || e == "yml");
+        || path.extension().is_some_and(|e| e == "yaml" || e == "yml");
     let parsed = match bundled(name_or_path) {
         Some(b) if !looks_like_path => {
             if path.is_file() {
                 return Err(invalid(format!(
-                    "'{name_or_path}' names both the bundled suite {name_or_path} and the file                      ./{name_or_path}: write ./{name_or_path} for the file, or run from another                      directory for the bundled suite"
+                    "'{name_or_path}' names both the bundled suite {name_or_path} and the file ./{name_or_path}: write ./{name_or_path} for the file, or run from another directory for the bundled suite"
                 )));
             }
             if path.exists() {
                 eprintln!(
-                    "note: running the bundled suite '{name_or_path}' (./{name_or_path} is not a                      file; write a path such as ./{name_or_path}/suite.yaml for a file in it)"
+                    "note: running the bundled suite '{name_or_path}' (./{name_or_path} is not a file; write a path such as ./{name_or_path}/suite.yaml for a file in it)"
                 );
             }
             Suite::from_yaml(b.source, &b.file_name())
@@ -257,7 +255,13 @@ fn check_writable_dir(flag: &str, dir: &Path) -> Result<(), String> {
     let shown = dir.display();
     let existing = dir
         .ancestors()
-        .map(|a| if a.as_os_str().is_empty() { Path::new(".") } else { a })
+        .map(|a| {
+            if a.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                a
+            }
+        })
         .find(|a| a.exists())
         .unwrap_or(Path::new("."));
     if !existing.is_dir() {
@@ -266,7 +270,12 @@ fn check_writable_dir(flag: &str, dir: &Path) -> Result<(), String> {
             existing.display()
         ));
     }
-    probe(existing).map_err(|e| format!("{flag} {shown}: cannot write in {}: {e}", existing.display()))
+    probe(existing).map_err(|e| {
+        format!(
+            "{flag} {shown}: cannot write in {}: {e}",
+            existing.display()
+        )
+    })
 }
 
 /// Creates and removes an empty file in `dir`.
@@ -291,7 +300,8 @@ fn quietly<T>(f: impl FnOnce() -> Result<T, memsave_bench::RunError>) -> Result<
         let text = format!(
             "{} at {}",
             memsave_sys::checkpoint::panic_message(info.payload()),
-            info.location().map_or_else(|| "?".to_owned(), |l| l.to_string())
+            info.location()
+                .map_or_else(|| "?".to_owned(), |l| l.to_string())
         );
         *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
     }));

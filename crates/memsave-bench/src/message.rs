@@ -96,7 +96,10 @@ mod tests {
     #[test]
     fn plain_messages_keep_their_first_line() {
         assert_eq!(one_line("  first  \nsecond"), "first");
-        assert_eq!(one_line("no unwrap: Torch(\"x\")"), "no unwrap: Torch(\"x\")");
+        assert_eq!(
+            one_line("no unwrap: Torch(\"x\")"),
+            "no unwrap: Torch(\"x\")"
+        );
         assert_eq!(unescape("a\\u{e9}\\\\b"), Some("aé\\b".to_owned()));
     }
 }

@@ -189,9 +189,14 @@ impl Report {
             .find(|c| c.model == model && c.is_baseline && c.status == Status::Ok)
     }
 
-    /// Pretty JSON.
+    /// Pretty JSON in the current schema ([`SCHEMA_VERSION`], whatever version the
+    /// report was read from).
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("a report always serializes")
+        let current = Report {
+            schema_version: SCHEMA_VERSION,
+            ..self.clone()
+        };
+        serde_json::to_string_pretty(&current).expect("a report always serializes")
     }
 
     /// Parses a report written by [`to_json`](Self::to_json) or `pytorch_suite.py`.
@@ -371,6 +376,38 @@ mod tests {
         assert_eq!(csv_field("plain"), "plain");
         assert_eq!(csv_field("a, b"), "\"a, b\"");
         assert_eq!(csv_field("say \"x\""), "\"say \"\"x\"\"\"");
+    }
+
+    #[test]
+    fn a_nan_difference_is_diverged_not_missing() {
+        let mut case = CaseResult::failed("m", "s", Status::Ok, String::new());
+        assert!(!case.has_baseline && !case.grad_diverged);
+        case.set_grad_diff(f64::NAN);
+        assert!(case.has_baseline && case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, None);
+        case.set_grad_diff(f64::INFINITY);
+        assert!(case.grad_diverged);
+        case.set_grad_diff(0.5);
+        assert!(case.has_baseline && !case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, Some(0.5));
+    }
+
+    #[test]
+    fn version_1_reports_still_parse() {
+        // The shape `pytorch_suite.py` writes: no schema_version, `libtorch`, no flags.
+        let v1 = r#"{"suite": "seed", "device": "cpu", "libtorch": "2.13.0", "threads": 2,
+            "cases": [{"model": "m", "strategy": "baseline", "status": "ok", "error": null,
+            "start_bytes": 1, "peak_bytes": 2, "retained_after_forward_bytes": 3,
+            "step_time_s": {"min": 1.0, "median": 1.0, "max": 1.0},
+            "grad_max_abs_diff": null, "trace": []}]}"#;
+        let report = Report::from_json(v1).unwrap();
+        assert_eq!(report.schema_version, 1);
+        assert_eq!(report.libtorch_version, "2.13.0");
+        assert!(!report.cases[0].is_baseline && !report.cases[0].grad_diverged);
+        let v2: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(v2["schema_version"], 2);
+        assert!(v2.get("libtorch").is_none());
+        assert_eq!(v2["libtorch_version"], "2.13.0");
     }
 
     #[test]

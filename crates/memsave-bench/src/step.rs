@@ -99,7 +99,10 @@ pub fn f_step(
                 drop(out);
             }
             Some(count) => {
-                let batch = *input.size().first().ok_or("the input has no batch dimension")?;
+                let batch = *input
+                    .size()
+                    .first()
+                    .ok_or("the input has no batch dimension")?;
                 let mut held: Option<Tensor> = None;
                 GradAccumulator::with_split(Split::Count(count))
                     .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
@@ -115,7 +118,9 @@ pub fn f_step(
             }
         }
         if let Some(scaler) = scaler.as_deref_mut() {
-            scaler.f_unscale_params_(&params).map_err(|e| e.to_string())?;
+            scaler
+                .f_unscale_params_(&params)
+                .map_err(|e| e.to_string())?;
             scaler.f_update().map_err(|e| e.to_string())?;
         }
         synchronize(device);

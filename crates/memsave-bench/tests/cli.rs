@@ -141,13 +141,23 @@ strategies:
     for c in cases {
         assert_eq!(c["status"], "ok", "{c}");
         // Parameters and input, plus whatever cuBLAS keeps from the warm-up.
-        assert!(c["start_bytes"].as_u64().unwrap() >= params + b * h * 4, "{c}");
+        assert!(
+            c["start_bytes"].as_u64().unwrap() >= params + b * h * 4,
+            "{c}"
+        );
         assert!(c["step_time_s"]["min"].as_f64().unwrap() > 0.0, "{c}");
     }
     let base = &cases[0];
     // Every layer keeps its input for backward; the output is the last of them.
-    assert_eq!(base["retained_after_forward_bytes"], l * activation, "{base}");
-    assert!(base["peak_bytes"].as_u64().unwrap() >= l * activation, "{base}");
+    assert_eq!(
+        base["retained_after_forward_bytes"],
+        l * activation,
+        "{base}"
+    );
+    assert!(
+        base["peak_bytes"].as_u64().unwrap() >= l * activation,
+        "{base}"
+    );
     let trace = base["trace"].as_array().unwrap();
     assert_eq!(trace.len(), l as usize);
     for t in trace {
@@ -156,7 +166,11 @@ strategies:
     }
     // Recomputation gives the same gradients; accumulation the same up to rounding.
     assert_eq!(cases[1]["grad_max_abs_diff"], 0.0, "{}", cases[1]);
-    assert!(cases[2]["grad_max_abs_diff"].as_f64().unwrap() < 1e-5, "{}", cases[2]);
+    assert!(
+        cases[2]["grad_max_abs_diff"].as_f64().unwrap() < 1e-5,
+        "{}",
+        cases[2]
+    );
     assert_eq!(
         cases[2]["retained_after_forward_bytes"],
         l * activation / 2 + params,
@@ -193,7 +207,11 @@ fn bench_writes_json_csv_and_plots() {
         assert!(first[key].is_boolean(), "{key}");
     }
     // Panics inside cases (add_out's layer) are recorded, not printed.
-    assert!(!text(&out.stderr).contains("panicked at"), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("panicked at"),
+        "{}",
+        text(&out.stderr)
+    );
     assert!(first["step_time_s"]["median"].is_f64());
     assert!(first["trace"][0]["before"].is_u64());
     let csv = std::fs::read_to_string(dir.path().join("out.csv")).unwrap();
@@ -246,8 +264,14 @@ fn unwritable_outputs_are_reported_before_anything_runs() {
             ["--json", "missing/out.json"],
             "--json missing/out.json: the directory missing does not exist",
         ),
-        (["--csv", "taken"], "--csv taken: is a directory, not a file"),
-        (["--plot", "file/plots"], "--plot file/plots: file is not a directory"),
+        (
+            ["--csv", "taken"],
+            "--csv taken: is a directory, not a file",
+        ),
+        (
+            ["--plot", "file/plots"],
+            "--plot file/plots: file is not a directory",
+        ),
     ] {
         let mut command = vec!["bench", "quick", "--filter", "^linear/baseline$"];
         command.extend(args);
@@ -284,5 +308,9 @@ fn a_bundled_name_and_a_path_are_never_confused() {
         "{err}"
     );
     let out = memsave(&["check", "./seed"], dir.path());
-    assert!(text(&out.stderr).contains("./seed:1:1"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("./seed:1:1"),
+        "{}",
+        text(&out.stderr)
+    );
 }

@@ -417,7 +417,10 @@ fn parameter_counts_follow_the_layer_shapes() {
         model(ModelKind::ResidualMlp, 1 << 40, 1 << 40).parameter_count(),
         None
     );
-    assert_eq!(model(ModelKind::ResidualLinear, 8, 4).input_elements(), Some(16));
+    assert_eq!(
+        model(ModelKind::ResidualLinear, 8, 4).input_elements(),
+        Some(16)
+    );
 }
 
 #[test]
@@ -506,7 +509,10 @@ fn parsing_keeps_no_state_between_parses() {
         assert_eq!(m.name, "a");
     }
     // A suite that fails part-way leaves nothing behind for the next one.
-    let failing = edited("strategies:\n  - baseline\n", "strategies:\n  - baseline\n  - nope\n");
+    let failing = edited(
+        "strategies:\n  - baseline\n",
+        "strategies:\n  - baseline\n  - nope\n",
+    );
     assert!(Suite::from_yaml(&failing, "bad.yaml").is_err());
     assert!(Suite::from_yaml(BASE, "t.yaml").is_ok());
     // Names are unique per suite, not per thread: duplicates still fail inside one.

@@ -27,9 +27,7 @@ pub enum SuiteError {
 impl SuiteError {
     /// A serde_yaml error in `file`, with its position in front of the message.
     pub(crate) fn from_yaml(file: &str, error: &serde_yaml::Error) -> Self {
-        let (line, column) = error
-            .location()
-            .map_or((1, 1), |l| (l.line(), l.column()));
+        let (line, column) = error.location().map_or((1, 1), |l| (l.line(), l.column()));
         SuiteError::Invalid {
             file: file.to_owned(),
             line,
