@@ -117,7 +117,7 @@ pub fn f_step(
                 drop(held);
             }
         }
-        if let Some(scaler) = scaler.as_deref_mut() {
+        if let Some(scaler) = scaler {
             scaler
                 .f_unscale_params_(&params)
                 .map_err(|e| e.to_string())?;
