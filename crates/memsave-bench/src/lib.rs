@@ -15,7 +15,7 @@
 //! `file:line:column`), [`models`] (the networks), [`strategies`] (what a strategy
 //! changes), [`step`] (one measured step), [`runner`] (the suite loop, isolation of
 //! failures), [`report`] (table, JSON, CSV), [`message`] (errors as one readable
-//! line), [`plot`] (SVG), [`atomic`] (atomic file writes), [`bundled`] (the suites
+//! line), [`plot`] (SVG), [`atomic`] (atomic file writes), [`bundled`](mod@bundled) (the suites
 //! shipped in the binary). The `memsave` binary is a thin layer over them.
 //!
 //! ```
