@@ -10,6 +10,7 @@ const SOURCES: &[&str] = &[
     "cpp/autocast.cpp",
     "cpp/hooks.cpp",
     "cpp/checkpoint.cpp",
+    "cpp/version.cpp",
 ];
 
 fn main() {

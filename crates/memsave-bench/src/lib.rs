@@ -3,17 +3,20 @@
 //!
 //! For each model and strategy a suite reports the exact peak memory of a training
 //! step, the bytes kept for backward after the forward, the per-layer memory trace,
-//! the step time and the largest gradient difference against the plain baseline, as
-//! a table, JSON (the schema of `pytorch_suite.py`), CSV and SVG plots. Strategies are
+//! the step time and the largest gradient difference against the baseline, as a
+//! table, JSON (schema version 2, see [`report`]), CSV and SVG plots. Strategies are
 //! `baseline`, the seed's failing `inplace_add` and `add_out`, `safe_residual`
-//! (memsave-inplace), `checkpoint` plans (memsave-checkpoint), `autocast`
-//! (memsave-amp), `accumulate` (memsave-accum) and named combinations of them.
+//! (memsave-inplace), `checkpoint` plans (memsave-checkpoint), `autocast` and
+//! `grad_scaler` (memsave-amp's autocast and `GradScaler`), `accumulate`
+//! (memsave-accum's `GradAccumulator`) and named combinations of them. Each technique
+//! runs through the public API of its crate, the API a user would call.
 //!
-//! Modules: [`suite`] (the YAML model and its validation, errors at `file:line:column`),
-//! [`models`] (the networks), [`strategies`] (what a strategy changes), [`step`] (one
-//! measured step), [`runner`] (the suite loop, isolation of failures), [`report`]
-//! (table, JSON, CSV), [`plot`] (SVG), [`atomic`] (atomic file writes), [`bundled`]
-//! (the suites shipped in the binary). The `memsave` binary is a thin layer over them.
+//! Modules: [`suite`] (the YAML format, its limits and its validation, errors at
+//! `file:line:column`), [`models`] (the networks), [`strategies`] (what a strategy
+//! changes), [`step`] (one measured step), [`runner`] (the suite loop, isolation of
+//! failures), [`report`] (table, JSON, CSV), [`message`] (errors as one readable
+//! line), [`plot`] (SVG), [`atomic`] (atomic file writes), [`bundled`](mod@bundled) (the suites
+//! shipped in the binary). The `memsave` binary is a thin layer over them.
 //!
 //! ```
 //! use memsave_bench::{run_suite, RunOptions, Status, Suite};
@@ -51,6 +54,7 @@
 
 pub mod atomic;
 pub mod bundled;
+pub mod message;
 pub mod models;
 pub mod plot;
 pub mod report;
@@ -61,14 +65,14 @@ pub mod suite;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
+pub use message::one_line;
 pub use plot::{write_plots, PlotError};
-pub use report::{CaseResult, Report, Status, StepTime, TraceEntry};
+pub use report::{CaseResult, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
-    quiet_case_panics, run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions,
-    Silent, LIBTORCH_VERSION,
+    run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,
 };
 pub use strategies::{PlanChoice, ResidualUpdate, StepConfig};
 pub use suite::{
-    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, Size, StrategySpec, Suite,
-    SuiteError, Technique,
+    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ScalerSpec, Size, StrategySpec,
+    Suite, SuiteError, Technique,
 };

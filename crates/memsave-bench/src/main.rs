@@ -1,18 +1,28 @@
 //! `memsave`: run YAML benchmark suites of memory-saving strategies.
 //!
 //! Exit status: 0 when the run finished (failed cases included), 1 when the run as a
-//! whole failed (device, output files), 2 for an invalid suite or command line.
+//! whole failed (device, writing the results), 2 for an invalid suite or command line
+//! (including an output path that cannot be written, found before anything runs).
+//!
+//! A suite argument is a bundled suite's name (`seed`, `quick`, ...) or a path. It is
+//! a path when it contains a `/` or ends in `.yaml`/`.yml`; otherwise it is the
+//! bundled suite of that name if there is one, unless a *file* of that name exists,
+//! which is an error naming both (write `./NAME` for the file). A directory of that
+//! name does not count: `memsave bench quick` next to a directory `quick/` runs the
+//! bundled suite and says so.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use memsave_bench::{
-    bundled, quiet_case_panics, run_suite_with, write_atomic, write_plots, CaseResult, Observer,
-    RunOptions, Suite, SuiteError, BUNDLED,
+    bundled, run_suite_with, write_atomic, write_plots, CaseResult, Observer, RunOptions, Suite,
+    BUNDLED,
 };
 use memsave_meter::Bytes;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Mutex;
 
 #[derive(Parser)]
 #[command(
@@ -67,13 +77,23 @@ struct BenchArgs {
     /// libtorch intra-op threads instead of the suite's.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     threads: Option<u64>,
-    /// Simulated device capacity (CPU), e.g. 2GiB, instead of the suite's.
-    #[arg(long, value_name = "SIZE")]
+    /// Simulated device capacity (CPU), e.g. 2GiB, instead of the suite's; positive,
+    /// like the suite's `memory_limit`.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     memory_limit: Option<Bytes>,
 }
 
-/// Exit status 2: the input is invalid.
-struct Invalid(SuiteError);
+/// `--memory-limit`: a size, positive as in a suite's `memory_limit`.
+fn parse_memory_limit(text: &str) -> Result<Bytes, String> {
+    let bytes: Bytes = text.parse().map_err(|e| format!("{e}"))?;
+    if bytes.0 == 0 {
+        return Err(format!("a size must be positive, got '{text}'"));
+    }
+    Ok(bytes)
+}
+
+/// Exit status 2: the input (suite or command line) is invalid.
+struct Invalid(String);
 
 fn main() -> ExitCode {
     memsave_meter::install();
@@ -107,26 +127,44 @@ fn main() -> ExitCode {
 
 impl std::fmt::Debug for Invalid {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
+        f.write_str(&self.0)
     }
 }
 
 impl std::fmt::Display for Invalid {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
+        f.write_str(&self.0)
     }
 }
 
 impl std::error::Error for Invalid {}
 
-/// A suite from a file, or a bundled one by name when no such file exists.
+fn invalid(message: impl std::fmt::Display) -> anyhow::Error {
+    Invalid(message.to_string()).into()
+}
+
+/// The suite an argument names, by the precedence in the module docs.
 fn load(name_or_path: &str) -> Result<Suite> {
-    let path = PathBuf::from(name_or_path);
+    let path = Path::new(name_or_path);
+    let looks_like_path = name_or_path.contains(['/', std::path::MAIN_SEPARATOR])
+        || path.extension().is_some_and(|e| e == "yaml" || e == "yml");
     let parsed = match bundled(name_or_path) {
-        Some(b) if !path.exists() => Suite::from_yaml(b.source, &b.file_name()),
-        _ => Suite::from_file(&path),
+        Some(b) if !looks_like_path => {
+            if path.is_file() {
+                return Err(invalid(format!(
+                    "'{name_or_path}' names both the bundled suite {name_or_path} and the file ./{name_or_path}: write ./{name_or_path} for the file, or run from another directory for the bundled suite"
+                )));
+            }
+            if path.exists() {
+                eprintln!(
+                    "note: running the bundled suite '{name_or_path}' (./{name_or_path} is not a file; write a path such as ./{name_or_path}/suite.yaml for a file in it)"
+                );
+            }
+            Suite::from_yaml(b.source, &b.file_name())
+        }
+        _ => Suite::from_file(path),
     };
-    parsed.map_err(|e| Invalid(e).into())
+    parsed.map_err(invalid)
 }
 
 fn suites(name: Option<&str>) -> Result<()> {
@@ -139,7 +177,7 @@ fn suites(name: Option<&str>) -> Result<()> {
         return Ok(());
     }
     for b in BUNDLED {
-        let suite = Suite::from_yaml(b.source, &b.file_name()).map_err(Invalid)?;
+        let suite = Suite::from_yaml(b.source, &b.file_name()).map_err(invalid)?;
         let enabled = suite.models.iter().filter(|m| m.enabled).count();
         println!(
             "{:<12} {} models ({} opt-in), {} strategies  {}",
@@ -156,6 +194,14 @@ fn suites(name: Option<&str>) -> Result<()> {
 
 fn bench(args: BenchArgs) -> Result<()> {
     let suite = load(args.suite.as_deref().unwrap_or(BUNDLED[0].name))?;
+    for (flag, path) in [("--json", &args.json), ("--csv", &args.csv)] {
+        if let Some(path) = path {
+            check_writable_file(flag, path).map_err(invalid)?;
+        }
+    }
+    if let Some(dir) = &args.plot {
+        check_writable_dir("--plot", dir).map_err(invalid)?;
+    }
     let options = RunOptions {
         filter: args.filter,
         repeats: args.repeats.map(|n| n as usize),
@@ -163,9 +209,8 @@ fn bench(args: BenchArgs) -> Result<()> {
         threads: args.threads.map(|n| n as usize),
         memory_limit: args.memory_limit.map(|b| b.0),
     };
-    quiet_case_panics();
     let mut progress = Progress::new();
-    let report = run_suite_with(&suite, &options, &mut progress)?;
+    let report = quietly(|| run_suite_with(&suite, &options, &mut progress))?;
     progress.finish();
     print!("{}", report.to_table());
     if let Some(path) = &args.json {
@@ -181,6 +226,97 @@ fn bench(args: BenchArgs) -> Result<()> {
         eprintln!("wrote {} plots to {}", files.len(), dir.display());
     }
     Ok(())
+}
+
+/// Checks before the run that `path` can be written as a file: it is not a directory,
+/// its directory exists, and a file can be created there (the results are written to
+/// a temporary file in that directory, then renamed).
+fn check_writable_file(flag: &str, path: &Path) -> Result<(), String> {
+    let shown = path.display();
+    if path.is_dir() {
+        return Err(format!("{flag} {shown}: is a directory, not a file"));
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!(
+            "{flag} {shown}: the directory {} does not exist",
+            dir.display()
+        ));
+    }
+    probe(dir).map_err(|e| format!("{flag} {shown}: cannot write in {}: {e}", dir.display()))
+}
+
+/// Checks before the run that files can be written in `dir`, or in the nearest
+/// existing directory above it (the plots create the rest).
+fn check_writable_dir(flag: &str, dir: &Path) -> Result<(), String> {
+    let shown = dir.display();
+    let existing = dir
+        .ancestors()
+        .map(|a| {
+            if a.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                a
+            }
+        })
+        .find(|a| a.exists())
+        .unwrap_or(Path::new("."));
+    if !existing.is_dir() {
+        return Err(format!(
+            "{flag} {shown}: {} is not a directory",
+            existing.display()
+        ));
+    }
+    probe(existing).map_err(|e| {
+        format!(
+            "{flag} {shown}: cannot write in {}: {e}",
+            existing.display()
+        )
+    })
+}
+
+/// Creates and removes an empty file in `dir`.
+fn probe(dir: &Path) -> std::io::Result<()> {
+    let file = dir.join(format!(".memsave-probe-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&file)?;
+    std::fs::remove_file(&file)
+}
+
+/// The last panic seen by [`quietly`]'s hook: its message and place.
+static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
+
+/// Runs `f` with panic messages kept off the terminal: a panic inside a case is caught
+/// by the runner and shown in the results, so printing it too would only clutter the
+/// progress. A panic that escapes `f` (a bug) is reported as an error with its place.
+fn quietly<T>(f: impl FnOnce() -> Result<T, memsave_bench::RunError>) -> Result<T> {
+    let previous = panic::take_hook();
+    panic::set_hook(Box::new(|info| {
+        let text = format!(
+            "{} at {}",
+            memsave_sys::checkpoint::panic_message(info.payload()),
+            info.location()
+                .map_or_else(|| "?".to_owned(), |l| l.to_string())
+        );
+        *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+    }));
+    let result = panic::catch_unwind(AssertUnwindSafe(f));
+    panic::set_hook(previous);
+    match result {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            let last = LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).take();
+            anyhow::bail!(
+                "internal error, please report it: panicked: {}",
+                last.unwrap_or_else(|| "unknown panic".to_owned())
+            )
+        }
+    }
 }
 
 /// A progress bar on a terminal; one line per case otherwise.

@@ -1,20 +1,49 @@
 //! The results of a suite and their renderings: a terminal table, JSON and CSV.
 //!
-//! The JSON schema is the one of `pytorch_suite.py`, so both can be compared case by
-//! case; byte counts are integers.
+//! # JSON
+//!
+//! The JSON is [`Report`] as it is, with byte counts as integers. Schema version 2
+//! ([`SCHEMA_VERSION`]) differs from version 1, the schema `pytorch_suite.py` writes
+//! (which has no `schema_version`), in:
+//! - `schema_version`: 2;
+//! - `libtorch_version` (was `libtorch`): the version memsave's C++ bridge was compiled
+//!   against, read from the bridge;
+//! - per case `is_baseline`: the strategy applies no memory-saving technique, so it is
+//!   the model's reference of ratios and gradient differences (decided by the
+//!   techniques, not the name);
+//! - per case `has_baseline` and `grad_diverged`, which tell apart what a `null`
+//!   `grad_max_abs_diff` used to conflate: `has_baseline` is true when the case's
+//!   gradients were compared with the baseline's (false for the baseline itself and
+//!   for failed cases); `grad_diverged` is true when they were and some difference is
+//!   NaN or infinite. `grad_max_abs_diff` is a finite number exactly when
+//!   `has_baseline && !grad_diverged`.
+//!
+//! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new
+//! fields then take their defaults (`schema_version` 1, the flags false).
+//!
+//! The CSV has the same columns as before, plus `grad_diverged` and `has_baseline` at
+//! the end.
 use memsave_meter::Bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
+/// The version of the JSON schema [`Report::to_json`] writes.
+pub const SCHEMA_VERSION: u32 = 2;
+
 /// A suite's results.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
+    /// The JSON schema's version ([`SCHEMA_VERSION`]; 1 for a file without one).
+    #[serde(default = "schema_version_1")]
+    pub schema_version: u32,
     /// The suite's name.
     pub suite: String,
     /// Where it ran (`cpu`, `cuda:0`).
     pub device: String,
-    /// The libtorch version.
-    pub libtorch: String,
+    /// The libtorch version memsave's bridge was compiled against
+    /// (`memsave_sys::version::libtorch_version`).
+    #[serde(alias = "libtorch")]
+    pub libtorch_version: String,
     /// libtorch intra-op threads.
     pub threads: usize,
     /// One entry per model and strategy, in suite order.
@@ -99,9 +128,21 @@ pub struct CaseResult {
     pub retained_after_forward_bytes: Option<u64>,
     /// Step time over the repeats.
     pub step_time_s: Option<StepTime>,
+    /// True when the strategy applies no memory-saving technique: the model's
+    /// reference of ratios and gradient differences.
+    #[serde(default)]
+    pub is_baseline: bool,
+    /// True when the gradients were compared with the model's baseline gradients
+    /// (false for a baseline case itself and for failed cases).
+    #[serde(default)]
+    pub has_baseline: bool,
     /// Largest absolute difference of any parameter gradient against the model's
-    /// baseline (none for the baseline itself and for failed cases).
+    /// baseline, when they were compared and every difference is finite.
     pub grad_max_abs_diff: Option<f64>,
+    /// True when the gradients were compared and some difference is NaN or infinite
+    /// (`grad_max_abs_diff` is then `None`).
+    #[serde(default)]
+    pub grad_diverged: bool,
     /// Per-block memory of the last measured forward.
     pub trace: Vec<TraceEntry>,
 }
@@ -118,23 +159,44 @@ impl CaseResult {
             peak_bytes: None,
             retained_after_forward_bytes: None,
             step_time_s: None,
+            is_baseline: false,
+            has_baseline: false,
             grad_max_abs_diff: None,
+            grad_diverged: false,
             trace: Vec::new(),
         }
     }
+
+    /// Records `diff`, the largest absolute gradient difference against the baseline
+    /// (NaN or infinite when the gradients diverged).
+    pub fn set_grad_diff(&mut self, diff: f64) {
+        self.has_baseline = true;
+        self.grad_diverged = !diff.is_finite();
+        self.grad_max_abs_diff = diff.is_finite().then_some(diff);
+    }
+}
+
+fn schema_version_1() -> u32 {
+    1
 }
 
 impl Report {
-    /// The case of `model` under the plain `baseline` strategy, if it ran.
+    /// The first case of `model` that is a baseline ([`CaseResult::is_baseline`]) and
+    /// ran, whatever its name.
     pub fn baseline(&self, model: &str) -> Option<&CaseResult> {
         self.cases
             .iter()
-            .find(|c| c.model == model && c.strategy == "baseline" && c.status == Status::Ok)
+            .find(|c| c.model == model && c.is_baseline && c.status == Status::Ok)
     }
 
-    /// Pretty JSON.
+    /// Pretty JSON in the current schema ([`SCHEMA_VERSION`], whatever version the
+    /// report was read from).
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("a report always serializes")
+        let current = Report {
+            schema_version: SCHEMA_VERSION,
+            ..self.clone()
+        };
+        serde_json::to_string_pretty(&current).expect("a report always serializes")
     }
 
     /// Parses a report written by [`to_json`](Self::to_json) or `pytorch_suite.py`.
@@ -147,7 +209,7 @@ impl Report {
         let mut out = String::from(
             "model,strategy,status,error,start_bytes,peak_bytes,retained_after_forward_bytes,\
              step_time_min_s,step_time_median_s,step_time_max_s,grad_max_abs_diff,\
-             peak_vs_baseline,time_vs_baseline\n",
+             peak_vs_baseline,time_vs_baseline,grad_diverged,has_baseline\n",
         );
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
@@ -166,6 +228,8 @@ impl Report {
                 opt(case.grad_max_abs_diff),
                 opt(peak_ratio),
                 opt(time_ratio),
+                case.grad_diverged.to_string(),
+                case.has_baseline.to_string(),
             ];
             out.push_str(&fields.join(","));
             out.push('\n');
@@ -218,7 +282,11 @@ impl Report {
                 case.step_time_s
                     .map_or_else(dash, |t| format_seconds(t.median)),
                 time_ratio.map_or_else(dash, |r| format!("{r:.2}x")),
-                case.grad_max_abs_diff.map_or_else(dash, format_diff),
+                match (case.grad_max_abs_diff, case.grad_diverged) {
+                    (_, true) => "diverged".to_owned(),
+                    (Some(d), false) => format_diff(d),
+                    (None, false) => dash(),
+                },
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());
@@ -231,7 +299,7 @@ impl Report {
         let _ = writeln!(
             out,
             "suite {} on {} (libtorch {}, {} threads)",
-            self.suite, self.device, self.libtorch, self.threads
+            self.suite, self.device, self.libtorch_version, self.threads
         );
         let line = |out: &mut String, cells: Vec<&str>| {
             let mut text = String::new();
@@ -308,6 +376,38 @@ mod tests {
         assert_eq!(csv_field("plain"), "plain");
         assert_eq!(csv_field("a, b"), "\"a, b\"");
         assert_eq!(csv_field("say \"x\""), "\"say \"\"x\"\"\"");
+    }
+
+    #[test]
+    fn a_nan_difference_is_diverged_not_missing() {
+        let mut case = CaseResult::failed("m", "s", Status::Ok, String::new());
+        assert!(!case.has_baseline && !case.grad_diverged);
+        case.set_grad_diff(f64::NAN);
+        assert!(case.has_baseline && case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, None);
+        case.set_grad_diff(f64::INFINITY);
+        assert!(case.grad_diverged);
+        case.set_grad_diff(0.5);
+        assert!(case.has_baseline && !case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, Some(0.5));
+    }
+
+    #[test]
+    fn version_1_reports_still_parse() {
+        // The shape `pytorch_suite.py` writes: no schema_version, `libtorch`, no flags.
+        let v1 = r#"{"suite": "seed", "device": "cpu", "libtorch": "2.13.0", "threads": 2,
+            "cases": [{"model": "m", "strategy": "baseline", "status": "ok", "error": null,
+            "start_bytes": 1, "peak_bytes": 2, "retained_after_forward_bytes": 3,
+            "step_time_s": {"min": 1.0, "median": 1.0, "max": 1.0},
+            "grad_max_abs_diff": null, "trace": []}]}"#;
+        let report = Report::from_json(v1).unwrap();
+        assert_eq!(report.schema_version, 1);
+        assert_eq!(report.libtorch_version, "2.13.0");
+        assert!(!report.cases[0].is_baseline && !report.cases[0].grad_diverged);
+        let v2: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(v2["schema_version"], 2);
+        assert!(v2.get("libtorch").is_none());
+        assert_eq!(v2["libtorch_version"], "2.13.0");
     }
 
     #[test]

@@ -1,19 +1,22 @@
 //! Running a suite: every selected model under every strategy, each case isolated
 //! (errors and panics are recorded and the suite goes on), with the suite's threads
 //! and simulated memory limit in force only while it runs.
+//!
+//! A panic inside a case is caught and recorded, but Rust's panic hook still runs
+//! first and prints it to stderr; a binary that wants a quiet terminal installs its
+//! own hook (the `memsave` binary does). The library keeps no global or thread-local
+//! state for that.
+use crate::message::one_line;
 use crate::models::Model;
-use crate::report::{CaseResult, Report, Status, StepTime};
+use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, max_abs_diff};
 use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
+use memsave_amp::GradScaler;
 use memsave_checkpoint::Plan;
 use regex::Regex;
-use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use tch::{Device, Kind, Tensor};
-
-/// The libtorch version memsave is built against.
-pub const LIBTORCH_VERSION: &str = "2.13.0";
 
 /// Overrides of the suite's settings, and which cases to run.
 #[derive(Debug, Clone, Default)]
@@ -127,7 +130,7 @@ pub fn run_suite_with(
             current = Some((job.model, Workbench::build(spec, &settings)));
         }
         observer.case_started(&spec.name, &job.strategy.name);
-        let case = match current.as_mut().map(|c| &mut c.1) {
+        let mut case = match current.as_mut().map(|c| &mut c.1) {
             Some(Ok(bench)) => run_case(bench, spec, job.strategy, &settings),
             Some(Err(error)) => CaseResult::failed(
                 &spec.name,
@@ -137,15 +140,17 @@ pub fn run_suite_with(
             ),
             None => unreachable!("a model is built before its cases"),
         };
+        case.is_baseline = job.strategy.is_baseline();
         observer.case_finished(&case);
         results[job.position] = Some(case);
     }
     drop(current);
     let cases = results.into_iter().flatten().collect();
     Ok(Report {
+        schema_version: SCHEMA_VERSION,
         suite: suite.suite.clone(),
         device: device_name(device),
-        libtorch: LIBTORCH_VERSION.to_owned(),
+        libtorch_version: memsave_sys::version::libtorch_version().to_owned(),
         threads: usize::try_from(tch::get_num_threads()).unwrap_or(0),
         cases,
     })
@@ -298,28 +303,26 @@ fn measure_case(
     let device = settings.device;
     model.ctx.set_residual(config.residual);
     apply_plan(model, x, config, device)?;
+    // One scaler for the whole case, as in a training loop.
+    let mut scaler = config
+        .scaler
+        .map(GradScaler::new)
+        .transpose()
+        .map_err(|e| e.to_string())?;
     for _ in 0..settings.warmup {
-        f_step(model, x, config, device, false)?;
+        f_step(model, x, config, device, false, scaler.as_mut())?;
     }
     let mut times = Vec::with_capacity(settings.repeats);
     let mut last = None;
     for i in 0..settings.repeats {
-        let m = f_step(model, x, config, device, i + 1 == settings.repeats)?;
+        let record_trace = i + 1 == settings.repeats;
+        let m = f_step(model, x, config, device, record_trace, scaler.as_mut())?;
         times.push(m.time_s);
         last = Some(m);
     }
     let last = last.ok_or("no measured repeat")?;
     let grads = f_grads(&model.params())?;
-    let grad_max_abs_diff = if strategy.is_baseline() {
-        *reference = Some(grads);
-        None
-    } else {
-        if reference.is_none() {
-            *reference = Some(baseline_grads(model, x, device)?);
-        }
-        reference.as_ref().map(|r| max_abs_diff(&grads, r))
-    };
-    Ok(CaseResult {
+    let mut case = CaseResult {
         model: String::new(),
         strategy: String::new(),
         status: Status::Ok,
@@ -328,9 +331,23 @@ fn measure_case(
         peak_bytes: Some(last.peak_bytes),
         retained_after_forward_bytes: Some(last.retained_after_forward_bytes),
         step_time_s: StepTime::from_times(times),
-        grad_max_abs_diff,
+        is_baseline: false,
+        has_baseline: false,
+        grad_max_abs_diff: None,
+        grad_diverged: false,
         trace: last.trace,
-    })
+    };
+    if strategy.is_baseline() {
+        *reference = Some(grads);
+    } else {
+        if reference.is_none() {
+            *reference = Some(baseline_grads(model, x, device)?);
+        }
+        if let Some(r) = reference.as_ref() {
+            case.set_grad_diff(max_abs_diff(&grads, r));
+        }
+    }
+    Ok(case)
 }
 
 /// Sets the strategy's checkpoint plan; a budget is solved over a profile of the model
@@ -376,45 +393,18 @@ fn baseline_grads(model: &mut Model, x: &Tensor, device: Device) -> Result<Vec<V
     let config = StepConfig::baseline();
     model.ctx.set_residual(config.residual);
     model.seq.set_plan(Plan::None).map_err(|e| e.to_string())?;
-    f_step(model, x, &config, device, false)?;
+    f_step(model, x, &config, device, false, None)?;
     f_grads(&model.params())
 }
 
-thread_local! {
-    static IN_CASE: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `f`, turning a panic into an error with its message.
+/// Runs `f`, turning a panic into an error with its message; either way the error is
+/// one line a person can act on ([`one_line`]).
 fn isolated<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    let was = IN_CASE.with(|c| c.replace(true));
-    let result = panic::catch_unwind(AssertUnwindSafe(f));
-    IN_CASE.with(|c| c.set(was));
-    match result {
-        Ok(r) => r.map_err(|e| clean_error(&e)),
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| one_line(&e)),
         Err(payload) => {
             let text = memsave_sys::checkpoint::panic_message(&*payload);
-            Err(format!("panicked: {}", clean_error(&text)))
+            Err(format!("panicked: {}", one_line(&text)))
         }
     }
-}
-
-/// Keeps panics inside cases off the terminal (they are recorded in the report);
-/// other panics still reach the previous hook. For binaries; call once.
-pub fn quiet_case_panics() {
-    let previous = panic::take_hook();
-    panic::set_hook(Box::new(move |info| {
-        if !IN_CASE.with(Cell::get) {
-            previous(info);
-        }
-    }));
-}
-
-/// The first line of an error, without tch's `Internal torch error: ` prefix.
-pub fn clean_error(text: &str) -> String {
-    let text = text.replace("Internal torch error: ", "");
-    text.lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("unknown error")
-        .to_owned()
 }

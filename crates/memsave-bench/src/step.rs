@@ -10,8 +10,8 @@
 use crate::models::{self, Model};
 use crate::report::TraceEntry;
 use crate::strategies::StepConfig;
-use memsave_accum::{f_split, free_grads, Split};
-use memsave_amp::AutocastGuard;
+use memsave_accum::{free_grads, GradAccumulator, Split};
+use memsave_amp::{AutocastGuard, GradScaler};
 use memsave_meter::{f_memory_allocated, measure};
 use std::time::Instant;
 use tch::{Device, Tensor};
@@ -25,7 +25,8 @@ pub struct StepMeasurement {
     pub peak_bytes: u64,
     /// Allocated right after the forward minus `start_bytes`.
     pub retained_after_forward_bytes: u64,
-    /// Wall time of forward, loss and backward.
+    /// Wall time of forward, loss and backward (and the scaler's unscale and update),
+    /// between two device synchronizations.
     pub time_s: f64,
     /// Per-block memory of the (first micro-batch's) forward, when asked for.
     pub trace: Vec<TraceEntry>,
@@ -35,13 +36,18 @@ pub struct StepMeasurement {
 ///
 /// The model's residual update and checkpoint plan must already be set. A strategy
 /// that writes into its input gets a copy of `x` (made before the step starts), so
-/// the suite's input stays intact for the next case.
+/// the suite's input stays intact for the next case. Micro-batches run through
+/// `memsave_accum::GradAccumulator::f_accumulate`; with `scaler` (the strategy has
+/// `grad_scaler`, and `config.scaler` is set) the losses go through
+/// `memsave_amp::GradScaler`, and the step ends with its unscale and update. Pass the
+/// same scaler to every step of a case, as a training loop would.
 pub fn f_step(
     model: &Model,
     x: &Tensor,
     config: &StepConfig,
     device: Device,
     record_trace: bool,
+    mut scaler: Option<&mut GradScaler>,
 ) -> Result<StepMeasurement, String> {
     let params = model.params();
     free_grads(&params).map_err(|e| e.to_string())?;
@@ -52,57 +58,72 @@ pub fn f_step(
     } else {
         x.shallow_clone()
     };
-    let passes: Vec<(Tensor, Option<f64>)> = match config.micro_batches {
-        None => vec![(input.shallow_clone(), None)],
-        Some(count) => {
-            let batch = *x.size().first().ok_or("the input has no batch dimension")?;
-            f_split(batch, Split::Count(count))
-                .map_err(|e| e.to_string())?
-                .iter()
-                .map(|mb| Ok((mb.f_narrow(&input)?, Some(mb.weight))))
-                .collect::<Result<_, memsave_accum::AccumError>>()
-                .map_err(|e| e.to_string())?
-        }
-    };
     let mut trace = Vec::new();
     let (result, m) = measure(device, |_| -> Result<(u64, f64), String> {
         let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
+        synchronize(device);
         let t0 = Instant::now();
         let mut retained = 0;
-        for (i, (xin, weight)) in passes.iter().enumerate() {
-            let trace_this = record_trace && i == 0;
-            let (out, loss) = {
-                let _autocast = config
-                    .autocast
-                    .map(|kind| AutocastGuard::new(device, kind))
-                    .transpose()
+        // The forward and the loss of one pass; the output is returned so the caller
+        // holds it until its backward has finished, as a Python variable would be.
+        let mut forward = |xin: &Tensor, trace_this: bool| -> Result<(Tensor, Tensor), String> {
+            let _autocast = config
+                .autocast
+                .map(|kind| AutocastGuard::new(device, kind))
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            if trace_this {
+                model.ctx.start_trace();
+            }
+            let out = model.seq.f_forward(xin);
+            if trace_this {
+                trace = model.ctx.stop_trace();
+            }
+            let out = out.map_err(|e| e.to_string())?;
+            let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
+            retained = retained.max(now.saturating_sub(start));
+            let loss = models::loss(&out).map_err(|e| e.to_string())?;
+            Ok((out, loss))
+        };
+        match config.micro_batches {
+            None => {
+                let (out, loss) = forward(&input, record_trace)?;
+                match scaler.as_deref_mut() {
+                    Some(scaler) => {
+                        let scaled = scaler.f_scale(&loss).map_err(|e| e.to_string())?;
+                        scaled.f_backward().map_err(|e| e.to_string())?;
+                    }
+                    None => loss.f_backward().map_err(|e| e.to_string())?,
+                }
+                drop(loss);
+                drop(out);
+            }
+            Some(count) => {
+                let batch = *input
+                    .size()
+                    .first()
+                    .ok_or("the input has no batch dimension")?;
+                let mut held: Option<Tensor> = None;
+                GradAccumulator::with_split(Split::Count(count))
+                    .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
+                        // The previous micro-batch's output, alive until its backward ended.
+                        held = None;
+                        let xin = mb.f_narrow(&input).map_err(|e| e.to_string())?;
+                        let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
+                        held = Some(out);
+                        Ok::<_, String>(loss)
+                    })
                     .map_err(|e| e.to_string())?;
-                if trace_this {
-                    model.ctx.start_trace();
-                }
-                let out = model.seq.f_forward(xin);
-                if trace_this {
-                    trace = model.ctx.stop_trace();
-                }
-                let out = out.map_err(|e| e.to_string())?;
-                let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
-                retained = retained.max(now.saturating_sub(start));
-                let loss = models::loss(&out).map_err(|e| e.to_string())?;
-                (out, loss)
-            };
-            // The unweighted loss is a temporary, as in `(loss * w).backward()`.
-            let loss = match weight {
-                Some(w) => {
-                    let weighted = loss.f_mul_scalar(*w).map_err(|e| e.to_string());
-                    drop(loss);
-                    weighted?
-                }
-                None => loss,
-            };
-            loss.f_backward().map_err(|e| e.to_string())?;
-            drop(loss);
-            drop(out);
+                drop(held);
+            }
         }
+        if let Some(scaler) = scaler {
+            scaler
+                .f_unscale_params_(&params)
+                .map_err(|e| e.to_string())?;
+            scaler.f_update().map_err(|e| e.to_string())?;
+        }
+        synchronize(device);
         Ok((retained, t0.elapsed().as_secs_f64()))
     });
     release_step_leftovers(&input, config);
@@ -114,6 +135,14 @@ pub fn f_step(
         time_s,
         trace,
     })
+}
+
+/// Waits for the device's queued kernels, so that the clock reads finished work (CUDA
+/// runs kernels asynchronously); a no-op on the CPU.
+fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
 }
 
 /// Frees what libtorch keeps alive after some steps, so that every step (and the next

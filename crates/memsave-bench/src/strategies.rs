@@ -1,6 +1,8 @@
 //! What a strategy changes in a training step: the residual update, the checkpoint
-//! plan, autocast and micro-batching, resolved from the suite's techniques.
+//! plan, autocast, micro-batching and loss scaling, resolved from the suite's
+//! techniques.
 use crate::suite::{CheckpointSpec, StrategySpec, Technique};
+use memsave_amp::GradScalerConfig;
 use memsave_checkpoint::Plan;
 use tch::Kind;
 
@@ -36,7 +38,7 @@ pub enum PlanChoice {
 }
 
 /// Everything a measured step needs to know about a strategy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepConfig {
     /// The residual update of every block.
     pub residual: ResidualUpdate,
@@ -46,6 +48,8 @@ pub struct StepConfig {
     pub autocast: Option<Kind>,
     /// Number of micro-batches of the first batch dimension, if any.
     pub micro_batches: Option<usize>,
+    /// The settings of the case's `GradScaler`, if the strategy scales the loss.
+    pub scaler: Option<GradScalerConfig>,
 }
 
 impl StepConfig {
@@ -56,6 +60,7 @@ impl StepConfig {
             plan: PlanChoice::Fixed(Plan::None),
             autocast: None,
             micro_batches: None,
+            scaler: None,
         }
     }
 
@@ -80,6 +85,7 @@ impl StepConfig {
                 Technique::Accumulate { micro_batches } => {
                     config.micro_batches = Some(*micro_batches)
                 }
+                Technique::GradScaler(spec) => config.scaler = Some(spec.config()),
             }
         }
         Ok(config)

@@ -1,6 +1,9 @@
 //! Every class of bad input is rejected with `file:line:column` and a message that says
 //! what is wrong; valid suites parse with defaults and canonical names.
-use memsave_bench::{bundled, CheckpointSpec, ModelKind, Suite, Technique, BUNDLED};
+use memsave_bench::{
+    bundled, CheckpointSpec, ModelKind, ModelSpec, ScalerSpec, StrategySpec, Suite, Technique,
+    BUNDLED,
+};
 
 const BASE: &str = "suite: t
 models:
@@ -327,4 +330,191 @@ fn the_issue_example_parses() {
     assert_eq!(suite.threads, Some(2));
     assert_eq!(suite.models[2].heads, Some(4));
     assert_eq!(suite.models[1].expansion, 4);
+}
+
+#[test]
+fn model_sizes_are_limited_at_parse_time() {
+    // A typo of a depth: rejected at the value, not built for minutes.
+    assert_error(
+        &edited("layers: 2", "layers: 100000000"),
+        "3:46",
+        "must be at most 10000, got 100000000",
+    );
+    assert!(Suite::from_yaml(&edited("layers: 2", "layers: 10000"), "ok.yaml").is_ok());
+    // 2^62 would overflow `expansion * hidden` in i64.
+    assert_error(
+        &edited(
+            "kind: residual_linear, layers: 2, hidden: 8,",
+            "kind: residual_mlp, layers: 2, hidden: 8, expansion: 4611686018427387904,",
+        ),
+        "3:68",
+        "models[0].expansion: must be at most 16777216, got 4611686018427387904",
+    );
+    assert_error(
+        &edited("batch: [4]", "batch: [4, 20000000]"),
+        "3:71",
+        "must be at most 16777216",
+    );
+    // Each dimension within its limit, the whole too big: reported at the model.
+    assert_error(
+        &edited("hidden: 8", "hidden: 65536"),
+        "3:5",
+        "model 'a': 8590065664 parameters, more than the limit of 4294967296",
+    );
+    assert_error(
+        &edited(
+            "kind: residual_linear, layers: 2, hidden: 8,",
+            "kind: residual_mlp, layers: 10000, hidden: 16777216, expansion: 16777216,",
+        ),
+        "3:5",
+        "the parameter count overflows 64 bits",
+    );
+    assert_error(
+        &edited("batch: [4]", "batch: [65536, 65536, 2]"),
+        "3:5",
+        "an input of 68719476736 elements, more than the limit of 4294967296",
+    );
+    assert_error(
+        &edited("batch: [4]", "batch: [16777216, 16777216, 16777216]"),
+        "3:5",
+        "the input's element count overflows 64 bits",
+    );
+    assert_error(
+        &edited("suite: t", "suite: t\nthreads: 1000000"),
+        "2:10",
+        "must be at most 1024",
+    );
+}
+
+#[test]
+fn parameter_counts_follow_the_layer_shapes() {
+    let model = |kind, hidden, expansion| ModelSpec {
+        name: "m".into(),
+        kind,
+        layers: 3,
+        hidden,
+        batch: vec![2],
+        expansion,
+        heads: Some(2),
+        enabled: true,
+    };
+    // Linear(h, h): h*h weights and h biases per layer.
+    assert_eq!(
+        model(ModelKind::ResidualLinear, 512, 4).parameter_count(),
+        Some(3 * (512 * 512 + 512))
+    );
+    // Linear(8, 16) and Linear(16, 8).
+    assert_eq!(
+        model(ModelKind::ResidualMlp, 8, 2).parameter_count(),
+        Some(3 * ((8 * 16 + 16) + (16 * 8 + 8)))
+    );
+    // Two LayerNorms (weight, bias), qkv, proj, up, down.
+    assert_eq!(
+        model(ModelKind::Transformer, 8, 4).parameter_count(),
+        Some(3 * (2 * 16 + (8 * 24 + 24) + (8 * 8 + 8) + (8 * 32 + 32) + (32 * 8 + 8)))
+    );
+    assert_eq!(
+        model(ModelKind::ResidualMlp, 1 << 40, 1 << 40).parameter_count(),
+        None
+    );
+    assert_eq!(
+        model(ModelKind::ResidualLinear, 8, 4).input_elements(),
+        Some(16)
+    );
+}
+
+#[test]
+fn grad_scaler_is_a_technique_with_optional_arguments() {
+    let yaml = format!(
+        "{BASE}  - grad_scaler
+  - grad_scaler: {{init_scale: 1024, growth_interval: 100}}
+  - {{with: [{{accumulate: {{micro_batches: 2}}}}, grad_scaler]}}
+  - {{name: scaled-bf16, with: [{{autocast: {{dtype: bf16}}}}, {{grad_scaler: {{backoff_factor: 0.25}}}}]}}
+"
+    );
+    let suite = Suite::from_yaml(&yaml, "scaler.yaml").unwrap();
+    let names: Vec<&str> = suite.strategies.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "baseline",
+            "grad_scaler",
+            "grad_scaler(init_scale=1024, growth_interval=100)",
+            "accumulate(micro_batches=2)+grad_scaler",
+            "scaled-bf16",
+        ]
+    );
+    assert_eq!(
+        suite.strategies[1].techniques,
+        [Technique::GradScaler(ScalerSpec::default())]
+    );
+    let Technique::GradScaler(spec) = &suite.strategies[2].techniques[0] else {
+        panic!("{:?}", suite.strategies[2]);
+    };
+    let config = spec.config();
+    assert_eq!(config.init_scale, 1024.0);
+    assert_eq!(config.growth_interval, 100);
+    assert_eq!(config.growth_factor, 2.0, "PyTorch's default");
+    assert_eq!(config.backoff_factor, 0.5, "PyTorch's default");
+
+    // The scaler's own rules, at the arguments' position.
+    assert_error(
+        &with_strategy("grad_scaler: {backoff_factor: 2}"),
+        "6:18",
+        "strategies[1].grad_scaler: invalid GradScaler setting: backoff_factor must be in (0, 1)",
+    );
+    assert_error(
+        &with_strategy("grad_scaler: {init_scale: 0}"),
+        "6:18",
+        "init_scale must be finite and > 0",
+    );
+    assert_error(
+        &with_strategy("grad_scaler: {scale: 2}"),
+        "6:19",
+        "unknown field `scale`",
+    );
+    assert_error(
+        &with_strategy("{with: [grad_scaler, grad_scaler]}"),
+        "6:5",
+        "only one grad_scaler",
+    );
+}
+
+#[test]
+fn the_baseline_is_decided_by_techniques_not_names() {
+    let yaml = "suite: t
+models:
+  - {name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}
+strategies:
+  - {name: ref, with: [baseline]}
+  - {name: baseline, checkpoint: {segments: 2}}
+";
+    let suite = Suite::from_yaml(yaml, "t.yaml").unwrap();
+    assert_eq!(suite.strategies[0].name, "ref");
+    assert!(suite.strategies[0].is_baseline());
+    assert_eq!(suite.strategies[1].name, "baseline");
+    assert!(!suite.strategies[1].is_baseline());
+}
+
+#[test]
+fn parsing_keeps_no_state_between_parses() {
+    // Each parse is independent: the same entry parses again, on the same thread.
+    for _ in 0..2 {
+        let s: StrategySpec = serde_yaml::from_str("baseline").unwrap();
+        assert!(s.is_baseline());
+        let m: ModelSpec = serde_yaml::from_str(
+            "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}",
+        )
+        .unwrap();
+        assert_eq!(m.name, "a");
+    }
+    // A suite that fails part-way leaves nothing behind for the next one.
+    let failing = edited(
+        "strategies:\n  - baseline\n",
+        "strategies:\n  - baseline\n  - nope\n",
+    );
+    assert!(Suite::from_yaml(&failing, "bad.yaml").is_err());
+    assert!(Suite::from_yaml(BASE, "t.yaml").is_ok());
+    // Names are unique per suite, not per thread: duplicates still fail inside one.
+    assert_error(&with_strategy("baseline"), "6:5", "duplicate strategy name");
 }

@@ -36,6 +36,7 @@ extern "C" {
     pub fn ms_last_error() -> *const c_char;
     pub fn ms_error_sink_set(sink: *mut c_void, message: *const c_char);
     pub fn ms_tensor_assign(dst: *mut C_tensor, src: *const C_tensor);
+    pub fn ms_libtorch_version() -> *const c_char;
 
     pub fn ms_cpu_install_counting_allocator() -> c_int;
     pub fn ms_cpu_counting_allocator_active(out: *mut bool) -> c_int;

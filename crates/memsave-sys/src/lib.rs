@@ -28,5 +28,6 @@ mod error;
 mod ffi;
 pub mod hooks;
 pub mod tensor;
+pub mod version;
 
 pub use error::{Error, Result};

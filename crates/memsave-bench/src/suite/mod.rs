@@ -1,0 +1,89 @@
+//! The suite file: a YAML description of models and strategies, parsed into
+//! [`Suite`] with every check done while parsing, so that each error carries the
+//! file, line and column of the offending item (`bad.yaml:6:26: ...`).
+//!
+//! The code is split into the data model ([`Suite`], [`ModelSpec`] and the size
+//! limits), the strategy grammar ([`Technique`], [`StrategySpec`] and how a list entry
+//! becomes one), deserialization (every check, in the deserializer of the item it
+//! concerns, with no state beyond one parse) and errors ([`SuiteError`]).
+//!
+//! # The format
+//!
+//! ```yaml
+//! suite: NAME                # copied into the report
+//! device: cpu                # cpu (default), cuda, or auto (CUDA when available)
+//! threads: 2                 # libtorch intra-op threads, 1..=1024 (default: libtorch's)
+//! seed: 0                    # parameters and inputs (default 0)
+//! warmup: 1                  # unmeasured steps per case (default 1)
+//! repeats: 3                 # measured steps per case, at least 1 (default 3)
+//! memory_limit: 8GiB         # simulated CPU capacity, positive (default: none)
+//! models:                    # at least one; names unique
+//!   - {name: m, kind: residual_linear, layers: 10, hidden: 512, batch: [50, 100]}
+//!   - {name: mlp, kind: residual_mlp, layers: 4, hidden: 256, expansion: 4, batch: [16]}
+//!   - {name: gpt, kind: transformer, layers: 6, hidden: 256, heads: 4, batch: [8, 128]}
+//!   - {name: big, kind: residual_linear, layers: 10, hidden: 512, batch: [500, 500], enabled: false}
+//! strategies:                # at least one; names unique; each runs on every model
+//!   - baseline               # plain training: the reference of ratios and gradient differences
+//!   - inplace_add            # the seed's x += f(x)
+//!   - add_out                # the seed's add(x, f(x), out=x)
+//!   - safe_residual          # memsave-inplace's residual_add
+//!   - grad_scaler            # memsave-amp's GradScaler with PyTorch's defaults
+//!   - checkpoint: {segments: 3}        # or {every_layer: true}, {nested: true}, {budget: 60MiB}
+//!   - autocast: {dtype: bf16}          # or fp16
+//!   - accumulate: {micro_batches: 4}   # memsave-accum's GradAccumulator
+//!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
+//!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
+//! ```
+//!
+//! A strategy without `name:` is named canonically: `checkpoint(segments=3)`,
+//! `grad_scaler(init_scale=1024, growth_interval=100)`, or the techniques' names joined
+//! by `+`. A `with:` list applies at most one technique of each kind (one residual
+//! update, one checkpoint plan, ...); `baseline` combines with nothing. Which strategy
+//! is the baseline is decided by its techniques, not its name: `{name: ref, with:
+//! [baseline]}` is one, a checkpoint strategy named `baseline` is not.
+//!
+//! `grad_scaler` runs `memsave_amp::GradScaler` in the step: the loss (each weighted
+//! micro-loss, with `accumulate`) is scaled before backward, the gradients are
+//! unscaled in place and checked for inf/NaN after it, and the scale is updated; the
+//! scaler lives for the whole case, so its state (two 4-byte tensors) counts in
+//! `start_bytes` from the second step on. The bench steps no optimizer, so a step with
+//! inf/NaN gradients shows as a diverged gradient rather than a skipped step.
+//!
+//! # Limits
+//!
+//! So that a typo cannot build a model for minutes before the first case runs, a
+//! model has at most [`MAX_LAYERS`] blocks, every dimension (`hidden`, each `batch`
+//! entry, `expansion`, `heads`) is at most [`MAX_DIMENSION`], the parameters number at
+//! most [`MAX_PARAMETERS`] and the input at most [`MAX_INPUT_ELEMENTS`] elements
+//! (16 GiB each in f32). The counts are computed in checked arithmetic: an overflow is
+//! an error, never a wrapped number.
+mod de;
+mod error;
+mod model;
+mod strategy;
+
+pub use error::SuiteError;
+pub use model::{
+    DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
+    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
+};
+pub use strategy::{CheckpointSpec, ScalerSpec, StrategySpec, Technique};
+
+use std::path::Path;
+
+impl Suite {
+    /// Reads and validates a suite file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Suite, SuiteError> {
+        let path = path.as_ref();
+        let source = std::fs::read_to_string(path).map_err(|source| SuiteError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Suite::from_yaml(&source, &path.display().to_string())
+    }
+
+    /// Parses and validates `source`; `file` names it in error messages.
+    pub fn from_yaml(source: &str, file: &str) -> Result<Suite, SuiteError> {
+        serde_yaml::from_str(source).map_err(|e| SuiteError::from_yaml(file, &e))
+    }
+}

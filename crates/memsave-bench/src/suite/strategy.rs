@@ -1,0 +1,461 @@
+//! The strategy grammar: techniques, their canonical names, and how a `strategies:`
+//! entry (a name, a one-key mapping, or `{name, with: [...]}`) becomes a
+//! [`StrategySpec`].
+use super::de::{validated_map, Positive};
+use super::model::{Dtype, Size};
+use memsave_amp::GradScalerConfig;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::fmt;
+
+/// What a `checkpoint:` entry asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckpointSpec {
+    /// `{segments: k}`: `checkpoint_sequential` with k segments.
+    Segments(usize),
+    /// `{every_layer: true}`.
+    EveryLayer,
+    /// `{nested: true}`: recursive halving.
+    Nested,
+    /// `{budget: SIZE}`: least recomputation under a peak budget.
+    Budget(Size),
+}
+
+/// What a `grad_scaler` entry asks for: `memsave_amp::GradScaler`'s knobs, each left
+/// out taking PyTorch's default (see [`GradScalerConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScalerSpec {
+    /// The scale before the first update (default 65536).
+    pub init_scale: Option<f64>,
+    /// Growth after `growth_interval` finite steps (default 2).
+    pub growth_factor: Option<f64>,
+    /// Backoff after a step with inf/NaN gradients (default 0.5).
+    pub backoff_factor: Option<f64>,
+    /// Finite steps before the scale grows (default 2000).
+    pub growth_interval: Option<i64>,
+}
+
+impl ScalerSpec {
+    /// The scaler's configuration, defaults filled in.
+    pub fn config(&self) -> GradScalerConfig {
+        let default = GradScalerConfig::default();
+        GradScalerConfig {
+            init_scale: self.init_scale.unwrap_or(default.init_scale),
+            growth_factor: self.growth_factor.unwrap_or(default.growth_factor),
+            backoff_factor: self.backoff_factor.unwrap_or(default.backoff_factor),
+            growth_interval: self.growth_interval.unwrap_or(default.growth_interval),
+            enabled: true,
+        }
+    }
+
+    /// The knobs given, as `key=value`, in a fixed order.
+    fn args(&self) -> Vec<String> {
+        let floats = [
+            ("init_scale", self.init_scale),
+            ("growth_factor", self.growth_factor),
+            ("backoff_factor", self.backoff_factor),
+        ];
+        let mut args: Vec<String> = floats
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+            .collect();
+        if let Some(n) = self.growth_interval {
+            args.push(format!("growth_interval={n}"));
+        }
+        args
+    }
+}
+
+/// One memory-saving technique.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Technique {
+    /// Plain training: `x = x + f(x)`.
+    Baseline,
+    /// The seed's `x += f(x)`: mutates a tensor saved for backward.
+    InplaceAdd,
+    /// The seed's `torch.add(x, f(x), out=x)`: no autograd through `out=`.
+    AddOut,
+    /// memsave-inplace's `residual_add`: in place only when provably safe.
+    SafeResidual,
+    /// Gradient checkpointing with a plan.
+    Checkpoint(CheckpointSpec),
+    /// Autocast of the forward to a reduced dtype.
+    Autocast(Dtype),
+    /// Gradient accumulation over micro-batches of the first batch dimension, through
+    /// `memsave_accum::GradAccumulator`.
+    Accumulate {
+        /// Number of micro-batches.
+        micro_batches: usize,
+    },
+    /// Dynamic loss scaling through `memsave_amp::GradScaler`: the loss is scaled before
+    /// backward, the gradients unscaled and checked for inf/NaN after it, and the scale
+    /// updated, once per step.
+    GradScaler(ScalerSpec),
+}
+
+impl Technique {
+    /// The canonical name: `kind` or `kind(key=value)`.
+    pub fn canonical_name(&self) -> String {
+        match self {
+            Technique::Baseline => "baseline".into(),
+            Technique::InplaceAdd => "inplace_add".into(),
+            Technique::AddOut => "add_out".into(),
+            Technique::SafeResidual => "safe_residual".into(),
+            Technique::Checkpoint(CheckpointSpec::Segments(k)) => {
+                format!("checkpoint(segments={k})")
+            }
+            Technique::Checkpoint(CheckpointSpec::EveryLayer) => {
+                "checkpoint(every_layer=true)".into()
+            }
+            Technique::Checkpoint(CheckpointSpec::Nested) => "checkpoint(nested=true)".into(),
+            Technique::Checkpoint(CheckpointSpec::Budget(size)) => {
+                format!("checkpoint(budget={})", size.text)
+            }
+            Technique::Autocast(dtype) => format!("autocast(dtype={})", dtype.text),
+            Technique::Accumulate { micro_batches } => {
+                format!("accumulate(micro_batches={micro_batches})")
+            }
+            Technique::GradScaler(spec) => match spec.args() {
+                args if args.is_empty() => "grad_scaler".into(),
+                args => format!("grad_scaler({})", args.join(", ")),
+            },
+        }
+    }
+
+    /// Techniques of the same group cannot be combined in one strategy.
+    fn group(&self) -> &'static str {
+        match self {
+            Technique::Baseline => "baseline",
+            Technique::InplaceAdd | Technique::AddOut | Technique::SafeResidual => {
+                "residual update (inplace_add, add_out, safe_residual)"
+            }
+            Technique::Checkpoint(_) => "checkpoint",
+            Technique::Autocast(_) => "autocast",
+            Technique::Accumulate { .. } => "accumulate",
+            Technique::GradScaler(_) => "grad_scaler",
+        }
+    }
+}
+
+/// One `strategies:` entry: a name and the techniques it applies together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StrategySpec {
+    /// `name:` if given, else the canonical name (`checkpoint(segments=3)`, or the
+    /// techniques' names joined by `+` for an unnamed `with:` list).
+    pub name: String,
+    /// At least one technique, at most one of each kind.
+    pub techniques: Vec<Technique>,
+}
+
+impl StrategySpec {
+    /// A strategy of one technique under its canonical name.
+    pub fn single(technique: Technique) -> Self {
+        Self {
+            name: technique.canonical_name(),
+            techniques: vec![technique],
+        }
+    }
+
+    /// True when the strategy applies no memory-saving technique (`baseline`, under any
+    /// name): the reference of ratios and gradient differences. Decided by the
+    /// techniques, never by the name, so `{name: ref, with: [baseline]}` is a baseline
+    /// and a checkpoint strategy named `baseline` is not.
+    pub fn is_baseline(&self) -> bool {
+        self.techniques == [Technique::Baseline]
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCheckpoint {
+    segments: Option<Positive>,
+    every_layer: Option<bool>,
+    nested: Option<bool>,
+    budget: Option<Size>,
+}
+
+impl RawCheckpoint {
+    fn check(self) -> Result<CheckpointSpec, String> {
+        let mut plans = Vec::new();
+        if let Some(k) = self.segments {
+            plans.push(CheckpointSpec::Segments(k.usize()));
+        }
+        for (flag, key, plan) in [
+            (self.every_layer, "every_layer", CheckpointSpec::EveryLayer),
+            (self.nested, "nested", CheckpointSpec::Nested),
+        ] {
+            match flag {
+                Some(true) => plans.push(plan),
+                Some(false) => {
+                    return Err(format!(
+                        "checkpoint: {key} must be true (leave the strategy out instead)"
+                    ))
+                }
+                None => {}
+            }
+        }
+        if let Some(size) = self.budget {
+            plans.push(CheckpointSpec::Budget(size));
+        }
+        match plans.len() {
+            1 => Ok(plans.remove(0)),
+            0 => Err("checkpoint needs one of segments, every_layer, nested, budget".into()),
+            _ => {
+                Err("checkpoint takes exactly one of segments, every_layer, nested, budget".into())
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CheckpointSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        validated_map(
+            d,
+            "checkpoint arguments: {segments: K} | {every_layer: true} | {nested: true} | {budget: SIZE}",
+            RawCheckpoint::check,
+        )
+    }
+}
+
+/// `{grad_scaler: {...}}`: the knobs, checked with the scaler's own rules.
+fn scaler_args<'de, D: Deserializer<'de>>(d: D) -> Result<ScalerSpec, D::Error> {
+    validated_map(
+        d,
+        "grad_scaler arguments: {init_scale, growth_factor, backoff_factor, growth_interval}",
+        |spec: ScalerSpec| {
+            spec.config().validate().map_err(|e| e.to_string())?;
+            Ok(spec)
+        },
+    )
+}
+
+struct ScalerArgs(ScalerSpec);
+
+impl<'de> Deserialize<'de> for ScalerArgs {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        scaler_args(d).map(ScalerArgs)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AutocastArgs {
+    dtype: Dtype,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AccumulateArgs {
+    micro_batches: Positive,
+}
+
+/// Techniques written as a plain name.
+const PLAIN: [&str; 5] = [
+    "baseline",
+    "inplace_add",
+    "add_out",
+    "safe_residual",
+    "grad_scaler",
+];
+/// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
+const WITH_ARGS: [&str; 4] = ["checkpoint", "autocast", "accumulate", "grad_scaler"];
+
+fn plain_technique<E: de::Error>(name: &str) -> Result<Technique, E> {
+    match name {
+        "baseline" => Ok(Technique::Baseline),
+        "inplace_add" => Ok(Technique::InplaceAdd),
+        "add_out" => Ok(Technique::AddOut),
+        "safe_residual" => Ok(Technique::SafeResidual),
+        "grad_scaler" => Ok(Technique::GradScaler(ScalerSpec::default())),
+        _ if WITH_ARGS.contains(&name) => Err(E::custom(format!(
+            "strategy '{name}' needs arguments, e.g. {{{name}: {}}}",
+            example_args(name)
+        ))),
+        _ => Err(unknown_strategy(name)),
+    }
+}
+
+fn example_args(name: &str) -> &'static str {
+    match name {
+        "checkpoint" => "{segments: 3}",
+        "autocast" => "{dtype: bf16}",
+        _ => "{micro_batches: 4}",
+    }
+}
+
+fn unknown_strategy<E: de::Error>(name: &str) -> E {
+    let mut names: Vec<&str> = PLAIN.to_vec();
+    names.extend(WITH_ARGS.iter().filter(|n| !PLAIN.contains(n)));
+    E::custom(format!(
+        "unknown strategy '{name}', expected one of {}",
+        names.join(", ")
+    ))
+}
+
+fn technique_with_args<'de, A: MapAccess<'de>>(
+    key: &str,
+    map: &mut A,
+) -> Result<Technique, A::Error> {
+    Ok(match key {
+        "checkpoint" => Technique::Checkpoint(map.next_value()?),
+        "autocast" => Technique::Autocast(map.next_value::<AutocastArgs>()?.dtype),
+        "accumulate" => Technique::Accumulate {
+            micro_batches: map.next_value::<AccumulateArgs>()?.micro_batches.usize(),
+        },
+        "grad_scaler" => Technique::GradScaler(map.next_value::<ScalerArgs>()?.0),
+        _ if PLAIN.contains(&key) => {
+            return Err(de::Error::custom(format!(
+                "'{key}' takes no arguments: write it as a plain list item"
+            )))
+        }
+        _ => return Err(unknown_strategy(key)),
+    })
+}
+
+/// A technique inside a `with:` list: a name or a one-key mapping.
+struct WithItem(Technique);
+
+impl<'de> Deserialize<'de> for WithItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = WithItem;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a technique: a name such as baseline, or {checkpoint: {...}}")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<WithItem, E> {
+                plain_technique(v).map(WithItem)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WithItem, A::Error> {
+                let key: String = map
+                    .next_key()?
+                    .ok_or_else(|| de::Error::custom("an empty mapping is not a technique"))?;
+                if key == "name" || key == "with" {
+                    return Err(de::Error::custom(
+                        "a technique inside `with` cannot have its own name or with",
+                    ));
+                }
+                let technique = technique_with_args(&key, &mut map)?;
+                if map.next_key::<String>()?.is_some() {
+                    return Err(de::Error::custom(
+                        "one technique per list item inside `with`",
+                    ));
+                }
+                Ok(WithItem(technique))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn combine(name: Option<String>, techniques: Vec<Technique>) -> Result<StrategySpec, String> {
+    if techniques.is_empty() {
+        return Err("`with` must list at least one technique".into());
+    }
+    for (i, t) in techniques.iter().enumerate() {
+        if t.group() == "baseline" && techniques.len() > 1 {
+            return Err("baseline cannot be combined with other techniques".into());
+        }
+        if techniques[..i].iter().any(|u| u.group() == t.group()) {
+            return Err(format!(
+                "a strategy can apply only one {}; '{}' repeats it",
+                t.group(),
+                t.canonical_name()
+            ));
+        }
+    }
+    let name = name.unwrap_or_else(|| {
+        techniques
+            .iter()
+            .map(Technique::canonical_name)
+            .collect::<Vec<_>>()
+            .join("+")
+    });
+    if name.trim().is_empty() {
+        return Err("a strategy name cannot be empty".into());
+    }
+    Ok(StrategySpec { name, techniques })
+}
+
+/// Claims `name` in `seen` (the names of the list being read, when there is one).
+pub(super) fn claim_name(
+    seen: Option<&mut HashSet<String>>,
+    what: &str,
+    name: &str,
+) -> Result<(), String> {
+    match seen.map(|seen| seen.insert(name.to_owned())) {
+        Some(false) => Err(format!(
+            "duplicate {what} name '{name}': names must be unique within a suite"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Reads one strategy; with `seen`, a name already in it is an error at this entry.
+pub(super) fn deserialize_strategy<'de, D: Deserializer<'de>>(
+    d: D,
+    seen: Option<&mut HashSet<String>>,
+) -> Result<StrategySpec, D::Error> {
+    struct V<'a> {
+        seen: Option<&'a mut HashSet<String>>,
+    }
+    impl<'de> Visitor<'de> for V<'_> {
+        type Value = StrategySpec;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(
+                "a strategy: a name such as baseline, {checkpoint: {...}}, or {name: ..., with: [...]}",
+            )
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<StrategySpec, E> {
+            let spec = StrategySpec::single(plain_technique(v)?);
+            claim_name(self.seen, "strategy", &spec.name).map_err(de::Error::custom)?;
+            Ok(spec)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<StrategySpec, A::Error> {
+            let mut name = None;
+            let mut with: Option<Vec<WithItem>> = None;
+            let mut single = None;
+            while let Some(key) = map.next_key::<String>()? {
+                match key.as_str() {
+                    "name" if name.is_some() => return Err(de::Error::duplicate_field("name")),
+                    "name" => name = Some(map.next_value::<String>()?),
+                    "with" if with.is_some() => return Err(de::Error::duplicate_field("with")),
+                    "with" => with = Some(map.next_value()?),
+                    _ if single.is_some() => {
+                        return Err(de::Error::custom(
+                            "one technique per strategy; combine several with `with: [...]`",
+                        ))
+                    }
+                    _ => single = Some(technique_with_args(&key, &mut map)?),
+                }
+            }
+            let techniques = match (single, with) {
+                (Some(_), Some(_)) => {
+                    return Err(de::Error::custom(
+                        "a strategy has either one technique or a `with` list, not both",
+                    ))
+                }
+                (Some(t), None) => vec![t],
+                (None, Some(items)) => items.into_iter().map(|w| w.0).collect(),
+                (None, None) => {
+                    return Err(de::Error::custom(
+                        "a strategy needs a technique, e.g. {checkpoint: {segments: 3}}",
+                    ))
+                }
+            };
+            let spec = combine(name, techniques).map_err(de::Error::custom)?;
+            claim_name(self.seen, "strategy", &spec.name).map_err(de::Error::custom)?;
+            Ok(spec)
+        }
+    }
+    d.deserialize_any(V { seen })
+}
+
+/// One strategy on its own; names are checked for uniqueness only inside a suite.
+impl<'de> Deserialize<'de> for StrategySpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_strategy(d, None)
+    }
+}
