@@ -212,10 +212,23 @@ impl<R: Rule> Optimizer<R> {
             path: path.to_owned(),
             source,
         })?;
-        let saved: SavedState<R> = serde_json::from_slice(&bytes).map_err(|source| OptimError::Format {
+        let format = |source| OptimError::Format {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(format)?;
+        // The rule first: another rule's hyper-parameters would fail to parse below
+        // with a less helpful message.
+        match value.get("rule").and_then(|r| r.as_str()) {
+            Some(rule) if rule != R::NAME => {
+                return Err(OptimError::StateMismatch(format!(
+                    "it was saved by {rule}, this is {}",
+                    R::NAME
+                )))
+            }
+            _ => {}
+        }
+        let saved: SavedState<R> = serde_json::from_value(value).map_err(format)?;
         self.load_state_dict(&saved)
     }
 
