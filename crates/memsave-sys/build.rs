@@ -9,6 +9,7 @@ const SOURCES: &[&str] = &[
     "cpp/tensor.cpp",
     "cpp/autocast.cpp",
     "cpp/checkpoint.cpp",
+    "cpp/grad_hooks.cpp",
 ];
 
 fn main() {

@@ -34,6 +34,7 @@
 
 mod adamw;
 mod error;
+mod hook;
 mod optimizer;
 mod placement;
 mod saved;
@@ -42,6 +43,7 @@ mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use error::{OptimError, Result};
+pub use hook::InBackward;
 pub use optimizer::{Optimizer, Options, Rule};
 pub use placement::Placement;
 pub use saved::{SavedGroup, SavedParam, SavedState, SavedTensor};

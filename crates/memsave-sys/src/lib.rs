@@ -25,6 +25,7 @@ pub mod checkpoint;
 pub mod device;
 mod error;
 mod ffi;
+pub mod grad_hooks;
 pub mod tensor;
 
 pub use error::{Error, Result};
