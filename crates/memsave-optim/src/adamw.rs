@@ -3,7 +3,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{add_scaled_, Optimizer, Rule};
+use crate::optimizer::{add_scaled_, non_negative, Optimizer, Rule};
 use crate::state::Sign;
 
 /// AdamW's hyper-parameters, with PyTorch's defaults.
@@ -52,14 +52,17 @@ impl Rule for AdamWConfig {
 
     fn validate(&self) -> Result<()> {
         let (b1, b2) = self.betas;
-        let problem = if !(self.lr >= 0.0) {
+        let problem = if !non_negative(self.lr) {
             Some(format!("lr must be >= 0, got {}", self.lr))
         } else if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
             Some(format!("betas must be in [0, 1), got ({b1}, {b2})"))
-        } else if !(self.eps >= 0.0) {
+        } else if !non_negative(self.eps) {
             Some(format!("eps must be >= 0, got {}", self.eps))
-        } else if !(self.weight_decay >= 0.0) {
-            Some(format!("weight_decay must be >= 0, got {}", self.weight_decay))
+        } else if !non_negative(self.weight_decay) {
+            Some(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ))
         } else {
             None
         };

@@ -112,7 +112,10 @@ impl<R: Rule> InBackward<R> {
         drop(self);
         Arc::try_unwrap(optimizer)
             .map_err(|_| OptimError::InBackward("a hook still holds the optimizer".into()))
-            .map(|m| m.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()))
+            .map(|m| {
+                m.into_inner()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+            })
     }
 }
 

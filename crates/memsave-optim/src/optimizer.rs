@@ -110,7 +110,10 @@ impl<R: Rule> Optimizer<R> {
         for (offset, p) in params.iter().enumerate() {
             let index = self.params.len() + offset;
             let reason = if !p.is_floating_point() {
-                Some(format!("has kind {:?}; only floating-point tensors can be optimized", p.kind()))
+                Some(format!(
+                    "has kind {:?}; only floating-point tensors can be optimized",
+                    p.kind()
+                ))
             } else if !p.requires_grad() {
                 Some("does not require grad".to_owned())
             } else if !p.is_contiguous() {
@@ -206,7 +209,8 @@ impl<R: Rule> Optimizer<R> {
 
     /// [`Optimizer::f_step`], panicking on error.
     pub fn step(&mut self) {
-        self.f_step().unwrap_or_else(|e| panic!("optimizer step: {e}"))
+        self.f_step()
+            .unwrap_or_else(|e| panic!("optimizer step: {e}"))
     }
 
     /// Clears the gradients: drops them (`set_to_none`, PyTorch's default, frees their
@@ -233,7 +237,12 @@ impl<R: Rule> Optimizer<R> {
     }
 
     fn clip_grad_norm(&self, max_norm: f64) -> Result<()> {
-        let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+        let grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect();
         if grads.is_empty() {
             return Ok(());
         }
@@ -340,4 +349,9 @@ pub(crate) fn add_scaled_(y: &mut Tensor, x: &Tensor, alpha: f64) -> Result<(), 
 pub(crate) fn added_scaled(x: &Tensor, y: &Tensor, alpha: f64) -> Result<Tensor, tch::TchError> {
     let alpha = Tensor::f_scalar_tensor(alpha, (x.kind(), x.device()))?;
     x.f_addcmul(y, &alpha)
+}
+
+/// True for a number >= 0; false for a negative one and for NaN.
+pub(crate) fn non_negative(x: f64) -> bool {
+    x >= 0.0
 }

@@ -58,7 +58,12 @@ impl StateStore {
 
     /// Puts the buffers of `st` on `layout.device`, ready for an update: zeros before
     /// the first step, else wherever they were kept.
-    pub(crate) fn fetch(&self, index: usize, st: &mut ParamState, layout: &BufferLayout) -> Result<()> {
+    pub(crate) fn fetch(
+        &self,
+        index: usize,
+        st: &mut ParamState,
+        layout: &BufferLayout,
+    ) -> Result<()> {
         if st.buffers.is_empty() && st.step == 0 {
             st.buffers = layout
                 .signs

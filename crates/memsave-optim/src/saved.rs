@@ -90,7 +90,9 @@ impl<R: Rule> Optimizer<R> {
             .enumerate()
             .map(|(g, config)| SavedGroup {
                 config: config.clone(),
-                params: (0..self.params.len()).filter(|&i| self.group_of[i] == g).collect(),
+                params: (0..self.params.len())
+                    .filter(|&i| self.group_of[i] == g)
+                    .collect(),
             })
             .collect();
         Ok(SavedState {
@@ -108,7 +110,11 @@ impl<R: Rule> Optimizer<R> {
     pub fn load_state_dict(&mut self, saved: &SavedState<R>) -> Result<()> {
         let mismatch = |m: String| Err(OptimError::StateMismatch(m));
         if saved.rule != R::NAME {
-            return mismatch(format!("it was saved by {}, this is {}", saved.rule, R::NAME));
+            return mismatch(format!(
+                "it was saved by {}, this is {}",
+                saved.rule,
+                R::NAME
+            ));
         }
         if saved.state != self.options.state {
             return mismatch(format!(
@@ -135,7 +141,9 @@ impl<R: Rule> Optimizer<R> {
             group.config.validate()?;
             for &i in &group.params {
                 if i >= group_of.len() || group_of[i] != usize::MAX || self.group_of[i] != g {
-                    return mismatch(format!("group {g} lists parameter {i}, which is not in group {g} here"));
+                    return mismatch(format!(
+                        "group {g} lists parameter {i}, which is not in group {g} here"
+                    ));
                 }
                 group_of[i] = g;
             }
@@ -143,7 +151,10 @@ impl<R: Rule> Optimizer<R> {
         let mut states = Vec::with_capacity(self.params.len());
         for (index, (p, sp)) in self.params.iter().zip(&saved.params).enumerate() {
             let at = |reason: String| {
-                OptimError::StateMismatch(format!("parameter {index} (shape {:?}): {reason}", p.size()))
+                OptimError::StateMismatch(format!(
+                    "parameter {index} (shape {:?}): {reason}",
+                    p.size()
+                ))
             };
             if sp.shape != p.size() {
                 return Err(at(format!("it was saved for shape {:?}", sp.shape)));
@@ -151,14 +162,21 @@ impl<R: Rule> Optimizer<R> {
             let signs = saved.groups[self.group_of[index]].config.buffers();
             let expected = if sp.step == 0 { 0 } else { signs.len() };
             if sp.buffers.len() != expected {
-                return Err(at(format!("{} buffers saved, {expected} expected", sp.buffers.len())));
+                return Err(at(format!(
+                    "{} buffers saved, {expected} expected",
+                    sp.buffers.len()
+                )));
             }
             let device = self.home_device(p.device());
             let mut buffers = Vec::new();
             for ((name, sign), parts) in signs.iter().zip(&sp.buffers) {
                 let layout = Buffer::layout(self.options.state, p.numel() as i64, *sign);
                 if layout.len() != parts.len() {
-                    return Err(at(format!("buffer {name} has {} tensors, {} expected", parts.len(), layout.len())));
+                    return Err(at(format!(
+                        "buffer {name} has {} tensors, {} expected",
+                        parts.len(),
+                        layout.len()
+                    )));
                 }
                 let mut tensors = Vec::new();
                 for ((part, kind, shape), t) in layout.into_iter().zip(parts) {
@@ -170,9 +188,14 @@ impl<R: Rule> Optimizer<R> {
                     }
                     let bytes = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
                     if t.data.len() != bytes {
-                        return Err(at(format!("{name}.{part} has {} bytes, {bytes} expected", t.data.len())));
+                        return Err(at(format!(
+                            "{name}.{part} has {} bytes, {bytes} expected",
+                            t.data.len()
+                        )));
                     }
-                    tensors.push(Tensor::f_from_data_size(&t.data, &shape, kind)?.f_to_device(device)?);
+                    tensors.push(
+                        Tensor::f_from_data_size(&t.data, &shape, kind)?.f_to_device(device)?,
+                    );
                 }
                 buffers.push(Buffer::from_parts(self.options.state, *sign, tensors));
             }
@@ -194,10 +217,11 @@ impl<R: Rule> Optimizer<R> {
     /// Writes [`Optimizer::state_dict`] to `path` as JSON.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let json = serde_json::to_vec(&self.state_dict()?).map_err(|source| OptimError::Format {
-            path: path.to_owned(),
-            source,
-        })?;
+        let json =
+            serde_json::to_vec(&self.state_dict()?).map_err(|source| OptimError::Format {
+                path: path.to_owned(),
+                source,
+            })?;
         std::fs::write(path, json).map_err(|source| OptimError::Io {
             path: path.to_owned(),
             source,
@@ -243,7 +267,11 @@ impl<R: Rule> Optimizer<R> {
     /// The buffers of parameter `index`, read from disk when they live there.
     fn held_buffers(&self, index: usize, st: &ParamState) -> Result<Vec<Buffer>> {
         if st.step == 0 || !st.buffers.is_empty() {
-            return st.buffers.iter().map(|b| b.to_device(Device::Cpu)).collect();
+            return st
+                .buffers
+                .iter()
+                .map(|b| b.to_device(Device::Cpu))
+                .collect();
         }
         let p = &self.params[index];
         let layout = BufferLayout {
@@ -260,7 +288,6 @@ impl<R: Rule> Optimizer<R> {
         Ok(copy.buffers)
     }
 }
-
 
 mod hex {
     use serde::{de::Error, Deserialize, Deserializer, Serializer};

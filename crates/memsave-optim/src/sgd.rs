@@ -3,7 +3,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{add_scaled_, added_scaled, Optimizer, Rule};
+use crate::optimizer::{add_scaled_, added_scaled, non_negative, Optimizer, Rule};
 use crate::state::Sign;
 
 /// SGD's hyper-parameters, with PyTorch's defaults.
@@ -52,12 +52,15 @@ impl Rule for SgdConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let problem = if !(self.lr >= 0.0) {
+        let problem = if !non_negative(self.lr) {
             Some(format!("lr must be >= 0, got {}", self.lr))
-        } else if !(self.momentum >= 0.0) {
+        } else if !non_negative(self.momentum) {
             Some(format!("momentum must be >= 0, got {}", self.momentum))
-        } else if !(self.weight_decay >= 0.0) {
-            Some(format!("weight_decay must be >= 0, got {}", self.weight_decay))
+        } else if !non_negative(self.weight_decay) {
+            Some(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ))
         } else if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             Some("nesterov needs momentum > 0 and dampening 0".to_owned())
         } else {

@@ -124,7 +124,11 @@ impl Buffer {
     }
 
     /// The expected (name, kind, shape) of each part for a parameter of `numel` values.
-    pub(crate) fn layout(state: State, numel: i64, sign: Sign) -> Vec<(&'static str, Kind, Vec<i64>)> {
+    pub(crate) fn layout(
+        state: State,
+        numel: i64,
+        sign: Sign,
+    ) -> Vec<(&'static str, Kind, Vec<i64>)> {
         match state {
             State::F32 => vec![("values", Kind::Float, vec![numel])],
             State::Bf16 => vec![("values", Kind::BFloat16, vec![numel])],
@@ -195,14 +199,23 @@ impl Buffer {
                 sign,
             } => {
                 let blocks = (len + block - 1) / block;
-                let scale = absmax.f_narrow(0, start / block, blocks)?.f_view([blocks, 1])?;
-                let k = pad_to(&codes.f_narrow(0, start, len)?.f_to_kind(Kind::Float)?, blocks * block)?;
+                let scale = absmax
+                    .f_narrow(0, start / block, blocks)?
+                    .f_view([blocks, 1])?;
+                let k = pad_to(
+                    &codes.f_narrow(0, start, len)?.f_to_kind(Kind::Float)?,
+                    blocks * block,
+                )?;
                 let top = match sign {
                     Sign::Signed => SIGNED_TOP,
                     Sign::NonNegative => UNSIGNED_TOP,
                 };
                 // sign(k) is 0 for the code 0, and the sign of the value otherwise.
-                let magnitude = (k.f_abs()?.f_sub_scalar(top)?.f_mul_scalar(ln_ratio(*sign))?).f_exp()?;
+                let magnitude = (k
+                    .f_abs()?
+                    .f_sub_scalar(top)?
+                    .f_mul_scalar(ln_ratio(*sign))?)
+                .f_exp()?;
                 let values = magnitude
                     .f_mul(&k.f_sign()?)?
                     .f_view([blocks, *block])?

@@ -37,8 +37,15 @@ fn stepping_in_backward_gives_the_same_parameters_and_frees_every_gradient() {
             after.backward(step);
             opt.step();
             inside.loss(step).f_backward().unwrap();
-            assert!(inside.params().iter().all(|p| !p.grad().defined()), "{state:?}: a gradient is left");
-            assert_bitwise(&inside.params(), &after.params(), &format!("{state:?} step {step}"));
+            assert!(
+                inside.params().iter().all(|p| !p.grad().defined()),
+                "{state:?}: a gradient is left"
+            );
+            assert_bitwise(
+                &inside.params(),
+                &after.params(),
+                &format!("{state:?} step {step}"),
+            );
         }
         assert_eq!(fused.optimizer().step_count(0), 5);
     }
@@ -77,7 +84,12 @@ fn in_backward_holds_no_gradient_bytes_after_backward() {
     // inside backward each is freed once its parameter is updated.
     assert_eq!(normal.end_bytes - normal.start_bytes, 4 * numel as u64);
     assert_eq!(fused_m.end_bytes, fused_m.start_bytes);
-    assert!(fused_m.peak_bytes <= normal.peak_bytes, "{} > {}", fused_m.peak_bytes, normal.peak_bytes);
+    assert!(
+        fused_m.peak_bytes <= normal.peak_bytes,
+        "{} > {}",
+        fused_m.peak_bytes,
+        normal.peak_bytes
+    );
     assert_bitwise(&inside.params(), &after.params(), "after two steps");
     drop(fused);
 }
@@ -96,7 +108,9 @@ fn an_error_in_the_step_comes_back_from_backward() {
     drop(guard);
     // Nothing was stepped; the next backward works.
     assert_eq!(fused.optimizer().step_count(0), 0);
-    n.params().iter().for_each(|p| memsave_sys::tensor::set_grad_none(p).unwrap());
+    n.params()
+        .iter()
+        .for_each(|p| memsave_sys::tensor::set_grad_none(p).unwrap());
     n.loss(1).f_backward().unwrap();
     assert_eq!(fused.optimizer().step_count(0), 1);
 }
@@ -121,21 +135,29 @@ fn combinations_that_cannot_be_right_are_refused_at_registration() {
         .unwrap()
         .step_in_backward(&n.params())
         .unwrap_err();
-    assert!(e.to_string().contains("parameter 0") && e.to_string().contains("micro-batches"), "{e}");
+    assert!(
+        e.to_string().contains("parameter 0") && e.to_string().contains("micro-batches"),
+        "{e}"
+    );
 
     let other = net(35);
     let e = AdamW::new(&n.params(), config())
         .unwrap()
         .step_in_backward(&other.params()[..1])
         .unwrap_err();
-    assert!(e.to_string().contains("not a parameter of this optimizer"), "{e}");
+    assert!(
+        e.to_string().contains("not a parameter of this optimizer"),
+        "{e}"
+    );
 }
 
 #[test]
 #[serial]
 fn hooks_are_removed_by_into_inner_and_a_second_registration_is_refused() {
     let n = net(36);
-    n.params().iter().for_each(|p| memsave_sys::tensor::set_grad_none(p).unwrap());
+    n.params()
+        .iter()
+        .for_each(|p| memsave_sys::tensor::set_grad_none(p).unwrap());
     let fused = Sgd::new(&n.params(), SgdConfig::default())
         .unwrap()
         .step_in_backward(&n.params())
@@ -144,7 +166,11 @@ fn hooks_are_removed_by_into_inner_and_a_second_registration_is_refused() {
         .unwrap()
         .step_in_backward(&n.params())
         .unwrap_err();
-    assert!(e.to_string().contains("already has a post-accumulate-grad hook"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("already has a post-accumulate-grad hook"),
+        "{e}"
+    );
 
     let mut opt = fused.into_inner().unwrap();
     let before: Vec<_> = n.params().iter().map(|p| p.detach().copy()).collect();
@@ -153,6 +179,13 @@ fn hooks_are_removed_by_into_inner_and_a_second_registration_is_refused() {
     assert!(n.params().iter().all(|p| p.grad().defined()));
     assert_bitwise(&n.params(), &before, "no step in backward");
     opt.step();
-    assert!(n.params()[0].grad().abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    assert!(
+        n.params()[0]
+            .grad()
+            .abs()
+            .sum(Kind::Float)
+            .double_value(&[])
+            > 0.0
+    );
     assert!(!n.params()[0].equal(&before[0]));
 }

@@ -25,7 +25,11 @@ fn compare_adamw(config: AdamWConfig, steps: i64) {
         opt.zero_grad(true);
         ours.backward(step);
         opt.step();
-        assert_bitwise(&ours.params(), &theirs.params(), &format!("AdamW {config:?}, step {step}"));
+        assert_bitwise(
+            &ours.params(),
+            &theirs.params(),
+            &format!("AdamW {config:?}, step {step}"),
+        );
     }
 }
 
@@ -48,7 +52,11 @@ fn compare_sgd(config: SgdConfig, steps: i64) {
         opt.zero_grad(false);
         ours.backward(step);
         opt.step();
-        assert_bitwise(&ours.params(), &theirs.params(), &format!("SGD {config:?}, step {step}"));
+        assert_bitwise(
+            &ours.params(),
+            &theirs.params(),
+            &format!("SGD {config:?}, step {step}"),
+        );
     }
 }
 
@@ -72,7 +80,13 @@ fn adamw_matches_tch_without_weight_decay_and_other_betas() {
 
 #[test]
 fn sgd_matches_tch_plain() {
-    compare_sgd(SgdConfig { lr: 0.05, ..Default::default() }, 30);
+    compare_sgd(
+        SgdConfig {
+            lr: 0.05,
+            ..Default::default()
+        },
+        30,
+    );
 }
 
 #[test]
@@ -107,8 +121,17 @@ fn sgd_matches_tch_with_nesterov() {
 fn learning_rate_changes_match_tch() {
     let theirs = net(3);
     let ours = net(3);
-    let mut reference = tch::nn::adamw(0.9, 0.999, 0.01).build(&theirs.vs, 1e-2).unwrap();
-    let mut opt = AdamW::new(&ours.params(), AdamWConfig { lr: 1e-2, ..Default::default() }).unwrap();
+    let mut reference = tch::nn::adamw(0.9, 0.999, 0.01)
+        .build(&theirs.vs, 1e-2)
+        .unwrap();
+    let mut opt = AdamW::new(
+        &ours.params(),
+        AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     for step in 0..10 {
         let lr = 1e-2 * 0.8f64.powi(step as i32);
         reference.set_lr(lr);

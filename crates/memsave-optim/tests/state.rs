@@ -46,12 +46,16 @@ fn int8_state_is_at_most_027_of_f32_state_measured_by_the_meter() {
     for state in [State::F32, State::Int8Blockwise { block: 256 }] {
         // The first use of some kernels allocates libtorch's own caches; not state.
         let mut warm_up = adamw(&vs.trainable_variables(), state, Placement::Device);
-        tch::nn::Module::forward(&layer, &x).sum(Kind::Float).backward();
+        tch::nn::Module::forward(&layer, &x)
+            .sum(Kind::Float)
+            .backward();
         warm_up.step();
         drop(warm_up);
         let mut opt = adamw(&vs.trainable_variables(), state, Placement::Device);
         opt.zero_grad(true);
-        tch::nn::Module::forward(&layer, &x).sum(Kind::Float).backward();
+        tch::nn::Module::forward(&layer, &x)
+            .sum(Kind::Float)
+            .backward();
         let before = memory_allocated(Device::Cpu);
         opt.step();
         let state_bytes = memory_allocated(Device::Cpu) - before;
@@ -80,7 +84,11 @@ fn low_precision_state_converges_like_f32() {
     }
     for (state, last) in PRECISIONS.iter().zip(&finals).skip(1) {
         let relative = (last - finals[0]).abs() / finals[0];
-        assert!(relative <= 0.02, "{state:?}: final loss {last} vs f32 {}: {relative}", finals[0]);
+        assert!(
+            relative <= 0.02,
+            "{state:?}: final loss {last} vs f32 {}: {relative}",
+            finals[0]
+        );
     }
 }
 
@@ -89,7 +97,10 @@ fn low_precision_state_converges_like_f32() {
 fn save_load_continue_is_bitwise_uninterrupted_training_for_every_precision() {
     let dir = tempfile::tempdir().unwrap();
     for state in PRECISIONS {
-        for placement in [Placement::Device, Placement::Disk(dir.path().join(format!("{state:?}")))] {
+        for placement in [
+            Placement::Device,
+            Placement::Disk(dir.path().join(format!("{state:?}"))),
+        ] {
             let a = net(11);
             let mut opt_a = adamw(&a.params(), state, Placement::Device);
             train(&a, &mut opt_a, 0, 7);
@@ -104,7 +115,11 @@ fn save_load_continue_is_bitwise_uninterrupted_training_for_every_precision() {
 
             train(&a, &mut opt_a, 7, 15);
             train(&b, &mut opt_b, 7, 15);
-            assert_bitwise(&b.params(), &a.params(), &format!("{state:?} {placement:?}"));
+            assert_bitwise(
+                &b.params(),
+                &a.params(),
+                &format!("{state:?} {placement:?}"),
+            );
             assert_eq!(opt_b.state_dict().unwrap(), opt_a.state_dict().unwrap());
         }
     }
@@ -114,7 +129,11 @@ fn save_load_continue_is_bitwise_uninterrupted_training_for_every_precision() {
 #[serial]
 fn loading_a_state_that_does_not_fit_names_the_parameter() {
     let a = net(5);
-    let mut opt = adamw(&a.params(), State::Int8Blockwise { block: 256 }, Placement::Device);
+    let mut opt = adamw(
+        &a.params(),
+        State::Int8Blockwise { block: 256 },
+        Placement::Device,
+    );
     train(&a, &mut opt, 0, 2);
     let saved = opt.state_dict().unwrap();
 
@@ -124,15 +143,26 @@ fn loading_a_state_that_does_not_fit_names_the_parameter() {
     assert!(matches!(e, OptimError::StateMismatch(_)), "{e}");
     assert!(e.to_string().contains("Bf16"), "{e}");
 
-    let mut fewer = adamw(&a.params()[..3], State::Int8Blockwise { block: 256 }, Placement::Device);
+    let mut fewer = adamw(
+        &a.params()[..3],
+        State::Int8Blockwise { block: 256 },
+        Placement::Device,
+    );
     let e = fewer.load_state_dict(&saved).unwrap_err();
-    assert!(e.to_string().contains("6 parameters, this optimizer 3"), "{e}");
+    assert!(
+        e.to_string().contains("6 parameters, this optimizer 3"),
+        "{e}"
+    );
 
     let mut reshaped = saved.clone();
     let shape = a.params()[2].size();
     reshaped.params[2].shape = vec![shape[0] + 1];
     let e = opt.load_state_dict(&reshaped).unwrap_err();
-    assert!(e.to_string().contains(&format!("parameter 2 (shape {shape:?})")), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("parameter 2 (shape {shape:?})")),
+        "{e}"
+    );
 
     let mut truncated = saved.clone();
     truncated.params[4].buffers[1][0].data.pop();
@@ -156,7 +186,11 @@ fn disk_placement_keeps_no_state_in_memory_and_matches_the_device_placement() {
         let on_device = net(21);
         let on_disk = net(21);
         let mut opt_device = adamw(&on_device.params(), state, Placement::Device);
-        let mut opt_disk = adamw(&on_disk.params(), state, Placement::Disk(dir.path().join(format!("{state:?}"))));
+        let mut opt_disk = adamw(
+            &on_disk.params(),
+            state,
+            Placement::Disk(dir.path().join(format!("{state:?}"))),
+        );
         for step in 0..5 {
             opt_device.zero_grad(true);
             on_device.backward(step);
@@ -166,11 +200,19 @@ fn disk_placement_keeps_no_state_in_memory_and_matches_the_device_placement() {
             on_disk.backward(step);
             let before = memory_allocated(Device::Cpu);
             opt_disk.step();
-            assert_eq!(memory_allocated(Device::Cpu), before, "{state:?}: bytes left after a step");
+            assert_eq!(
+                memory_allocated(Device::Cpu),
+                before,
+                "{state:?}: bytes left after a step"
+            );
             assert_eq!(opt_disk.state_bytes(), 0);
             assert!(opt_device.state_bytes() > 0);
         }
-        assert_bitwise(&on_disk.params(), &on_device.params(), &format!("{state:?}"));
+        assert_bitwise(
+            &on_disk.params(),
+            &on_device.params(),
+            &format!("{state:?}"),
+        );
     }
 }
 
@@ -194,9 +236,20 @@ fn zero_grad_drops_or_zeroes_the_gradients() {
 fn parameter_groups_have_their_own_hyper_parameters() {
     let n = net(4);
     let params = n.params();
-    let frozen = SgdConfig { lr: 0.0, ..Default::default() };
+    let frozen = SgdConfig {
+        lr: 0.0,
+        ..Default::default()
+    };
     let mut opt = Sgd::new(&params[..2], frozen).unwrap();
-    let group = opt.add_param_group(&params[2..], SgdConfig { lr: 0.1, ..Default::default() }).unwrap();
+    let group = opt
+        .add_param_group(
+            &params[2..],
+            SgdConfig {
+                lr: 0.1,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     assert_eq!(group, 1);
     let before: Vec<Tensor> = params.iter().map(|p| p.detach().copy()).collect();
     n.backward(0);
@@ -204,8 +257,13 @@ fn parameter_groups_have_their_own_hyper_parameters() {
     for (i, (p, b)) in params.iter().zip(&before).enumerate() {
         assert_eq!(p.equal(b), i < 2, "parameter {i}");
     }
-    let e = opt.add_param_group(&params[..1], SgdConfig::default()).unwrap_err();
-    assert!(e.to_string().contains("parameter 6") && e.to_string().contains("already optimized"), "{e}");
+    let e = opt
+        .add_param_group(&params[..1], SgdConfig::default())
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("parameter 6") && e.to_string().contains("already optimized"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -213,10 +271,26 @@ fn parameter_groups_have_their_own_hyper_parameters() {
 fn bad_parameters_and_options_are_refused() {
     let t = Tensor::zeros([3, 4], (Kind::Float, Device::Cpu));
     let e = AdamW::new(&[t.shallow_clone()], AdamWConfig::default()).unwrap_err();
-    assert!(e.to_string().contains("parameter 0 (shape [3, 4]): does not require grad"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("parameter 0 (shape [3, 4]): does not require grad"),
+        "{e}"
+    );
     let p = t.set_requires_grad(true);
-    let bad = AdamWConfig { betas: (0.9, 1.0), ..Default::default() };
-    assert!(matches!(AdamW::new(&[p.shallow_clone()], bad), Err(OptimError::Config(_))));
-    let options = Options { state: State::Int8Blockwise { block: 0 }, ..Default::default() };
-    assert!(matches!(AdamW::with_options(&[p], AdamWConfig::default(), options), Err(OptimError::Config(_))));
+    let bad = AdamWConfig {
+        betas: (0.9, 1.0),
+        ..Default::default()
+    };
+    assert!(matches!(
+        AdamW::new(&[p.shallow_clone()], bad),
+        Err(OptimError::Config(_))
+    ));
+    let options = Options {
+        state: State::Int8Blockwise { block: 0 },
+        ..Default::default()
+    };
+    assert!(matches!(
+        AdamW::with_options(&[p], AdamWConfig::default(), options),
+        Err(OptimError::Config(_))
+    ));
 }

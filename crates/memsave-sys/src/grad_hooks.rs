@@ -70,7 +70,10 @@ unsafe extern "C" fn drop_hook(ctx: *mut c_void) {
 ///
 /// Whatever the hook captures lives until the handle is dropped (or the tensor freed):
 /// a closure that holds the tensor itself keeps it alive until then.
-pub fn register_post_accumulate_grad_hook(tensor: &Tensor, f: GradHookFn) -> Result<GradHookHandle> {
+pub fn register_post_accumulate_grad_hook(
+    tensor: &Tensor,
+    f: GradHookFn,
+) -> Result<GradHookHandle> {
     let ctx = Box::into_raw(Box::new(Mutex::new(f))) as *mut c_void;
     let mut id: *mut c_void = std::ptr::null_mut();
     // SAFETY: `tensor` is a live tch tensor; ownership of `ctx` passes to the bridge,

@@ -42,7 +42,13 @@ impl Net {
 pub fn batch(step: i64) -> (Tensor, Tensor) {
     let g = Tensor::arange(64 * 8, (Kind::Float, Device::Cpu)).view([64, 8]);
     let x = ((&g * 0.37 + step as f64 * 1.3).sin() * 2.0).contiguous();
-    let y = Tensor::cat(&[x.sum_dim_intlist(1, true, Kind::Float).sin(), x.narrow(1, 0, 1) * x.narrow(1, 1, 1)], 1);
+    let y = Tensor::cat(
+        &[
+            x.sum_dim_intlist(1, true, Kind::Float).sin(),
+            x.narrow(1, 0, 1) * x.narrow(1, 1, 1),
+        ],
+        1,
+    );
     (x, y)
 }
 
@@ -50,6 +56,10 @@ pub fn batch(step: i64) -> (Tensor, Tensor) {
 pub fn assert_bitwise(a: &[Tensor], b: &[Tensor], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(x.equal(y), "{what}: parameter {i} differs; max abs diff {}", (x - y).abs().max().double_value(&[]));
+        assert!(
+            x.equal(y),
+            "{what}: parameter {i} differs; max abs diff {}",
+            (x - y).abs().max().double_value(&[])
+        );
     }
 }
