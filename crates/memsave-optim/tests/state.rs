@@ -294,3 +294,53 @@ fn bad_parameters_and_options_are_refused() {
         Err(OptimError::Config(_))
     ));
 }
+
+#[test]
+#[serial]
+fn cpu_placement_of_cpu_parameters_is_the_device_placement() {
+    let a = net(41);
+    let b = net(41);
+    let mut on_device = adamw(&a.params(), State::Bf16, Placement::Device);
+    let mut on_cpu = adamw(&b.params(), State::Bf16, Placement::Cpu);
+    train(&a, &mut on_device, 0, 5);
+    train(&b, &mut on_cpu, 0, 5);
+    assert_bitwise(&b.params(), &a.params(), "Placement::Cpu");
+    assert_eq!(on_cpu.state_bytes(), on_device.state_bytes());
+}
+
+#[test]
+#[serial]
+#[ignore = "needs CUDA"]
+fn cpu_placement_keeps_no_state_on_the_gpu_and_matches_the_device_placement() {
+    let device = Device::Cuda(0);
+    tch::manual_seed(42);
+    let w = Tensor::randn([16, 8], (Kind::Float, device));
+    let x = Tensor::randn([4, 8], (Kind::Float, device));
+    let pa = w.copy().set_requires_grad(true);
+    let pb = w.copy().set_requires_grad(true);
+    let mut on_device = adamw(
+        &[pa.shallow_clone()],
+        State::Int8Blockwise { block: 32 },
+        Placement::Device,
+    );
+    let mut on_cpu = adamw(
+        &[pb.shallow_clone()],
+        State::Int8Blockwise { block: 32 },
+        Placement::Cpu,
+    );
+    for _ in 0..3 {
+        for (p, opt) in [(&pa, &mut on_device), (&pb, &mut on_cpu)] {
+            opt.zero_grad(true);
+            x.matmul(&p.tr()).square().mean(Kind::Float).backward();
+            let before = memory_allocated(device);
+            opt.step();
+            if opt.options().placement == Placement::Cpu {
+                assert_eq!(memory_allocated(device), before, "state left on the GPU");
+            }
+        }
+    }
+    assert!(
+        pb.equal(&pa),
+        "Placement::Cpu differs from Placement::Device on CUDA"
+    );
+}
