@@ -11,6 +11,7 @@ const SOURCES: &[&str] = &[
     "cpp/hooks.cpp",
     "cpp/checkpoint.cpp",
     "cpp/version.cpp",
+    "cpp/grad_hooks.cpp",
 ];
 
 fn main() {

@@ -31,6 +31,9 @@ pub type HookUnpackFn = unsafe extern "C" fn(
 ) -> c_int;
 /// Frees a handle written by the pack hook (called once per successful pack).
 pub type HookFreeFn = unsafe extern "C" fn(ctx: *mut c_void, packed: *mut c_void);
+/// Callback of a post-accumulate-grad hook; reports failure via `ms_grad_hook_fail`.
+pub type GradHookFn =
+    unsafe extern "C" fn(ctx: *mut c_void, tensor: *const C_tensor, status: *mut c_void);
 
 extern "C" {
     pub fn ms_last_error() -> *const c_char;
@@ -124,4 +127,14 @@ extern "C" {
     pub fn ms_string_data(s: *const c_void) -> *const c_char;
     pub fn ms_string_free(s: *mut c_void);
     pub fn ms_tensor_vec_free(vec: *mut c_void);
+
+    pub fn ms_grad_hook_fail(status: *mut c_void, message: *const c_char);
+    pub fn ms_grad_hook_register(
+        t: *const C_tensor,
+        ctx: *mut c_void,
+        run: GradHookFn,
+        drop: DropFn,
+        out_id: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_grad_hook_remove(t: *const C_tensor, id: *mut c_void, removed: *mut bool) -> c_int;
 }

@@ -27,6 +27,7 @@ pub mod device;
 mod error;
 mod ffi;
 pub mod hooks;
+pub mod grad_hooks;
 pub mod tensor;
 pub mod version;
 

@@ -1,0 +1,102 @@
+//! AdamW: Adam with weight decay decoupled from the gradient (Loshchilov & Hutter).
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use crate::error::{OptimError, Result};
+use crate::optimizer::{add_scaled_, non_negative, Optimizer, Rule};
+use crate::state::Sign;
+
+/// AdamW's hyper-parameters, with PyTorch's defaults.
+///
+/// One update of a parameter `p` with gradient `g` at step `t`, in the order libtorch
+/// computes it (so that f32 results match tch's `nn::adamw` bit for bit):
+/// `p *= 1 - lr * weight_decay`; `m = beta1 * m + (1 - beta1) * g`;
+/// `v = beta2 * v + (1 - beta2) * g * g`;
+/// `p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay rates of the first and second moments (default (0.9, 0.999)).
+    pub betas: (f64, f64),
+    /// Added to the denominator (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (default 1e-2).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        }
+    }
+}
+
+/// An AdamW optimizer; see [`Optimizer`] for the methods and [`AdamWConfig`] for the rule.
+pub type AdamW = Optimizer<AdamWConfig>;
+
+impl Rule for AdamWConfig {
+    const NAME: &'static str = "adamw";
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn validate(&self) -> Result<()> {
+        let (b1, b2) = self.betas;
+        let problem = if !non_negative(self.lr) {
+            Some(format!("lr must be >= 0, got {}", self.lr))
+        } else if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            Some(format!("betas must be in [0, 1), got ({b1}, {b2})"))
+        } else if !non_negative(self.eps) {
+            Some(format!("eps must be >= 0, got {}", self.eps))
+        } else if !non_negative(self.weight_decay) {
+            Some(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ))
+        } else {
+            None
+        };
+        problem.map_or(Ok(()), |p| Err(OptimError::Config(format!("AdamW: {p}"))))
+    }
+
+    fn buffers(&self) -> &'static [(&'static str, Sign)] {
+        &[("exp_avg", Sign::Signed), ("exp_avg_sq", Sign::NonNegative)]
+    }
+
+    fn update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buffers: &mut [Tensor],
+        step: u64,
+    ) -> Result<(), tch::TchError> {
+        let (beta1, beta2) = self.betas;
+        if self.weight_decay != 0.0 {
+            let _ = param.f_mul_scalar_(1.0 - self.lr * self.weight_decay)?;
+        }
+        let (exp_avg, rest) = buffers.split_at_mut(1);
+        let (exp_avg, exp_avg_sq) = (&mut exp_avg[0], &mut rest[0]);
+        let _ = exp_avg.f_mul_scalar_(beta1)?;
+        add_scaled_(exp_avg, grad, 1.0 - beta1)?;
+        let _ = exp_avg_sq.f_mul_scalar_(beta2)?;
+        let _ = exp_avg_sq.f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, grad)?;
+        // libtorch raises to a double power; powi could differ in the last bit.
+        let bias_correction1 = 1.0 - beta1.powf(step as f64);
+        let bias_correction2 = 1.0 - beta2.powf(step as f64);
+        let mut denom = exp_avg_sq.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?;
+        let _ = denom.f_add_scalar_(self.eps)?;
+        let step_size = self.lr / bias_correction1;
+        let _ = param.f_addcdiv_(&exp_avg.f_mul_scalar(-step_size)?, &denom)?;
+        Ok(())
+    }
+}

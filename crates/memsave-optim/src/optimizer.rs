@@ -1,0 +1,357 @@
+//! The optimizer shared by every update rule: parameters in groups, per-parameter
+//! state at a chosen precision and placement, the step, and the gradients.
+use std::fmt::Debug;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tch::{Kind, Tensor};
+
+use crate::error::{OptimError, Result};
+use crate::placement::{Placement, StateStore};
+use crate::state::{Buffer, Sign, State};
+
+/// An update rule with its hyper-parameters (one per parameter group): AdamW's or
+/// SGD's. The optimizer hands it f32 chunks of a parameter, its gradient and its state
+/// buffers; the rule updates the parameter and the buffers in place.
+pub trait Rule: Clone + Debug + Send + Serialize + DeserializeOwned + 'static {
+    /// The name saved states carry, checked when loading.
+    const NAME: &'static str;
+    /// The learning rate.
+    fn lr(&self) -> f64;
+    /// Changes the learning rate.
+    fn set_lr(&mut self, lr: f64);
+    /// Refuses hyper-parameters out of range.
+    fn validate(&self) -> Result<()>;
+    /// The state buffers each parameter needs, with whether they can be negative.
+    fn buffers(&self) -> &'static [(&'static str, Sign)];
+    /// Updates `param` in place from `grad`, reading and updating `buffers` (in the
+    /// order of [`Rule::buffers`], zeros before the first step). `step` counts this
+    /// parameter's updates, 1 for the first. Runs under `no_grad`.
+    fn update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buffers: &mut [Tensor],
+        step: u64,
+    ) -> Result<(), tch::TchError>;
+}
+
+/// Options that hold for all the parameters of an optimizer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Options {
+    /// Precision of the state buffers.
+    pub state: State,
+    /// Where the state buffers live between steps.
+    pub placement: Placement,
+    /// Clip the gradients, all together, to this L2 norm before each [`Optimizer::f_step`]
+    /// (PyTorch's `clip_grad_norm_` with `max_norm`). Needs every gradient before the
+    /// first update, so [`Optimizer::step_in_backward`] refuses it.
+    pub max_grad_norm: Option<f64>,
+}
+
+/// What the optimizer remembers of one parameter.
+#[derive(Debug, Default)]
+pub(crate) struct ParamState {
+    /// Number of updates so far.
+    pub(crate) step: u64,
+    /// The buffers in the rule's order; empty before the first step, and between steps
+    /// when they are kept on disk.
+    pub(crate) buffers: Vec<Buffer>,
+}
+
+/// An optimizer: an update rule applied to groups of parameters, with state kept at
+/// [`Options::state`] precision in [`Options::placement`].
+///
+/// Use it through [`crate::AdamW`] or [`crate::Sgd`].
+#[derive(Debug)]
+pub struct Optimizer<R: Rule> {
+    pub(crate) params: Vec<Tensor>,
+    pub(crate) group_of: Vec<usize>,
+    pub(crate) groups: Vec<R>,
+    pub(crate) states: Vec<ParamState>,
+    pub(crate) options: Options,
+    pub(crate) store: StateStore,
+}
+
+impl<R: Rule> Optimizer<R> {
+    /// An optimizer over `params` (one group) with f32 state on their device.
+    pub fn new(params: &[Tensor], config: R) -> Result<Self> {
+        Self::with_options(params, config, Options::default())
+    }
+
+    /// An optimizer over `params` (one group) with the given state precision and placement.
+    ///
+    /// Every parameter must be a contiguous floating-point tensor that requires grad.
+    pub fn with_options(params: &[Tensor], config: R, options: Options) -> Result<Self> {
+        options.state.validate()?;
+        if let Some(norm) = options.max_grad_norm {
+            if !(norm > 0.0 && norm.is_finite()) {
+                return Err(OptimError::Config(format!(
+                    "max_grad_norm must be positive and finite, got {norm}"
+                )));
+            }
+        }
+        let store = StateStore::new(&options.placement)?;
+        let mut opt = Self {
+            params: Vec::new(),
+            group_of: Vec::new(),
+            groups: Vec::new(),
+            states: Vec::new(),
+            options,
+            store,
+        };
+        opt.add_param_group(params, config)?;
+        Ok(opt)
+    }
+
+    /// Adds a group of parameters with its own hyper-parameters; returns its index.
+    pub fn add_param_group(&mut self, params: &[Tensor], config: R) -> Result<usize> {
+        config.validate()?;
+        for (offset, p) in params.iter().enumerate() {
+            let index = self.params.len() + offset;
+            let reason = if !p.is_floating_point() {
+                Some(format!(
+                    "has kind {:?}; only floating-point tensors can be optimized",
+                    p.kind()
+                ))
+            } else if !p.requires_grad() {
+                Some("does not require grad".to_owned())
+            } else if !p.is_contiguous() {
+                Some("is not contiguous; pass a contiguous tensor".to_owned())
+            } else if self
+                .params
+                .iter()
+                .chain(&params[..offset])
+                .any(|q| q.data_ptr() == p.data_ptr() && q.numel() > 0)
+            {
+                Some("is already optimized by this optimizer".to_owned())
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(OptimError::Parameter {
+                    index,
+                    shape: p.size(),
+                    reason,
+                });
+            }
+        }
+        let group = self.groups.len();
+        self.groups.push(config);
+        for p in params {
+            self.params.push(p.shallow_clone());
+            self.group_of.push(group);
+            self.states.push(ParamState::default());
+        }
+        Ok(group)
+    }
+
+    /// The parameters, in the order they were added.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// The hyper-parameters of each group.
+    pub fn groups(&self) -> &[R] {
+        &self.groups
+    }
+
+    /// The hyper-parameters of group `group`, to change them between steps.
+    ///
+    /// # Panics
+    /// When there is no such group.
+    pub fn group_mut(&mut self, group: usize) -> &mut R {
+        &mut self.groups[group]
+    }
+
+    /// Sets the learning rate of every group (a scheduler's job).
+    pub fn set_lr(&mut self, lr: f64) {
+        for g in &mut self.groups {
+            g.set_lr(lr);
+        }
+    }
+
+    /// The options the optimizer was built with.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// Number of updates of parameter `index` so far (0 before its first gradient).
+    pub fn step_count(&self, index: usize) -> u64 {
+        self.states.get(index).map_or(0, |s| s.step)
+    }
+
+    /// Bytes of state buffers held in memory now (on the parameters' device, or on the
+    /// CPU with [`Placement::Cpu`]); 0 with [`Placement::Disk`] between steps.
+    pub fn state_bytes(&self) -> u64 {
+        self.states
+            .iter()
+            .flat_map(|s| &s.buffers)
+            .map(Buffer::bytes)
+            .sum()
+    }
+
+    /// Updates every parameter that has a gradient, under `no_grad`; parameters without
+    /// one are skipped and their state is untouched (PyTorch's behaviour).
+    ///
+    /// With [`Options::max_grad_norm`] the gradients are first scaled, in place, so that
+    /// their joint L2 norm is at most that.
+    pub fn f_step(&mut self) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        if let Some(max_norm) = self.options.max_grad_norm {
+            self.clip_grad_norm(max_norm)?;
+        }
+        for index in 0..self.params.len() {
+            self.step_param(index)?;
+        }
+        Ok(())
+    }
+
+    /// [`Optimizer::f_step`], panicking on error.
+    pub fn step(&mut self) {
+        self.f_step()
+            .unwrap_or_else(|e| panic!("optimizer step: {e}"))
+    }
+
+    /// Clears the gradients: drops them (`set_to_none`, PyTorch's default, frees their
+    /// memory) or fills them with zeros (tch's `zero_grad`, keeps the memory).
+    pub fn f_zero_grad(&self, set_to_none: bool) -> Result<()> {
+        for p in &self.params {
+            if set_to_none {
+                memsave_sys::tensor::set_grad_none(p)?;
+            } else {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _no_grad = tch::no_grad_guard();
+                    let _ = g.f_zero_()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Optimizer::f_zero_grad`], panicking on error.
+    pub fn zero_grad(&self, set_to_none: bool) {
+        self.f_zero_grad(set_to_none)
+            .unwrap_or_else(|e| panic!("optimizer zero_grad: {e}"))
+    }
+
+    fn clip_grad_norm(&self, max_norm: f64) -> Result<()> {
+        let grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect();
+        if grads.is_empty() {
+            return Ok(());
+        }
+        let mut total = 0.0f64;
+        for g in &grads {
+            let n = g.f_norm()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
+            total += n * n;
+        }
+        let coef = max_norm / (total.sqrt() + 1e-6);
+        if coef < 1.0 {
+            for mut g in grads {
+                let _ = g.f_mul_scalar_(coef)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Updates parameter `index` if it has a gradient; returns whether it did.
+    ///
+    /// After an error the parameter and its state may be partly updated.
+    pub(crate) fn step_param(&mut self, index: usize) -> Result<bool> {
+        if !self.params[index].grad().defined() {
+            return Ok(false);
+        }
+        let mut st = std::mem::take(&mut self.states[index]);
+        let outcome = self.update_param(index, &mut st);
+        self.states[index] = st;
+        outcome.map(|()| true)
+    }
+
+    fn update_param(&self, index: usize, st: &mut ParamState) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let param = &self.params[index];
+        let grad = param.grad();
+        let rule = &self.groups[self.group_of[index]];
+        let state = self.options.state;
+        let numel = param.numel() as i64;
+        let at = |e: tch::TchError| OptimError::Parameter {
+            index,
+            shape: param.size(),
+            reason: e.to_string(),
+        };
+        let layout = BufferLayout {
+            state,
+            numel,
+            signs: rule.buffers(),
+            device: param.device(),
+        };
+        self.store.fetch(index, st, &layout)?;
+        let flat_param = param.f_view([-1]).map_err(at)?;
+        let flat_grad = grad.f_reshape([-1]).map_err(at)?;
+        let chunk = state.chunk_len(numel);
+        let step = st.step + 1;
+        let mut start = 0;
+        while start < numel {
+            let len = chunk.min(numel - start);
+            let mut p = flat_param.f_narrow(0, start, len).map_err(at)?;
+            let mut p32 = if p.kind() == Kind::Float {
+                p.shallow_clone()
+            } else {
+                p.f_to_kind(Kind::Float).map_err(at)?
+            };
+            let mut g = flat_grad.f_narrow(0, start, len).map_err(at)?;
+            if g.kind() != Kind::Float {
+                g = g.f_to_kind(Kind::Float).map_err(at)?;
+            }
+            let mut values = st
+                .buffers
+                .iter()
+                .map(|b| b.read(start, len))
+                .collect::<Result<Vec<_>>>()?;
+            rule.update(&mut p32, &g, &mut values, step).map_err(at)?;
+            if p.kind() != Kind::Float {
+                p.f_copy_(&p32).map_err(at)?;
+            }
+            for (b, v) in st.buffers.iter_mut().zip(&values) {
+                b.write(start, len, v)?;
+            }
+            start += len;
+        }
+        st.step = step;
+        self.store.keep(index, st)
+    }
+}
+
+/// What the state buffers of one parameter look like.
+pub(crate) struct BufferLayout {
+    pub(crate) state: State,
+    pub(crate) numel: i64,
+    pub(crate) signs: &'static [(&'static str, Sign)],
+    pub(crate) device: tch::Device,
+}
+
+/// `y += alpha * x` in place: libtorch's `y.add_(x, alpha)`, which tch does not expose
+/// with an `alpha`. `addcmul_` with a one-element `alpha` computes the same product and
+/// sum in the same kernel order; the f32 tests against tch's optimizers check the bits.
+pub(crate) fn add_scaled_(y: &mut Tensor, x: &Tensor, alpha: f64) -> Result<(), tch::TchError> {
+    let alpha = Tensor::f_scalar_tensor(alpha, (y.kind(), y.device()))?;
+    let _ = y.f_addcmul_(x, &alpha)?;
+    Ok(())
+}
+
+/// `x + alpha * y` as a new tensor (libtorch's `x.add(y, alpha)`).
+pub(crate) fn added_scaled(x: &Tensor, y: &Tensor, alpha: f64) -> Result<Tensor, tch::TchError> {
+    let alpha = Tensor::f_scalar_tensor(alpha, (x.kind(), x.device()))?;
+    x.f_addcmul(y, &alpha)
+}
+
+/// True for a number >= 0; false for a negative one and for NaN.
+pub(crate) fn non_negative(x: f64) -> bool {
+    x >= 0.0
+}
