@@ -10,6 +10,8 @@
 //! - [`amp`]: autocast scopes and a `GradScaler` with PyTorch's semantics.
 //! - [`accum`]: gradient accumulation with exact micro-batch weighting, and a search for
 //!   the largest micro-batch that fits a budget.
+//! - [`optim`]: `AdamW` and `Sgd` with f32, bf16 or 8-bit blockwise state, the step
+//!   inside backward, and state kept on the CPU or on disk.
 //! - [`hooks`]: saved-tensor hooks (PyTorch's `saved_tensors_hooks`) for Rust, with
 //!   `SaveOnCpu` and `Accounting`.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
@@ -36,4 +38,5 @@ pub use memsave_checkpoint as checkpoint;
 pub use memsave_hooks as hooks;
 pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
+pub use memsave_optim as optim;
 pub use memsave_sys as sys;

@@ -162,6 +162,9 @@ impl GradAccumulator {
                 }
                 let value = loss.f_double_value(&[]).map_err(|e| fail(e.into()))?;
                 let weighted = loss.f_mul_scalar(mb.weight)?;
+                // The unweighted loss is not needed in backward: free it first, as
+                // `loss = loss * w` does in PyTorch.
+                drop(loss);
                 let to_backward = match scaler.as_deref_mut() {
                     Some(s) => s.f_scale(&weighted)?,
                     None => weighted,

@@ -9,7 +9,8 @@
 /// Cuts `text` down to its first meaningful line: unwraps `called
 /// \`Result::unwrap()\` on an \`Err\` value: Torch("...")` into the message itself,
 /// drops tch's `Internal torch error: ` prefix, everything from `Exception raised
-/// from` on and any `frame #N:` line, and trims.
+/// from` on and any `frame #N:` line, trims, and names the Rust calls where libtorch
+/// hints at Python's (`set_detect_anomaly`, `keep_graph`).
 pub fn one_line(text: &str) -> String {
     let text = unwrap_debug(text).unwrap_or_else(|| text.to_owned());
     let text = text.replace("Internal torch error: ", "");
@@ -17,11 +18,12 @@ pub fn one_line(text: &str) -> String {
         Some(at) => &text[..at],
         None => &text[..],
     };
-    text.lines()
+    let line = text
+        .lines()
         .map(str::trim)
         .find(|l| !l.is_empty() && !l.starts_with("frame #"))
-        .unwrap_or("unknown error")
-        .to_owned()
+        .unwrap_or("unknown error");
+    memsave_sys::in_rust_terms(line)
 }
 
 /// The message inside `called \`Result::unwrap()\` on an \`Err\` value: Variant("...")`,

@@ -246,7 +246,7 @@ repeats: 1
 models:
   - {name: m, kind: residual_linear, layers: 12, hidden: 32, batch: [4, 8]}
 strategies:
-  - {name: baseline, checkpoint: {every_layer: true}}
+  - {name: baseline, checkpoint: {segments: 3}}
   - {name: ref, with: [baseline]}
   - grad_scaler
   - {name: overflow, grad_scaler: {init_scale: 3.0e38}}

@@ -82,8 +82,10 @@ fn low_precision_state_converges_like_f32() {
         assert!(last < first / 2.0, "{state:?}: loss {first} -> {last}");
         finals.push(last);
     }
+    // Low-precision state may land a little lower or higher than f32 depending on the
+    // start; what must hold is that it trains no worse than 2% above f32.
     for (state, last) in PRECISIONS.iter().zip(&finals).skip(1) {
-        let relative = (last - finals[0]).abs() / finals[0];
+        let relative = (last - finals[0]) / finals[0];
         assert!(
             relative <= 0.02,
             "{state:?}: final loss {last} vs f32 {}: {relative}",

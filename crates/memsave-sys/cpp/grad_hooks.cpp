@@ -39,7 +39,7 @@ class RustPostAccumulateGradHook final : public torch::autograd::PostAccumulateG
   void operator()(const torch::autograd::Variable& tensor) override {
     HookStatus status;
     run_(ctx_, &tensor, &status);
-    TORCH_CHECK(!status.error, *status.error);
+    MS_CHECK(!status.error, *status.error);
   }
 
  private:
@@ -52,8 +52,15 @@ class RustPostAccumulateGradHook final : public torch::autograd::PostAccumulateG
 
 extern "C" {
 
-void ms_grad_hook_fail(void* status, const char* message) {
-  static_cast<HookStatus*>(status)->error = std::string(message == nullptr ? "unknown error" : message);
+void ms_grad_hook_fail(void* status, const char* message) noexcept {
+  try {
+    static_cast<HookStatus*>(status)->error = std::string(message == nullptr ? "unknown error" : message);
+  } catch (...) {
+    try {
+      static_cast<HookStatus*>(status)->error = std::string();
+    } catch (...) {
+    }
+  }
 }
 
 // Installs a post-accumulate-grad hook on the leaf `t`, which must not have one yet.
@@ -62,7 +69,14 @@ void ms_grad_hook_fail(void* status, const char* message) {
 // for `ms_grad_hook_remove`.
 int ms_grad_hook_register(const at::Tensor* t, void* ctx, ms_grad_hook_fn run, ms_grad_hook_drop_fn drop,
                           void** out_id) {
-  auto hook = std::make_unique<RustPostAccumulateGradHook>(ctx, run, drop);
+  std::unique_ptr<RustPostAccumulateGradHook> hook;
+  try {
+    hook = std::make_unique<RustPostAccumulateGradHook>(ctx, run, drop);
+  } catch (...) {
+    drop(ctx);
+    memsave::set_last_error("post-accumulate-grad hook: out of memory");
+    return 1;
+  }
   MS_TRY({
     TORCH_CHECK(t->defined(), "the tensor is undefined");
     TORCH_CHECK(t->is_leaf() && t->requires_grad(),

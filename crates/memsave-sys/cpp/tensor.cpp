@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -52,6 +53,16 @@ int ms_tensor_view_creation_meta(const at::Tensor* t, int32_t* out) {
                ? static_cast<int32_t>(meta->get_creation_meta())
                : -1;
   })
+}
+
+// Anomaly detection (PyTorch's torch.autograd.set_detect_anomaly): backward errors then
+// name the forward op that produced the failing node.
+int ms_set_detect_anomaly(bool enabled) {
+  MS_TRY({ torch::autograd::AnomalyMode::set_enabled(enabled); })
+}
+
+int ms_is_anomaly_enabled(bool* out) {
+  MS_TRY({ *out = torch::autograd::AnomalyMode::is_enabled(); })
 }
 
 int ms_tensor_set_grad_none(at::Tensor* t) {

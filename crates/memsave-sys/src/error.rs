@@ -29,6 +29,23 @@ impl Error {
 /// The result of a bridge call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// libtorch's messages give Python's calls as hints; these are the Rust ones.
+const PYTHON_HINTS: &[(&str, &str)] = &[
+    (
+        "torch.autograd.set_detect_anomaly(True)",
+        "memsave_sys::tensor::set_detect_anomaly(true)",
+    ),
+    ("retain_graph=True", "keep_graph = true (tch's run_backward)"),
+];
+
+/// `message` with libtorch's Python hints replaced by the Rust calls that do the same
+/// (`set_detect_anomaly`, `keep_graph`).
+pub fn in_rust_terms(message: &str) -> String {
+    PYTHON_HINTS
+        .iter()
+        .fold(message.to_owned(), |m, (python, rust)| m.replace(python, rust))
+}
+
 /// Turns a bridge status (0: success) into a `Result`, reading this thread's last error.
 pub(crate) fn check(status: i32) -> Result<()> {
     if status == 0 {
@@ -40,5 +57,7 @@ pub(crate) fn check(status: i32) -> Result<()> {
     let message = unsafe { CStr::from_ptr(crate::ffi::ms_last_error()) }
         .to_string_lossy()
         .into_owned();
-    Err(Error { message })
+    Err(Error {
+        message: in_rust_terms(&message),
+    })
 }

@@ -31,4 +31,4 @@ pub mod grad_hooks;
 pub mod tensor;
 pub mod version;
 
-pub use error::{Error, Result};
+pub use error::{in_rust_terms, Error, Result};

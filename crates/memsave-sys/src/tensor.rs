@@ -149,3 +149,42 @@ pub fn amp_non_finite_check_and_unscale(
         )
     })
 }
+
+/// Turns autograd's anomaly detection on or off for the process (PyTorch's
+/// `torch.autograd.set_detect_anomaly`): a failing backward then names the forward op
+/// whose node failed, and NaNs produced in backward become errors. Slow: for debugging.
+pub fn set_detect_anomaly(enabled: bool) -> Result<()> {
+    // SAFETY: a plain value; the bridge catches every C++ exception.
+    check(unsafe { ffi::ms_set_detect_anomaly(enabled) })
+}
+
+/// Whether anomaly detection is on (see [`set_detect_anomaly`]).
+pub fn is_anomaly_enabled() -> Result<bool> {
+    let mut out = false;
+    // SAFETY: `out` is a valid, writable bool; the bridge catches every C++ exception.
+    check(unsafe { ffi::ms_is_anomaly_enabled(&mut out) })?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod anomaly_tests {
+    use super::*;
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn anomaly_detection_toggles_and_the_hint_names_the_rust_call() {
+        set_detect_anomaly(true).unwrap();
+        assert!(is_anomaly_enabled().unwrap());
+        set_detect_anomaly(false).unwrap();
+        assert!(!is_anomaly_enabled().unwrap());
+        // libtorch's own version check: its hint must come out in Rust terms.
+        let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let h = &x * 2.0;
+        let y = h.exp();
+        let _ = y.shallow_clone().g_add_scalar_(1.0);
+        let err = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
+        let rust = crate::in_rust_terms(&err);
+        assert!(err.contains("set_detect_anomaly(True)"), "{err}");
+        assert!(rust.contains("memsave_sys::tensor::set_detect_anomaly(true)") && !rust.contains("(True)"), "{rust}");
+    }
+}

@@ -18,6 +18,19 @@ pub fn net(seed: i64) -> Net {
         .add(nn::linear(&root / "l2", 33, 17, Default::default()))
         .add_fn(|x| x.tanh())
         .add(nn::linear(&root / "l3", 17, 2, Default::default()));
+    // Weights from the seed alone: tests run on parallel threads that share the global
+    // generator, so `manual_seed` then initialise is not reproducible.
+    tch::no_grad(|| {
+        for (i, mut p) in vs.trainable_variables().into_iter().enumerate() {
+            let n = p.numel() as i64;
+            let phase = (seed * 31 + i as i64) as f64 * 0.7;
+            // tch's default scale: uniform in ±1/sqrt(fan_in) for weights, 0.1 for biases.
+            let size = p.size();
+            let scale = if size.len() == 2 { 1.0 / (size[1] as f64).sqrt() } else { 0.1 };
+            let values = (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase).sin() * scale;
+            p.copy_(&values.view(p.size().as_slice()));
+        }
+    });
     Net { vs, model }
 }
 
