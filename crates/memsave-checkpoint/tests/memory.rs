@@ -97,8 +97,12 @@ fn step_peak(
 #[test]
 #[serial]
 fn budget_plans_stay_under_their_budget() {
+    budget_plans_stay_under_their_budget_with(0.0);
+}
+
+fn budget_plans_stay_under_their_budget_with(dropout: f64) {
     let vs = nn::VarStore::new(CPU);
-    let mut seq = residual_net(&vs, 10, 32, 0.0);
+    let mut seq = residual_net(&vs, 10, 32, dropout);
     let x = rand(&[16, 8, 32]);
     let params = vs.trainable_variables();
     seq.profile(&x, &params, |y| y.square().mean(Kind::Float))

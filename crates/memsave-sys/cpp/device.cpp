@@ -25,7 +25,7 @@ void check_index(int64_t index) {
 extern "C" {
 
 // -1 when no accelerator is available, else the c10::DeviceType of it.
-int ms_accelerator_type() {
+int ms_accelerator_type() noexcept {
   try {
     auto acc = at::accelerator::getAccelerator(false);
     if (!acc.has_value() || at::accelerator::deviceCount() == 0) return -1;

@@ -32,10 +32,17 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// libtorch's messages give Python's calls as hints; these are the Rust ones.
 const PYTHON_HINTS: &[(&str, &str)] = &[
     (
+        "torch.autograd.set_detect_anomaly(True, check_nan=False)",
+        "memsave_sys::tensor::set_detect_anomaly(true)",
+    ),
+    (
         "torch.autograd.set_detect_anomaly(True)",
         "memsave_sys::tensor::set_detect_anomaly(true)",
     ),
-    ("retain_graph=True", "keep_graph = true (tch's run_backward)"),
+    (
+        "retain_graph=True",
+        "keep_graph = true (tch's run_backward)",
+    ),
 ];
 
 /// `message` with libtorch's Python hints replaced by the Rust calls that do the same
@@ -43,7 +50,9 @@ const PYTHON_HINTS: &[(&str, &str)] = &[
 pub fn in_rust_terms(message: &str) -> String {
     PYTHON_HINTS
         .iter()
-        .fold(message.to_owned(), |m, (python, rust)| m.replace(python, rust))
+        .fold(message.to_owned(), |m, (python, rust)| {
+            m.replace(python, rust)
+        })
 }
 
 /// Turns a bridge status (0: success) into a `Result`, reading this thread's last error.

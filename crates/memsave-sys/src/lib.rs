@@ -26,8 +26,8 @@ pub mod checkpoint;
 pub mod device;
 mod error;
 mod ffi;
-pub mod hooks;
 pub mod grad_hooks;
+pub mod hooks;
 pub mod tensor;
 pub mod version;
 

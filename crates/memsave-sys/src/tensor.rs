@@ -184,7 +184,14 @@ mod anomaly_tests {
         let _ = y.shallow_clone().g_add_scalar_(1.0);
         let err = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
         let rust = crate::in_rust_terms(&err);
-        assert!(err.contains("set_detect_anomaly(True)"), "{err}");
-        assert!(rust.contains("memsave_sys::tensor::set_detect_anomaly(true)") && !rust.contains("(True)"), "{rust}");
+        assert!(
+            err.contains("torch.autograd.set_detect_anomaly(True"),
+            "{err}"
+        );
+        assert!(
+            rust.contains("memsave_sys::tensor::set_detect_anomaly(true)")
+                && !rust.contains("(True"),
+            "{rust}"
+        );
     }
 }

@@ -19,7 +19,9 @@ fn exported_functions() -> Vec<(String, String, String)> {
         let mut rest = text.as_str();
         while let Some(start) = rest.find("extern \"C\" {") {
             let block = &rest[start + "extern \"C\" {".len()..];
-            let end = block.find("}  // extern \"C\"").expect("extern \"C\" blocks end with `}  // extern \"C\"`");
+            let end = block
+                .find("}  // extern \"C\"")
+                .expect("extern \"C\" blocks end with `}  // extern \"C\"`");
             collect(&name, &block[..end], &mut out);
             rest = &block[end..];
         }
@@ -66,7 +68,11 @@ fn collect(file: &str, block: &str, out: &mut Vec<(String, String, String)>) {
                 }
                 let signature = block[signature_start..body_start].trim().to_owned();
                 if signature.contains('(') {
-                    out.push((file.to_owned(), signature, block[body_start..=i.min(bytes.len() - 1)].to_owned()));
+                    out.push((
+                        file.to_owned(),
+                        signature,
+                        block[body_start..=i.min(bytes.len() - 1)].to_owned(),
+                    ));
                 }
                 signature_start = i + 1;
                 if out.len() > 10_000 {
@@ -125,7 +131,9 @@ fn guarded(body: &str) -> bool {
         }
         let (statement, tail) = rest.split_once(';').unwrap_or((rest, ""));
         // A declaration: `Type name` or `Type<...> name`, no call, no assignment.
-        let is_declaration = !statement.contains('(') && !statement.contains('=') && statement.split_whitespace().count() == 2;
+        let is_declaration = !statement.contains('(')
+            && !statement.contains('=')
+            && statement.split_whitespace().count() == 2;
         if !is_declaration {
             return false;
         }
@@ -137,19 +145,29 @@ fn guarded(body: &str) -> bool {
 #[test]
 fn no_exported_function_can_let_an_exception_escape() {
     let functions = exported_functions();
-    assert!(functions.len() > 40, "found only {} exported functions", functions.len());
+    assert!(
+        functions.len() > 40,
+        "found only {} exported functions",
+        functions.len()
+    );
     let unguarded: Vec<String> = functions
         .iter()
         .filter(|(_, signature, body)| !signature.contains("noexcept") && !guarded(body))
         .map(|(file, signature, _)| format!("{file}: {signature}"))
         .collect();
-    assert!(unguarded.is_empty(), "exported functions that can throw:\n{}", unguarded.join("\n"));
+    assert!(
+        unguarded.is_empty(),
+        "exported functions that can throw:\n{}",
+        unguarded.join("\n")
+    );
 }
 
 #[test]
 fn the_guard_check_rejects_unguarded_bodies() {
     assert!(!guarded("{ return at::foo(); }"));
-    assert!(!guarded("{ auto p = std::make_unique<X>(); MS_TRY({ f(); }) }"));
+    assert!(!guarded(
+        "{ auto p = std::make_unique<X>(); MS_TRY({ f(); }) }"
+    ));
     assert!(guarded("{ MS_TRY({ f(); }) }"));
     assert!(guarded("{ std::unique_ptr<X> p; try { p = g(); } catch (...) { h(); return 1; } MS_TRY({ f(); }) }"));
 }

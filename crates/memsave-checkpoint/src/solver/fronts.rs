@@ -116,7 +116,10 @@ impl Fronts {
                             nograd_peak = nograd_peak.max(st.nograd_full[k - 1]);
                         }
                         nograd_time += st.nograd_time_s[k - 1];
-                        let floor = c + nograd_peak + st.grads[t];
+                        // Every checkpoint made in s..k keeps its own bytes from the
+                        // forward on: at most one per layer (see the model).
+                        let held = c * (st.bounds[k] - st.bounds[s]) as u64;
+                        let floor = held + nograd_peak + st.grads[t];
                         if floor > hi {
                             // The no-grad peak only grows with k, and a need above the
                             // plain run's is never worth its recompute.
@@ -124,7 +127,7 @@ impl Fronts {
                         }
                         merge(
                             fronts.get(k, t),
-                            c + st.a[k],
+                            held + st.a[k],
                             fronts.get(s, k),
                             2 * c,
                             floor,

@@ -12,11 +12,15 @@
 //!   retained bytes, less its output unless it saved the output, which is freed once
 //!   the rest's backward is done) `+ a[s+1]` (the output's gradient) `+ backward peak +
 //!   G(s+1)`;
-//! - checkpoint `s..k`, then the rest: `c` (what a checkpoint holds itself: the RNG
-//!   state) plus the most of the no-grad forward's peak `+ G(t)`, `a[k]` plus what the
-//!   rest needs, and `c` plus what the recompute of `s..k` needs (during the recompute
-//!   the RNG state it will restore is held too; the checkpoint's output is freed by
-//!   then, the recompute makes its own).
+//! - checkpoint `s..k`, then the rest: `c·n` (what the checkpoint and the `n - 1`
+//!   checkpoints nested in it hold themselves from the forward on: an RNG state each,
+//!   when their functions draw random numbers) plus the most of the forward's peak
+//!   `+ G(t)`, `a[k]` plus what the rest needs, and `c` plus what the recompute of
+//!   `s..k` needs (during the recompute the RNG state it will restore is held too; the
+//!   checkpoint's output is freed by then, the recompute makes its own). The model
+//!   takes `n` as the number of layers in `s..k`, an upper bound on the checkpoints a
+//!   schedule can nest there, so that the search and `predict` agree; it is exact when
+//!   the layers draw no random numbers (`c` is 0 then: nothing is stashed).
 //!
 //! `G(t)` for `t <= L` also counts the chain's output `x_L` and the loss value: the caller
 //! may hold the output until the whole backward is over, as a variable holding a model's
@@ -231,14 +235,15 @@ impl Tables {
                 nograd_peak = nograd_peak.max(st.nograd_full[k - 1]);
             }
             nograd_time += st.nograd_time_s[k - 1];
-            if c + nograd_peak + st.grads[t] > budget {
+            let held = c * (st.bounds[k] - st.bounds[s]) as u64;
+            if held + nograd_peak + st.grads[t] > budget {
                 break;
             }
             let fits = |front: &[Point], used: u64| {
                 budget.checked_sub(used).and_then(|m| lookup(front, m))
             };
             if let (Some(rest), Some(inner)) = (
-                fits(self.fronts.get(k, t), c + st.a[k]),
+                fits(self.fronts.get(k, t), held + st.a[k]),
                 fits(self.fronts.get(s, k), 2 * c),
             ) {
                 consider(
@@ -273,7 +278,7 @@ impl Tables {
                         end: st.bounds[k],
                         inner,
                     });
-                    budget -= c + st.a[k];
+                    budget -= c * (st.bounds[k] - st.bounds[s]) as u64 + st.a[k];
                     s = k;
                 }
             }

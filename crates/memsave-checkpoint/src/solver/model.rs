@@ -106,9 +106,12 @@ impl<'a> Model<'a> {
                 }
                 Block::Checkpoint { start, end, inner } => {
                     let c = self.profile.checkpoint_overhead_bytes;
-                    c + (self.nograd_peak(*start, *end) + self.grads_from[t])
-                        .max(self.a[*end] + rest)
-                        .max(c + self.need(inner, *end))
+                    // Upper bound on the checkpoints nested here, each holding `c`
+                    // from the forward on; see the parent module's docs.
+                    let held = c * (*end - *start) as u64;
+                    (held + self.nograd_peak(*start, *end) + self.grads_from[t])
+                        .max(held + self.a[*end] + rest)
+                        .max(2 * c + self.need(inner, *end))
                 }
             };
         }

@@ -26,8 +26,13 @@ pub fn net(seed: i64) -> Net {
             let phase = (seed * 31 + i as i64) as f64 * 0.7;
             // tch's default scale: uniform in ±1/sqrt(fan_in) for weights, 0.1 for biases.
             let size = p.size();
-            let scale = if size.len() == 2 { 1.0 / (size[1] as f64).sqrt() } else { 0.1 };
-            let values = (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase).sin() * scale;
+            let scale = if size.len() == 2 {
+                1.0 / (size[1] as f64).sqrt()
+            } else {
+                0.1
+            };
+            let values =
+                (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase).sin() * scale;
             p.copy_(&values.view(p.size().as_slice()));
         }
     });
