@@ -17,6 +17,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -204,6 +205,16 @@ struct DiscardFrame final : memsave::hooks::Frame {
 // Why a recomputation was ended early (not an error).
 constexpr const char* kStopMessage = "memsave-checkpoint: recomputation stopped early (not an error)";
 
+class CheckpointFrame;
+
+// Runs a checkpoint's recomputation when backward reaches the node of one of its
+// outputs; holds the frame weakly (the graph must not keep it alive).
+struct RecomputePreHook final : torch::autograd::FunctionPreHook {
+  std::weak_ptr<CheckpointFrame> frame;
+  explicit RecomputePreHook(std::weak_ptr<CheckpointFrame> f) : frame(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override;
+};
+
 // One checkpointed call: owns the closure, its inputs and the tensors recomputed for
 // the handles that autograd holds.
 class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_shared_from_this<CheckpointFrame> {
@@ -252,6 +263,15 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
       MS_CHECK(out.tensors[i].defined(), "checkpoint: output ", i, " of the function is undefined");
     }
     forward_done_ = true;
+    std::vector<const torch::autograd::Node*> hooked;
+    for (const auto& t : out.tensors) {
+      if (!t.requires_grad()) continue;
+      auto* meta = torch::autograd::impl::get_autograd_meta(t);
+      const auto& fn = meta != nullptr ? meta->grad_fn_ : nullptr;
+      if (!fn || std::find(hooked.begin(), hooked.end(), fn.get()) != hooked.end()) continue;
+      fn->add_pre_hook(std::make_unique<RecomputePreHook>(weak_from_this()));
+      hooked.push_back(fn.get());
+    }
     return std::move(out.tensors);
   }
 
@@ -286,7 +306,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
 
   at::Tensor unpack(size_t index, const SavedMeta& meta) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!storage_[index].defined()) recompute(meta);
+    if (!storage_[index].defined()) recompute("the " + meta.describe());
     at::Tensor t = std::move(storage_[index]);
     storage_[index] = at::Tensor();
     return t;
@@ -298,6 +318,20 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   void on_recompute_save(const at::Tensor& t) {
     MS_CHECK(!stopped_, kStopMessage);
     if (!capture(t)) stopped_ = true;
+  }
+
+  // Backward has reached an output of the checkpoint: refill every live handle now,
+  // before the segment's own backward starts adding gradients (a gradient cast to
+  // another dtype, say) that would otherwise be alive during the recomputation.
+  void prefetch() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!forward_done_) return;
+    for (size_t k = 0; k < storage_.size(); ++k) {
+      if (alive_[k] && !storage_[k].defined()) {
+        recompute("the gradient reaching its output");
+        return;
+      }
+    }
   }
 
  private:
@@ -313,7 +347,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     return missing_ > 0;
   }
 
-  void recompute(const SavedMeta& meta);
+  void recompute(const std::string& needed_for);
 
   std::unique_ptr<Closure> closure_;
   bool preserve_rng_;
@@ -360,6 +394,11 @@ std::unique_ptr<torch::autograd::SavedVariableHooks> CheckpointFrame::make_hooks
   return std::make_unique<CheckpointSavedHooks>(shared_from_this());
 }
 
+torch::autograd::variable_list RecomputePreHook::operator()(const torch::autograd::variable_list& grads) {
+  if (auto f = frame.lock()) f->prefetch();
+  return grads;
+}
+
 // The frame of a recomputation: stores what it saves into the CheckpointFrame and
 // ends the recomputation once nothing more is needed.
 class CaptureFrame final : public memsave::hooks::Frame {
@@ -382,7 +421,7 @@ std::unique_ptr<torch::autograd::SavedVariableHooks> CaptureFrame::make_hooks() 
   return std::make_unique<CaptureSavedHooks>(target_);
 }
 
-void CheckpointFrame::recompute(const SavedMeta& meta) {
+void CheckpointFrame::recompute(const std::string& needed_for) {
   MS_CHECK(forward_done_, "checkpoint: backward reached the checkpoint before its forward finished");
   std::vector<at::Tensor> replay_inputs;
   replay_inputs.reserve(inputs_.size());
@@ -430,8 +469,8 @@ void CheckpointFrame::recompute(const SavedMeta& meta) {
   const bool stopped = stopped_;
   stopped_ = false;
   if (out.error && !stopped) {
-    MS_CHECK(false, "checkpoint: the function failed during the recomputation in backward (needed for the ",
-                meta.describe(), "): ", *out.error);
+    MS_CHECK(false, "checkpoint: the function failed during the recomputation in backward (needed for ",
+             needed_for, "): ", *out.error);
   }
   MS_CHECK(missing_ == 0, "checkpoint: the recomputation saved ", next_capture_,
               " tensors for backward but the forward saved ", storage_.size(),
