@@ -43,6 +43,36 @@ struct Inner {
 /// tensors that stay alive anyway, such as parameters, can be left out with
 /// [`excluding`](Self::excluding). Views at an offset into a storage count as their
 /// own bytes. Tensors saved inside a checkpoint go to the checkpoint, not here.
+///
+/// The seed network (10 layers of `x = x + Linear(512, 512)(x)` on `[50, 100, 512]`):
+/// what its forward keeps is each layer's input, saved by `addmm`, 10,240,000 bytes a
+/// layer; the first layer's input is the caller's own tensor.
+///
+/// ```
+/// use memsave_hooks::{saved_tensors_hooks, Accounting};
+/// use tch::nn::{self, Module};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let layers: Vec<_> = (0..10).map(|i| nn::linear(vs.root() / i, 512, 512, Default::default())).collect();
+/// let x = Tensor::randn([50, 100, 512], (Kind::Float, Device::Cpu));
+/// let mut held = vs.trainable_variables();
+/// held.push(x.shallow_clone());
+/// let acct = Accounting::new().excluding(&held);
+/// let y = saved_tensors_hooks(acct.clone(), || {
+///     let mut h = x.shallow_clone();
+///     for (i, layer) in layers.iter().enumerate() {
+///         acct.mark(format!("layer {i}"));
+///         h = &h + layer.forward(&h);
+///     }
+///     h
+/// })
+/// .unwrap();
+/// assert_eq!(acct.bytes_by_op().get("aten::addmm"), Some(&(9 * 10_240_000)));
+/// assert_eq!(acct.bytes_by_mark().get("layer 3"), Some(&10_240_000));
+/// assert_eq!(acct.total_bytes(), 9 * 10_240_000);
+/// y.sum(Kind::Float).backward();
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct Accounting {
     inner: Arc<Mutex<Inner>>,
