@@ -236,16 +236,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     }
     Outputs out;
     {
-      const auto depth = memsave::hooks::push(shared_from_this());
-      struct PopOnExit {
-        size_t depth;
-        ~PopOnExit() {
-          try {
-            memsave::hooks::pop(depth);
-          } catch (...) {
-          }
-        }
-      } pop_on_exit{depth};
+      memsave::hooks::FrameScope scope(shared_from_this());
       out = closure_->call(inputs);
     }
     MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
@@ -266,8 +257,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     std::vector<const torch::autograd::Node*> hooked;
     for (const auto& t : out.tensors) {
       if (!t.requires_grad()) continue;
-      auto* meta = torch::autograd::impl::get_autograd_meta(t);
-      const auto& fn = meta != nullptr ? meta->grad_fn_ : nullptr;
+      const auto fn = memsave::hooks::stored_grad_fn(t);
       if (!fn || std::find(hooked.begin(), hooked.end(), fn.get()) != hooked.end()) continue;
       fn->add_pre_hook(std::make_unique<RecomputePreHook>(weak_from_this()));
       hooked.push_back(fn.get());
@@ -453,16 +443,7 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
     at::AutoGradMode enable_grad(true);
     ReplayGuard replay(state_);
     RecomputeScope recomputing;
-    const auto depth = memsave::hooks::push(std::make_shared<CaptureFrame>(this));
-    struct PopOnExit {
-      size_t depth;
-      ~PopOnExit() {
-        try {
-          memsave::hooks::pop(depth);
-        } catch (...) {
-        }
-      }
-    } pop_on_exit{depth};
+    memsave::hooks::FrameScope scope(std::make_shared<CaptureFrame>(this));
     out = closure_->call(replay_inputs);
   }
   out.tensors.clear();  // the recomputation's own outputs are not needed
@@ -541,15 +522,11 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     memsave::hooks::install_engine();
     if (recompute_depth > 0) {
       // Inside an outer checkpoint's recomputation: only the outer capture matters.
-      const auto depth = memsave::hooks::push(std::make_shared<DiscardFrame>());
       Outputs out;
-      try {
+      {
+        memsave::hooks::FrameScope scope(std::make_shared<DiscardFrame>());
         out = closure->call(in);
-      } catch (...) {
-        memsave::hooks::pop(depth);
-        throw;
       }
-      memsave::hooks::pop(depth);
       MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
       *result = std::move(out.tensors);
       *out_vec = result.release();

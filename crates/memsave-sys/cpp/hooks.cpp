@@ -49,15 +49,20 @@ torch::autograd::Engine& memsave_engine() {
 
 }  // namespace
 
+// `t`'s grad_fn as stored, read without `grad_fn()`, which can regenerate a view's node
+// as a side effect.
+c10::intrusive_ptr<torch::autograd::Node> stored_grad_fn(const at::Tensor& t) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta != nullptr ? meta->grad_fn_ : c10::intrusive_ptr<torch::autograd::Node>();
+}
+
 SavedMeta SavedMeta::of(const at::Tensor& t) {
   SavedMeta m;
   m.sizes = t.sizes().vec();
   m.dtype = t.scalar_type();
   m.device = t.device();
-  // Read without `grad_fn()`, which can regenerate a view's node as a side effect.
-  auto* autograd_meta = torch::autograd::impl::get_autograd_meta(t);
-  const auto* fn = autograd_meta != nullptr ? autograd_meta->grad_fn_.get() : nullptr;
-  m.producer = fn != nullptr ? fn->name() : std::string(t.requires_grad() ? "leaf" : "constant");
+  const auto fn = stored_grad_fn(t);
+  m.producer = fn ? fn->name() : std::string(t.requires_grad() ? "leaf" : "constant");
   if (!t.is_inference()) {
     m.version = torch::autograd::impl::version_counter(t);
     m.track_version = m.version.enabled();
@@ -143,6 +148,14 @@ bool pop(size_t depth) {
 const char* current_op() {
   const auto& state = tls();
   return state.op_recorders > 0 && !state.ops.empty() ? state.ops.back() : nullptr;
+}
+
+FrameScope::~FrameScope() {
+  try {
+    pop(depth_);
+  } catch (...) {
+    // Destructors must not throw; a frame that cannot be popped stays until the thread ends.
+  }
 }
 
 DisableGuard::DisableGuard() { ++tls().disabled; }
@@ -258,12 +271,11 @@ int ms_hooks_push(void* ctx, ms_hook_pack_fn pack, ms_hook_unpack_fn unpack, ms_
 }
 
 // Writes the name of `t`'s grad_fn into `sink` (a std::string), or nothing when it has
-// none; read without `grad_fn()`, which can regenerate a view's node.
+// none.
 int ms_tensor_grad_fn_name(const at::Tensor* t, void* sink, bool* has) {
   MS_TRY({
     MS_CHECK(t->defined(), "the tensor is undefined");
-    auto* meta = torch::autograd::impl::get_autograd_meta(*t);
-    const auto* fn = meta != nullptr ? meta->grad_fn_.get() : nullptr;
+    const auto fn = memsave::hooks::stored_grad_fn(*t);
     *has = fn != nullptr;
     if (fn != nullptr) *static_cast<std::string*>(sink) = fn->name();
   })

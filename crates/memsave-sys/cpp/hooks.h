@@ -18,13 +18,16 @@
 
 namespace memsave::hooks {
 
+// `t`'s grad_fn as stored (without the view regeneration `grad_fn()` can trigger).
+c10::intrusive_ptr<torch::autograd::Node> stored_grad_fn(const at::Tensor& t);
+
 // What every packed tensor remembers, to check what unpack gives back and to name the
 // tensor in errors: libtorch skips its own version check when hooks are set.
 struct SavedMeta {
   std::vector<int64_t> sizes;
   at::ScalarType dtype = at::kFloat;
   c10::Device device = c10::Device(c10::kCPU);
-  std::string producer;  // grad_fn name of the saved tensor, or "leaf"
+  std::string producer;  // grad_fn name of the saved tensor, "leaf" or "constant"
   c10::VariableVersion version{c10::VariableVersion::Disabled::DISABLED};
   uint32_t saved_version = 0;
   bool track_version = false;
@@ -58,6 +61,18 @@ const char* current_op();
 // Pops the innermost frame if the depth matches; false when it does not (a scope left
 // out of order or on another thread).
 bool pop(size_t depth);
+
+// A frame pushed for the guard's lifetime, popped even when the scope unwinds.
+class FrameScope {
+ public:
+  explicit FrameScope(std::shared_ptr<Frame> frame) : depth_(push(std::move(frame))) {}
+  ~FrameScope();
+  FrameScope(const FrameScope&) = delete;
+  FrameScope& operator=(const FrameScope&) = delete;
+
+ private:
+  size_t depth_;
+};
 
 // Hooks are off on this thread while a guard lives (inside pack hooks, as PyTorch does).
 class DisableGuard {

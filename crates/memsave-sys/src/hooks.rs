@@ -48,6 +48,17 @@ fn write_error(sink: *mut c_void, message: &str) {
     unsafe { ffi::ms_error_sink_set(sink, message.as_ptr()) }
 }
 
+/// The bridge status of a hook call: 0, or 1 after writing its error or panic to `error`.
+fn status(result: std::thread::Result<std::result::Result<(), String>>, error: *mut c_void) -> i32 {
+    let message = match result {
+        Ok(Ok(())) => return 0,
+        Ok(Err(message)) => message,
+        Err(payload) => format!("panicked: {}", panic_message(&*payload)),
+    };
+    write_error(error, &message);
+    1
+}
+
 unsafe extern "C" fn pack(
     ctx: *mut c_void,
     t: *const C_tensor,
@@ -63,24 +74,13 @@ unsafe extern "C" fn pack(
         let saved_by = (!saved_by.is_null())
             // SAFETY: a non-null `saved_by` is a NUL-terminated op name that outlives the call.
             .then(|| unsafe { std::ffi::CStr::from_ptr(saved_by) }.to_string_lossy());
-        hooks.pack(&tensor, saved_by.as_deref())
+        let p = hooks.pack(&tensor, saved_by.as_deref())?;
+        // SAFETY: `packed` is a valid out-pointer; ownership passes to the bridge,
+        // which hands it back to `free_packed` exactly once.
+        unsafe { *packed = Box::into_raw(Box::new(Stored::new(p))) as *mut c_void };
+        Ok(())
     }));
-    match result {
-        Ok(Ok(p)) => {
-            // SAFETY: `packed` is a valid out-pointer; ownership passes to the bridge,
-            // which hands it back to `free_packed` exactly once.
-            unsafe { *packed = Box::into_raw(Box::new(Stored::new(p))) as *mut c_void };
-            0
-        }
-        Ok(Err(message)) => {
-            write_error(error, &message);
-            1
-        }
-        Err(payload) => {
-            write_error(error, &format!("panicked: {}", panic_message(&*payload)));
-            1
-        }
-    }
+    status(result, error)
 }
 
 unsafe extern "C" fn unpack(
@@ -97,23 +97,12 @@ unsafe extern "C" fn unpack(
         let packed = stored
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        hooks.unpack(&packed)
+        let t = hooks.unpack(&packed)?;
+        // SAFETY: `out` is a live at::Tensor slot of the bridge; the handle is copied.
+        unsafe { ffi::ms_tensor_assign(out, t.as_ptr()) };
+        Ok(())
     }));
-    match result {
-        Ok(Ok(t)) => {
-            // SAFETY: `out` is a live at::Tensor slot of the bridge; the handle is copied.
-            unsafe { ffi::ms_tensor_assign(out, t.as_ptr()) };
-            0
-        }
-        Ok(Err(message)) => {
-            write_error(error, &message);
-            1
-        }
-        Err(payload) => {
-            write_error(error, &format!("panicked: {}", panic_message(&*payload)));
-            1
-        }
-    }
+    status(result, error)
 }
 
 unsafe extern "C" fn free_packed(_ctx: *mut c_void, packed: *mut c_void) {

@@ -51,38 +51,36 @@ fn collect(file: &str, block: &str, out: &mut Vec<(String, String, String)>) {
             }
             b';' => signature_start = i + 1,
             b'{' => {
-                let mut depth = 0;
                 let body_start = i;
-                while i < bytes.len() {
-                    match bytes[i] {
-                        b'{' => depth += 1,
-                        b'}' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                break;
-                            }
-                        }
-                        _ => {}
-                    }
-                    i += 1;
-                }
+                i = closing_brace(block, i);
                 let signature = block[signature_start..body_start].trim().to_owned();
                 if signature.contains('(') {
-                    out.push((
-                        file.to_owned(),
-                        signature,
-                        block[body_start..=i.min(bytes.len() - 1)].to_owned(),
-                    ));
+                    out.push((file.to_owned(), signature, block[body_start..=i].to_owned()));
                 }
                 signature_start = i + 1;
-                if out.len() > 10_000 {
-                    return;
-                }
             }
             _ => {}
         }
         i += 1;
     }
+}
+
+/// The index of the `}` that closes the `{` at `open` (the last index if none does).
+fn closing_brace(text: &str, open: usize) -> usize {
+    let mut depth = 0usize;
+    for (i, b) in text.bytes().enumerate().skip(open) {
+        match b {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return i;
+                }
+            }
+            _ => {}
+        }
+    }
+    text.len() - 1
 }
 
 /// True when everything before `MS_TRY(` is declarations or self-contained try blocks.
@@ -93,39 +91,12 @@ fn guarded(body: &str) -> bool {
     let prelude = body[1..at].trim();
     let mut rest = prelude;
     while !rest.is_empty() {
-        if let Some(after) = rest.strip_prefix("try {") {
+        if rest.starts_with("try {") {
             // Skip the try block and its catch clauses.
-            let mut depth = 1;
-            let mut j = 0;
-            let b = after.as_bytes();
-            while j < b.len() && depth > 0 {
-                match b[j] {
-                    b'{' => depth += 1,
-                    b'}' => depth -= 1,
-                    _ => {}
-                }
-                j += 1;
-            }
-            rest = after[j..].trim_start();
-            while let Some(c) = rest.strip_prefix("catch") {
-                let open = c.find('{').unwrap();
-                let mut depth = 0;
-                let b = c.as_bytes();
-                let mut k = open;
-                loop {
-                    match b[k] {
-                        b'{' => depth += 1,
-                        b'}' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                break;
-                            }
-                        }
-                        _ => {}
-                    }
-                    k += 1;
-                }
-                rest = c[k + 1..].trim_start();
+            rest = rest[closing_brace(rest, "try ".len()) + 1..].trim_start();
+            while rest.starts_with("catch") {
+                let open = rest.find('{').unwrap();
+                rest = rest[closing_brace(rest, open) + 1..].trim_start();
             }
             continue;
         }

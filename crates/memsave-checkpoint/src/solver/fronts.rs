@@ -78,7 +78,6 @@ impl Fronts {
         let mut sorted = Vec::with_capacity(sort_limit(cap));
         // plain[t]: need of the range s..t run with no checkpoint, for the current s.
         let mut plain = vec![0u64; stages + 1];
-        let c = st.overhead;
         for s in (0..=stages).rev() {
             for t in (s..=stages).rev() {
                 plain[t] = if s == t {
@@ -106,33 +105,21 @@ impl Fronts {
                             time_s: p.time_s + st.time_s[s],
                         });
                     }
-                    // Checkpoint s..k, then the rest. k == t would checkpoint the whole
-                    // range with nothing after it: the recompute follows the forward at
-                    // once, which saves nothing.
-                    let mut nograd_peak = st.nograd_first[s].max(st.nograd_rest[s]);
-                    let mut nograd_time = 0.0;
-                    for k in s + 1..t {
-                        if k > s + 1 {
-                            nograd_peak = nograd_peak.max(st.nograd_full[k - 1]);
-                        }
-                        nograd_time += st.nograd_time_s[k - 1];
-                        // Every checkpoint made in s..k keeps its own bytes from the
-                        // forward on: at most one per layer (see the model).
-                        let held = c * (st.bounds[k] - st.bounds[s]) as u64;
-                        let floor = held + nograd_peak + st.grads[t];
-                        if floor > hi {
-                            // The no-grad peak only grows with k, and a need above the
-                            // plain run's is never worth its recompute.
+                    // Checkpoint s..k, then the rest.
+                    for cand in st.checkpoint_candidates(s, t) {
+                        if cand.floor > hi {
+                            // The floor only grows with k, and a need above the plain
+                            // run's is never worth its recompute.
                             break;
                         }
                         merge(
-                            fronts.get(k, t),
-                            held + st.a[k],
-                            fronts.get(s, k),
-                            2 * c,
-                            floor,
+                            fronts.get(cand.k, t),
+                            cand.rest_bytes,
+                            fronts.get(s, cand.k),
+                            cand.inner_bytes,
+                            cand.floor,
                             hi,
-                            nograd_time,
+                            cand.nograd_time_s,
                             &mut scratch,
                         );
                     }

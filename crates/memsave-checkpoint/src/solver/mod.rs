@@ -212,7 +212,6 @@ impl Tables {
     /// The fastest first step of `s..t` within `budget`, by the fronts of what follows.
     fn choose(&self, s: usize, t: usize, budget: u64) -> Option<Choice> {
         let st = &self.stages;
-        let c = st.overhead;
         let mut best: Option<(f64, Choice)> = None;
         let mut consider = |time_s: f64, choice: Choice| {
             if best.is_none_or(|(b, _)| time_s < b) {
@@ -228,27 +227,20 @@ impl Tables {
                 consider(rest.time_s + st.time_s[s], Choice::Store);
             }
         }
-        let mut nograd_peak = st.nograd_first[s].max(st.nograd_rest[s]);
-        let mut nograd_time = 0.0;
-        for k in s + 1..t {
-            if k > s + 1 {
-                nograd_peak = nograd_peak.max(st.nograd_full[k - 1]);
-            }
-            nograd_time += st.nograd_time_s[k - 1];
-            let held = c * (st.bounds[k] - st.bounds[s]) as u64;
-            if held + nograd_peak + st.grads[t] > budget {
+        for cand in st.checkpoint_candidates(s, t) {
+            if cand.floor > budget {
                 break;
             }
             let fits = |front: &[Point], used: u64| {
                 budget.checked_sub(used).and_then(|m| lookup(front, m))
             };
             if let (Some(rest), Some(inner)) = (
-                fits(self.fronts.get(k, t), held + st.a[k]),
-                fits(self.fronts.get(s, k), 2 * c),
+                fits(self.fronts.get(cand.k, t), cand.rest_bytes),
+                fits(self.fronts.get(s, cand.k), cand.inner_bytes),
             ) {
                 consider(
-                    rest.time_s + inner.time_s + nograd_time,
-                    Choice::Checkpoint(k),
+                    rest.time_s + inner.time_s + cand.nograd_time_s,
+                    Choice::Checkpoint(cand.k),
                 );
             }
         }
@@ -259,7 +251,6 @@ impl Tables {
     /// guarantee one exists when the caller's lookup found a fitting point.
     fn walk(&self, mut s: usize, t: usize, mut budget: u64, out: &mut Vec<Block>) {
         let st = &self.stages;
-        let c = st.overhead;
         while s < t {
             let choice = self
                 .choose(s, t, budget)
@@ -272,13 +263,13 @@ impl Tables {
                 }
                 Choice::Checkpoint(k) => {
                     let mut inner = Vec::new();
-                    self.walk(s, k, budget - 2 * c, &mut inner);
+                    self.walk(s, k, budget - st.checkpoint_inner_bytes(), &mut inner);
                     out.push(Block::Checkpoint {
                         start: st.bounds[s],
                         end: st.bounds[k],
                         inner,
                     });
-                    budget -= c * (st.bounds[k] - st.bounds[s]) as u64 + st.a[k];
+                    budget -= st.checkpoint_rest_bytes(s, k);
                     s = k;
                 }
             }

@@ -94,4 +94,60 @@ impl Stages {
     pub(super) fn len(&self) -> usize {
         self.bounds.len() - 1
     }
+
+    /// Bytes a checkpoint of stages `s..k` leaves for the rest of the chain to run in:
+    /// its output plus what its checkpoints hold themselves from the forward on, one per
+    /// layer at most (see the model).
+    pub(super) fn checkpoint_rest_bytes(&self, s: usize, k: usize) -> u64 {
+        self.checkpoint_held(s, k) + self.a[k]
+    }
+
+    /// Bytes held beside the recompute of a checkpoint: its own state and the one its
+    /// recompute restores afterwards.
+    pub(super) fn checkpoint_inner_bytes(&self) -> u64 {
+        2 * self.overhead
+    }
+
+    fn checkpoint_held(&self, s: usize, k: usize) -> u64 {
+        self.overhead * (self.bounds[k] - self.bounds[s]) as u64
+    }
+
+    /// The checkpoints of `s..k` for `k` in `s + 1..t`, in order of `k`; their floors
+    /// only grow with `k`. (`k == t` would checkpoint the whole range with nothing
+    /// after it: the recompute follows the forward at once, which saves nothing.)
+    pub(super) fn checkpoint_candidates(
+        &self,
+        s: usize,
+        t: usize,
+    ) -> impl Iterator<Item = Candidate> + '_ {
+        let mut nograd_peak = self.nograd_first[s].max(self.nograd_rest[s]);
+        let mut nograd_time_s = 0.0;
+        (s + 1..t).map(move |k| {
+            if k > s + 1 {
+                nograd_peak = nograd_peak.max(self.nograd_full[k - 1]);
+            }
+            nograd_time_s += self.nograd_time_s[k - 1];
+            Candidate {
+                k,
+                floor: self.checkpoint_held(s, k) + nograd_peak + self.grads[t],
+                rest_bytes: self.checkpoint_rest_bytes(s, k),
+                inner_bytes: self.checkpoint_inner_bytes(),
+                nograd_time_s,
+            }
+        })
+    }
+}
+
+/// Checkpoint stages `s..k`, then run the rest: what it costs besides the fronts of
+/// `k..t` (the rest) and `s..k` (the recompute).
+pub(super) struct Candidate {
+    pub(super) k: usize,
+    /// Need of the checkpoint's forward: held bytes, its no-grad peak and `G(t)`.
+    pub(super) floor: u64,
+    /// Bytes the rest runs beside ([`Stages::checkpoint_rest_bytes`]).
+    pub(super) rest_bytes: u64,
+    /// Bytes the recompute runs beside ([`Stages::checkpoint_inner_bytes`]).
+    pub(super) inner_bytes: u64,
+    /// No-grad seconds of the checkpoint's forward.
+    pub(super) nograd_time_s: f64,
 }
