@@ -167,20 +167,41 @@ impl GradScaler {
     /// gradients stay as they are (unscaled), so free them before the next iteration.
     /// A disabled scaler always steps.
     pub fn f_step(&mut self, optimizer: &mut nn::Optimizer) -> Result<StepOutcome> {
-        if !self.config.enabled {
+        let params = optimizer.trainable_variables();
+        self.f_step_params(&params, || -> Result<()> {
             optimizer.step();
+            Ok(())
+        })
+    }
+
+    /// [`f_step`](Self::f_step) for any optimizer: unscales the gradients of `params`
+    /// (unless [`f_unscale_params_`](Self::f_unscale_params_) already did) and calls
+    /// `step` only when every one of them is finite.
+    ///
+    /// This is how an optimizer that is not tch's (`memsave_optim::AdamW`, say) gets
+    /// PyTorch's `scaler.step(optimizer)`: pass its parameters and a closure that steps
+    /// it. On [`StepOutcome::SkippedNonFinite`] `step` is not called, so parameters and
+    /// optimizer state stay bit-identical. An error returned by `step` is returned as
+    /// is, and the iteration counts as stepped (call [`f_update`](Self::f_update) before
+    /// the next one). A disabled scaler always calls `step`.
+    pub fn f_step_params<E: From<AmpError>>(
+        &mut self,
+        params: &[Tensor],
+        step: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<StepOutcome, E> {
+        if !self.config.enabled {
+            step()?;
             return Ok(StepOutcome::Stepped);
         }
-        let params = optimizer.trainable_variables();
         if self.scale.is_none() {
-            return Err(AmpError::NotScaled { op: "step" });
+            return Err(AmpError::NotScaled { op: "step" }.into());
         }
-        let key = params_key(&params);
+        let key = params_key(params);
         let stage = self.per_optimizer.get(&key).map(|s| s.stage);
         match stage {
-            Some(Stage::Stepped) => return Err(AmpError::AlreadyStepped),
+            Some(Stage::Stepped) => return Err(AmpError::AlreadyStepped.into()),
             Some(Stage::Unscaled) => {}
-            Some(Stage::Ready) | None => self.f_unscale_params_(&params)?,
+            Some(Stage::Ready) | None => self.f_unscale_params_(params)?,
         }
         let state = self
             .per_optimizer
@@ -189,20 +210,19 @@ impl GradScaler {
         if state.found_inf_per_device.is_empty() {
             // Nothing was unscaled, so the caller may run backward and step again.
             self.per_optimizer.remove(&key);
-            return Err(AmpError::NoGradients);
+            return Err(AmpError::NoGradients.into());
         }
         let mut found_inf = 0.0;
         for (_, t) in &state.found_inf_per_device {
-            found_inf += t.f_double_value(&[])?;
+            found_inf += t.f_double_value(&[]).map_err(AmpError::from)?;
         }
-        let outcome = if found_inf == 0.0 {
-            optimizer.step();
-            StepOutcome::Stepped
-        } else {
-            StepOutcome::SkippedNonFinite
-        };
         state.stage = Stage::Stepped;
-        Ok(outcome)
+        if found_inf == 0.0 {
+            step()?;
+            Ok(StepOutcome::Stepped)
+        } else {
+            Ok(StepOutcome::SkippedNonFinite)
+        }
     }
 
     /// Like [`f_step`](Self::f_step).

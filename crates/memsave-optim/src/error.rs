@@ -10,6 +10,9 @@ pub enum OptimError {
     /// The C++ bridge refused an operation (hook registration, freeing a gradient).
     #[error(transparent)]
     Bridge(#[from] memsave_sys::Error),
+    /// The GradScaler refused the step (no gradient to check, stepped twice, ...).
+    #[error(transparent)]
+    Scaler(#[from] memsave_amp::AmpError),
     /// A parameter cannot be optimized as given.
     #[error("parameter {index} (shape {shape:?}): {reason}")]
     Parameter {

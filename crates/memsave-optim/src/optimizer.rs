@@ -207,6 +207,23 @@ impl<R: Rule> Optimizer<R> {
         Ok(())
     }
 
+    /// The step under loss scaling, PyTorch's `scaler.step(optimizer)`: unscales the
+    /// gradients (unless `scaler.f_unscale_params_(opt.params())` already did) and
+    /// steps only when every gradient is finite. On
+    /// [`StepOutcome::SkippedNonFinite`](memsave_amp::StepOutcome) no parameter is
+    /// updated: parameters, state buffers and step counts stay bit-identical. Call
+    /// `scaler.f_update()` after it, once per iteration, as with tch's optimizers.
+    ///
+    /// Not available with [`Optimizer::step_in_backward`]: the inf check needs every
+    /// gradient before the first update.
+    pub fn f_step_scaled(
+        &mut self,
+        scaler: &mut memsave_amp::GradScaler,
+    ) -> Result<memsave_amp::StepOutcome> {
+        let params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        scaler.f_step_params(&params, || self.f_step())
+    }
+
     /// [`Optimizer::f_step`], panicking on error.
     pub fn step(&mut self) {
         self.f_step()
