@@ -56,6 +56,7 @@ pub mod atomic;
 pub mod bundled;
 pub mod message;
 pub mod models;
+pub mod optimizer;
 pub mod plot;
 pub mod report;
 pub mod runner;

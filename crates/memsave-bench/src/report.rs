@@ -16,13 +16,16 @@
 //!   gradients were compared with the baseline's (false for the baseline itself and
 //!   for failed cases); `grad_diverged` is true when they were and some difference is
 //!   NaN or infinite. `grad_max_abs_diff` is a finite number exactly when
-//!   `has_baseline && !grad_diverged`.
+//!   `has_baseline && !grad_diverged`;
+//! - per case `peak_phase` (`forward`, `backward` or `optimizer`: when the step's
+//!   allocation peaked) and `optimizer_state_bytes` (for a strategy with
+//!   `optimizer:`, as `pytorch_suite.py` reports it), `null` when not measured.
 //!
 //! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new
 //! fields then take their defaults (`schema_version` 1, the flags false).
 //!
-//! The CSV has the same columns as before, plus `grad_diverged` and `has_baseline` at
-//! the end.
+//! The CSV has the same columns as before, plus `grad_diverged`, `has_baseline`,
+//! `peak_phase` and `optimizer_state_bytes` at the end.
 use memsave_meter::Bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -96,6 +99,29 @@ impl StepTime {
     }
 }
 
+/// The phase of a step during which its allocation peaked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeakPhase {
+    /// The forward and the loss (of any micro-batch).
+    Forward,
+    /// Backward (with `in_backward`, the optimizer's updates happen here too).
+    Backward,
+    /// The optimizer step after backward.
+    Optimizer,
+}
+
+impl PeakPhase {
+    /// The name used in JSON and the table.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeakPhase::Forward => "forward",
+            PeakPhase::Backward => "backward",
+            PeakPhase::Optimizer => "optimizer",
+        }
+    }
+}
+
 /// Bytes allocated around one block of the measured forward (absolute, like
 /// `memory_allocated`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +171,15 @@ pub struct CaseResult {
     pub grad_diverged: bool,
     /// Per-block memory of the last measured forward.
     pub trace: Vec<TraceEntry>,
+    /// The phase of the last measured step during which the allocation reached its
+    /// peak: with every-layer checkpointing it is usually backward's end, among the
+    /// gradients (where stepping in backward helps); without, backward's start.
+    #[serde(default)]
+    pub peak_phase: Option<PeakPhase>,
+    /// Bytes of optimizer state held after the last measured step, for a strategy
+    /// with `optimizer:`.
+    #[serde(default)]
+    pub optimizer_state_bytes: Option<u64>,
 }
 
 impl CaseResult {
@@ -164,6 +199,8 @@ impl CaseResult {
             grad_max_abs_diff: None,
             grad_diverged: false,
             trace: Vec::new(),
+            peak_phase: None,
+            optimizer_state_bytes: None,
         }
     }
 
@@ -209,7 +246,8 @@ impl Report {
         let mut out = String::from(
             "model,strategy,status,error,start_bytes,peak_bytes,retained_after_forward_bytes,\
              step_time_min_s,step_time_median_s,step_time_max_s,grad_max_abs_diff,\
-             peak_vs_baseline,time_vs_baseline,grad_diverged,has_baseline\n",
+             peak_vs_baseline,time_vs_baseline,grad_diverged,has_baseline,peak_phase,\
+             optimizer_state_bytes\n",
         );
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
@@ -230,6 +268,8 @@ impl Report {
                 opt(time_ratio),
                 case.grad_diverged.to_string(),
                 case.has_baseline.to_string(),
+                opt(case.peak_phase.map(PeakPhase::as_str)),
+                opt(case.optimizer_state_bytes),
             ];
             out.push_str(&fields.join(","));
             out.push('\n');
@@ -266,9 +306,11 @@ impl Report {
             "time",
             "×base",
             "grad diff",
+            "peak at",
+            "opt state",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 9]> = Vec::new();
+        let mut rows: Vec<[String; 11]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -287,6 +329,10 @@ impl Report {
                     (Some(d), false) => format_diff(d),
                     (None, false) => dash(),
                 },
+                case.peak_phase
+                    .map_or_else(dash, |p| p.as_str().to_owned()),
+                case.optimizer_state_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());

@@ -9,7 +9,8 @@
 use crate::message::one_line;
 use crate::models::Model;
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
-use crate::step::{f_grads, f_step, max_abs_diff};
+use crate::optimizer::{CaseOptimizer, SavedWeights};
+use crate::step::{f_grads, f_step, f_step_with, max_abs_diff};
 use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
 use memsave_amp::GradScaler;
@@ -303,20 +304,45 @@ fn measure_case(
     let device = settings.device;
     model.ctx.set_residual(config.residual);
     apply_plan(model, x, config, device)?;
-    // One scaler for the whole case, as in a training loop.
+    // One scaler and one optimizer for the whole case, as in a training loop; the
+    // weights the optimizer changes are put back when the case ends, however it ends.
     let mut scaler = config
         .scaler
         .map(GradScaler::new)
         .transpose()
         .map_err(|e| e.to_string())?;
+    let _weights = match config.optimizer {
+        Some(_) => Some(RestoreOnDrop(SavedWeights::save(&model.params())?)),
+        None => None,
+    };
+    let mut optimizer = config
+        .optimizer
+        .map(|spec| CaseOptimizer::build(&spec, &model.params()))
+        .transpose()?;
     for _ in 0..settings.warmup {
-        f_step(model, x, config, device, false, scaler.as_mut())?;
+        f_step_with(
+            model,
+            x,
+            config,
+            device,
+            false,
+            scaler.as_mut(),
+            optimizer.as_mut(),
+        )?;
     }
     let mut times = Vec::with_capacity(settings.repeats);
     let mut last = None;
     for i in 0..settings.repeats {
         let record_trace = i + 1 == settings.repeats;
-        let m = f_step(model, x, config, device, record_trace, scaler.as_mut())?;
+        let m = f_step_with(
+            model,
+            x,
+            config,
+            device,
+            record_trace,
+            scaler.as_mut(),
+            optimizer.as_mut(),
+        )?;
         times.push(m.time_s);
         last = Some(m);
     }
@@ -336,8 +362,12 @@ fn measure_case(
         grad_max_abs_diff: None,
         grad_diverged: false,
         trace: last.trace,
+        peak_phase: Some(last.peak_phase),
+        optimizer_state_bytes: optimizer.as_ref().map(CaseOptimizer::state_bytes),
     };
-    if strategy.is_baseline() {
+    if optimizer.is_some() {
+        // The step freed the gradients: nothing to compare.
+    } else if strategy.is_baseline() {
         *reference = Some(grads);
     } else {
         if reference.is_none() {
@@ -348,6 +378,16 @@ fn measure_case(
         }
     }
     Ok(case)
+}
+
+/// Puts a case's starting weights back when the case ends (also on an error or a
+/// panic), so the next case sees the model the suite built.
+struct RestoreOnDrop(SavedWeights);
+
+impl Drop for RestoreOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.restore();
+    }
 }
 
 /// Sets the strategy's checkpoint plan; a budget is solved over a profile of the model

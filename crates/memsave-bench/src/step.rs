@@ -8,11 +8,13 @@
 //!   from the second on includes the gradients accumulated so far;
 //! - the output is held until its backward has finished, as a Python variable would be.
 use crate::models::{self, Model};
-use crate::report::TraceEntry;
+use crate::optimizer::CaseOptimizer;
+use crate::report::{PeakPhase, TraceEntry};
 use crate::strategies::StepConfig;
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
-use memsave_meter::{f_memory_allocated, measure};
+use memsave_meter::{f_max_memory_allocated, f_memory_allocated, measure};
+use std::cell::Cell;
 use std::time::Instant;
 use tch::{Device, Tensor};
 
@@ -30,6 +32,8 @@ pub struct StepMeasurement {
     pub time_s: f64,
     /// Per-block memory of the (first micro-batch's) forward, when asked for.
     pub trace: Vec<TraceEntry>,
+    /// The phase during which the allocation reached `peak_bytes`.
+    pub peak_phase: PeakPhase,
 }
 
 /// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
@@ -47,7 +51,23 @@ pub fn f_step(
     config: &StepConfig,
     device: Device,
     record_trace: bool,
+    scaler: Option<&mut GradScaler>,
+) -> Result<StepMeasurement, String> {
+    f_step_with(model, x, config, device, record_trace, scaler, None)
+}
+
+/// [`f_step`] that also steps `optimizer` (the case's, for a strategy with
+/// `optimizer:`) inside the measured step: after backward (under the scaler when there
+/// is one), or, built with `in_backward`, from its hooks during backward. Either way
+/// the gradients are freed when the step ends.
+pub fn f_step_with(
+    model: &Model,
+    x: &Tensor,
+    config: &StepConfig,
+    device: Device,
+    record_trace: bool,
     mut scaler: Option<&mut GradScaler>,
+    mut optimizer: Option<&mut CaseOptimizer>,
 ) -> Result<StepMeasurement, String> {
     let params = model.params();
     free_grads(&params).map_err(|e| e.to_string())?;
@@ -59,11 +79,12 @@ pub fn f_step(
         x.shallow_clone()
     };
     let mut trace = Vec::new();
-    let (result, m) = measure(device, |_| -> Result<(u64, f64), String> {
+    let (result, m) = measure(device, |_| -> Result<(u64, f64, PeakPhase), String> {
         let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
         synchronize(device);
         let t0 = Instant::now();
         let mut retained = 0;
+        let phases = PhaseTracker::new(device);
         // The forward and the loss of one pass; the output is returned so the caller
         // holds it until its backward has finished, as a Python variable would be.
         let mut forward = |xin: &Tensor, trace_this: bool| -> Result<(Tensor, Tensor), String> {
@@ -83,6 +104,7 @@ pub fn f_step(
             let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
             retained = retained.max(now.saturating_sub(start));
             let loss = models::loss(&out).map_err(|e| e.to_string())?;
+            phases.ended(PeakPhase::Forward)?;
             Ok((out, loss))
         };
         match config.micro_batches {
@@ -97,6 +119,7 @@ pub fn f_step(
                 }
                 drop(loss);
                 drop(out);
+                phases.ended(PeakPhase::Backward)?;
             }
             Some(count) => {
                 let batch = *input
@@ -108,6 +131,9 @@ pub fn f_step(
                     .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
                         // The previous micro-batch's output, alive until its backward ended.
                         held = None;
+                        if mb.index > 0 {
+                            phases.ended(PeakPhase::Backward)?;
+                        }
                         let xin = mb.f_narrow(&input).map_err(|e| e.to_string())?;
                         let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
                         held = Some(out);
@@ -115,26 +141,62 @@ pub fn f_step(
                     })
                     .map_err(|e| e.to_string())?;
                 drop(held);
+                phases.ended(PeakPhase::Backward)?;
             }
         }
-        if let Some(scaler) = scaler {
-            scaler
-                .f_unscale_params_(&params)
-                .map_err(|e| e.to_string())?;
-            scaler.f_update().map_err(|e| e.to_string())?;
+        match (optimizer.as_deref_mut(), scaler) {
+            (Some(optimizer), scaler) => {
+                optimizer.step(scaler)?;
+                phases.ended(PeakPhase::Optimizer)?;
+            }
+            (None, Some(scaler)) => {
+                scaler
+                    .f_unscale_params_(&params)
+                    .map_err(|e| e.to_string())?;
+                scaler.f_update().map_err(|e| e.to_string())?;
+            }
+            (None, None) => {}
         }
         synchronize(device);
-        Ok((retained, t0.elapsed().as_secs_f64()))
+        Ok((retained, t0.elapsed().as_secs_f64(), phases.peak_phase.get()))
     });
     release_step_leftovers(&input, config);
-    let (retained, time_s) = result?;
+    let (retained, time_s, peak_phase) = result?;
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,
         peak_bytes: m.peak_bytes,
         retained_after_forward_bytes: retained,
         time_s,
         trace,
+        peak_phase,
     })
+}
+
+/// Which phase raised the running peak last, read when each phase ends (shared by
+/// the forward closure and the accumulation loop, hence the cells).
+struct PhaseTracker {
+    device: Device,
+    seen: Cell<u64>,
+    peak_phase: Cell<PeakPhase>,
+}
+
+impl PhaseTracker {
+    fn new(device: Device) -> Self {
+        Self {
+            device,
+            seen: Cell::new(0),
+            peak_phase: Cell::new(PeakPhase::Forward),
+        }
+    }
+
+    fn ended(&self, phase: PeakPhase) -> Result<(), String> {
+        let peak = f_max_memory_allocated(self.device).map_err(|e| e.to_string())?;
+        if peak > self.seen.get() {
+            self.seen.set(peak);
+            self.peak_phase.set(phase);
+        }
+        Ok(())
+    }
 }
 
 /// Waits for the device's queued kernels, so that the clock reads finished work (CUDA

@@ -1,7 +1,7 @@
 //! What a strategy changes in a training step: the residual update, the checkpoint
 //! plan, autocast, micro-batching and loss scaling, resolved from the suite's
 //! techniques.
-use crate::suite::{CheckpointSpec, StrategySpec, Technique};
+use crate::suite::{CheckpointSpec, OptimizerSpec, StrategySpec, Technique};
 use memsave_amp::GradScalerConfig;
 use memsave_checkpoint::Plan;
 use tch::Kind;
@@ -50,6 +50,8 @@ pub struct StepConfig {
     pub micro_batches: Option<usize>,
     /// The settings of the case's `GradScaler`, if the strategy scales the loss.
     pub scaler: Option<GradScalerConfig>,
+    /// The optimizer stepped inside the measured step, if any.
+    pub optimizer: Option<OptimizerSpec>,
 }
 
 impl StepConfig {
@@ -61,6 +63,7 @@ impl StepConfig {
             autocast: None,
             micro_batches: None,
             scaler: None,
+            optimizer: None,
         }
     }
 
@@ -86,6 +89,15 @@ impl StepConfig {
                     config.micro_batches = Some(*micro_batches)
                 }
                 Technique::GradScaler(spec) => config.scaler = Some(spec.config()),
+                Technique::Optimizer(spec) => config.optimizer = Some(*spec),
+            }
+        }
+        if config.optimizer.is_some_and(|o| o.in_backward) {
+            if config.micro_batches.is_some() {
+                return Err("optimizer in_backward steps at every backward, so it cannot accumulate over micro-batches; drop accumulate or in_backward".into());
+            }
+            if config.scaler.is_some() {
+                return Err("optimizer in_backward cannot check every gradient for inf/NaN before the first update, so it cannot run with grad_scaler; drop one".into());
             }
         }
         Ok(config)

@@ -33,6 +33,7 @@
 //!   - accumulate: {micro_batches: 4}   # memsave-accum's GradAccumulator
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
+//!   - optimizer: {kind: adamw, state: int8, in_backward: true, placement: device}
 //! ```
 //!
 //! A strategy without `name:` is named canonically: `checkpoint(segments=3)`,
@@ -46,8 +47,20 @@
 //! micro-loss, with `accumulate`) is scaled before backward, the gradients are
 //! unscaled in place and checked for inf/NaN after it, and the scale is updated; the
 //! scaler lives for the whole case, so its state (two 4-byte tensors) counts in
-//! `start_bytes` from the second step on. The bench steps no optimizer, so a step with
-//! inf/NaN gradients shows as a diverged gradient rather than a skipped step.
+//! `start_bytes` from the second step on. Without an `optimizer` the bench steps no
+//! optimizer, so a step with inf/NaN gradients shows as a diverged gradient rather than
+//! a skipped step.
+//!
+//! `optimizer` steps a `memsave-optim` optimizer (`lr: 1e-3`, PyTorch's other
+//! defaults, as `pytorch_suite.py` does) inside the measured step and then frees the
+//! gradients (`zero_grad(set_to_none)`), so the peak and time include the update. The
+//! optimizer lives for the whole case: its state counts in `start_bytes` from the
+//! second step on and is reported as `optimizer_state_bytes`. The case starts from the
+//! model's weights and they are restored after it, so every case sees the same model.
+//! Its gradients are not compared with the baseline's (they are freed by the step).
+//! `in_backward: true` cannot be combined with `accumulate` (every backward would
+//! step) or `grad_scaler` (the inf check needs every gradient before the first
+//! update); such a strategy is reported unavailable with the reason.
 //!
 //! # Limits
 //!
@@ -60,6 +73,7 @@
 mod de;
 mod error;
 mod model;
+mod optimizer;
 mod strategy;
 
 pub use error::SuiteError;
@@ -67,6 +81,7 @@ pub use model::{
     DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
     MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
 };
+pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 pub use strategy::{CheckpointSpec, ScalerSpec, StrategySpec, Technique};
 
 use std::path::Path;

@@ -3,6 +3,7 @@
 //! [`StrategySpec`].
 use super::de::{validated_map, Positive};
 use super::model::{Dtype, Size};
+use super::optimizer::{OptimizerArgs, OptimizerSpec};
 use memsave_amp::GradScalerConfig;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -93,6 +94,8 @@ pub enum Technique {
     /// backward, the gradients unscaled and checked for inf/NaN after it, and the scale
     /// updated, once per step.
     GradScaler(ScalerSpec),
+    /// A `memsave-optim` optimizer stepped inside the measured step.
+    Optimizer(OptimizerSpec),
 }
 
 impl Technique {
@@ -121,6 +124,7 @@ impl Technique {
                 args if args.is_empty() => "grad_scaler".into(),
                 args => format!("grad_scaler({})", args.join(", ")),
             },
+            Technique::Optimizer(spec) => format!("optimizer({})", spec.args().join(", ")),
         }
     }
 
@@ -135,6 +139,7 @@ impl Technique {
             Technique::Autocast(_) => "autocast",
             Technique::Accumulate { .. } => "accumulate",
             Technique::GradScaler(_) => "grad_scaler",
+            Technique::Optimizer(_) => "optimizer",
         }
     }
 }
@@ -260,7 +265,13 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 4] = ["checkpoint", "autocast", "accumulate", "grad_scaler"];
+const WITH_ARGS: [&str; 5] = [
+    "checkpoint",
+    "autocast",
+    "accumulate",
+    "grad_scaler",
+    "optimizer",
+];
 
 fn plain_technique<E: de::Error>(name: &str) -> Result<Technique, E> {
     match name {
@@ -281,6 +292,7 @@ fn example_args(name: &str) -> &'static str {
     match name {
         "checkpoint" => "{segments: 3}",
         "autocast" => "{dtype: bf16}",
+        "optimizer" => "{kind: adamw}",
         _ => "{micro_batches: 4}",
     }
 }
@@ -305,6 +317,7 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
             micro_batches: map.next_value::<AccumulateArgs>()?.micro_batches.usize(),
         },
         "grad_scaler" => Technique::GradScaler(map.next_value::<ScalerArgs>()?.0),
+        "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
         _ if PLAIN.contains(&key) => {
             return Err(de::Error::custom(format!(
                 "'{key}' takes no arguments: write it as a plain list item"

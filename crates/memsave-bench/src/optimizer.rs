@@ -1,0 +1,165 @@
+//! The optimizer of a case (`optimizer:` technique): built once per case, stepped
+//! after backward or from inside it, and its state bytes reported.
+use crate::suite::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
+use memsave_amp::GradScaler;
+use memsave_optim::{
+    AdamW, AdamWConfig, InBackward, Optimizer, Options, Placement, Rule, Sgd, SgdConfig, State,
+};
+use tch::Tensor;
+
+/// The optimizer, stepping after backward or from hooks inside it.
+enum Stepper<R: Rule> {
+    After(Optimizer<R>),
+    InBackward(InBackward<R>),
+}
+
+impl<R: Rule> Stepper<R> {
+    fn new(opt: Optimizer<R>, in_backward: bool, params: &[Tensor]) -> Result<Self, String> {
+        if in_backward {
+            Ok(Stepper::InBackward(
+                opt.step_in_backward(params).map_err(|e| e.to_string())?,
+            ))
+        } else {
+            Ok(Stepper::After(opt))
+        }
+    }
+
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+        let Stepper::After(opt) = self else {
+            return Ok(()); // stepped by the hooks during backward
+        };
+        match scaler {
+            Some(scaler) => {
+                opt.f_step_scaled(scaler).map_err(|e| e.to_string())?;
+                scaler.f_update().map_err(|e| e.to_string())?;
+            }
+            None => opt.f_step().map_err(|e| e.to_string())?,
+        }
+        opt.f_zero_grad(true).map_err(|e| e.to_string())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        match self {
+            Stepper::After(opt) => opt.state_bytes(),
+            Stepper::InBackward(hooked) => hooked.optimizer().state_bytes(),
+        }
+    }
+}
+
+/// A case's optimizer, with a temporary directory for `placement: disk` that lives as
+/// long as it does.
+pub struct CaseOptimizer {
+    stepper: Box<dyn Step>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// What the runner needs of either rule's [`Stepper`].
+trait Step {
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String>;
+    fn state_bytes(&self) -> u64;
+}
+
+impl<R: Rule> Step for Stepper<R> {
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+        Stepper::step(self, scaler)
+    }
+    fn state_bytes(&self) -> u64 {
+        Stepper::state_bytes(self)
+    }
+}
+
+impl CaseOptimizer {
+    /// The optimizer `spec` asks for over `params` (`lr: 1e-3` and PyTorch's other
+    /// defaults, as `pytorch_suite.py`).
+    pub fn build(spec: &OptimizerSpec, params: &[Tensor]) -> Result<Self, String> {
+        let dir = match spec.placement {
+            StatePlacement::Disk => Some(
+                tempfile::Builder::new()
+                    .prefix("memsave-optimizer-")
+                    .tempdir()
+                    .map_err(|e| format!("cannot make a directory for the optimizer state: {e}"))?,
+            ),
+            _ => None,
+        };
+        let options = Options {
+            state: match spec.state {
+                StatePrecision::F32 => State::F32,
+                StatePrecision::Bf16 => State::Bf16,
+                StatePrecision::Int8 => State::Int8Blockwise { block: 256 },
+            },
+            placement: match (&spec.placement, &dir) {
+                (StatePlacement::Disk, Some(dir)) => Placement::Disk(dir.path().to_path_buf()),
+                (StatePlacement::Cpu, _) => Placement::Cpu,
+                _ => Placement::Device,
+            },
+            max_grad_norm: None,
+        };
+        let stepper: Box<dyn Step> = match spec.kind {
+            OptimizerKind::Adamw => {
+                let opt = AdamW::with_options(params, AdamWConfig::default(), options)
+                    .map_err(|e| e.to_string())?;
+                Box::new(Stepper::new(opt, spec.in_backward, params)?)
+            }
+            OptimizerKind::Sgd => {
+                let opt = Sgd::with_options(params, SgdConfig::default(), options)
+                    .map_err(|e| e.to_string())?;
+                Box::new(Stepper::new(opt, spec.in_backward, params)?)
+            }
+        };
+        Ok(Self { stepper, _dir: dir })
+    }
+
+    /// The step after backward (nothing with `in_backward`: the hooks stepped), under
+    /// the scaler when there is one, then the gradients freed.
+    pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+        self.stepper.step(scaler)
+    }
+
+    /// Bytes of optimizer state held in memory now.
+    pub fn state_bytes(&self) -> u64 {
+        self.stepper.state_bytes()
+    }
+}
+
+/// The model's weights, copied out of libtorch's memory (so that keeping them does not
+/// count as allocated), to put back after a case whose optimizer changed them.
+pub struct SavedWeights {
+    params: Vec<Tensor>,
+    values: Vec<Vec<f32>>,
+}
+
+impl SavedWeights {
+    /// Copies the values of `params` to host memory.
+    pub fn save(params: &[Tensor]) -> Result<Self, String> {
+        let values = params
+            .iter()
+            .map(|p| {
+                let flat = p
+                    .f_detach()
+                    .and_then(|d| d.f_reshape([-1]))
+                    .and_then(|d| d.f_to_kind(tch::Kind::Float))
+                    .map_err(|e| e.to_string())?;
+                Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Self {
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            values,
+        })
+    }
+
+    /// Writes the saved values back into the parameters.
+    pub fn restore(&self) -> Result<(), String> {
+        let _no_grad = tch::no_grad_guard();
+        for (p, values) in self.params.iter().zip(&self.values) {
+            let saved = Tensor::from_slice(values)
+                .f_to_device(p.device())
+                .and_then(|t| t.f_to_kind(p.kind()))
+                .and_then(|t| t.f_view(p.size().as_slice()))
+                .map_err(|e| e.to_string())?;
+            let mut p = p.shallow_clone();
+            p.f_copy_(&saved).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
