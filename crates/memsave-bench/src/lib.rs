@@ -68,12 +68,12 @@ pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
 pub use message::one_line;
 pub use plot::{write_plots, PlotError};
-pub use report::{CaseResult, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
+pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
     run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,
 };
 pub use strategies::{PlanChoice, ResidualUpdate, StepConfig};
 pub use suite::{
-    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ScalerSpec, Size, StrategySpec,
-    Suite, SuiteError, Technique,
+    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, OptimizerKind, OptimizerSpec,
+    ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite, SuiteError, Technique,
 };

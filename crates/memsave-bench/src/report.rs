@@ -329,8 +329,7 @@ impl Report {
                     (Some(d), false) => format_diff(d),
                     (None, false) => dash(),
                 },
-                case.peak_phase
-                    .map_or_else(dash, |p| p.as_str().to_owned()),
+                case.peak_phase.map_or_else(dash, |p| p.as_str().to_owned()),
                 case.optimizer_state_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),
             ]);

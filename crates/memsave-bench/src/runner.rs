@@ -8,8 +8,8 @@
 //! state for that.
 use crate::message::one_line;
 use crate::models::Model;
-use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::optimizer::{CaseOptimizer, SavedWeights};
+use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff};
 use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};

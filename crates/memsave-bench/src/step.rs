@@ -158,7 +158,11 @@ pub fn f_step_with(
             (None, None) => {}
         }
         synchronize(device);
-        Ok((retained, t0.elapsed().as_secs_f64(), phases.peak_phase.get()))
+        Ok((
+            retained,
+            t0.elapsed().as_secs_f64(),
+            phases.peak_phase.get(),
+        ))
     });
     release_step_leftovers(&input, config);
     let (retained, time_s, peak_phase) = result?;
