@@ -12,6 +12,7 @@ const SOURCES: &[&str] = &[
     "cpp/checkpoint.cpp",
     "cpp/version.cpp",
     "cpp/grad_hooks.cpp",
+    "cpp/quant.cpp",
 ];
 
 fn main() {

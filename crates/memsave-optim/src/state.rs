@@ -14,6 +14,7 @@
 //! by `beta2 = 0.999`) stays where it is until the block's scale moves: 8-bit state
 //! trades that precision for memory, as bitsandbytes does.
 use serde::{Deserialize, Serialize};
+use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
@@ -202,28 +203,21 @@ impl Buffer {
                 sign,
             } => {
                 let blocks = (len + block - 1) / block;
-                let scale = absmax
-                    .f_narrow(0, start / block, blocks)?
-                    .f_view([blocks, 1])?;
-                let k = pad_to(
-                    &codes.f_narrow(0, start, len)?.f_to_kind(Kind::Float)?,
-                    blocks * block,
-                )?;
-                let top = match sign {
-                    Sign::Signed => SIGNED_TOP,
-                    Sign::NonNegative => UNSIGNED_TOP,
-                };
-                // sign(k) is 0 for the code 0, and the sign of the value otherwise.
-                let magnitude = (k
-                    .f_abs()?
-                    .f_sub_scalar(top)?
-                    .f_mul_scalar(ln_ratio(*sign))?)
-                .f_exp()?;
-                let values = magnitude
-                    .f_mul(&k.f_sign()?)?
-                    .f_view([blocks, *block])?
-                    .f_mul(&scale)?;
-                Ok(values.f_view([-1])?.f_narrow(0, 0, len)?)
+                let codes = codes.f_narrow(0, start, len)?;
+                let scale = absmax.f_narrow(0, start / block, blocks)?;
+                let tables = Tables::of(*sign);
+                if codes.device() == Device::Cpu {
+                    let mut values = Tensor::f_empty([len], (Kind::Float, Device::Cpu))?;
+                    memsave_sys::quant::blockwise_decode(
+                        &codes,
+                        &scale,
+                        &tables.table,
+                        *block,
+                        &mut values,
+                    )?;
+                    return Ok(values);
+                }
+                decode_ops(&codes, &scale, *block, tables)
             }
         }
     }
@@ -243,39 +237,126 @@ impl Buffer {
                 sign,
             } => {
                 let blocks = (len + *block - 1) / *block;
-                let x = pad_to(values, blocks * *block)?.f_view([blocks, *block])?;
-                let scale = x.f_abs()?.f_amax([1i64].as_slice(), true)?;
-                let scaled = x.f_div(&scale.f_clamp_min(f64::from(f32::MIN_POSITIVE))?)?;
-                let magnitude = scaled.f_abs()?;
-                let ln_r = ln_ratio(*sign);
-                let (top, kind) = match sign {
-                    Sign::Signed => (SIGNED_TOP, Kind::Int8),
-                    Sign::NonNegative => (UNSIGNED_TOP, Kind::Uint8),
-                };
-                let k = magnitude
-                    .f_log()?
-                    .f_mul_scalar(1.0 / ln_r)?
-                    .f_add_scalar(top)?
-                    .f_round()?
-                    .f_clamp(1.0, top)?;
-                let keep = match sign {
-                    // Below half a step under the smallest code: 0.
-                    Sign::Signed => magnitude.f_ge((-(top - 0.5) * ln_r).exp())?,
-                    // Never 0 unless exactly 0.
-                    Sign::NonNegative => magnitude.f_gt(0.0)?,
-                };
-                let code = k
-                    .f_mul(&keep.f_to_kind(Kind::Float)?)?
-                    .f_mul(&scaled.f_sign()?)?
-                    .f_to_kind(kind)?;
-                codes
-                    .f_narrow(0, start, len)?
-                    .f_copy_(&code.f_view([-1])?.f_narrow(0, 0, len)?)?;
-                absmax
-                    .f_narrow(0, start / *block, blocks)?
-                    .f_copy_(&scale.f_view([-1])?)?;
-                Ok(())
+                let mut codes = codes.f_narrow(0, start, len)?;
+                let mut scale = absmax.f_narrow(0, start / *block, blocks)?;
+                let tables = Tables::of(*sign);
+                if codes.device() == Device::Cpu {
+                    let values = values.f_contiguous()?;
+                    memsave_sys::quant::blockwise_encode(
+                        &values,
+                        &tables.thresholds,
+                        *block,
+                        &mut codes,
+                        &mut scale,
+                    )?;
+                    return Ok(());
+                }
+                encode_ops(values, *block, *sign, &mut codes, &mut scale)
             }
+        }
+    }
+}
+
+/// [`Buffer::read`]'s decoding with tensor ops, for devices without the fused kernel:
+/// the same bits as `memsave_sys::quant::blockwise_decode`.
+fn decode_ops(codes: &Tensor, scale: &Tensor, block: i64, tables: &Tables) -> Result<Tensor> {
+    let len = codes.size()[0];
+    let blocks = scale.size()[0];
+    let table = Tensor::from_slice(&tables.table).f_to_device(codes.device())?;
+    let index = codes.f_to_kind(Kind::Int64)?.f_add_scalar(tables.offset)?;
+    let fractions = pad_to(&table.f_index_select(0, &index)?, blocks * block)?;
+    let values = fractions
+        .f_view([blocks, block])?
+        .f_mul(&scale.f_view([blocks, 1])?)?;
+    Ok(values.f_view([-1])?.f_narrow(0, 0, len)?)
+}
+
+/// [`Buffer::write`]'s encoding with tensor ops, for devices without the fused kernel:
+/// the same bits as `memsave_sys::quant::blockwise_encode` for finite values.
+fn encode_ops(
+    values: &Tensor,
+    block: i64,
+    sign: Sign,
+    codes: &mut Tensor,
+    scale: &mut Tensor,
+) -> Result<()> {
+    let len = codes.size()[0];
+    let blocks = scale.size()[0];
+    let x = pad_to(values, blocks * block)?.f_view([blocks, block])?;
+    let amax = x.f_abs()?.f_amax([1i64].as_slice(), true)?;
+    let q = x.f_div(&amax.f_clamp_min(f64::from(f32::MIN_POSITIVE))?)?;
+    let thresholds =
+        Tensor::from_slice(&Tables::of(sign).thresholds).f_to_device(codes.device())?;
+    // bucketize(right) counts the thresholds <= |q|, thresholds[0] = -inf included.
+    let k = Tensor::f_bucketize(&q.f_abs()?, &thresholds, false, true)?.f_sub_scalar(1)?;
+    let code = match sign {
+        Sign::Signed => k.f_mul(&q.f_sign()?.f_to_kind(Kind::Int64)?)?,
+        Sign::NonNegative => k,
+    };
+    codes.f_copy_(
+        &code
+            .f_to_kind(code_kind(sign))?
+            .f_view([-1])?
+            .f_narrow(0, 0, len)?,
+    )?;
+    scale.f_copy_(&amax.f_view([-1])?)?;
+    Ok(())
+}
+
+/// The two tables that define a sign's 8-bit code (see the module documentation):
+/// what each code decodes to, as a fraction of the block's absmax, and the smallest
+/// magnitude each magnitude code stands for.
+pub(crate) struct Tables {
+    /// `table[code + offset]`: the fraction code `code` decodes to.
+    pub(crate) table: [f32; 256],
+    /// `thresholds[k]`: the smallest fraction stored as magnitude `k`; `-inf` at 0,
+    /// `+inf` past the last code.
+    pub(crate) thresholds: [f32; 256],
+    /// 128 for signed (int8) codes, 0 for unsigned ones.
+    pub(crate) offset: i64,
+}
+
+impl Tables {
+    /// The tables of `sign`'s code, computed once in f64 and rounded to f32.
+    pub(crate) fn of(sign: Sign) -> &'static Tables {
+        static SIGNED: OnceLock<Tables> = OnceLock::new();
+        static NON_NEGATIVE: OnceLock<Tables> = OnceLock::new();
+        match sign {
+            Sign::Signed => SIGNED.get_or_init(|| Tables::new(sign)),
+            Sign::NonNegative => NON_NEGATIVE.get_or_init(|| Tables::new(sign)),
+        }
+    }
+
+    fn new(sign: Sign) -> Tables {
+        let ln_r = ln_ratio(sign);
+        let (top, offset) = match sign {
+            Sign::Signed => (SIGNED_TOP as i64, 128),
+            Sign::NonNegative => (UNSIGNED_TOP as i64, 0),
+        };
+        // Magnitude code k (1..=top) stands for ratio^(k - top) of the absmax.
+        let magnitude = |k: i64| ((k - top) as f64 * ln_r).exp();
+        let mut table = [0f32; 256];
+        for code in -top..=top {
+            let index = code + offset;
+            if code == 0 || !(0..256).contains(&index) {
+                continue;
+            }
+            table[index as usize] = (code.signum() as f64 * magnitude(code.abs())) as f32;
+        }
+        let mut thresholds = [f32::INFINITY; 256];
+        thresholds[0] = f32::NEG_INFINITY;
+        for k in 1..=top {
+            // Half a step below the code in log space: rounding to the nearest code.
+            thresholds[k as usize] = ((k as f64 - 0.5 - top as f64) * ln_r).exp() as f32;
+        }
+        if sign == Sign::NonNegative {
+            // Never 0 unless exactly 0: the smallest positive f32 already gets code 1.
+            thresholds[1] = f32::from_bits(1);
+        }
+        Tables {
+            table,
+            thresholds,
+            offset,
         }
     }
 }
@@ -294,4 +375,147 @@ fn pad_to(t: &Tensor, len: i64) -> Result<Tensor> {
         return Ok(t.shallow_clone());
     }
     Ok(t.f_constant_pad_nd([0, len - have].as_slice())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode_fused(values: &Tensor, block: i64, sign: Sign) -> (Tensor, Tensor) {
+        let n = values.size()[0];
+        let mut codes = Tensor::zeros([n], (code_kind(sign), Device::Cpu));
+        let mut scale = Tensor::zeros([(n + block - 1) / block], (Kind::Float, Device::Cpu));
+        memsave_sys::quant::blockwise_encode(
+            values,
+            &Tables::of(sign).thresholds,
+            block,
+            &mut codes,
+            &mut scale,
+        )
+        .unwrap();
+        (codes, scale)
+    }
+
+    fn encode_with_ops(values: &Tensor, block: i64, sign: Sign) -> (Tensor, Tensor) {
+        let n = values.size()[0];
+        let mut codes = Tensor::zeros([n], (code_kind(sign), Device::Cpu));
+        let mut scale = Tensor::zeros([(n + block - 1) / block], (Kind::Float, Device::Cpu));
+        encode_ops(values, block, sign, &mut codes, &mut scale).unwrap();
+        (codes, scale)
+    }
+
+    fn bits(t: &Tensor) -> Vec<u8> {
+        let n = t.numel() * t.kind().elt_size_in_bytes();
+        let mut out = vec![0u8; n];
+        t.copy_data_u8(&mut out, t.numel());
+        out
+    }
+
+    #[test]
+    fn the_fused_cpu_code_and_the_tensor_op_code_agree_bit_for_bit() {
+        for (n, block) in [(1, 1), (5, 2), (1000, 256), (4099, 64), (300, 7)] {
+            for sign in [Sign::Signed, Sign::NonNegative] {
+                // Values over many decades, some exact zeros, a block of zeros.
+                let idx = Tensor::arange(n, (Kind::Float, Device::Cpu));
+                let mut values = (idx.shallow_clone() * 0.731).sin()
+                    * ((idx.shallow_clone() * 0.05).fmod(40.0) - 20.0).exp();
+                if sign == Sign::NonNegative {
+                    values = values.abs();
+                }
+                let values = values * idx.fmod(11).ne(0).to_kind(Kind::Float);
+                let (fused_codes, fused_scale) = encode_fused(&values, block, sign);
+                let (ops_codes, ops_scale) = encode_with_ops(&values, block, sign);
+                assert_eq!(bits(&fused_codes), bits(&ops_codes), "codes n={n} {sign:?}");
+                assert_eq!(bits(&fused_scale), bits(&ops_scale), "scale n={n} {sign:?}");
+
+                let mut fused = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+                let tables = Tables::of(sign);
+                memsave_sys::quant::blockwise_decode(
+                    &fused_codes,
+                    &fused_scale,
+                    &tables.table,
+                    block,
+                    &mut fused,
+                )
+                .unwrap();
+                let ops = decode_ops(&ops_codes, &ops_scale, block, tables).unwrap();
+                assert_eq!(bits(&fused), bits(&ops), "decoded n={n} {sign:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn decoded_values_are_within_six_percent_and_block_maxima_are_exact() {
+        let block = 64;
+        let n = 640;
+        let idx = Tensor::arange(n, (Kind::Float, Device::Cpu));
+        // Magnitudes within four decades of each block's largest: inside both codes' range.
+        let values = (idx.shallow_clone() * 1.3).sin().sign()
+            * (idx.shallow_clone() * 0.37).sin().abs().clamp_min(1e-4);
+        for sign in [Sign::Signed, Sign::NonNegative] {
+            let values = match sign {
+                Sign::Signed => values.shallow_clone(),
+                Sign::NonNegative => values.abs(),
+            };
+            let (codes, scale) = encode_fused(&values, block, sign);
+            let mut decoded = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+            memsave_sys::quant::blockwise_decode(
+                &codes,
+                &scale,
+                &Tables::of(sign).table,
+                block,
+                &mut decoded,
+            )
+            .unwrap();
+            let original = Vec::<f32>::try_from(&values).unwrap();
+            let back = Vec::<f32>::try_from(&decoded).unwrap();
+            for (chunk_o, chunk_b) in original
+                .chunks(block as usize)
+                .zip(back.chunks(block as usize))
+            {
+                let max = chunk_o.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (o, b) in chunk_o.iter().zip(chunk_b) {
+                    if *o == 0.0 {
+                        assert_eq!(*b, 0.0, "{sign:?}: 0 stays 0");
+                        continue;
+                    }
+                    let rel = ((o - b) / o).abs();
+                    assert!(rel <= 0.058, "{sign:?}: {o} decoded as {b} ({rel})");
+                    assert_eq!(o.signum(), b.signum(), "{sign:?}: sign of {o}");
+                    if o.abs() == max {
+                        assert_eq!(b.abs(), max, "{sign:?}: the block's largest is exact");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors_not_crashes() {
+        let values = Tensor::zeros([10], (Kind::Float, Device::Cpu));
+        let mut codes = Tensor::zeros([10], (Kind::Int8, Device::Cpu));
+        let mut wrong_scale = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        let thresholds = &Tables::of(Sign::Signed).thresholds;
+        let e = memsave_sys::quant::blockwise_encode(
+            &values,
+            thresholds,
+            4,
+            &mut codes,
+            &mut wrong_scale,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("absmax must hold 3 block scales"),
+            "{e}"
+        );
+        let e = memsave_sys::quant::blockwise_encode(
+            &values,
+            thresholds,
+            0,
+            &mut codes,
+            &mut wrong_scale,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("at least one value"), "{e}");
+    }
 }

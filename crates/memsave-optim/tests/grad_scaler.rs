@@ -26,7 +26,10 @@ fn a_nan_gradient_skips_the_step_for_every_parameter_and_leaves_the_state_bitwis
         // A finite step first, so there is state to keep intact.
         opt.zero_grad(true);
         scaler.scale(&net.loss(0)).backward();
-        assert_eq!(opt.f_step_scaled(&mut scaler).unwrap(), StepOutcome::Stepped);
+        assert_eq!(
+            opt.f_step_scaled(&mut scaler).unwrap(),
+            StepOutcome::Stepped
+        );
         scaler.update();
         let saved_before = opt.state_dict().unwrap();
         let before = snapshot(&params);
@@ -39,7 +42,11 @@ fn a_nan_gradient_skips_the_step_for_every_parameter_and_leaves_the_state_bitwis
         let outcome = opt.f_step_scaled(&mut scaler).unwrap();
         assert_eq!(outcome, StepOutcome::SkippedNonFinite, "{state:?}");
         assert_bitwise(&params, &before, "params after a skipped step");
-        assert_eq!(opt.step_count(0), 1, "{state:?}: the skipped step is not counted");
+        assert_eq!(
+            opt.step_count(0),
+            1,
+            "{state:?}: the skipped step is not counted"
+        );
         let saved_after = opt.state_dict().unwrap();
         assert_eq!(
             serde_json::to_string(&saved_after).unwrap(),

@@ -139,4 +139,18 @@ extern "C" {
         out_id: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_grad_hook_remove(t: *const C_tensor, id: *mut c_void, removed: *mut bool) -> c_int;
+    pub fn ms_blockwise_decode(
+        codes: *const C_tensor,
+        absmax: *const C_tensor,
+        table: *const f32,
+        block: i64,
+        values: *mut C_tensor,
+    ) -> c_int;
+    pub fn ms_blockwise_encode(
+        values: *const C_tensor,
+        thresholds: *const f32,
+        block: i64,
+        codes: *mut C_tensor,
+        absmax: *mut C_tensor,
+    ) -> c_int;
 }

@@ -28,6 +28,7 @@ mod error;
 mod ffi;
 pub mod grad_hooks;
 pub mod hooks;
+pub mod quant;
 pub mod tensor;
 pub mod version;
 

@@ -1,0 +1,65 @@
+//! Blockwise 8-bit codes on the CPU, fused: one pass to decode a buffer to f32 and one
+//! to encode it back, for memsave-optim's `Int8Blockwise` state.
+//!
+//! The code is defined by the caller's two tables of 256 entries, so that a tensor-op
+//! version on another device gives the same bits:
+//! - `table[i]`: the fraction of the block's absmax that code `i` stands for, where
+//!   `i` is the code itself for `uint8` codes and the code plus 128 for `int8` codes;
+//! - `thresholds[k]`: the smallest magnitude (fraction of the absmax) stored as
+//!   magnitude code `k`, non-decreasing, with `thresholds[0] = -inf` and `+inf` past
+//!   the last code. A value's magnitude code is the largest `k` with
+//!   `thresholds[k] <= |value / max(absmax, f32::MIN_POSITIVE)|`; an `int8` code carries
+//!   the value's sign.
+//!
+//! For finite values the results equal those of the same definition written with
+//! libtorch ops (`amax`, `div`, `bucketize(right=true)`, `index_select`). A NaN value
+//! gets code 0 and does not become its block's absmax.
+use crate::error::check;
+use crate::ffi;
+use tch::Tensor;
+
+/// `values = table[codes] * absmax[block of each value]`; every tensor 1-D,
+/// contiguous and on the CPU, `values` f32 with as many elements as `codes`.
+pub fn blockwise_decode(
+    codes: &Tensor,
+    absmax: &Tensor,
+    table: &[f32; 256],
+    block: i64,
+    values: &mut Tensor,
+) -> crate::Result<()> {
+    // SAFETY: the tensors are live tch tensors (valid at::Tensor pointers), `table`
+    // holds the 256 floats the C++ side reads, and the C++ side checks shapes, kinds,
+    // devices and contiguity before touching any data.
+    check(unsafe {
+        ffi::ms_blockwise_decode(
+            codes.as_ptr(),
+            absmax.as_ptr(),
+            table.as_ptr(),
+            block,
+            values.as_mut_ptr(),
+        )
+    })
+}
+
+/// Encodes f32 `values` into `codes` (`int8`: signed, `uint8`: magnitudes only) and
+/// one absmax per `block` values into `absmax`, writing through both (they may be
+/// narrowed views of larger buffers); every tensor 1-D, contiguous and on the CPU.
+pub fn blockwise_encode(
+    values: &Tensor,
+    thresholds: &[f32; 256],
+    block: i64,
+    codes: &mut Tensor,
+    absmax: &mut Tensor,
+) -> crate::Result<()> {
+    // SAFETY: as in `blockwise_decode`; `thresholds` holds the 256 floats read, and the
+    // writes go through the checked, contiguous `codes` and `absmax`.
+    check(unsafe {
+        ffi::ms_blockwise_encode(
+            values.as_ptr(),
+            thresholds.as_ptr(),
+            block,
+            codes.as_mut_ptr(),
+            absmax.as_mut_ptr(),
+        )
+    })
+}
