@@ -26,7 +26,7 @@ impl BundledSuite {
 }
 
 /// Every bundled suite; the first one is the default of `memsave bench`.
-pub const BUNDLED: [BundledSuite; 3] = [
+pub const BUNDLED: [BundledSuite; 4] = [
     BundledSuite {
         name: "seed",
         source: include_str!("../../../suites/seed.yaml"),
@@ -39,9 +39,13 @@ pub const BUNDLED: [BundledSuite; 3] = [
         name: "quick",
         source: include_str!("../../../suites/quick.yaml"),
     },
+    BundledSuite {
+        name: "optimizer",
+        source: include_str!("../../../suites/optimizer.yaml"),
+    },
 ];
 
-/// The bundled suite called `name` (`seed`, `transformer`, `quick`).
+/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`).
 pub fn bundled(name: &str) -> Option<BundledSuite> {
     BUNDLED.iter().copied().find(|s| s.name == name)
 }
