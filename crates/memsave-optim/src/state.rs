@@ -245,6 +245,7 @@ impl Buffer {
                     memsave_sys::quant::blockwise_encode(
                         &values,
                         &tables.thresholds,
+                        &tables.buckets,
                         *block,
                         &mut codes,
                         &mut scale,
@@ -288,7 +289,13 @@ fn encode_ops(
     let thresholds =
         Tensor::from_slice(&Tables::of(sign).thresholds).f_to_device(codes.device())?;
     // bucketize(right) counts the thresholds <= |q|, thresholds[0] = -inf included.
-    let k = Tensor::f_bucketize(&q.f_abs()?, &thresholds, false, true)?.f_sub_scalar(1)?;
+    let top = match sign {
+        Sign::Signed => SIGNED_TOP,
+        Sign::NonNegative => UNSIGNED_TOP,
+    };
+    let k = Tensor::f_bucketize(&q.f_abs()?, &thresholds, false, true)?
+        .f_sub_scalar(1)?
+        .f_clamp_max(top)?;
     let code = match sign {
         Sign::Signed => k.f_mul(&q.f_sign()?.f_to_kind(Kind::Int64)?)?,
         Sign::NonNegative => k,
@@ -314,6 +321,8 @@ pub(crate) struct Tables {
     pub(crate) thresholds: [f32; 256],
     /// 128 for signed (int8) codes, 0 for unsigned ones.
     pub(crate) offset: i64,
+    /// The fused encoder's lookup of a magnitude's code by its top bits.
+    pub(crate) buckets: [u8; 4096],
 }
 
 impl Tables {
@@ -355,6 +364,7 @@ impl Tables {
         }
         Tables {
             table,
+            buckets: memsave_sys::quant::buckets_for(&thresholds),
             thresholds,
             offset,
         }
@@ -388,6 +398,7 @@ mod tests {
         memsave_sys::quant::blockwise_encode(
             values,
             &Tables::of(sign).thresholds,
+            &Tables::of(sign).buckets,
             block,
             &mut codes,
             &mut scale,
@@ -496,9 +507,11 @@ mod tests {
         let mut codes = Tensor::zeros([10], (Kind::Int8, Device::Cpu));
         let mut wrong_scale = Tensor::zeros([2], (Kind::Float, Device::Cpu));
         let thresholds = &Tables::of(Sign::Signed).thresholds;
+        let buckets = &Tables::of(Sign::Signed).buckets;
         let e = memsave_sys::quant::blockwise_encode(
             &values,
             thresholds,
+            buckets,
             4,
             &mut codes,
             &mut wrong_scale,
@@ -511,6 +524,7 @@ mod tests {
         let e = memsave_sys::quant::blockwise_encode(
             &values,
             thresholds,
+            buckets,
             0,
             &mut codes,
             &mut wrong_scale,

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
@@ -40,15 +42,18 @@ void check_args(const at::Tensor& codes, const at::Tensor& absmax, const at::Ten
            " block scales, got ", absmax.sizes());
 }
 
-// The largest k in 0..255 with thresholds[k] <= m, for thresholds[0] = -inf and the
-// rest non-decreasing (+inf past the last code): eight branch-free halvings. A NaN
-// compares false everywhere and gets code 0.
-inline int64_t code_of(const float* thresholds, float m) {
-  int64_t k = 0;
-  for (int64_t step = 128; step > 0; step >>= 1) {
-    k += thresholds[k + step] <= m ? step : 0;
-  }
-  return k;
+// Sixteen buckets per power of two: a non-negative float's top 12 bits (exponent and
+// 4 mantissa bits) name its bucket.
+constexpr int kBucketShift = 19;
+
+// The largest k in 0..255 with thresholds[k] <= m (m >= 0): `buckets[b]` is that k for
+// the smallest float of bucket b, and a bucket is narrower than the gap between two
+// thresholds, so at most one more threshold lies inside it.
+inline int64_t code_of(const float* thresholds, const uint8_t* buckets, float m) {
+  uint32_t bits;
+  std::memcpy(&bits, &m, sizeof bits);
+  const int64_t k = buckets[bits >> kBucketShift];
+  return k < 255 && thresholds[k + 1] <= m ? k + 1 : k;
 }
 
 }  // namespace
@@ -86,15 +91,17 @@ int ms_blockwise_decode(const at::Tensor* codes, const at::Tensor* absmax, const
 }
 
 // Per block: absmax[b] = max |values|; each value divided by max(absmax[b], FLT_MIN)
-// gets the magnitude code of its quotient (code_of over `thresholds`, 256 floats) and,
-// for signed codes, the quotient's sign.
-int ms_blockwise_encode(const at::Tensor* values, const float* thresholds, int64_t block,
-                        at::Tensor* codes, at::Tensor* absmax) {
+// gets the magnitude code of its quotient (code_of over `thresholds`, 256 floats, and
+// `buckets`, 4096 codes) and, for signed codes, the quotient's sign.
+int ms_blockwise_encode(const at::Tensor* values, const float* thresholds,
+                        const uint8_t* buckets, int64_t block, at::Tensor* codes,
+                        at::Tensor* absmax) {
   MS_TRY({
     check_args(*codes, *absmax, *values, block);
     const int64_t n = values->numel();
     const int64_t blocks = absmax->numel();
     const bool is_signed = codes->scalar_type() == at::kChar;
+    const int64_t top = is_signed ? 127 : 255;
     const float* in = values->data_ptr<float>();
     uint8_t* raw = static_cast<uint8_t*>(codes->data_ptr());
     float* scale = absmax->data_ptr<float>();
@@ -112,7 +119,7 @@ int ms_blockwise_encode(const at::Tensor* values, const float* thresholds, int64
         const float divisor = std::max(amax, std::numeric_limits<float>::min());
         for (int64_t i = begin; i < end; ++i) {
           const float q = in[i] / divisor;
-          const int64_t k = code_of(thresholds, std::fabs(q));
+          const int64_t k = std::min(top, code_of(thresholds, buckets, std::fabs(q)));
           if (is_signed) {
             raw[i] = static_cast<uint8_t>(static_cast<int8_t>(q < 0.0f ? -k : k));
           } else {

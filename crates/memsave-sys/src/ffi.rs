@@ -149,6 +149,7 @@ extern "C" {
     pub fn ms_blockwise_encode(
         values: *const C_tensor,
         thresholds: *const f32,
+        buckets: *const u8,
         block: i64,
         codes: *mut C_tensor,
         absmax: *mut C_tensor,
