@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -44,9 +45,14 @@ void as_rank(int rank, const char* op, F&& body) {
   }
 }
 
-// Waits for a collective, refusing to wait longer than the group's timeout.
-void finish(GroupHandle* g, const c10::intrusive_ptr<c10d::Work>& work) {
+// Waits for a collective, refusing to wait longer than the group's timeout; then
+// waits (briefly) until the group's worker thread has let go of the work, so that
+// its tensors are released when the caller's reference is, not some time later: the
+// memory meter sees exact bytes right after a collective returns.
+void finish(GroupHandle* g, c10::intrusive_ptr<c10d::Work> work) {
   MS_CHECK(work->wait(g->timeout), "timed out after ", g->timeout.count(), " ms");
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
 }
 
 }  // namespace
@@ -110,6 +116,8 @@ int ms_dist_group_gloo(void* store, int rank, int size, const char* hostname, in
       }
     });
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    // One worker thread: collectives run one at a time, in the order they are issued.
+    opts->threads = 1;
     c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
     as_rank(rank, "creating the Gloo process group", [&] {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));

@@ -88,6 +88,10 @@ impl Drop for Store {
 }
 
 /// One rank of a Gloo process group (CPU tensors).
+///
+/// Collectives run one at a time on the group's worker thread; when one returns, the
+/// group holds no reference to its tensors any more (so freeing them is immediate and
+/// the memory meter exact).
 #[derive(Debug)]
 pub struct GlooGroup {
     ptr: *mut c_void,
