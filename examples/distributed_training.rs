@@ -10,13 +10,17 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use memsave::checkpoint::{CheckpointedSequential, Plan};
 use memsave::dist::{init_process_group, InitOptions, LaunchConfig, ZeroOptimizer, ZeroStage};
-use memsave::meter::{install, memory_allocated, reset_peak_memory_stats, max_memory_allocated, Bytes};
+use memsave::meter::{
+    install, max_memory_allocated, memory_allocated, reset_peak_memory_stats, Bytes,
+};
 use memsave::optim::{AdamWConfig, Options};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser, Clone)]
-#[command(about = "Train a tiny transformer LM on several ranks with ZeRO-2, accumulation and checkpointing")]
+#[command(
+    about = "Train a tiny transformer LM on several ranks with ZeRO-2, accumulation and checkpointing"
+)]
 struct Args {
     /// Ranks to launch when started without RANK in the environment.
     #[arg(long, default_value_t = 2)]
@@ -61,7 +65,9 @@ fn block(p: nn::Path, hidden: i64, heads: i64) -> impl Fn(&Tensor) -> Tensor + S
             .view([b, t, 3, heads, c / heads])
             .permute([2, 0, 3, 1, 4]);
         let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-        let att = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false);
+        let att = Tensor::scaled_dot_product_attention::<Tensor>(
+            &q, &k, &v, None, 0.0, true, None, false,
+        );
         let att = att.transpose(1, 2).contiguous().view([b, t, c]);
         let x = x + proj.forward(&att);
         let h = ln2.forward(&x);
@@ -122,7 +128,10 @@ fn rank_main(args: &Args) -> Result<()> {
     model.blocks.set_plan(Plan::EveryLayer)?;
     let params = vs.trainable_variables();
     let numel: i64 = params.iter().map(Tensor::numel).map(|n| n as i64).sum();
-    let config = AdamWConfig { lr: 3e-3, ..Default::default() };
+    let config = AdamWConfig {
+        lr: 3e-3,
+        ..Default::default()
+    };
     let mut opt = ZeroOptimizer::new(&group, &params, config, Options::default(), ZeroStage::Two)?;
     tch::manual_seed(1 + rank as i64); // each rank its own data
     for step in 0..args.steps {
@@ -172,7 +181,10 @@ fn main() -> Result<()> {
     }
     let exe = std::env::current_exe().context("this example's own path")?;
     let rest: Vec<_> = std::env::args_os().skip(1).collect();
-    let config = LaunchConfig { nproc_per_node: args.ranks, ..Default::default() };
+    let config = LaunchConfig {
+        nproc_per_node: args.ranks,
+        ..Default::default()
+    };
     memsave::dist::launch(&config, exe.as_os_str(), &rest)?;
     Ok(())
 }

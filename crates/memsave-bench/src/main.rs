@@ -420,10 +420,7 @@ fn launch(args: LaunchArgs) -> ExitCode {
         timeout: args.timeout.map(std::time::Duration::from_secs),
         ..Default::default()
     };
-    let (program, rest) = args
-        .command
-        .split_first()
-        .expect("clap requires a command");
+    let (program, rest) = args.command.split_first().expect("clap requires a command");
     match memsave_dist::launch(&config, program, rest) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

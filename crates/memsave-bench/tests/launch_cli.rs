@@ -25,7 +25,11 @@ fn every_rank_gets_its_environment_and_a_prefix() {
     for rank in 0..2 {
         let line = stdout
             .lines()
-            .find(|l| l.starts_with(&format!("[rank {rank}] rank={rank} local={rank} world=2 addr=127.0.0.1 port=")))
+            .find(|l| {
+                l.starts_with(&format!(
+                    "[rank {rank}] rank={rank} local={rank} world=2 addr=127.0.0.1 port="
+                ))
+            })
             .unwrap_or_else(|| panic!("no line of rank {rank} in {stdout}"));
         let port: u16 = line.rsplit('=').next().unwrap().parse().expect("a port");
         assert!(port > 0);

@@ -26,10 +26,12 @@ pub(crate) fn same_shapes_everywhere(group: &ProcessGroup, params: &[Tensor]) ->
     let rank = group.rank();
     let mine = fingerprint(params);
     let n = group.world_size();
-    let tensor_err = |context| move |source| DistError::Tensor {
-        rank,
-        context,
-        source,
+    let tensor_err = |context| {
+        move |source| DistError::Tensor {
+            rank,
+            context,
+            source,
+        }
     };
     let local = Tensor::f_from_slice(&mine).map_err(tensor_err("shape check"))?;
     let all = Tensor::f_zeros([3 * n as i64], (Kind::Int64, Device::Cpu))

@@ -89,7 +89,10 @@ impl DistributedDataParallel {
                 members.push(Vec::new());
                 filled = 0;
             }
-            members.last_mut().expect("a bucket was just pushed").push(index);
+            members
+                .last_mut()
+                .expect("a bucket was just pushed")
+                .push(index);
             filled += bytes;
         }
         let mut bucket_of = vec![0; params.len()];
@@ -239,7 +242,11 @@ impl Buckets {
         let mut offset = 0;
         for g in &mut grads {
             let n = g.numel() as i64;
-            let src = flat.f_narrow(0, offset, n).map_err(err)?.f_view_as(g).map_err(err)?;
+            let src = flat
+                .f_narrow(0, offset, n)
+                .map_err(err)?
+                .f_view_as(g)
+                .map_err(err)?;
             g.f_copy_(&src).map_err(err)?;
             offset += n;
         }

@@ -149,9 +149,8 @@ impl ProcessGroup {
         options: &InitOptions,
     ) -> Result<Self> {
         check_options(rank, world_size, options)?;
-        let store = Store::file(path, world_size, options.timeout).map_err(|e| {
-            with_rank(rank, format!("rendezvous file {}", path.display()), e)
-        })?;
+        let store = Store::file(path, world_size, options.timeout)
+            .map_err(|e| with_rank(rank, format!("rendezvous file {}", path.display()), e))?;
         let hostname = options
             .hostname
             .clone()

@@ -86,9 +86,9 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     }
     let port = match config.master_port {
         Some(p) => p,
-        None if config.nnodes == 1 => free_port().map_err(|e| {
-            invalid(format!("launch: no free port on 127.0.0.1: {e}"))
-        })?,
+        None if config.nnodes == 1 => {
+            free_port().map_err(|e| invalid(format!("launch: no free port on 127.0.0.1: {e}")))?
+        }
         None => {
             return Err(invalid(
                 "launch: --master-port is required with more than one node".to_owned(),
@@ -145,7 +145,11 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     outcome
 }
 
-fn wait_all(config: &LaunchConfig, pids: &[(usize, u32)], rx: &mpsc::Receiver<Event>) -> Result<()> {
+fn wait_all(
+    config: &LaunchConfig,
+    pids: &[(usize, u32)],
+    rx: &mpsc::Receiver<Event>,
+) -> Result<()> {
     let deadline = config.timeout.map(|t| Instant::now() + t);
     let mut running: Vec<usize> = pids.iter().map(|&(rank, _)| rank).collect();
     while !running.is_empty() {

@@ -222,8 +222,7 @@ impl<R: Rule> ZeroOptimizer<R> {
         if self.stage == ZeroStage::One {
             memsave_sys::tensor::set_grad_none(&self.shard)?;
         }
-        let gathered =
-            Tensor::f_empty([self.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
+        let gathered = Tensor::f_empty([self.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
         self.group.all_gather(&gathered, &self.shard.detach())?;
         let mut offset = 0;
         for p in &self.params {

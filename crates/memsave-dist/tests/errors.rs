@@ -5,8 +5,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use memsave_dist::{
-    free_port, Backend, DdpConfig, DistError, DistributedDataParallel, InitOptions,
-    ProcessGroup,
+    free_port, Backend, DdpConfig, DistError, DistributedDataParallel, InitOptions, ProcessGroup,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -36,7 +35,10 @@ fn ranks<T: Send + 'static>(
             })
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("no panic"))
+        .collect()
 }
 
 #[test]
@@ -46,7 +48,10 @@ fn an_unreachable_store_is_an_error_naming_the_rank_and_address() {
     let err = ProcessGroup::new_tcp("127.0.0.1", port, 1, 2, &options(2))
         .expect_err("nobody serves the store");
     let message = err.to_string();
-    assert!(message.starts_with("rank 1: rendezvous store at 127.0.0.1:"), "{message}");
+    assert!(
+        message.starts_with("rank 1: rendezvous store at 127.0.0.1:"),
+        "{message}"
+    );
     assert!(message.contains(&port.to_string()), "{message}");
     assert!(started.elapsed() < Duration::from_secs(30));
 }
@@ -60,8 +65,13 @@ fn a_world_size_that_does_not_match_is_refused() {
         rank0.contains("rank 0: rendezvous: world size mismatch: this rank has 2, rank 1 has 3"),
         "{rank0}"
     );
-    let rank1 = results[1].as_ref().expect_err("rank 1 waits for a rank 2 that never comes");
-    assert!(rank1.starts_with("rank 1: rendezvous: ranks [2] did not join"), "{rank1}");
+    let rank1 = results[1]
+        .as_ref()
+        .expect_err("rank 1 waits for a rank 2 that never comes");
+    assert!(
+        rank1.starts_with("rank 1: rendezvous: ranks [2] did not join"),
+        "{rank1}"
+    );
 }
 
 #[test]
@@ -78,7 +88,10 @@ fn mismatched_parameter_shapes_are_refused_at_the_start() {
         "rank 0: parameter shapes differ from rank 1's: 1 tensors of 4 values here, 1 tensors of 5 values there"
     );
     let rank1 = results[1].as_ref().expect_err("shapes differ");
-    assert!(rank1.starts_with("rank 1: parameter shapes differ from rank 0's"), "{rank1}");
+    assert!(
+        rank1.starts_with("rank 1: parameter shapes differ from rank 0's"),
+        "{rank1}"
+    );
 }
 
 #[test]
@@ -119,5 +132,9 @@ fn nccl_is_a_clear_error() {
     };
     let err = ProcessGroup::new_file(&dir.path().join("store"), 0, 1, &options)
         .expect_err("NCCL is not built");
-    assert!(err.to_string().starts_with("rank 0: the NCCL backend is not built"), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("rank 0: the NCCL backend is not built"),
+        "{err}"
+    );
 }

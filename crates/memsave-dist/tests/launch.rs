@@ -38,14 +38,25 @@ fn steps_until_killed() {
         ..Default::default()
     };
     let group = init_process_group(&options).expect("join the group");
-    std::fs::write(out.join(format!("rank{rank}.pid")), std::process::id().to_string())
-        .expect("write pid");
+    std::fs::write(
+        out.join(format!("rank{rank}.pid")),
+        std::process::id().to_string(),
+    )
+    .expect("write pid");
     // A process of the rank's own: the launcher must end it too.
-    let helper = Command::new("sleep").arg("600").spawn().expect("start sleep");
-    std::fs::write(out.join(format!("helper{rank}.pid")), helper.id().to_string())
-        .expect("write pid");
+    let mut helper = Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .expect("start sleep");
+    std::fs::write(
+        out.join(format!("helper{rank}.pid")),
+        helper.id().to_string(),
+    )
+    .expect("write pid");
     let mut t = Tensor::ones([1024], (tch::Kind::Float, tch::Device::Cpu));
-    for step in 0.. {
+    // Far more steps than the test waits for: rank 1 dies at step 5, and the launcher
+    // ends the others.
+    for step in 0..1_000_000 {
         if rank == 1 && step == 5 {
             std::fs::write(out.join("killed"), "rank 1 at step 5").expect("write marker");
             Command::new("kill")
@@ -56,6 +67,9 @@ fn steps_until_killed() {
         group.all_reduce(&t).expect("all_reduce");
         let _ = t.f_div_scalar_(group.world_size() as f64).expect("div");
     }
+    let _ = helper.kill();
+    let _ = helper.wait();
+    panic!("rank {rank} finished every step: rank 1 was never killed");
 }
 
 #[test]
@@ -65,7 +79,11 @@ fn killing_a_rank_ends_the_others_and_names_it() {
     let outcome = common::run_ranks("steps_until_killed", 3, dir.path());
     let elapsed = started.elapsed();
     match outcome {
-        Err(DistError::RankFailed { rank, ref status, exit_code }) => {
+        Err(DistError::RankFailed {
+            rank,
+            ref status,
+            exit_code,
+        }) => {
             assert_eq!(rank, 1, "{outcome:?}");
             assert_eq!(status, "killed by signal 9");
             assert_eq!(exit_code, 128 + 9);
@@ -74,10 +92,17 @@ fn killing_a_rank_ends_the_others_and_names_it() {
     }
     let message = outcome.unwrap_err().to_string();
     assert!(message.contains("rank 1 failed"), "{message}");
-    assert!(dir.path().join("killed").exists(), "rank 1 reached its fifth step");
+    assert!(
+        dir.path().join("killed").exists(),
+        "rank 1 reached its fifth step"
+    );
     assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
     let pids = read_pids(dir.path());
-    assert_eq!(pids.len(), 6, "three ranks and three helpers wrote their pids");
+    assert_eq!(
+        pids.len(),
+        6,
+        "three ranks and three helpers wrote their pids"
+    );
     for pid in pids {
         assert!(!alive(pid), "process {pid} outlived the launch");
     }
@@ -103,7 +128,14 @@ fn a_failing_rank_ends_ranks_that_would_wait_forever() {
     let started = Instant::now();
     let outcome = common::run_ranks("exits_3_on_rank_2", 3, dir.path());
     assert!(
-        matches!(outcome, Err(DistError::RankFailed { rank: 2, exit_code: 3, .. })),
+        matches!(
+            outcome,
+            Err(DistError::RankFailed {
+                rank: 2,
+                exit_code: 3,
+                ..
+            })
+        ),
         "{outcome:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(30));

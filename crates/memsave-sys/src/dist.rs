@@ -164,7 +164,11 @@ impl GlooGroup {
     pub fn all_gather(&self, output: &Tensor, input: &Tensor) -> Result<()> {
         // SAFETY: `ptr` is live; both tensors are live tch tensors.
         check(unsafe {
-            ffi::ms_dist_all_gather(self.ptr, output.as_ptr() as *mut _, input.as_ptr() as *mut _)
+            ffi::ms_dist_all_gather(
+                self.ptr,
+                output.as_ptr() as *mut _,
+                input.as_ptr() as *mut _,
+            )
         })
     }
 

@@ -11,10 +11,17 @@ use memsave_dist::{launch, DistError, LaunchConfig};
 /// `MEMSAVE_TEST_OUT`.
 pub fn run_ranks(worker: &str, n: usize, out: &Path) -> Result<(), DistError> {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let args: Vec<OsString> = [worker, "--exact", "--ignored", "--nocapture", "--test-threads", "1"]
-        .iter()
-        .map(OsString::from)
-        .collect();
+    let args: Vec<OsString> = [
+        worker,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
     let config = LaunchConfig {
         nproc_per_node: n,
         timeout: Some(Duration::from_secs(120)),
