@@ -75,6 +75,10 @@ enum Event {
 /// the error names the first rank that failed. Each rank runs in its own process
 /// group, and that whole group is signalled, so processes a rank started do not
 /// outlive it.
+///
+/// Trap: because each rank has its own process group, a Ctrl-C in the terminal reaches
+/// only the launcher, and a launcher that is killed signals nobody: its ranks keep
+/// running until they fail or finish. End them with `kill -- -PID` for each rank's PID.
 pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
     let local = config.nproc_per_node;
     let invalid = |reason: String| DistError::Config { rank: 0, reason };
