@@ -121,6 +121,24 @@ EOF
     fi
 }
 
+# gloo's headers, which the bridge's c10d process group (memsave-dist) compiles against
+# and the torch wheel does not ship: Debian's libgloo-dev (headers only) when missing.
+ensure_gloo_headers() {
+    if [[ -n "${GLOO_INCLUDE_DIR:-}" ]]; then
+        [[ -f "$GLOO_INCLUDE_DIR/gloo/config.h" ]] ||
+            die "GLOO_INCLUDE_DIR=$GLOO_INCLUDE_DIR holds no gloo/config.h; unset it to install libgloo-dev"
+        return
+    fi
+    [[ -f /usr/include/gloo/config.h || -f /usr/local/include/gloo/config.h ]] && return
+    command -v apt-get >/dev/null ||
+        die "gloo's headers are missing and apt-get is not available; install gloo's headers (Debian/Ubuntu: libgloo-dev) or set GLOO_INCLUDE_DIR"
+    local sudo=()
+    [[ "$(id -u)" == 0 ]] || sudo=(sudo)
+    info "installing gloo's headers (libgloo-dev) with apt-get"
+    { "${sudo[@]}" apt-get update -qq && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgloo-dev; } >&2 ||
+        die "apt-get could not install libgloo-dev; install gloo's headers yourself or set GLOO_INCLUDE_DIR"
+}
+
 main() {
     local libtorch
     if [[ -n "${LIBTORCH:-}" ]]; then
@@ -130,6 +148,7 @@ main() {
         libtorch="$(install_into_cache)"
     fi
     write_cargo_config "$libtorch"
+    ensure_gloo_headers
     info "libtorch ${TORCH_VERSION} ready: plain 'cargo build', 'cargo test' and 'cargo run' now work"
 }
 

@@ -14,6 +14,8 @@
 //!   inside backward, and state kept on the CPU or on disk.
 //! - [`hooks`]: saved-tensor hooks (PyTorch's `saved_tensors_hooks`) for Rust, with
 //!   `SaveOnCpu` and `Accounting`.
+//! - [`dist`]: distributed training on libtorch's c10d: process groups, the launcher,
+//!   data parallel with bucketed all-reduce and `no_sync`, ZeRO-1/2 sharded state.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
 //!   the autograd engine with saved-tensor hooks behind checkpointing).
 //!
@@ -35,6 +37,7 @@ pub struct ReadmeDoctests;
 pub use memsave_accum as accum;
 pub use memsave_amp as amp;
 pub use memsave_checkpoint as checkpoint;
+pub use memsave_dist as dist;
 pub use memsave_hooks as hooks;
 pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;

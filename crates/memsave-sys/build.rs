@@ -13,6 +13,7 @@ const SOURCES: &[&str] = &[
     "cpp/version.cpp",
     "cpp/grad_hooks.cpp",
     "cpp/quant.cpp",
+    "cpp/dist.cpp",
 ];
 
 fn main() {
@@ -45,6 +46,10 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .opt_level(2);
+    // c10d's Gloo process group (cpp/dist.cpp) needs gloo's headers, which the torch
+    // wheel does not ship; libtorch-setup.sh installs them (Debian's libgloo-dev).
+    let gloo = gloo_include_dir();
+    build.include(&gloo).define("USE_C10D_GLOO", None);
     for source in SOURCES {
         build.file(source);
     }
@@ -52,4 +57,31 @@ fn main() {
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
+}
+
+/// The directory holding `gloo/config.h`: `$GLOO_INCLUDE_DIR`, else the system's.
+fn gloo_include_dir() -> PathBuf {
+    println!("cargo:rerun-if-env-changed=GLOO_INCLUDE_DIR");
+    let candidates: Vec<PathBuf> = match env::var_os("GLOO_INCLUDE_DIR") {
+        Some(dir) => vec![PathBuf::from(dir)],
+        None => ["/usr/include", "/usr/local/include"]
+            .iter()
+            .map(PathBuf::from)
+            .collect(),
+    };
+    for dir in &candidates {
+        if dir.join("gloo/config.h").is_file() {
+            return dir.clone();
+        }
+    }
+    panic!(
+        "memsave-sys: gloo's headers (gloo/config.h) are not in {}: run ./libtorch-setup.sh, \
+         which installs them (Debian/Ubuntu: apt-get install libgloo-dev), or set \
+         GLOO_INCLUDE_DIR to the directory that holds gloo/",
+        candidates
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" or ")
+    );
 }

@@ -49,6 +49,35 @@ enum Command {
         /// The suite file (or the name of a bundled suite).
         suite: String,
     },
+    /// Start N ranks of a distributed program on this machine (the `torchrun` of
+    /// memsave): `memsave launch -n 4 -- ./train --epochs 2`.
+    Launch(LaunchArgs),
+}
+
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// Processes on this node.
+    #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Number of nodes; run the same command on each, with its --node-rank.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0 on the node that serves the rendezvous store.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0, reachable from every node.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store on node 0 (default: a free port; required with
+    /// several nodes).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// End every rank and fail after this many seconds.
+    #[arg(long, value_name = "SECONDS")]
+    timeout: Option<u64>,
+    /// The program and its arguments.
+    #[arg(required = true, last = true)]
+    command: Vec<std::ffi::OsString>,
 }
 
 #[derive(clap::Args)]
@@ -101,6 +130,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(args) => bench(args),
         Command::Suites { name } => suites(name.as_deref()),
+        Command::Launch(args) => return launch(args),
         Command::Check { suite } => load(&suite).map(|s| {
             println!(
                 "{suite}: ok (suite {}, {} models, {} strategies)",
@@ -373,6 +403,35 @@ impl Observer for Progress {
                 case.strategy,
                 case.status.as_str()
             ),
+        }
+    }
+}
+
+/// `memsave launch`: exits 0 when every rank succeeded, with the failed rank's own exit
+/// code (128 + signal when killed) when one failed, 1 on a timeout, 2 on bad options.
+fn launch(args: LaunchArgs) -> ExitCode {
+    use memsave_dist::DistError;
+    let config = memsave_dist::LaunchConfig {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        timeout: args.timeout.map(std::time::Duration::from_secs),
+        ..Default::default()
+    };
+    let (program, rest) = args.command.split_first().expect("clap requires a command");
+    match memsave_dist::launch(&config, program, rest) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("memsave launch: error: {e}");
+            match e {
+                DistError::RankFailed { exit_code, .. } => {
+                    ExitCode::from(u8::try_from(exit_code).unwrap_or(1).max(1))
+                }
+                DistError::Config { .. } => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
         }
     }
 }

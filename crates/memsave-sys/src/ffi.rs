@@ -154,4 +154,43 @@ extern "C" {
         codes: *mut C_tensor,
         absmax: *mut C_tensor,
     ) -> c_int;
+
+    pub fn ms_dist_store_tcp(
+        host: *const c_char,
+        port: u16,
+        is_server: bool,
+        world_size: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_dist_store_file(
+        path: *const c_char,
+        world_size: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_dist_store_free(store: *mut c_void);
+    pub fn ms_dist_group_gloo(
+        store: *mut c_void,
+        rank: c_int,
+        size: c_int,
+        hostname: *const c_char,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_dist_group_free(group: *mut c_void);
+    pub fn ms_dist_all_reduce_sum(group: *mut c_void, t: *mut C_tensor) -> c_int;
+    pub fn ms_dist_reduce_scatter_sum(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+    ) -> c_int;
+    pub fn ms_dist_all_gather(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+    ) -> c_int;
+    pub fn ms_dist_broadcast(group: *mut c_void, t: *mut C_tensor, src: c_int) -> c_int;
+    pub fn ms_dist_barrier(group: *mut c_void) -> c_int;
+    pub fn ms_dist_set_grad(t: *mut C_tensor, grad: *const C_tensor) -> c_int;
 }

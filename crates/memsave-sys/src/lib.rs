@@ -24,6 +24,7 @@ pub mod alloc;
 pub mod autocast;
 pub mod checkpoint;
 pub mod device;
+pub mod dist;
 mod error;
 mod ffi;
 pub mod grad_hooks;

@@ -1,0 +1,256 @@
+//! Data parallel training: every rank holds the whole model, computes gradients on its
+//! share of the batch, and the gradients are averaged over the ranks in buckets while
+//! backward is still running (PyTorch's `DistributedDataParallel`).
+use std::sync::{Arc, Mutex};
+
+use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
+use tch::Tensor;
+
+use crate::check::same_shapes_everywhere;
+use crate::error::{DistError, Result};
+use crate::group::ProcessGroup;
+
+/// Options of [`DistributedDataParallel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DdpConfig {
+    /// Largest bucket, in bytes of gradient (PyTorch's `bucket_cap_mb`, default 25 MiB).
+    /// A parameter larger than this gets a bucket of its own.
+    pub bucket_cap_bytes: u64,
+    /// Copy rank 0's parameters to every rank at construction (PyTorch does).
+    pub broadcast_parameters: bool,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_bytes: 25 << 20,
+            broadcast_parameters: true,
+        }
+    }
+}
+
+/// Averages gradients over the ranks of a group as backward produces them.
+///
+/// Parameters are grouped into buckets, in reverse order (the order backward usually
+/// produces their gradients). A post-accumulate-grad hook on each parameter counts
+/// ready gradients; when a bucket is complete, and every bucket before it has been
+/// reduced, its gradients are flattened, summed over the ranks with one all-reduce,
+/// divided by the world size and copied back. Buckets are always reduced in the same
+/// order, so every rank issues the same collectives and the sums are deterministic.
+///
+/// Inside [`DistributedDataParallel::no_sync`] nothing is communicated: gradients only
+/// accumulate locally (the micro-batches of gradient accumulation before the last).
+///
+/// Traps: a parameter that gets no gradient in a backward leaves its bucket incomplete;
+/// [`DistributedDataParallel::f_backward`] then reduces it with zeros, but a plain
+/// `loss.backward()` does not, and the next collective on another rank waits for it
+/// until the timeout. The hooks run on the thread of backward (the caller's, on the
+/// CPU). Each parameter can carry only one post-accumulate-grad hook, so this cannot
+/// be combined with `step_in_backward`.
+#[derive(Debug)]
+pub struct DistributedDataParallel {
+    // Dropped first: removing the hooks releases their references to `state`.
+    _hooks: Vec<GradHookHandle>,
+    state: Arc<Mutex<Buckets>>,
+}
+
+#[derive(Debug)]
+struct Buckets {
+    group: ProcessGroup,
+    params: Vec<Tensor>,
+    /// Parameter indices of each bucket.
+    members: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
+    ready: Vec<usize>,
+    next: usize,
+    sync: bool,
+    reductions: u64,
+}
+
+impl DistributedDataParallel {
+    /// Wraps `params` (every rank passes its copies of the same parameters, in the same
+    /// order). Checks once, with one small collective, that every rank has the same
+    /// shapes, and copies rank 0's values everywhere unless told not to.
+    pub fn new(group: &ProcessGroup, params: &[Tensor], config: DdpConfig) -> Result<Self> {
+        let rank = group.rank();
+        same_shapes_everywhere(group, params)?;
+        if config.broadcast_parameters {
+            let _no_grad = tch::no_grad_guard();
+            for p in params {
+                group.broadcast(p, 0)?;
+            }
+        }
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut filled = 0u64;
+        for index in (0..params.len()).rev() {
+            let p = &params[index];
+            let bytes = p.numel() as u64 * p.kind().elt_size_in_bytes() as u64;
+            if members.is_empty() || filled + bytes > config.bucket_cap_bytes {
+                members.push(Vec::new());
+                filled = 0;
+            }
+            members
+                .last_mut()
+                .expect("a bucket was just pushed")
+                .push(index);
+            filled += bytes;
+        }
+        let mut bucket_of = vec![0; params.len()];
+        for (b, m) in members.iter().enumerate() {
+            for &i in m {
+                bucket_of[i] = b;
+            }
+        }
+        let state = Arc::new(Mutex::new(Buckets {
+            group: group.clone(),
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            ready: vec![0; members.len()],
+            members,
+            bucket_of,
+            next: 0,
+            sync: true,
+            reductions: 0,
+        }));
+        let mut hooks = Vec::with_capacity(params.len());
+        for (index, p) in params.iter().enumerate() {
+            let shared = Arc::clone(&state);
+            let hook = register_post_accumulate_grad_hook(
+                p,
+                Box::new(move |_| {
+                    let mut b = shared.lock().unwrap_or_else(|e| e.into_inner());
+                    b.mark_ready(index).map_err(|e| e.to_string())
+                }),
+            )
+            .map_err(|e| DistError::Config {
+                rank,
+                reason: format!("parameter {index}: {e}"),
+            })?;
+            hooks.push(hook);
+        }
+        Ok(Self {
+            _hooks: hooks,
+            state,
+        })
+    }
+
+    /// Runs `f` (forward and backward of a micro-batch) without communication: the
+    /// gradients only accumulate locally (PyTorch's `no_sync`). The backward after it,
+    /// outside `no_sync`, reduces the accumulated gradients.
+    pub fn no_sync<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.lock().sync = false;
+        let out = f();
+        self.lock().sync = true;
+        out
+    }
+
+    /// Backward from `loss`, then reduces any bucket backward left incomplete (a
+    /// parameter without a gradient gets zeros), so that every rank has issued the same
+    /// collectives. Inside [`DistributedDataParallel::no_sync`] it only runs backward.
+    pub fn f_backward(&self, loss: &Tensor) -> Result<()> {
+        let rank = self.lock().group.rank();
+        loss.f_backward().map_err(|source| DistError::Tensor {
+            rank,
+            context: "backward",
+            source,
+        })?;
+        self.lock().flush()
+    }
+
+    /// Number of bucket all-reduces so far.
+    pub fn reductions(&self) -> u64 {
+        self.lock().reductions
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.lock().members.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Buckets> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Buckets {
+    fn mark_ready(&mut self, index: usize) -> Result<()> {
+        if !self.sync {
+            return Ok(());
+        }
+        self.ready[self.bucket_of[index]] += 1;
+        while self.next < self.members.len()
+            && self.ready[self.next] == self.members[self.next].len()
+        {
+            self.reduce(self.next)?;
+            self.next += 1;
+        }
+        if self.next == self.members.len() {
+            self.reset();
+        }
+        Ok(())
+    }
+
+    /// Reduces the buckets not yet reduced in this backward, in order.
+    fn flush(&mut self) -> Result<()> {
+        if !self.sync || self.ready.iter().all(|&r| r == 0) {
+            return Ok(());
+        }
+        while self.next < self.members.len() {
+            self.reduce(self.next)?;
+            self.next += 1;
+        }
+        self.reset();
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.next = 0;
+        self.ready.iter_mut().for_each(|r| *r = 0);
+    }
+
+    fn reduce(&mut self, bucket: usize) -> Result<()> {
+        let rank = self.group.rank();
+        let err = |source| DistError::Tensor {
+            rank,
+            context: "gradient bucket",
+            source,
+        };
+        let _no_grad = tch::no_grad_guard();
+        let mut grads = Vec::with_capacity(self.members[bucket].len());
+        for &i in &self.members[bucket] {
+            let p = &self.params[i];
+            let mut g = p.grad();
+            if !g.defined() {
+                g = p.f_zeros_like().map_err(err)?;
+                memsave_sys::dist::set_grad(p, &g)?;
+            }
+            grads.push(g);
+        }
+        let flat = Tensor::f_cat(
+            &grads
+                .iter()
+                .map(|g| g.f_reshape([-1]))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?,
+            0,
+        )
+        .map_err(err)?;
+        self.group.all_reduce(&flat)?;
+        let mut flat = flat;
+        let _ = flat
+            .f_div_scalar_(self.group.world_size() as f64)
+            .map_err(err)?;
+        let mut offset = 0;
+        for g in &mut grads {
+            let n = g.numel() as i64;
+            let src = flat
+                .f_narrow(0, offset, n)
+                .map_err(err)?
+                .f_view_as(g)
+                .map_err(err)?;
+            g.f_copy_(&src).map_err(err)?;
+            offset += n;
+        }
+        self.reductions += 1;
+        Ok(())
+    }
+}

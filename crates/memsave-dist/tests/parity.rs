@@ -1,0 +1,404 @@
+//! 1, 2 and 4 ranks (processes over 127.0.0.1) train a small network for 20 steps with
+//! DDP, ZeRO-1 and ZeRO-2, with and without accumulation; the parameters must equal
+//! single-process training on the whole batch, and each rank's state, gradients and
+//! bytes sent must be what the algorithms say.
+mod common;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use memsave_dist::{
+    init_process_group, DdpConfig, DistributedDataParallel, InitOptions, ProcessGroup,
+    ZeroOptimizer, ZeroStage,
+};
+use memsave_meter::memory_allocated;
+use memsave_optim::{AdamW, AdamWConfig, Options, State};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+const STEPS: usize = 20;
+const BATCH: i64 = 16;
+/// Values of the network's parameters: 8×16 + 16 + 16×4 + 4.
+const NUMEL: i64 = 212;
+const CONFIG: AdamWConfig = AdamWConfig {
+    lr: 1e-2,
+    betas: (0.9, 0.999),
+    eps: 1e-8,
+    weight_decay: 1e-2,
+};
+
+fn network() -> (nn::VarStore, nn::Sequential) {
+    tch::manual_seed(1);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "l1", 8, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", 16, 4, Default::default()));
+    (vs, net)
+}
+
+fn data() -> (Tensor, Tensor) {
+    tch::manual_seed(2);
+    let x = Tensor::randn([BATCH, 8], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([BATCH, 4], (Kind::Float, Device::Cpu));
+    (x, y)
+}
+
+fn flat_params(params: &[Tensor]) -> Vec<f32> {
+    params
+        .iter()
+        .flat_map(|p| Vec::<f32>::try_from(p.reshape([-1])).expect("f32 values"))
+        .collect()
+}
+
+/// Single-process training on the whole batch with f32 state: the reference.
+fn reference() -> (Vec<f32>, u64) {
+    reference_with(State::F32)
+}
+
+/// Single-process training on the whole batch with the given state precision.
+fn reference_with(state: State) -> (Vec<f32>, u64) {
+    let (vs, net) = network();
+    let (x, y) = data();
+    let params = vs.trainable_variables();
+    let options = Options {
+        state,
+        ..Default::default()
+    };
+    let mut opt = AdamW::with_options(&params, CONFIG, options).expect("optimizer");
+    for _ in 0..STEPS {
+        opt.zero_grad(true);
+        net.forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        opt.f_step().expect("step");
+    }
+    (flat_params(&params), opt.state_bytes())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Strategy {
+    Ddp,
+    Zero(ZeroStage),
+}
+
+const STRATEGIES: [Strategy; 3] = [
+    Strategy::Ddp,
+    Strategy::Zero(ZeroStage::One),
+    Strategy::Zero(ZeroStage::Two),
+];
+
+/// The lower precisions, under ZeRO-2, with their block and how far 20 steps may end
+/// from one process with the same precision (relative to the largest parameter): bf16
+/// rounds the same values either way; 8-bit blocks run over the flat vector under ZeRO
+/// and over each parameter on one process, so their scales differ.
+const LOW_PRECISIONS: [(State, u64, f32); 2] = [
+    (State::Bf16, 1, 2e-2),
+    (State::Int8Blockwise { block: 64 }, 64, 5e-2),
+];
+
+/// Bytes of AdamW state for `values` values at `state` (two buffers).
+fn state_bytes(state: State, values: u64) -> u64 {
+    match state {
+        State::F32 => 2 * 4 * values,
+        State::Bf16 => 2 * 2 * values,
+        State::Int8Blockwise { block } => 2 * (values + 4 * values.div_ceil(block as u64)),
+    }
+}
+
+/// ZeRO-2 with `state`: writes the parameters and the state's bytes.
+fn train_rank_at(group: &ProcessGroup, state: State, out: &Path) {
+    let (rank, n) = (group.rank() as i64, group.world_size() as i64);
+    let (vs, net) = network();
+    let (x, y) = data();
+    let local = BATCH / n;
+    let (x, y) = (
+        x.narrow(0, rank * local, local),
+        y.narrow(0, rank * local, local),
+    );
+    let params = vs.trainable_variables();
+    let options = Options {
+        state,
+        ..Default::default()
+    };
+    let mut zero =
+        ZeroOptimizer::new(group, &params, CONFIG, options, ZeroStage::Two).expect("zero");
+    for _ in 0..STEPS {
+        net.forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        zero.f_step().expect("step");
+        zero.f_zero_grad(true).expect("zero_grad");
+    }
+    let tag = format!("{state:?}-rank{rank}");
+    let figures = format!(
+        "state_bytes {}\npadded {}\n",
+        zero.state_bytes(),
+        zero.padded_len()
+    );
+    let bytes: Vec<u8> = flat_params(&params)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    std::fs::write(out.join(format!("{tag}.params")), bytes).expect("write params");
+    std::fs::write(out.join(format!("{tag}.figures")), figures).expect("write figures");
+}
+
+fn name(strategy: Strategy, micro: i64) -> String {
+    format!("{strategy:?}-m{micro}")
+}
+
+/// Trains this rank's share of the batch; writes the final parameters and measured
+/// figures to the output directory.
+fn train_rank(group: &ProcessGroup, strategy: Strategy, micro: i64, out: &Path) {
+    let (rank, n) = (group.rank() as i64, group.world_size() as i64);
+    let (vs, net) = network();
+    let (x, y) = data();
+    let local = BATCH / n;
+    let (x, y) = (
+        x.narrow(0, rank * local, local),
+        y.narrow(0, rank * local, local),
+    );
+    let per_micro = local / micro;
+    let params = vs.trainable_variables();
+    let loss_of = |m: i64| {
+        let (xm, ym) = (
+            x.narrow(0, m * per_micro, per_micro),
+            y.narrow(0, m * per_micro, per_micro),
+        );
+        net.forward(&xm).mse_loss(&ym, tch::Reduction::Mean) / micro as f64
+    };
+    let mut figures = String::new();
+    let mut sent = Vec::new();
+    match strategy {
+        Strategy::Ddp => {
+            let ddp =
+                DistributedDataParallel::new(group, &params, DdpConfig::default()).expect("ddp");
+            let mut opt = AdamW::new(&params, CONFIG).expect("optimizer");
+            for _ in 0..STEPS {
+                let before = group.bytes_sent();
+                for m in 0..micro - 1 {
+                    ddp.no_sync(|| loss_of(m).backward());
+                }
+                ddp.f_backward(&loss_of(micro - 1)).expect("backward");
+                opt.f_step().expect("step");
+                opt.zero_grad(true);
+                sent.push(group.bytes_sent() - before);
+            }
+            writeln!(figures, "reductions {}", ddp.reductions()).unwrap();
+            writeln!(figures, "state_bytes {}", opt.state_bytes()).unwrap();
+        }
+        Strategy::Zero(stage) => {
+            let mut zero = ZeroOptimizer::new(group, &params, CONFIG, Options::default(), stage)
+                .expect("zero");
+            for step in 0..STEPS {
+                let before = group.bytes_sent();
+                for m in 0..micro {
+                    loss_of(m).backward();
+                }
+                zero.f_step().expect("step");
+                sent.push(group.bytes_sent() - before);
+                if step == STEPS - 1 {
+                    // The gradients this rank still holds after the step, by the meter.
+                    let reported = zero.gradient_bytes();
+                    let held = memory_allocated(Device::Cpu);
+                    zero.f_zero_grad(true).expect("zero_grad");
+                    let freed = held - memory_allocated(Device::Cpu);
+                    writeln!(figures, "gradient_bytes {freed}").unwrap();
+                    writeln!(figures, "reported_gradient_bytes {reported}").unwrap();
+                } else {
+                    zero.f_zero_grad(true).expect("zero_grad");
+                }
+            }
+            writeln!(figures, "state_bytes {}", zero.state_bytes()).unwrap();
+            writeln!(figures, "padded {}", zero.padded_len()).unwrap();
+            // The state by the meter: what dropping the optimizer frees, less its shard.
+            let held = memory_allocated(Device::Cpu);
+            drop(zero);
+            let freed = held - memory_allocated(Device::Cpu);
+            writeln!(figures, "freed_by_drop {freed}").unwrap();
+        }
+    }
+    assert!(
+        sent.windows(2).all(|w| w[0] == w[1]),
+        "same bytes every step: {sent:?}"
+    );
+    writeln!(figures, "bytes_sent_per_step {}", sent[0]).unwrap();
+    let tag = format!("{}-rank{rank}", name(strategy, micro));
+    let bytes: Vec<u8> = flat_params(&params)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    std::fs::write(out.join(format!("{tag}.params")), bytes).expect("write params");
+    std::fs::write(out.join(format!("{tag}.figures")), figures).expect("write figures");
+}
+
+#[test]
+#[ignore = "a rank of the parity tests: started by the launcher"]
+fn parity_worker() {
+    memsave_meter::install();
+    let out = common::out_dir();
+    let options = InitOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).expect("join the group");
+    for strategy in STRATEGIES {
+        for micro in [1, 2] {
+            train_rank(&group, strategy, micro, &out);
+        }
+    }
+    for (state, _, _) in LOW_PRECISIONS {
+        train_rank_at(&group, state, &out);
+    }
+}
+
+fn read_params(path: &Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Largest difference between `got` and `expected`, relative to the largest |expected|.
+fn relative_difference(got: &[f32], expected: &[f32]) -> f32 {
+    assert_eq!(got.len(), expected.len());
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    worst / scale
+}
+
+/// Bf16 and 8-bit state under ZeRO-2: every rank holds its share of the state, and
+/// training stays close to one process with the same precision (bf16 rounds the same
+/// values; 8-bit blocks run over the flat vector instead of each parameter).
+fn check_low_precisions(dir: &Path, n: usize) {
+    let n64 = n as u64;
+    for (state, block, tolerance) in LOW_PRECISIONS {
+        let (expected, single_state) = reference_with(state);
+        let rank0 = read_params(&dir.join(format!("{state:?}-rank0.params")));
+        for rank in 0..n {
+            let tag = format!("{state:?}-rank{rank}");
+            let got = read_params(&dir.join(format!("{tag}.params")));
+            assert_eq!(got, rank0, "{tag}: every rank gathers the same parameters");
+            let difference = relative_difference(&got, &expected);
+            assert!(
+                difference < tolerance,
+                "{tag}: {difference} from one process"
+            );
+            let f = figures(&dir.join(format!("{tag}.figures")));
+            let padded = f["padded"];
+            assert_eq!(padded % (n64 * block), 0, "{tag}: whole blocks per rank");
+            assert!(
+                padded < NUMEL as u64 + n64 * block,
+                "{tag}: padded {padded}"
+            );
+            assert_eq!(f["state_bytes"], state_bytes(state, padded / n64), "{tag}");
+            // 1/N of one process's state, plus at most one block of padding.
+            assert!(
+                f["state_bytes"] <= single_state / n64 + state_bytes(state, block),
+                "{tag}: {} against {single_state} on one process",
+                f["state_bytes"]
+            );
+        }
+    }
+}
+
+fn figures(path: &Path) -> BTreeMap<String, u64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| {
+            let (k, v) = l.split_once(' ').expect("key value");
+            (k.to_owned(), v.parse().expect("a number"))
+        })
+        .collect()
+}
+
+fn check_world(n: usize) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    common::run_ranks("parity_worker", n, dir.path()).expect("every rank succeeds");
+    check_low_precisions(dir.path(), n);
+    let (expected, single_state) = reference();
+    let n64 = n as u64;
+    let grad_bytes = 4 * NUMEL as u64;
+    for strategy in STRATEGIES {
+        for micro in [1, 2] {
+            for rank in 0..n {
+                let tag = format!("{}-rank{rank}", name(strategy, micro));
+                let got = read_params(&dir.path().join(format!("{tag}.params")));
+                let difference = relative_difference(&got, &expected);
+                assert!(
+                    difference <= 1e-6,
+                    "{tag}: parameters differ from one process by {difference} of the largest"
+                );
+                let f = figures(&dir.path().join(format!("{tag}.figures")));
+                let sent = f["bytes_sent_per_step"];
+                match strategy {
+                    Strategy::Ddp => {
+                        assert_eq!(
+                            f["reductions"], STEPS as u64,
+                            "{tag}: one all-reduce per step, none under no_sync"
+                        );
+                        assert_eq!(
+                            sent,
+                            grad_bytes * 2 * (n64 - 1) / n64,
+                            "{tag}: ring all-reduce"
+                        );
+                        assert_eq!(f["state_bytes"], single_state);
+                    }
+                    Strategy::Zero(stage) => {
+                        let padded = f["padded"];
+                        assert_eq!(padded % n64, 0);
+                        assert!(
+                            padded >= NUMEL as u64 && padded < NUMEL as u64 + n64,
+                            "{tag}: padded {padded}"
+                        );
+                        let shard = padded / n64;
+                        // AdamW keeps two f32 moments per value: 1/N of the single-process
+                        // state, plus at most one value of padding per moment.
+                        assert_eq!(f["state_bytes"], 2 * 4 * shard, "{tag}");
+                        assert!(
+                            f["state_bytes"] * n64 <= single_state + 2 * 4 * n64,
+                            "{tag}"
+                        );
+                        // Dropping the optimizer frees the shard of parameters and the state.
+                        assert_eq!(f["freed_by_drop"], 4 * shard + f["state_bytes"], "{tag}");
+                        let gather = (n64 - 1) * 4 * shard;
+                        let (reduce, grads) = match stage {
+                            ZeroStage::One => (4 * padded * 2 * (n64 - 1) / n64, grad_bytes),
+                            ZeroStage::Two => (4 * padded * (n64 - 1) / n64, 4 * shard),
+                        };
+                        assert_eq!(sent, reduce + gather, "{tag}: bytes sent per step");
+                        assert_eq!(
+                            f["gradient_bytes"], grads,
+                            "{tag}: gradient bytes held after the step"
+                        );
+                        assert_eq!(f["reported_gradient_bytes"], grads, "{tag}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_rank_matches_single_process_training() {
+    check_world(1);
+}
+
+#[test]
+fn two_ranks_match_single_process_training() {
+    check_world(2);
+}
+
+#[test]
+fn four_ranks_match_single_process_training() {
+    check_world(4);
+}
