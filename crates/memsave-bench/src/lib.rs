@@ -59,6 +59,7 @@ pub mod models;
 pub mod plot;
 pub mod report;
 pub mod runner;
+mod saved;
 pub mod step;
 pub mod strategies;
 pub mod suite;
@@ -71,7 +72,7 @@ pub use report::{CaseResult, Report, Status, StepTime, TraceEntry, SCHEMA_VERSIO
 pub use runner::{
     run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,
 };
-pub use strategies::{PlanChoice, ResidualUpdate, StepConfig};
+pub use strategies::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ScalerSpec, Size, StrategySpec,
     Suite, SuiteError, Technique,

@@ -145,6 +145,18 @@ pub struct CaseResult {
     pub grad_diverged: bool,
     /// Per-block memory of the last measured forward.
     pub trace: Vec<TraceEntry>,
+    /// Bytes written to the offload store (or copied to host memory) by an `offload`
+    /// strategy in the last measured step.
+    #[serde(default)]
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes saved by a `compress` strategy's codec in the last measured step
+    /// (original minus stored, scales included).
+    #[serde(default)]
+    pub compressed_saved_bytes: Option<u64>,
+    /// Relative L2 error of all parameter gradients against the model's baseline,
+    /// `|g - g_base| / |g_base|`, when they were compared.
+    #[serde(default)]
+    pub grad_rel_l2: Option<f64>,
 }
 
 impl CaseResult {
@@ -164,6 +176,9 @@ impl CaseResult {
             grad_max_abs_diff: None,
             grad_diverged: false,
             trace: Vec::new(),
+            offloaded_bytes: None,
+            compressed_saved_bytes: None,
+            grad_rel_l2: None,
         }
     }
 
@@ -266,9 +281,12 @@ impl Report {
             "time",
             "×base",
             "grad diff",
+            "rel L2",
+            "offloaded",
+            "compressed",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 9]> = Vec::new();
+        let mut rows: Vec<[String; 12]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -287,6 +305,11 @@ impl Report {
                     (Some(d), false) => format_diff(d),
                     (None, false) => dash(),
                 },
+                case.grad_rel_l2.map_or_else(dash, format_diff),
+                case.offloaded_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
+                case.compressed_saved_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());

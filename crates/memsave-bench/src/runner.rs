@@ -9,7 +9,7 @@
 use crate::message::one_line;
 use crate::models::Model;
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
-use crate::step::{f_grads, f_step, max_abs_diff};
+use crate::step::{f_grads, f_step, max_abs_diff, rel_l2_diff};
 use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
 use memsave_amp::GradScaler;
@@ -336,6 +336,9 @@ fn measure_case(
         grad_max_abs_diff: None,
         grad_diverged: false,
         trace: last.trace,
+        offloaded_bytes: last.offloaded_bytes,
+        compressed_saved_bytes: last.compressed_saved_bytes,
+        grad_rel_l2: None,
     };
     if strategy.is_baseline() {
         *reference = Some(grads);
@@ -345,6 +348,7 @@ fn measure_case(
         }
         if let Some(r) = reference.as_ref() {
             case.set_grad_diff(max_abs_diff(&grads, r));
+            case.grad_rel_l2 = Some(rel_l2_diff(&grads, r)).filter(|d| d.is_finite());
         }
     }
     Ok(case)

@@ -9,6 +9,7 @@
 //! - the output is held until its backward has finished, as a Python variable would be.
 use crate::models::{self, Model};
 use crate::report::TraceEntry;
+use crate::saved::{SavedBytes, StepHooks};
 use crate::strategies::StepConfig;
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
@@ -30,6 +31,10 @@ pub struct StepMeasurement {
     pub time_s: f64,
     /// Per-block memory of the (first micro-batch's) forward, when asked for.
     pub trace: Vec<TraceEntry>,
+    /// Bytes the strategy's offload hooks wrote to their store or host memory.
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes the strategy's compression hooks saved.
+    pub compressed_saved_bytes: Option<u64>,
 }
 
 /// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
@@ -58,8 +63,18 @@ pub fn f_step(
     } else {
         x.shallow_clone()
     };
+    // Compression and offload pass the parameters and the input through: both stay
+    // alive anyway.
+    let hooks = match &config.saved {
+        Some(choice) => {
+            let mut held: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+            held.push(input.shallow_clone());
+            Some(StepHooks::new(choice, &held)?)
+        }
+        None => None,
+    };
     let mut trace = Vec::new();
-    let (result, m) = measure(device, |_| -> Result<(u64, f64), String> {
+    let (result, m) = measure(device, |_| -> Result<(u64, f64, SavedBytes), String> {
         let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
         synchronize(device);
         let t0 = Instant::now();
@@ -75,7 +90,11 @@ pub fn f_step(
             if trace_this {
                 model.ctx.start_trace();
             }
+            let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
             let out = model.seq.f_forward(xin);
+            if let Some(guard) = hooks_guard {
+                guard.exit().map_err(|e| e.to_string())?;
+            }
             if trace_this {
                 trace = model.ctx.stop_trace();
             }
@@ -124,16 +143,23 @@ pub fn f_step(
             scaler.f_update().map_err(|e| e.to_string())?;
         }
         synchronize(device);
-        Ok((retained, t0.elapsed().as_secs_f64()))
+        let time_s = t0.elapsed().as_secs_f64();
+        let saved = match &hooks {
+            Some(hooks) => hooks.finish()?,
+            None => SavedBytes::default(),
+        };
+        Ok((retained, time_s, saved))
     });
     release_step_leftovers(&input, config);
-    let (retained, time_s) = result?;
+    let (retained, time_s, saved) = result?;
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,
         peak_bytes: m.peak_bytes,
         retained_after_forward_bytes: retained,
         time_s,
         trace,
+        offloaded_bytes: saved.offloaded_bytes,
+        compressed_saved_bytes: saved.compressed_saved_bytes,
     })
 }
 
@@ -182,4 +208,20 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         .flat_map(|(x, y)| x.iter().zip(y))
         .map(|(x, y)| f64::from((x - y).abs()))
         .fold(0.0, |max, d| if d.is_nan() { f64::NAN } else { max.max(d) })
+}
+
+/// The relative L2 error of `a` against the reference `b`, over all gradients
+/// together: `|a - b| / |b|` (0 when both are zero, NaN when any value is NaN).
+pub fn rel_l2_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y)) {
+        let (x, y) = (f64::from(*x), f64::from(*y));
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    if num == 0.0 {
+        0.0
+    } else {
+        (num / den).sqrt()
+    }
 }

@@ -1,7 +1,7 @@
 //! What a strategy changes in a training step: the residual update, the checkpoint
 //! plan, autocast, micro-batching and loss scaling, resolved from the suite's
 //! techniques.
-use crate::suite::{CheckpointSpec, StrategySpec, Technique};
+use crate::suite::{CheckpointSpec, CompressDtype, OffloadSpec, StrategySpec, Technique};
 use memsave_amp::GradScalerConfig;
 use memsave_checkpoint::Plan;
 use tch::Kind;
@@ -37,8 +37,17 @@ pub enum PlanChoice {
     Budget(u64),
 }
 
+/// What the forward's saved-tensor hooks do with saved activations, if anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SavedTensors {
+    /// Stored smaller by `memsave_hooks::Compress`.
+    Compress(CompressDtype),
+    /// Offloaded by `memsave_hooks::DiskOffload` or `memsave_hooks::SaveOnCpu`.
+    Offload(OffloadSpec),
+}
+
 /// Everything a measured step needs to know about a strategy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepConfig {
     /// The residual update of every block.
     pub residual: ResidualUpdate,
@@ -50,6 +59,8 @@ pub struct StepConfig {
     pub micro_batches: Option<usize>,
     /// The settings of the case's `GradScaler`, if the strategy scales the loss.
     pub scaler: Option<GradScalerConfig>,
+    /// Saved-tensor hooks around the forward, if any.
+    pub saved: Option<SavedTensors>,
 }
 
 impl StepConfig {
@@ -61,6 +72,7 @@ impl StepConfig {
             autocast: None,
             micro_batches: None,
             scaler: None,
+            saved: None,
         }
     }
 
@@ -86,6 +98,10 @@ impl StepConfig {
                     config.micro_batches = Some(*micro_batches)
                 }
                 Technique::GradScaler(spec) => config.scaler = Some(spec.config()),
+                Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
+                Technique::Offload(spec) => {
+                    config.saved = Some(SavedTensors::Offload(spec.clone()))
+                }
             }
         }
         Ok(config)

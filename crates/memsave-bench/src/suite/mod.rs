@@ -67,7 +67,9 @@ pub use model::{
     DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
     MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
 };
-pub use strategy::{CheckpointSpec, ScalerSpec, StrategySpec, Technique};
+pub use strategy::{
+    CheckpointSpec, CompressDtype, OffloadSpec, ScalerSpec, StrategySpec, Technique,
+};
 
 use std::path::Path;
 
