@@ -8,7 +8,9 @@
 //! `baseline`, the seed's failing `inplace_add` and `add_out`, `safe_residual`
 //! (memsave-inplace), `checkpoint` plans (memsave-checkpoint), `autocast` and
 //! `grad_scaler` (memsave-amp's autocast and `GradScaler`), `accumulate`
-//! (memsave-accum's `GradAccumulator`) and named combinations of them. Each technique
+//! (memsave-accum's `GradAccumulator`), `compress` and `offload` (memsave-hooks'
+//! `Compress`, `DiskOffload` and `SaveOnCpu`, which also report `offloaded_bytes` and
+//! `compressed_saved_bytes`) and named combinations of them. Each technique
 //! runs through the public API of its crate, the API a user would call.
 //!
 //! Modules: [`suite`] (the YAML format, its limits and its validation, errors at

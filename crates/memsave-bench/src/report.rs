@@ -280,10 +280,10 @@ impl Report {
             "retained",
             "time",
             "×base",
-            "grad diff",
-            "rel L2",
             "offloaded",
             "compressed",
+            "rel L2",
+            "grad diff",
         ];
         let dash = || "-".to_owned();
         let mut rows: Vec<[String; 12]> = Vec::new();
@@ -300,16 +300,16 @@ impl Report {
                 case.step_time_s
                     .map_or_else(dash, |t| format_seconds(t.median)),
                 time_ratio.map_or_else(dash, |r| format!("{r:.2}x")),
+                case.offloaded_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
+                case.compressed_saved_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
+                case.grad_rel_l2.map_or_else(dash, format_diff),
                 match (case.grad_max_abs_diff, case.grad_diverged) {
                     (_, true) => "diverged".to_owned(),
                     (Some(d), false) => format_diff(d),
                     (None, false) => dash(),
                 },
-                case.grad_rel_l2.map_or_else(dash, format_diff),
-                case.offloaded_bytes
-                    .map_or_else(dash, |b| Bytes(b).to_string()),
-                case.compressed_saved_bytes
-                    .map_or_else(dash, |b| Bytes(b).to_string()),
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());
