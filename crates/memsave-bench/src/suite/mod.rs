@@ -31,6 +31,8 @@
 //!   - checkpoint: {segments: 3}        # or {every_layer: true}, {nested: true}, {budget: 60MiB}
 //!   - autocast: {dtype: bf16}          # or fp16
 //!   - accumulate: {micro_batches: 4}   # memsave-accum's GradAccumulator
+//!   - compress: {dtype: int8}          # or bf16, fp16, fp8: memsave-hooks' Compress
+//!   - offload: {to: disk}              # or {to: disk, dir: PATH}, {to: cpu}
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
 //! ```
@@ -48,6 +50,13 @@
 //! scaler lives for the whole case, so its state (two 4-byte tensors) counts in
 //! `start_bytes` from the second step on. The bench steps no optimizer, so a step with
 //! inf/NaN gradients shows as a diverged gradient rather than a skipped step.
+//!
+//! `compress` and `offload` wrap the forward in memsave-hooks' saved-tensor hooks
+//! (`Compress`, `DiskOffload`, `SaveOnCpu`), made fresh for each step; the parameters
+//! and the step's input pass through untouched. They are one kind: a strategy applies
+//! at most one of them. `offload: {to: disk}` writes to `dir:`, which must exist, or
+//! else to `memsave-offload` in the system's temporary directory (created); a write
+//! that fails makes the case an error naming the directory.
 //!
 //! # Limits
 //!
