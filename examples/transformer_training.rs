@@ -2,8 +2,10 @@
 //! memsave's utilities at once: checkpointed blocks, bf16 autocast, a GradScaler,
 //! gradient accumulation and memsave-optim's AdamW. Prints the loss falling and the
 //! peak memory of each step, then each utility's share of the saving, all measured with
-//! the meter, and last the same training with the optimizer's state in f32, bf16 and
-//! 8-bit blockwise codes: final loss and state bytes of each.
+//! the meter. Last, it trains the same model again from the same seed on the same
+//! batches: with the optimizer's state in f32, bf16 and 8-bit blockwise codes, and
+//! plainly in f32 against its saved activations stored as int8 (memsave-hooks'
+//! `Compress`), and compares the final losses.
 //!
 //!   cargo run --release --example transformer_training
 //!   cargo run --release --example transformer_training -- --steps 60 --layers 6
@@ -12,6 +14,7 @@ use clap::Parser;
 use memsave::accum::{GradAccumulator, Split};
 use memsave::amp::{f_autocast, GradScaler};
 use memsave::checkpoint::{CheckpointedSequential, Plan};
+use memsave::hooks::{saved_tensors_hooks, Codec, Compress};
 use memsave::meter::{install, measure, Bytes};
 use memsave::optim::{AdamW, AdamWConfig, Options, State};
 use tch::nn::{self, Module};
@@ -320,5 +323,47 @@ fn main() -> Result<()> {
             opt.state_bytes() as f64 / f32_bytes as f64
         );
     }
+
+    println!(
+        "\nsaved activations as int8 (same seed, same batches, {} steps):",
+        args.steps
+    );
+    let (f32_loss, _) = train_plain(&args, None)?;
+    // Blocks of 64 values per scale (bitsandbytes' choice for activations-sized error).
+    let int8 = Compress::new(Codec::Int8 {
+        block: std::num::NonZeroUsize::new(64).expect("64 is not zero"),
+        stochastic_rounding: false,
+    });
+    let (int8_loss, saved) = train_plain(&args, Some(int8))?;
+    println!("  f32   final loss {f32_loss:.4}");
+    println!(
+        "  int8  final loss {int8_loss:.4}  ({:+.2}% of f32; {} of saved activations stored as int8 per step)",
+        100.0 * (int8_loss - f32_loss) / f32_loss,
+        Bytes(saved)
+    );
     Ok(())
+}
+
+/// Trains a fresh model (seed 0) for `args.steps` plain steps, with `compress` hooks
+/// around each forward if given; returns the last loss and the bytes compression
+/// saved in the last step.
+fn train_plain(args: &Args, compress: Option<Compress>) -> Result<(f64, u64)> {
+    let (_vs, model, mut opt) = fresh(args, State::F32)?;
+    let mut last = (0.0, 0);
+    for _ in 0..args.steps {
+        let tokens = batch(args);
+        let (loss, saved) = match &compress {
+            Some(hooks) => {
+                let before = hooks.stats().saved_bytes();
+                let loss = saved_tensors_hooks(hooks.clone(), || model.loss(&tokens))??;
+                (loss, hooks.stats().saved_bytes() - before)
+            }
+            None => (model.loss(&tokens)?, 0),
+        };
+        opt.f_zero_grad(true)?;
+        loss.f_backward()?;
+        opt.f_step()?;
+        last = (loss.double_value(&[]), saved);
+    }
+    Ok(last)
 }

@@ -8,7 +8,9 @@
 //! `baseline`, the seed's failing `inplace_add` and `add_out`, `safe_residual`
 //! (memsave-inplace), `checkpoint` plans (memsave-checkpoint), `autocast` and
 //! `grad_scaler` (memsave-amp's autocast and `GradScaler`), `accumulate`
-//! (memsave-accum's `GradAccumulator`) and named combinations of them. Each technique
+//! (memsave-accum's `GradAccumulator`), `compress` and `offload` (memsave-hooks'
+//! `Compress`, `DiskOffload` and `SaveOnCpu`, which also report `offloaded_bytes` and
+//! `compressed_saved_bytes`) and named combinations of them. Each technique
 //! runs through the public API of its crate, the API a user would call.
 //!
 //! Modules: [`suite`] (the YAML format, its limits and its validation, errors at
@@ -60,6 +62,7 @@ pub mod optimizer;
 pub mod plot;
 pub mod report;
 pub mod runner;
+mod saved;
 pub mod step;
 pub mod strategies;
 pub mod suite;
@@ -72,7 +75,7 @@ pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SC
 pub use runner::{
     run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,
 };
-pub use strategies::{PlanChoice, ResidualUpdate, StepConfig};
+pub use strategies::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, OptimizerKind, OptimizerSpec,
     ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite, SuiteError, Technique,

@@ -180,6 +180,18 @@ pub struct CaseResult {
     /// with `optimizer:`.
     #[serde(default)]
     pub optimizer_state_bytes: Option<u64>,
+    /// Bytes written to the offload store (or copied to host memory) by an `offload`
+    /// strategy in the last measured step.
+    #[serde(default)]
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes saved by a `compress` strategy's codec in the last measured step
+    /// (original minus stored, scales included).
+    #[serde(default)]
+    pub compressed_saved_bytes: Option<u64>,
+    /// Relative L2 error of all parameter gradients against the model's baseline,
+    /// `|g - g_base| / |g_base|`, when they were compared.
+    #[serde(default)]
+    pub grad_rel_l2: Option<f64>,
 }
 
 impl CaseResult {
@@ -201,6 +213,9 @@ impl CaseResult {
             trace: Vec::new(),
             peak_phase: None,
             optimizer_state_bytes: None,
+            offloaded_bytes: None,
+            compressed_saved_bytes: None,
+            grad_rel_l2: None,
         }
     }
 
@@ -305,12 +320,15 @@ impl Report {
             "retained",
             "time",
             "×base",
+            "offloaded",
+            "compressed",
+            "rel L2",
             "grad diff",
             "peak at",
             "opt state",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 11]> = Vec::new();
+        let mut rows: Vec<[String; 14]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -324,6 +342,11 @@ impl Report {
                 case.step_time_s
                     .map_or_else(dash, |t| format_seconds(t.median)),
                 time_ratio.map_or_else(dash, |r| format!("{r:.2}x")),
+                case.offloaded_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
+                case.compressed_saved_bytes
+                    .map_or_else(dash, |b| Bytes(b).to_string()),
+                case.grad_rel_l2.map_or_else(dash, format_diff),
                 match (case.grad_max_abs_diff, case.grad_diverged) {
                     (_, true) => "diverged".to_owned(),
                     (Some(d), false) => format_diff(d),

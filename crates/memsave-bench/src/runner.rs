@@ -10,7 +10,7 @@ use crate::message::one_line;
 use crate::models::Model;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
-use crate::step::{f_grads, f_step, f_step_with, max_abs_diff};
+use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
 use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
 use memsave_amp::GradScaler;
@@ -364,6 +364,9 @@ fn measure_case(
         trace: last.trace,
         peak_phase: Some(last.peak_phase),
         optimizer_state_bytes: optimizer.as_ref().map(CaseOptimizer::state_bytes),
+        offloaded_bytes: last.offloaded_bytes,
+        compressed_saved_bytes: last.compressed_saved_bytes,
+        grad_rel_l2: None,
     };
     if optimizer.is_some() {
         // The step freed the gradients: nothing to compare.
@@ -375,6 +378,7 @@ fn measure_case(
         }
         if let Some(r) = reference.as_ref() {
             case.set_grad_diff(max_abs_diff(&grads, r));
+            case.grad_rel_l2 = Some(rel_l2_diff(&grads, r)).filter(|d| d.is_finite());
         }
     }
     Ok(case)

@@ -10,6 +10,7 @@
 use crate::models::{self, Model};
 use crate::optimizer::CaseOptimizer;
 use crate::report::{PeakPhase, TraceEntry};
+use crate::saved::{SavedBytes, StepHooks};
 use crate::strategies::StepConfig;
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
@@ -34,6 +35,10 @@ pub struct StepMeasurement {
     pub trace: Vec<TraceEntry>,
     /// The phase during which the allocation reached `peak_bytes`.
     pub peak_phase: PeakPhase,
+    /// Bytes the strategy's offload hooks wrote to their store or host memory.
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes the strategy's compression hooks saved.
+    pub compressed_saved_bytes: Option<u64>,
 }
 
 /// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
@@ -78,94 +83,113 @@ pub fn f_step_with(
     } else {
         x.shallow_clone()
     };
+    // Compression and offload pass the parameters and the input through: both stay
+    // alive anyway.
+    let hooks = match &config.saved {
+        Some(choice) => {
+            let mut held: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+            held.push(input.shallow_clone());
+            Some(StepHooks::new(choice, &held)?)
+        }
+        None => None,
+    };
     let mut trace = Vec::new();
-    let (result, m) = measure(device, |_| -> Result<(u64, f64, PeakPhase), String> {
-        let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
-        synchronize(device);
-        let t0 = Instant::now();
-        let mut retained = 0;
-        let phases = PhaseTracker::new(device);
-        // The forward and the loss of one pass; the output is returned so the caller
-        // holds it until its backward has finished, as a Python variable would be.
-        let mut forward = |xin: &Tensor, trace_this: bool| -> Result<(Tensor, Tensor), String> {
-            let _autocast = config
-                .autocast
-                .map(|kind| AutocastGuard::new(device, kind))
-                .transpose()
-                .map_err(|e| e.to_string())?;
-            if trace_this {
-                model.ctx.start_trace();
-            }
-            let out = model.seq.f_forward(xin);
-            if trace_this {
-                trace = model.ctx.stop_trace();
-            }
-            let out = out.map_err(|e| e.to_string())?;
-            let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
-            retained = retained.max(now.saturating_sub(start));
-            let loss = models::loss(&out).map_err(|e| e.to_string())?;
-            phases.ended(PeakPhase::Forward)?;
-            Ok((out, loss))
-        };
-        match config.micro_batches {
-            None => {
-                let (out, loss) = forward(&input, record_trace)?;
-                match scaler.as_deref_mut() {
-                    Some(scaler) => {
-                        let scaled = scaler.f_scale(&loss).map_err(|e| e.to_string())?;
-                        scaled.f_backward().map_err(|e| e.to_string())?;
+    let (result, m) = measure(
+        device,
+        |_| -> Result<(u64, f64, PeakPhase, SavedBytes), String> {
+            let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
+            synchronize(device);
+            let t0 = Instant::now();
+            let mut retained = 0;
+            let phases = PhaseTracker::new(device);
+            // The forward and the loss of one pass; the output is returned so the caller
+            // holds it until its backward has finished, as a Python variable would be.
+            let mut forward =
+                |xin: &Tensor, trace_this: bool| -> Result<(Tensor, Tensor), String> {
+                    let _autocast = config
+                        .autocast
+                        .map(|kind| AutocastGuard::new(device, kind))
+                        .transpose()
+                        .map_err(|e| e.to_string())?;
+                    if trace_this {
+                        model.ctx.start_trace();
                     }
-                    None => loss.f_backward().map_err(|e| e.to_string())?,
-                }
-                drop(loss);
-                drop(out);
-                phases.ended(PeakPhase::Backward)?;
-            }
-            Some(count) => {
-                let batch = *input
-                    .size()
-                    .first()
-                    .ok_or("the input has no batch dimension")?;
-                let mut held: Option<Tensor> = None;
-                GradAccumulator::with_split(Split::Count(count))
-                    .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
-                        // The previous micro-batch's output, alive until its backward ended.
-                        held = None;
-                        if mb.index > 0 {
-                            phases.ended(PeakPhase::Backward)?;
+                    let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
+                    let out = model.seq.f_forward(xin);
+                    if let Some(guard) = hooks_guard {
+                        guard.exit().map_err(|e| e.to_string())?;
+                    }
+                    if trace_this {
+                        trace = model.ctx.stop_trace();
+                    }
+                    let out = out.map_err(|e| e.to_string())?;
+                    let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
+                    retained = retained.max(now.saturating_sub(start));
+                    let loss = models::loss(&out).map_err(|e| e.to_string())?;
+                    phases.ended(PeakPhase::Forward)?;
+                    Ok((out, loss))
+                };
+            match config.micro_batches {
+                None => {
+                    let (out, loss) = forward(&input, record_trace)?;
+                    match scaler.as_deref_mut() {
+                        Some(scaler) => {
+                            let scaled = scaler.f_scale(&loss).map_err(|e| e.to_string())?;
+                            scaled.f_backward().map_err(|e| e.to_string())?;
                         }
-                        let xin = mb.f_narrow(&input).map_err(|e| e.to_string())?;
-                        let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
-                        held = Some(out);
-                        Ok::<_, String>(loss)
-                    })
-                    .map_err(|e| e.to_string())?;
-                drop(held);
-                phases.ended(PeakPhase::Backward)?;
+                        None => loss.f_backward().map_err(|e| e.to_string())?,
+                    }
+                    drop(loss);
+                    drop(out);
+                    phases.ended(PeakPhase::Backward)?;
+                }
+                Some(count) => {
+                    let batch = *input
+                        .size()
+                        .first()
+                        .ok_or("the input has no batch dimension")?;
+                    let mut held: Option<Tensor> = None;
+                    GradAccumulator::with_split(Split::Count(count))
+                        .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
+                            // The previous micro-batch's output, alive until its backward ended.
+                            held = None;
+                            if mb.index > 0 {
+                                phases.ended(PeakPhase::Backward)?;
+                            }
+                            let xin = mb.f_narrow(&input).map_err(|e| e.to_string())?;
+                            let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
+                            held = Some(out);
+                            Ok::<_, String>(loss)
+                        })
+                        .map_err(|e| e.to_string())?;
+                    drop(held);
+                    phases.ended(PeakPhase::Backward)?;
+                }
             }
-        }
-        match (optimizer.as_deref_mut(), scaler) {
-            (Some(optimizer), scaler) => {
-                optimizer.step(scaler)?;
-                phases.ended(PeakPhase::Optimizer)?;
+            match (optimizer.as_deref_mut(), scaler) {
+                (Some(optimizer), scaler) => {
+                    optimizer.step(scaler)?;
+                    phases.ended(PeakPhase::Optimizer)?;
+                }
+                (None, Some(scaler)) => {
+                    scaler
+                        .f_unscale_params_(&params)
+                        .map_err(|e| e.to_string())?;
+                    scaler.f_update().map_err(|e| e.to_string())?;
+                }
+                (None, None) => {}
             }
-            (None, Some(scaler)) => {
-                scaler
-                    .f_unscale_params_(&params)
-                    .map_err(|e| e.to_string())?;
-                scaler.f_update().map_err(|e| e.to_string())?;
-            }
-            (None, None) => {}
-        }
-        synchronize(device);
-        Ok((
-            retained,
-            t0.elapsed().as_secs_f64(),
-            phases.peak_phase.get(),
-        ))
-    });
+            synchronize(device);
+            let time_s = t0.elapsed().as_secs_f64();
+            let saved = match &hooks {
+                Some(hooks) => hooks.finish()?,
+                None => SavedBytes::default(),
+            };
+            Ok((retained, time_s, phases.peak_phase.get(), saved))
+        },
+    );
     release_step_leftovers(&input, config);
-    let (retained, time_s, peak_phase) = result?;
+    let (retained, time_s, peak_phase, saved) = result?;
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,
         peak_bytes: m.peak_bytes,
@@ -173,6 +197,8 @@ pub fn f_step_with(
         time_s,
         trace,
         peak_phase,
+        offloaded_bytes: saved.offloaded_bytes,
+        compressed_saved_bytes: saved.compressed_saved_bytes,
     })
 }
 
@@ -248,4 +274,20 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         .flat_map(|(x, y)| x.iter().zip(y))
         .map(|(x, y)| f64::from((x - y).abs()))
         .fold(0.0, |max, d| if d.is_nan() { f64::NAN } else { max.max(d) })
+}
+
+/// The relative L2 error of `a` against the reference `b`, over all gradients
+/// together: `|a - b| / |b|` (0 when both are zero, NaN when any value is NaN).
+pub fn rel_l2_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y)) {
+        let (x, y) = (f64::from(*x), f64::from(*y));
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    if num == 0.0 {
+        0.0
+    } else {
+        (num / den).sqrt()
+    }
 }

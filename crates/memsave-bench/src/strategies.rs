@@ -1,7 +1,9 @@
 //! What a strategy changes in a training step: the residual update, the checkpoint
 //! plan, autocast, micro-batching and loss scaling, resolved from the suite's
 //! techniques.
-use crate::suite::{CheckpointSpec, OptimizerSpec, StrategySpec, Technique};
+use crate::suite::{
+    CheckpointSpec, CompressDtype, OffloadSpec, OptimizerSpec, StrategySpec, Technique,
+};
 use memsave_amp::GradScalerConfig;
 use memsave_checkpoint::Plan;
 use tch::Kind;
@@ -37,8 +39,17 @@ pub enum PlanChoice {
     Budget(u64),
 }
 
+/// What the forward's saved-tensor hooks do with saved activations, if anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SavedTensors {
+    /// Stored smaller by `memsave_hooks::Compress`.
+    Compress(CompressDtype),
+    /// Offloaded by `memsave_hooks::DiskOffload` or `memsave_hooks::SaveOnCpu`.
+    Offload(OffloadSpec),
+}
+
 /// Everything a measured step needs to know about a strategy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepConfig {
     /// The residual update of every block.
     pub residual: ResidualUpdate,
@@ -52,6 +63,8 @@ pub struct StepConfig {
     pub scaler: Option<GradScalerConfig>,
     /// The optimizer stepped inside the measured step, if any.
     pub optimizer: Option<OptimizerSpec>,
+    /// Saved-tensor hooks around the forward, if any.
+    pub saved: Option<SavedTensors>,
 }
 
 impl StepConfig {
@@ -64,6 +77,7 @@ impl StepConfig {
             micro_batches: None,
             scaler: None,
             optimizer: None,
+            saved: None,
         }
     }
 
@@ -89,6 +103,10 @@ impl StepConfig {
                     config.micro_batches = Some(*micro_batches)
                 }
                 Technique::GradScaler(spec) => config.scaler = Some(spec.config()),
+                Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
+                Technique::Offload(spec) => {
+                    config.saved = Some(SavedTensors::Offload(spec.clone()))
+                }
                 Technique::Optimizer(spec) => config.optimizer = Some(*spec),
             }
         }

@@ -393,3 +393,46 @@ strategies:
     );
     assert!(error.contains("memory"), "{error}");
 }
+
+#[test]
+fn offload_is_bitwise_and_compression_reports_its_bytes_and_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "suite: saved
+warmup: 0
+repeats: 1
+models:
+  - {{name: m, kind: residual_linear, layers: 4, hidden: 64, batch: [32]}}
+strategies:
+  - baseline
+  - offload: {{to: disk, dir: {dir}}}
+  - compress: {{dtype: int8}}
+  - offload: {{to: disk, dir: {dir}/missing}}
+",
+        dir = dir.path().display()
+    );
+    let suite = Suite::from_yaml(&yaml, "saved.yaml").unwrap();
+    let report = run_suite(&suite, &RunOptions::default()).unwrap();
+    let activation = 32 * 64 * 4;
+    let offload = &report.cases[1];
+    assert_eq!(offload.status, Status::Ok, "{:?}", offload.error);
+    assert_eq!(offload.grad_max_abs_diff, Some(0.0));
+    assert_eq!(offload.grad_rel_l2, Some(0.0));
+    // At most the three later layer inputs are written (the first is the suite's input,
+    // held anyway); one that backward needed before the writer reached it is not.
+    assert!(offload.offloaded_bytes.unwrap() <= 3 * activation);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    let int8 = &report.cases[2];
+    assert_eq!(int8.status, Status::Ok, "{:?}", int8.error);
+    // Three inputs of 2,048 values: 1 byte each plus one f32 scale per 1,024.
+    assert_eq!(
+        int8.compressed_saved_bytes,
+        Some(3 * (activation - (2048 + 2 * 4)))
+    );
+    let rel = int8.grad_rel_l2.unwrap();
+    assert!(rel > 0.0 && rel < 3e-2, "{rel}");
+    let missing = &report.cases[3];
+    assert_eq!(missing.status, Status::Error);
+    let error = missing.error.as_deref().unwrap();
+    assert!(error.contains("missing: cannot be used"), "{error}");
+}

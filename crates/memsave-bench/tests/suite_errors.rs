@@ -518,3 +518,42 @@ fn parsing_keeps_no_state_between_parses() {
     // Names are unique per suite, not per thread: duplicates still fail inside one.
     assert_error(&with_strategy("baseline"), "6:5", "duplicate strategy name");
 }
+
+#[test]
+fn compress_and_offload_parse_combine_and_reject_bad_arguments() {
+    let yaml = format!(
+        "{BASE}  - compress: {{dtype: int8}}\n  - offload: {{to: disk, dir: /tmp/x}}\n  - offload: {{to: cpu}}\n  - {{name: c3, with: [{{checkpoint: {{segments: 2}}}}, {{compress: {{dtype: bf16}}}}]}}\n"
+    );
+    let suite = Suite::from_yaml(&yaml, "t.yaml").unwrap();
+    let names: Vec<&str> = suite.strategies.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "baseline",
+            "compress(dtype=int8)",
+            "offload(to=disk, dir=/tmp/x)",
+            "offload(to=cpu)",
+            "c3"
+        ]
+    );
+    assert_error(
+        &with_strategy("compress: {dtype: int4}"),
+        "6:5",
+        "compress: unknown dtype 'int4', expected one of bf16, fp16, fp8, int8",
+    );
+    assert_error(
+        &with_strategy("offload: {to: gpu}"),
+        "6:5",
+        "offload: unknown target 'gpu', expected disk or cpu",
+    );
+    assert_error(
+        &with_strategy("offload: {to: cpu, dir: /tmp}"),
+        "6:5",
+        "dir is for {to: disk} only",
+    );
+    assert_error(
+        &with_strategy("{with: [{compress: {dtype: int8}}, {offload: {to: disk}}]}"),
+        "6:5",
+        "only one saved-tensor hook",
+    );
+}

@@ -24,3 +24,26 @@ impl From<memsave_sys::Error> for HooksError {
         }
     }
 }
+
+/// Why an offload store cannot take, or did not take, saved tensors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadError {
+    /// The directory is missing, not a directory, or does not take files.
+    #[error("offload directory {}: {reason}", dir.display())]
+    Dir {
+        /// The directory given.
+        dir: std::path::PathBuf,
+        /// What is wrong with it (the system's message).
+        reason: String,
+    },
+    /// Writes failed during the forward; those tensors were kept in memory.
+    #[error("offload directory {}: {count} saved tensor(s) could not be written and were kept in memory ({reason})", dir.display())]
+    KeptInMemory {
+        /// The store's directory.
+        dir: std::path::PathBuf,
+        /// Tensors kept in memory.
+        count: u64,
+        /// The first failure (the system's message, naming the file).
+        reason: String,
+    },
+}

@@ -7,7 +7,10 @@
 //! [`HooksGuard`] lives), each tensor autograd saves on this thread goes through your
 //! [`SavedTensorHooks::pack`], and backward gets it back through
 //! [`SavedTensorHooks::unpack`]. Built-ins: [`SaveOnCpu`] keeps CUDA activations in host
-//! memory, [`Accounting`] tells which ops keep your memory.
+//! memory, [`Accounting`] tells which ops keep your memory, [`Compress`] stores saved
+//! activations as bf16, fp16, fp8 or int8 (a [`Codec`]), and [`DiskOffload`] keeps them
+//! in files until backward. The packing built-ins leave parameters and the tensors you
+//! name alone ([`PassThrough`]): packing what stays alive anyway only adds bytes.
 //!
 //! ```
 //! use memsave_hooks::{saved_tensors_hooks, Accounting};
@@ -29,11 +32,19 @@
 #![forbid(unsafe_code)]
 
 mod accounting;
+mod codec;
+mod compress;
 mod error;
+mod offload;
+mod pass_through;
 mod save_on_cpu;
 mod scope;
 
 pub use accounting::{Accounting, SavedRecord};
-pub use error::{HookError, HooksError};
+pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
+pub use compress::{Compress, CompressStats, Compressed};
+pub use error::{HookError, HooksError, OffloadError};
+pub use offload::{DiskOffload, OffloadStats, Offloaded, DEFAULT_MAX_IN_FLIGHT_BYTES};
+pub use pass_through::PassThrough;
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
 pub use scope::{hooks_from_fn, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks};

@@ -1,6 +1,9 @@
 //! `SaveOnCpu`: keep saved CUDA activations in host memory until backward.
 use crate::error::HookError;
+use crate::pass_through::PassThrough;
 use crate::scope::SavedTensorHooks;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use tch::{Device, Tensor};
 
 /// Moves each saved tensor that lives on an accelerator to host memory (pinned, so the
@@ -8,17 +11,25 @@ use tch::{Device, Tensor};
 ///
 /// Tensors already on the CPU are kept as they are: on a CPU-only machine this is a
 /// no-op that costs nothing. Gradients are bitwise equal to the baseline's: the copy
-/// is exact. The device memory is freed only when nothing else holds the tensor; a
-/// parameter saved by an op stays on the device (and is copied needlessly, as in
-/// PyTorch) unless you keep parameters out with a scope that covers activations only.
-#[derive(Debug, Clone, Copy)]
+/// is exact. The device memory is freed only when nothing else holds the tensor, so
+/// parameters (and their views) and the tensors given to
+/// [`excluding`](Self::excluding) stay on the device uncopied (see [`PassThrough`]),
+/// where PyTorch's `save_on_cpu` copies the weights too. Clones share
+/// [`offloaded_bytes`](Self::offloaded_bytes).
+#[derive(Debug, Clone)]
 pub struct SaveOnCpu {
     pin_memory: bool,
+    pass: PassThrough,
+    offloaded_bytes: Arc<AtomicU64>,
 }
 
 impl Default for SaveOnCpu {
     fn default() -> Self {
-        Self { pin_memory: true }
+        Self {
+            pin_memory: true,
+            pass: PassThrough::new(),
+            offloaded_bytes: Arc::default(),
+        }
     }
 }
 
@@ -34,6 +45,17 @@ impl SaveOnCpu {
         self.pin_memory = pin;
         self
     }
+
+    /// Also keeps tensors sharing data with `tensors` on the device (inputs you hold).
+    pub fn excluding(mut self, tensors: &[Tensor]) -> Self {
+        self.pass = self.pass.excluding(tensors);
+        self
+    }
+
+    /// Bytes copied to host memory so far.
+    pub fn offloaded_bytes(&self) -> u64 {
+        self.offloaded_bytes.load(Ordering::Relaxed)
+    }
 }
 
 /// A saved tensor kept by [`SaveOnCpu`]: where it came from and the host copy.
@@ -48,13 +70,17 @@ impl SavedTensorHooks for SaveOnCpu {
 
     fn pack(&self, tensor: &Tensor) -> Result<OnCpu, HookError> {
         let device = tensor.device();
-        if device == Device::Cpu {
+        if device == Device::Cpu || self.pass.contains(tensor)? {
             return Ok(OnCpu {
                 device,
                 tensor: tensor.shallow_clone(),
             });
         }
         let host = tensor.f_to_device(Device::Cpu)?;
+        self.offloaded_bytes.fetch_add(
+            (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64,
+            Ordering::Relaxed,
+        );
         let host = if self.pin_memory {
             host.f_pin_memory(device)?
         } else {
@@ -67,7 +93,7 @@ impl SavedTensorHooks for SaveOnCpu {
     }
 
     fn unpack(&self, packed: &OnCpu) -> Result<Tensor, HookError> {
-        if packed.device == Device::Cpu {
+        if packed.tensor.device() == packed.device {
             return Ok(packed.tensor.shallow_clone());
         }
         Ok(packed.tensor.f_to_device(packed.device)?)

@@ -40,6 +40,15 @@ int ms_tensor_base_use_count(const at::Tensor* t, int64_t* out) {
   MS_TRY({ *out = t->is_view() ? static_cast<int64_t>(t->_base().use_count()) : -1; })
 }
 
+// True when `t` is a view whose base is a leaf that requires grad: a parameter seen
+// through `t()`, `view` or `expand`, which stays alive as long as the parameter does.
+int ms_tensor_is_view_of_grad_leaf(const at::Tensor* t, bool* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = t->is_view() && t->_base().is_leaf() && t->_base().requires_grad();
+  })
+}
+
 // How a backward-differentiable view was created: torch::autograd::CreationMeta as its
 // number (0 DEFAULT, 1 IN_CUSTOM_FUNCTION, 2 MULTI_OUTPUT_NODE, 3 NO_GRAD_MODE,
 // 4 INFERENCE_MODE), or -1 for any other tensor. libtorch refuses an in-place write that

@@ -37,6 +37,15 @@ pub fn is_view(t: &Tensor) -> Result<bool> {
     Ok(out)
 }
 
+/// True when the tensor is a view of a leaf that requires grad (a parameter seen
+/// through `t()`, as a linear layer saves its weight): it lives as long as the leaf.
+pub fn is_view_of_grad_leaf(t: &Tensor) -> Result<bool> {
+    let mut out = false;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_is_view_of_grad_leaf(t.as_ptr(), &mut out) })?;
+    Ok(out)
+}
+
 /// For a view, the number of handles to its base `TensorImpl` (1: only the view holds
 /// it); `None` when the tensor is not a view.
 pub fn base_use_count(t: &Tensor) -> Result<Option<u64>> {

@@ -31,6 +31,8 @@
 //!   - checkpoint: {segments: 3}        # or {every_layer: true}, {nested: true}, {budget: 60MiB}
 //!   - autocast: {dtype: bf16}          # or fp16
 //!   - accumulate: {micro_batches: 4}   # memsave-accum's GradAccumulator
+//!   - compress: {dtype: int8}          # or bf16, fp16, fp8: memsave-hooks' Compress
+//!   - offload: {to: disk}              # or {to: disk, dir: PATH}, {to: cpu}
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
 //!   - optimizer: {kind: adamw, state: int8, in_backward: true, placement: device}
@@ -62,6 +64,13 @@
 //! step) or `grad_scaler` (the inf check needs every gradient before the first
 //! update); such a strategy is reported unavailable with the reason.
 //!
+//! `compress` and `offload` wrap the forward in memsave-hooks' saved-tensor hooks
+//! (`Compress`, `DiskOffload`, `SaveOnCpu`), made fresh for each step; the parameters
+//! and the step's input pass through untouched. They are one kind: a strategy applies
+//! at most one of them. `offload: {to: disk}` writes to `dir:`, which must exist, or
+//! else to `memsave-offload` in the system's temporary directory (created); a write
+//! that fails makes the case an error naming the directory.
+//!
 //! # Limits
 //!
 //! So that a typo cannot build a model for minutes before the first case runs, a
@@ -82,7 +91,9 @@ pub use model::{
     MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
 };
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
-pub use strategy::{CheckpointSpec, ScalerSpec, StrategySpec, Technique};
+pub use strategy::{
+    CheckpointSpec, CompressDtype, OffloadSpec, ScalerSpec, StrategySpec, Technique,
+};
 
 use std::path::Path;
 

@@ -69,6 +69,80 @@ impl ScalerSpec {
     }
 }
 
+/// What a `compress:` entry asks for: the codec saved activations are stored with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompressDtype {
+    /// `bf16`.
+    Bf16,
+    /// `fp16`.
+    Fp16,
+    /// `fp8`: e4m3 with a per-block scale.
+    Fp8,
+    /// `int8`: blockwise absmax.
+    Int8,
+}
+
+impl CompressDtype {
+    /// The name as written in a suite.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CompressDtype::Bf16 => "bf16",
+            CompressDtype::Fp16 => "fp16",
+            CompressDtype::Fp8 => "fp8",
+            CompressDtype::Int8 => "int8",
+        }
+    }
+}
+
+/// Where an `offload:` entry keeps saved activations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OffloadSpec {
+    /// `{to: disk}`, optionally `dir: PATH` (default: a `memsave-offload` folder in the
+    /// system's temporary directory, created if missing).
+    Disk {
+        /// `dir:` as written.
+        dir: Option<String>,
+    },
+    /// `{to: cpu}`: CUDA activations in pinned host memory (nothing to do on the CPU).
+    Cpu,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompressArgs {
+    dtype: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OffloadArgs {
+    to: String,
+    dir: Option<String>,
+}
+
+fn compress_args<E: de::Error>(args: CompressArgs) -> Result<CompressDtype, E> {
+    match args.dtype.as_str() {
+        "bf16" => Ok(CompressDtype::Bf16),
+        "fp16" => Ok(CompressDtype::Fp16),
+        "fp8" => Ok(CompressDtype::Fp8),
+        "int8" => Ok(CompressDtype::Int8),
+        other => Err(E::custom(format!(
+            "compress: unknown dtype '{other}', expected one of bf16, fp16, fp8, int8"
+        ))),
+    }
+}
+
+fn offload_args<E: de::Error>(args: OffloadArgs) -> Result<OffloadSpec, E> {
+    match (args.to.as_str(), args.dir) {
+        ("disk", dir) => Ok(OffloadSpec::Disk { dir }),
+        ("cpu", None) => Ok(OffloadSpec::Cpu),
+        ("cpu", Some(_)) => Err(E::custom("offload: dir is for {to: disk} only")),
+        (other, _) => Err(E::custom(format!(
+            "offload: unknown target '{other}', expected disk or cpu"
+        ))),
+    }
+}
+
 /// One memory-saving technique.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Technique {
@@ -96,6 +170,11 @@ pub enum Technique {
     GradScaler(ScalerSpec),
     /// A `memsave-optim` optimizer stepped inside the measured step.
     Optimizer(OptimizerSpec),
+    /// Saved activations stored smaller (`memsave_hooks::Compress`).
+    Compress(CompressDtype),
+    /// Saved activations kept on disk or in host memory until backward
+    /// (`memsave_hooks::DiskOffload`, `memsave_hooks::SaveOnCpu`).
+    Offload(OffloadSpec),
 }
 
 impl Technique {
@@ -125,6 +204,12 @@ impl Technique {
                 args => format!("grad_scaler({})", args.join(", ")),
             },
             Technique::Optimizer(spec) => format!("optimizer({})", spec.args().join(", ")),
+            Technique::Compress(dtype) => format!("compress(dtype={})", dtype.as_str()),
+            Technique::Offload(OffloadSpec::Disk { dir: None }) => "offload(to=disk)".into(),
+            Technique::Offload(OffloadSpec::Disk { dir: Some(dir) }) => {
+                format!("offload(to=disk, dir={dir})")
+            }
+            Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
         }
     }
 
@@ -140,6 +225,9 @@ impl Technique {
             Technique::Accumulate { .. } => "accumulate",
             Technique::GradScaler(_) => "grad_scaler",
             Technique::Optimizer(_) => "optimizer",
+            Technique::Compress(_) | Technique::Offload(_) => {
+                "saved-tensor hook (compress, offload)"
+            }
         }
     }
 }
@@ -265,12 +353,14 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 5] = [
+const WITH_ARGS: [&str; 7] = [
     "checkpoint",
     "autocast",
     "accumulate",
     "grad_scaler",
     "optimizer",
+    "compress",
+    "offload",
 ];
 
 fn plain_technique<E: de::Error>(name: &str) -> Result<Technique, E> {
@@ -293,6 +383,8 @@ fn example_args(name: &str) -> &'static str {
         "checkpoint" => "{segments: 3}",
         "autocast" => "{dtype: bf16}",
         "optimizer" => "{kind: adamw}",
+        "compress" => "{dtype: int8}",
+        "offload" => "{to: disk}",
         _ => "{micro_batches: 4}",
     }
 }
@@ -318,6 +410,8 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         },
         "grad_scaler" => Technique::GradScaler(map.next_value::<ScalerArgs>()?.0),
         "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
+        "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
+        "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
         _ if PLAIN.contains(&key) => {
             return Err(de::Error::custom(format!(
                 "'{key}' takes no arguments: write it as a plain list item"

@@ -1,0 +1,95 @@
+//! The saved-tensor hooks of a `compress:` or `offload:` strategy, made fresh for each
+//! step, and what they report after it.
+use crate::strategies::SavedTensors;
+use crate::suite::{CompressDtype, OffloadSpec};
+use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
+use std::path::PathBuf;
+use tch::Tensor;
+
+/// The hooks of one step.
+pub(crate) enum StepHooks {
+    Compress(Compress),
+    Disk(DiskOffload),
+    Cpu(SaveOnCpu),
+}
+
+/// What the hooks moved or shrank during a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SavedBytes {
+    /// Bytes written to the offload store (disk) or copied to host memory (cpu).
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes that compression saved (original minus stored, scales included).
+    pub compressed_saved_bytes: Option<u64>,
+}
+
+/// The codec of a suite's `compress: {dtype}`.
+pub(crate) fn codec(dtype: CompressDtype) -> Codec {
+    match dtype {
+        CompressDtype::Bf16 => Codec::Bf16,
+        CompressDtype::Fp16 => Codec::Fp16,
+        CompressDtype::Fp8 => Codec::fp8(),
+        CompressDtype::Int8 => Codec::int8(),
+    }
+}
+
+/// The default store: `memsave-offload` in the system's temporary directory.
+fn default_dir() -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join("memsave-offload");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("offload directory {}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+impl StepHooks {
+    /// Hooks for `choice` that pass `held` through (parameters and the step's input).
+    pub fn new(choice: &SavedTensors, held: &[Tensor]) -> Result<Self, String> {
+        Ok(match choice {
+            SavedTensors::Compress(dtype) => {
+                StepHooks::Compress(Compress::new(codec(*dtype)).excluding(held))
+            }
+            SavedTensors::Offload(OffloadSpec::Disk { dir }) => {
+                let dir = match dir {
+                    Some(dir) => PathBuf::from(dir),
+                    None => default_dir()?,
+                };
+                let store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                StepHooks::Disk(store.excluding(held))
+            }
+            SavedTensors::Offload(OffloadSpec::Cpu) => {
+                StepHooks::Cpu(SaveOnCpu::new().excluding(held))
+            }
+        })
+    }
+
+    /// Makes these hooks handle what the calling thread saves until the guard exits.
+    pub fn enter(&self) -> Result<HooksGuard, String> {
+        match self {
+            StepHooks::Compress(h) => HooksGuard::new(h.clone()),
+            StepHooks::Disk(h) => HooksGuard::new(h.clone()),
+            StepHooks::Cpu(h) => HooksGuard::new(h.clone()),
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    /// After the step: the bytes moved or shrunk; `Err` (naming the directory) when an
+    /// offload write failed and tensors stayed in memory.
+    pub fn finish(&self) -> Result<SavedBytes, String> {
+        Ok(match self {
+            StepHooks::Compress(h) => SavedBytes {
+                offloaded_bytes: None,
+                compressed_saved_bytes: Some(h.stats().saved_bytes()),
+            },
+            StepHooks::Disk(h) => {
+                h.flush().map_err(|e| e.to_string())?;
+                SavedBytes {
+                    offloaded_bytes: Some(h.stats().written_bytes),
+                    compressed_saved_bytes: None,
+                }
+            }
+            StepHooks::Cpu(h) => SavedBytes {
+                offloaded_bytes: Some(h.offloaded_bytes()),
+                compressed_saved_bytes: None,
+            },
+        })
+    }
+}

@@ -1,0 +1,149 @@
+//! `Compress`: saved activations stored smaller by a [`Codec`] until backward.
+use crate::codec::{Codec, Encoded};
+use crate::error::HookError;
+use crate::pass_through::PassThrough;
+use crate::scope::SavedTensorHooks;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tch::Tensor;
+
+/// Saved-tensor hooks that store every saved floating-point activation with a
+/// [`Codec`] (bf16, fp16, fp8 e4m3 or int8 blockwise) and restore its dtype in
+/// backward (ActNN's idea, without the 2-bit kernels).
+///
+/// Parameters and the tensors given to [`excluding`](Self::excluding) pass through
+/// untouched (see [`PassThrough`]: compressing a tensor that stays alive adds bytes),
+/// as do the tensors the codec does not take (see [`Codec`]). Gradients are
+/// approximate: each saved value carries the codec's error, and the gradient error
+/// grows with depth. The stored form is freed when backward has used it.
+///
+/// Clones share their [`CompressStats`]; read them on the original after the forward.
+///
+/// ```
+/// use memsave_hooks::{saved_tensors_hooks, Codec, Compress};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let w = Tensor::randn([256, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let x = Tensor::randn([64, 256], (Kind::Float, Device::Cpu));
+/// let int8 = Compress::new(Codec::int8()).excluding(&[x.shallow_clone()]);
+/// let loss = saved_tensors_hooks(int8.clone(), || x.matmul(&w).tanh().sum(Kind::Float)).unwrap();
+/// // tanh saved its 64 x 256 f32 output as int8 plus one f32 scale per 1,024 values;
+/// // mm saved only the caller's x (for w's gradient), passed through.
+/// let stats = int8.stats();
+/// assert_eq!((stats.tensors, stats.passed_through), (1, 1));
+/// assert_eq!(stats.original_bytes, 64 * 256 * 4);
+/// assert_eq!(stats.stored_bytes, 64 * 256 + 16 * 4);
+/// loss.backward();
+/// assert!(w.grad().defined());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Compress {
+    codec: Codec,
+    pass: PassThrough,
+    stats: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    tensors: AtomicU64,
+    passed_through: AtomicU64,
+    original_bytes: AtomicU64,
+    stored_bytes: AtomicU64,
+}
+
+/// What [`Compress`] packed so far (all packs since it was made, freed or not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompressStats {
+    /// Tensors stored by the codec.
+    pub tensors: u64,
+    /// Tensors kept as they were (parameters, excluded, not taken by the codec).
+    pub passed_through: u64,
+    /// Bytes of the compressed tensors as they were.
+    pub original_bytes: u64,
+    /// Bytes of their stored form, scales included.
+    pub stored_bytes: u64,
+}
+
+impl CompressStats {
+    /// Bytes that compression saved: `original_bytes - stored_bytes`.
+    pub fn saved_bytes(&self) -> u64 {
+        self.original_bytes.saturating_sub(self.stored_bytes)
+    }
+}
+
+/// A tensor packed by [`Compress`]: kept as it was, or its stored form.
+#[derive(Debug)]
+pub enum Compressed {
+    /// Passed through untouched.
+    Kept(Tensor),
+    /// Stored by the codec.
+    Encoded(Encoded),
+}
+
+impl Compress {
+    /// Hooks storing saved activations with `codec`; parameters pass through.
+    pub fn new(codec: Codec) -> Self {
+        Self {
+            codec,
+            pass: PassThrough::new(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Also passes through tensors sharing data with `tensors` (inputs you hold,
+    /// parameters' views).
+    pub fn excluding(mut self, tensors: &[Tensor]) -> Self {
+        self.pass = self.pass.excluding(tensors);
+        self
+    }
+
+    /// The codec.
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    /// What was packed so far.
+    pub fn stats(&self) -> CompressStats {
+        let c = &self.stats;
+        CompressStats {
+            tensors: c.tensors.load(Ordering::Relaxed),
+            passed_through: c.passed_through.load(Ordering::Relaxed),
+            original_bytes: c.original_bytes.load(Ordering::Relaxed),
+            stored_bytes: c.stored_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl SavedTensorHooks for Compress {
+    type Packed = Compressed;
+
+    fn pack(&self, tensor: &Tensor) -> Result<Compressed, HookError> {
+        let encoded = if self.pass.contains(tensor)? {
+            None
+        } else {
+            self.codec.f_encode(tensor)?
+        };
+        let c = &self.stats;
+        Ok(match encoded {
+            None => {
+                c.passed_through.fetch_add(1, Ordering::Relaxed);
+                Compressed::Kept(tensor.shallow_clone())
+            }
+            Some(e) => {
+                c.tensors.fetch_add(1, Ordering::Relaxed);
+                c.original_bytes
+                    .fetch_add(e.original_bytes(), Ordering::Relaxed);
+                c.stored_bytes
+                    .fetch_add(e.stored_bytes(), Ordering::Relaxed);
+                Compressed::Encoded(e)
+            }
+        })
+    }
+
+    fn unpack(&self, packed: &Compressed) -> Result<Tensor, HookError> {
+        Ok(match packed {
+            Compressed::Kept(t) => t.shallow_clone(),
+            Compressed::Encoded(e) => e.f_decode()?,
+        })
+    }
+}

@@ -1,0 +1,474 @@
+//! `DiskOffload`: saved activations written to files by a background thread and read
+//! back, ahead of need, in backward.
+use super::file::{self, Layout};
+use crate::error::{HookError, OffloadError};
+use crate::pass_through::PassThrough;
+use crate::scope::SavedTensorHooks;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use tch::Tensor;
+
+/// Bytes that may wait for the writer by default: 16 MiB (at least one tensor always
+/// may, however large).
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 16 << 20;
+
+/// Saved-tensor hooks that keep saved activations in files of a directory you choose,
+/// on any device (torchtune's activation offloading, to disk).
+///
+/// - **Forward.** `pack` hands the tensor to a background writer thread and returns;
+///   the tensor's memory is freed as soon as it is written and nothing else holds it.
+///   At most [`max_in_flight_bytes`](Self::max_in_flight_bytes) wait for the writer:
+///   beyond that `pack` waits, so the forward never holds more than that in unwritten
+///   activations.
+/// - **Backward.** `unpack` reads the file back (or takes the tensor still waiting
+///   for the writer) and asks the same thread to read the next
+///   [`prefetch`](Self::prefetch) files ahead, newest first, the order in which
+///   backward needs them (LIFO).
+/// - **Exact.** Bytes go to disk and back unchanged: gradients are bitwise equal to
+///   the baseline's. Each file carries a CRC-32; a file truncated or changed before
+///   backward makes backward return `Err` naming it, never a wrong gradient.
+/// - **Cleanup.** A file is removed when autograd frees the saved tensor (after its
+///   backward, or when the graph is dropped): after backward the directory holds
+///   nothing of this store.
+/// - **Bad directory.** [`new`](Self::new) checks that the directory exists and takes
+///   files. A write that fails later (disk full, directory removed) keeps that tensor
+///   in memory instead, so nothing is lost, and [`flush`](Self::flush) returns the
+///   error once, naming the directory.
+///
+/// Parameters and the tensors given to [`excluding`](Self::excluding) are not written
+/// (see [`PassThrough`]). Trap: a directory on a RAM-backed file system (`tmpfs`, often
+/// `/tmp`) only moves the bytes to another part of memory.
+///
+/// ```
+/// use memsave_hooks::{saved_tensors_hooks, DiskOffload};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let dir = std::env::temp_dir().join(format!("memsave-doc-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir).unwrap();
+/// let w = Tensor::randn([64, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu));
+/// let store = DiskOffload::new(&dir).unwrap().excluding(&[x.shallow_clone()]);
+/// let loss = saved_tensors_hooks(store.clone(), || x.mm(&w).tanh().sum(Kind::Float)).unwrap();
+/// store.flush().unwrap();
+/// assert_eq!(store.stats().written_bytes, 32 * 64 * 4); // tanh's output
+/// loss.backward();
+/// assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+/// std::fs::remove_dir(&dir).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct DiskOffload {
+    store: Arc<Store>,
+    pass: PassThrough,
+    prefetch: usize,
+    max_in_flight_bytes: u64,
+}
+
+/// What [`DiskOffload`] did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OffloadStats {
+    /// Tensors written to the store.
+    pub tensors_written: u64,
+    /// Bytes written to the store.
+    pub written_bytes: u64,
+    /// Tensors kept in memory because their write failed.
+    pub kept_in_memory: u64,
+    /// Bytes read back from the store.
+    pub read_bytes: u64,
+}
+
+/// The directory, the writer's queue and what is in flight; shared by clones.
+struct Store {
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the store's files and the worker thread share.
+struct Shared {
+    dir: PathBuf,
+    prefix: String,
+    next_id: AtomicU64,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    in_flight_bytes: u64,
+    live: BTreeMap<u64, Weak<Entry>>,
+    stats: OffloadStats,
+    failure: Option<(u64, String)>,
+    failure_reported: bool,
+}
+
+enum Job {
+    Write(Arc<Entry>),
+    Read(Arc<Entry>),
+}
+
+/// One offloaded tensor: its file and where its bytes are now.
+struct Entry {
+    id: u64,
+    path: PathBuf,
+    layout: Layout,
+    slot: Mutex<Slot>,
+    shared: Arc<Shared>,
+}
+
+/// Where an entry's bytes are. The worker holds the entry's lock while it writes or
+/// reads the file, so an unpack or a drop that needs the entry waits for it.
+enum Slot {
+    /// Waiting for the writer (which frees it once written).
+    Queued(Tensor),
+    /// On disk only.
+    Written { crc: u32 },
+    /// On disk, a read-ahead queued.
+    Loading { crc: u32 },
+    /// Read ahead, waiting for its unpack.
+    Prefetched { crc: u32, tensor: Tensor },
+    /// The write failed: kept in memory.
+    InMemory(Tensor),
+    /// Autograd freed it; its file is removed.
+    Freed,
+}
+
+/// A tensor packed by [`DiskOffload`]: kept as it was, or in the store.
+pub struct Offloaded(Packed);
+
+enum Packed {
+    Kept(Tensor),
+    Stored(Arc<Entry>),
+}
+
+impl std::fmt::Debug for Offloaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Packed::Kept(_) => f.write_str("Offloaded::Kept"),
+            Packed::Stored(e) => write!(f, "Offloaded::Stored({})", e.path.display()),
+        }
+    }
+}
+
+impl std::fmt::Debug for DiskOffload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskOffload")
+            .field("dir", &self.store.shared.dir)
+            .field("prefetch", &self.prefetch)
+            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl DiskOffload {
+    /// A store in `dir`, which must exist and take new files (checked now by writing
+    /// and removing a probe file); the error names the directory.
+    pub fn new(dir: impl AsRef<Path>) -> Result<Self, OffloadError> {
+        let dir = dir.as_ref().to_path_buf();
+        let bad = |reason: String| OffloadError::Dir {
+            dir: dir.clone(),
+            reason,
+        };
+        let meta = std::fs::metadata(&dir).map_err(|e| bad(format!("cannot be used: {e}")))?;
+        if !meta.is_dir() {
+            return Err(bad("is not a directory".into()));
+        }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let prefix = format!("memsave-{}-{nanos:x}", std::process::id());
+        let probe = dir.join(format!("{prefix}-probe"));
+        std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
+        std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
+        let shared = Arc::new(Shared {
+            dir: dir.clone(),
+            prefix,
+            next_id: AtomicU64::new(0),
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+        });
+        let (tx, rx) = channel::<Job>();
+        let worker_shared = Arc::clone(&shared);
+        let worker = std::thread::Builder::new()
+            .name("memsave-offload".into())
+            .spawn(move || {
+                let _no_grad = tch::no_grad_guard();
+                for job in rx {
+                    match job {
+                        Job::Write(entry) => worker_shared.write(entry),
+                        Job::Read(entry) => worker_shared.read_ahead(entry),
+                    }
+                }
+            })
+            .map_err(|e| bad(format!("cannot start its writer thread: {e}")))?;
+        Ok(Self {
+            store: Arc::new(Store {
+                shared,
+                jobs: Mutex::new(Some(tx)),
+                worker: Mutex::new(Some(worker)),
+            }),
+            pass: PassThrough::new(),
+            prefetch: 1,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
+        })
+    }
+
+    /// Also leaves tensors sharing data with `tensors` in memory (inputs you hold,
+    /// parameters' views); see [`PassThrough`].
+    pub fn excluding(mut self, tensors: &[Tensor]) -> Self {
+        self.pass = self.pass.excluding(tensors);
+        self
+    }
+
+    /// How many files backward reads ahead of the one it needs (default 1; 0: none).
+    /// Each costs one tensor's memory during backward.
+    pub fn prefetch(mut self, count: usize) -> Self {
+        self.prefetch = count;
+        self
+    }
+
+    /// At most this many bytes wait for the writer (default
+    /// [`DEFAULT_MAX_IN_FLIGHT_BYTES`]); a larger tensor waits alone.
+    pub fn max_in_flight_bytes(mut self, bytes: u64) -> Self {
+        self.max_in_flight_bytes = bytes;
+        self
+    }
+
+    /// The store's directory.
+    pub fn dir(&self) -> &Path {
+        &self.store.shared.dir
+    }
+
+    /// What the store did so far.
+    pub fn stats(&self) -> OffloadStats {
+        lock(&self.store.shared.state).stats
+    }
+
+    /// Waits until every tensor packed so far is written (or kept in memory); `Err`
+    /// naming the directory if a write failed since the last `Err`, said once.
+    pub fn flush(&self) -> Result<(), OffloadError> {
+        let shared = &self.store.shared;
+        let mut state = lock(&shared.state);
+        while state.in_flight_bytes > 0 {
+            state = shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        match (&state.failure, state.failure_reported) {
+            (Some((count, reason)), false) => {
+                let err = OffloadError::KeptInMemory {
+                    dir: shared.dir.clone(),
+                    count: *count,
+                    reason: reason.clone(),
+                };
+                state.failure_reported = true;
+                Err(err)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn send(&self, job: Job) -> bool {
+        match lock(&self.store.jobs).as_ref() {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Marks the next `prefetch` written entries below `id` (newest first) as loading
+    /// and queues their reads.
+    fn read_ahead_of(&self, id: u64) {
+        if self.prefetch == 0 {
+            return;
+        }
+        let candidates: Vec<Arc<Entry>> = {
+            let state = lock(&self.store.shared.state);
+            state
+                .live
+                .range(..id)
+                .rev()
+                .filter_map(|(_, e)| e.upgrade())
+                .take(self.prefetch)
+                .collect()
+        };
+        for entry in candidates {
+            let mut slot = lock(&entry.slot);
+            if let Slot::Written { crc } = *slot {
+                *slot = Slot::Loading { crc };
+                drop(slot);
+                if !self.send(Job::Read(Arc::clone(&entry))) {
+                    *lock(&entry.slot) = Slot::Written { crc };
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Writes a queued entry (the lock held throughout), then lets the next pack go.
+    fn write(&self, entry: Arc<Entry>) {
+        let bytes = entry.layout.bytes;
+        {
+            let mut slot = lock(&entry.slot);
+            let Slot::Queued(tensor) = &*slot else {
+                drop(slot);
+                return self.release(bytes);
+            };
+            match file::write(&entry.path, tensor) {
+                Ok(crc) => {
+                    *slot = Slot::Written { crc };
+                    let mut state = lock(&self.state);
+                    state.stats.tensors_written += 1;
+                    state.stats.written_bytes += bytes;
+                }
+                Err(reason) => {
+                    let _ = std::fs::remove_file(&entry.path);
+                    let tensor = tensor.shallow_clone();
+                    *slot = Slot::InMemory(tensor);
+                    let mut state = lock(&self.state);
+                    state.stats.kept_in_memory += 1;
+                    let count = state.failure.as_ref().map_or(0, |(n, _)| *n) + 1;
+                    let first = state.failure.take().map_or(reason, |(_, r)| r);
+                    state.failure = Some((count, first));
+                }
+            }
+        }
+        drop(entry);
+        self.release(bytes);
+    }
+
+    fn release(&self, bytes: u64) {
+        let mut state = lock(&self.state);
+        state.in_flight_bytes = state.in_flight_bytes.saturating_sub(bytes);
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Reads an entry ahead of its unpack, unless the unpack came first.
+    fn read_ahead(&self, entry: Arc<Entry>) {
+        let mut slot = lock(&entry.slot);
+        let Slot::Loading { crc } = *slot else {
+            return;
+        };
+        // A failed read-ahead is retried, and reported, by the unpack.
+        *slot = match file::read(&entry.path, &entry.layout, crc) {
+            Ok(tensor) => {
+                lock(&self.state).stats.read_bytes += entry.layout.bytes;
+                Slot::Prefetched { crc, tensor }
+            }
+            Err(_) => Slot::Written { crc },
+        };
+    }
+}
+
+impl Drop for Offloaded {
+    fn drop(&mut self) {
+        if let Packed::Stored(entry) = &self.0 {
+            let mut slot = lock(&entry.slot);
+            if !matches!(*slot, Slot::InMemory(_) | Slot::Queued(_)) {
+                let _ = std::fs::remove_file(&entry.path);
+            }
+            *slot = Slot::Freed;
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        lock(&self.shared.state).live.remove(&self.id);
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        lock(&self.jobs).take();
+        if let Some(worker) = lock(&self.worker).take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+impl SavedTensorHooks for DiskOffload {
+    type Packed = Offloaded;
+
+    fn pack(&self, tensor: &Tensor) -> Result<Offloaded, HookError> {
+        if self.pass.contains(tensor)? {
+            return Ok(Offloaded(Packed::Kept(tensor.shallow_clone())));
+        }
+        let tensor = if tensor.is_contiguous() {
+            tensor.detach()
+        } else {
+            tensor.f_contiguous()?.detach()
+        };
+        let layout = Layout::of(&tensor);
+        let shared = &self.store.shared;
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Arc::new(Entry {
+            id,
+            path: shared.dir.join(format!("{}-{id}.bin", shared.prefix)),
+            layout,
+            slot: Mutex::new(Slot::Queued(tensor.shallow_clone())),
+            shared: Arc::clone(shared),
+        });
+        {
+            let mut state = lock(&shared.state);
+            while state.in_flight_bytes > 0
+                && state.in_flight_bytes + entry.layout.bytes > self.max_in_flight_bytes
+            {
+                state = shared
+                    .changed
+                    .wait(state)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+            state.in_flight_bytes += entry.layout.bytes;
+            state.live.insert(id, Arc::downgrade(&entry));
+        }
+        if !self.send(Job::Write(Arc::clone(&entry))) {
+            *lock(&entry.slot) = Slot::InMemory(tensor);
+            shared.release(entry.layout.bytes);
+        }
+        Ok(Offloaded(Packed::Stored(entry)))
+    }
+
+    fn unpack(&self, packed: &Offloaded) -> Result<Tensor, HookError> {
+        let entry = match &packed.0 {
+            Packed::Kept(t) => return Ok(t.shallow_clone()),
+            Packed::Stored(entry) => entry,
+        };
+        let crc = {
+            let mut slot = lock(&entry.slot);
+            match &*slot {
+                Slot::Queued(t) | Slot::InMemory(t) => return Ok(t.shallow_clone()),
+                Slot::Freed => return Err("the offloaded tensor was already freed".into()),
+                // The read-ahead has not started: read it here, the worker will skip it.
+                Slot::Written { crc } | Slot::Loading { crc } => {
+                    let crc = *crc;
+                    *slot = Slot::Written { crc };
+                    crc
+                }
+                Slot::Prefetched { crc, .. } => {
+                    let crc = *crc;
+                    let taken = std::mem::replace(&mut *slot, Slot::Written { crc });
+                    drop(slot);
+                    self.read_ahead_of(entry.id);
+                    if let Slot::Prefetched { tensor, .. } = taken {
+                        return Ok(tensor);
+                    }
+                    crc
+                }
+            }
+        };
+        self.read_ahead_of(entry.id);
+        let tensor = file::read(&entry.path, &entry.layout, crc)?;
+        lock(&self.store.shared.state).stats.read_bytes += entry.layout.bytes;
+        Ok(tensor)
+    }
+}
