@@ -62,6 +62,7 @@ pub mod runner;
 pub mod step;
 pub mod strategies;
 pub mod suite;
+pub mod trace;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
@@ -76,3 +77,4 @@ pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ScalerSpec, Size, StrategySpec,
     Suite, SuiteError, Technique,
 };
+pub use trace::{trace_case, TraceCaseError, TracedCase};

@@ -32,6 +32,31 @@ pub struct StepMeasurement {
     pub trace: Vec<TraceEntry>,
 }
 
+/// A point of a step that [`f_step_observed`] tells its observer about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepEvent {
+    /// A forward (of the step, or of a micro-batch) begins.
+    Forward,
+    /// The model's forward ended: where `retained_after_forward_bytes` is read.
+    ForwardDone,
+    /// The loss is computed and backward begins.
+    Backward,
+    /// The scaler's unscale and update (the optimizer's part of the step) begin.
+    Optimizer,
+}
+
+/// Follows the parts of a step, e.g. to record its memory by phase (`memsave trace`).
+pub trait StepObserver {
+    /// The step reached `event`.
+    fn step_event(&self, event: StepEvent);
+}
+
+struct Unobserved;
+
+impl StepObserver for Unobserved {
+    fn step_event(&self, _: StepEvent) {}
+}
+
 /// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
 ///
 /// The model's residual update and checkpoint plan must already be set. A strategy
@@ -47,7 +72,20 @@ pub fn f_step(
     config: &StepConfig,
     device: Device,
     record_trace: bool,
+    scaler: Option<&mut GradScaler>,
+) -> Result<StepMeasurement, String> {
+    f_step_observed(model, x, config, device, record_trace, scaler, &Unobserved)
+}
+
+/// [`f_step`], telling `observer` when each part of the step begins.
+pub fn f_step_observed(
+    model: &Model,
+    x: &Tensor,
+    config: &StepConfig,
+    device: Device,
+    record_trace: bool,
     mut scaler: Option<&mut GradScaler>,
+    observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
     let params = model.params();
     free_grads(&params).map_err(|e| e.to_string())?;
@@ -72,6 +110,7 @@ pub fn f_step(
                 .map(|kind| AutocastGuard::new(device, kind))
                 .transpose()
                 .map_err(|e| e.to_string())?;
+            observer.step_event(StepEvent::Forward);
             if trace_this {
                 model.ctx.start_trace();
             }
@@ -82,7 +121,9 @@ pub fn f_step(
             let out = out.map_err(|e| e.to_string())?;
             let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
             retained = retained.max(now.saturating_sub(start));
+            observer.step_event(StepEvent::ForwardDone);
             let loss = models::loss(&out).map_err(|e| e.to_string())?;
+            observer.step_event(StepEvent::Backward);
             Ok((out, loss))
         };
         match config.micro_batches {
@@ -118,6 +159,7 @@ pub fn f_step(
             }
         }
         if let Some(scaler) = scaler {
+            observer.step_event(StepEvent::Optimizer);
             scaler
                 .f_unscale_params_(&params)
                 .map_err(|e| e.to_string())?;
