@@ -40,13 +40,14 @@ struct Counters {
   int64_t current = 0;
   int64_t peak = 0;
   int64_t limit = -1;  // -1: no limit
+  int64_t pending = 0;  // bytes being allocated right now, reserved against the limit
   // The opt-in event recorder: off, it costs one bool test under the lock already held.
   bool recording = false;
   std::vector<MsAllocEvent> events;
 
-  // Called with `mu` held, after `current` changed by `bytes`.
-  void record(void* ptr, int64_t bytes) {
-    if (recording) events.push_back({reinterpret_cast<uint64_t>(ptr), bytes, current, now_ns()});
+  // Called with `mu` held; `after` is `current` once the event has happened.
+  void record(void* ptr, int64_t bytes, int64_t after) {
+    if (recording) events.push_back({reinterpret_cast<uint64_t>(ptr), bytes, after, now_ns()});
   }
 };
 
@@ -64,9 +65,10 @@ void counting_delete(void* ptr) noexcept {
     std::lock_guard<std::mutex> guard(c.mu);
     auto it = c.live.find(ptr);
     if (it != c.live.end()) {
-      c.current -= static_cast<int64_t>(it->second);
-      c.record(ptr, -static_cast<int64_t>(it->second));
+      const auto bytes = static_cast<int64_t>(it->second);
+      c.current -= bytes;
       c.live.erase(it);
+      c.record(ptr, -bytes, c.current);
     }
   } catch (...) {
   }
@@ -78,37 +80,43 @@ struct CountingAllocator final : c10::Allocator {
     auto& c = counters();
     const auto n = static_cast<int64_t>(nbytes);
     {
+      // Reserve against the limit; the counter itself moves only once the memory is
+      // there, in the same critical section as the recorder's event.
       std::lock_guard<std::mutex> guard(c.mu);
-      if (c.limit >= 0 && c.current + n > c.limit) {
+      if (c.limit >= 0 && c.current + c.pending + n > c.limit) {
         TORCH_CHECK_WITH(OutOfMemoryError, false, "memsave: CPU out of memory: tried to allocate ", nbytes,
                          " bytes with ", c.current, " bytes allocated and a memory limit of ", c.limit,
                          " bytes (set_memory_limit)");
       }
-      c.current += n;
-      c.peak = std::max(c.peak, c.current);
+      c.pending += n;
     }
     void* ptr = nullptr;
     try {
       ptr = c10::alloc_cpu(nbytes);
     } catch (...) {
       std::lock_guard<std::mutex> guard(c.mu);
-      c.current -= n;
+      c.pending -= n;
       throw;
     }
     if (ptr == nullptr) {
       std::lock_guard<std::mutex> guard(c.mu);
-      c.current -= n;
+      c.pending -= n;
     } else {
       try {
         std::lock_guard<std::mutex> guard(c.mu);
+        c.pending -= n;
         c.live.emplace(ptr, nbytes);
-        c.record(ptr, n);
-      } catch (...) {
-        // Not tracked: give the memory back and undo the count rather than leak it.
-        {
-          std::lock_guard<std::mutex> guard(c.mu);
-          c.current -= n;
+        try {
+          c.record(ptr, n, c.current + n);
+        } catch (...) {
+          c.live.erase(ptr);
+          throw;
         }
+        c.current += n;
+        c.peak = std::max(c.peak, c.current);
+      } catch (...) {
+        // Not tracked: give the memory back rather than leak it (the counter moved
+        // only after a successful emplace, so there is nothing to undo).
         c10::free_cpu(ptr);
         throw;
       }

@@ -167,8 +167,8 @@ impl Recorder {
         shared.roles(&self.parameters, Category::Parameter);
         shared.roles(&self.inputs, Category::Input);
         shared.roles(&self.optimizer_state, Category::OptimizerState);
-        let grads: Vec<Tensor> = self.parameters.iter().map(Tensor::grad).collect();
-        shared.roles(&grads, Category::Gradient);
+        // Not held past the note: the step may free them (zero_grad with set_to_none).
+        shared.roles(&self.grads(), Category::Gradient);
         let grad_hooks = self.grad_hooks(&shared);
         let session = Session {
             shared: shared.clone(),
@@ -178,13 +178,16 @@ impl Recorder {
         };
         let value = saved_tensors_hooks(hooks, || step(&session));
         drop(grad_hooks);
-        let grads: Vec<Tensor> = self.parameters.iter().map(Tensor::grad).collect();
-        shared.roles(&grads, Category::Gradient);
+        shared.roles(&self.grads(), Category::Gradient);
         drop(stop);
         let events = alloc::stop_recording();
         let value = value?;
         let notes = std::mem::take(&mut shared.lock().notes);
         Ok((value, Trace::build(self.device, events, notes)))
+    }
+
+    fn grads(&self) -> Vec<Tensor> {
+        self.parameters.iter().map(Tensor::grad).collect()
     }
 
     /// A post-accumulate-grad hook per parameter that notes its `.grad` when backward

@@ -52,28 +52,34 @@ struct SegmentBlock {
     frames: Vec<Frame>,
 }
 
-/// Innermost first, as PyTorch lists frames: the role (category and op), then the
-/// mark and the phase of the allocation.
+/// Innermost first, as PyTorch lists frames: the role (category and op), the
+/// producer of a saved tensor, then the mark and the phase of the allocation.
 fn frames(block: &Block) -> Vec<Frame> {
     let role = match block.op() {
         Some(op) => format!("{} {op}", block.category),
         None => block.category.to_string(),
     };
-    vec![
-        Frame {
-            filename: format!("memsave:{}", block.category),
+    let mut frames = vec![Frame {
+        filename: format!("memsave:{}", block.category),
+        line: 0,
+        name: role,
+    }];
+    if let Some(producer) = &block.producer {
+        frames.push(Frame {
+            filename: "producer".to_owned(),
             line: 0,
-            name: role,
-        },
-        Frame {
-            filename: format!("phase:{}", block.phase),
-            line: 0,
-            name: block
-                .mark
-                .as_deref()
-                .map_or_else(|| "no mark".to_owned(), |m| format!("mark: {m}")),
-        },
-    ]
+            name: format!("tensor from {producer}"),
+        });
+    }
+    frames.push(Frame {
+        filename: format!("phase:{}", block.phase),
+        line: 0,
+        name: block
+            .mark
+            .as_deref()
+            .map_or_else(|| "no mark".to_owned(), |m| format!("mark: {m}")),
+    });
+    frames
 }
 
 impl Trace {

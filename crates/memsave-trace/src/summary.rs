@@ -71,7 +71,10 @@ impl Trace {
             entry.1 += 1;
         }
         if !by_op.is_empty() {
-            let _ = writeln!(out, "  saved activations at the peak, by producing op:");
+            let _ = writeln!(
+                out,
+                "  saved activations at the peak, by the op that saved them:"
+            );
             for (op, (bytes, count)) in &by_op {
                 let _ = writeln!(
                     out,
@@ -98,7 +101,7 @@ impl Trace {
 }
 
 /// `12.00 MiB  saved_activation  AddmmBackward0  [layer 3]`
-pub(crate) fn describe(b: &Block) -> String {
+fn describe(b: &Block) -> String {
     format!(
         "{:>12}  {:<16}  {:<20}  {}",
         Bytes(b.bytes).to_string(),

@@ -30,10 +30,10 @@ pub struct Block {
 }
 
 impl Block {
-    /// The op a person would name for this storage: the producer of a saved
-    /// activation, else the op that saved it, else nothing.
+    /// The op that keeps this storage: for a saved activation, the aten op that saved
+    /// it for its backward node (`aten::addmm` for `AddmmBackward0`).
     pub fn op(&self) -> Option<&str> {
-        self.producer.as_deref().or(self.saved_by.as_deref())
+        self.saved_by.as_deref()
     }
 }
 
