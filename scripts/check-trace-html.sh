@@ -32,7 +32,7 @@ grep -q "default-src 'none'" "$page" || die "$page has no Content-Security-Polic
 url="file://$PWD/$page"
 flags=(--headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking
        --disable-component-update --disable-sync --disable-default-apps)
-"$browser" "${flags[@]}" --log-net-log="$out/netlog.json" --dump-dom "$url" >"$out/dom.html" 2>"$out/chromium.log" \
+"$browser" "${flags[@]}" --enable-logging=stderr --log-net-log="$out/netlog.json" --dump-dom "$url" >"$out/dom.html" 2>"$out/chromium.log" \
     || die "chromium failed to render $page (see $out/chromium.log)"
 
 grep -q '<svg id="timeline"' "$out/dom.html" || die "the DOM has no timeline svg"
@@ -44,10 +44,17 @@ rows="$(grep -o '<tr>' "$out/dom.html" | wc -l)"
 (( rows >= 11 )) || die "the top-tensors table has $((rows - 1)) rows, expected 10"
 grep -q 'saved_activation' "$out/dom.html" || die "no saved_activation in the page"
 
-# Every request Chromium made for the page: only the file itself, nothing over a network.
+# Requests the page made, from Chromium's net log: the browser's own background traffic
+# (update checks, time sync) has no initiator ("not an origin"); a request from the
+# page has the page's origin as initiator ("null" for a file, or file://...).
 [[ -s "$out/netlog.json" ]] || die "chromium wrote no net log"
-if grep -Eo '"url":"(https?|wss?|ftp)://[^"]*"' "$out/netlog.json"; then
+grep -q 'seed-trace.html' "$out/netlog.json" || die "the net log does not show the page being loaded"
+if grep -E '"initiator":"(null|file:[^"]*)"' "$out/netlog.json" | grep -Eo '"url":"[a-z]+://[^"]*"' | grep -v '"url":"file://'; then
     die "the page made network requests (above)"
+fi
+# And nothing the Content-Security-Policy had to refuse.
+if grep -E "Refused to|Content Security Policy" "$out/chromium.log"; then
+    die "the page tried to load something (above)"
 fi
 
 "$browser" "${flags[@]}" --hide-scrollbars --window-size=1040,1100 \

@@ -97,7 +97,11 @@ impl Trace {
              viewBox=\"0 0 {WIDTH} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"11\">\n\
              <rect width=\"{WIDTH}\" height=\"{HEIGHT}\" fill=\"white\"/>\n"
         );
-        let timeline = self.timeline();
+        // The storages live at the start enter the stream one event each; the plot
+        // starts from the state they add up to.
+        let first = self.initial_events.saturating_sub(1);
+        let timeline = &self.timeline()[first..];
+        let events = &self.events[first..];
         let n = timeline.len();
         let peak = self.peak_bytes().max(1);
         let plot_w = WIDTH - LEFT - RIGHT;
@@ -107,10 +111,8 @@ impl Trace {
         // Phase bands.
         let mut start = 0;
         while start < n {
-            let phase = self.events[start].phase;
-            let end = (start..n)
-                .find(|&i| self.events[i].phase != phase)
-                .unwrap_or(n);
+            let phase = events[start].phase;
+            let end = (start..n).find(|&i| events[i].phase != phase).unwrap_or(n);
             let _ = write!(
                 svg,
                 "<rect class=\"phase\" x=\"{:.1}\" y=\"{TOP}\" width=\"{:.1}\" height=\"{plot_h}\" fill=\"{}\"><title>{phase}</title></rect>\n\
@@ -129,7 +131,7 @@ impl Trace {
             if timeline.iter().all(|t| t[c] == 0) {
                 continue;
             }
-            let above: Vec<u64> = below.iter().zip(&timeline).map(|(b, t)| b + t[c]).collect();
+            let above: Vec<u64> = below.iter().zip(timeline).map(|(b, t)| b + t[c]).collect();
             let mut points = String::new();
             for (i, &v) in above.iter().enumerate() {
                 let _ = write!(points, "{:.1},{:.1} ", x(i), y(v));
@@ -150,7 +152,7 @@ impl Trace {
             svg,
             "<line x1=\"{LEFT}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"#333\"/>\n\
              <line x1=\"{LEFT}\" y1=\"{TOP}\" x2=\"{LEFT}\" y2=\"{0}\" stroke=\"#333\"/>\n\
-             <text x=\"{2}\" y=\"{3}\" text-anchor=\"middle\">allocation events (in order)</text>\n",
+             <text x=\"{2}\" y=\"{3}\" text-anchor=\"middle\">allocations and frees during the step, in order</text>\n",
             TOP + plot_h,
             LEFT + plot_w,
             LEFT + plot_w / 2.0,
@@ -166,7 +168,7 @@ impl Trace {
                 Bytes(bytes)
             );
         }
-        if let Some(p) = self.peak_event() {
+        if let Some(p) = self.peak_event().map(|p| p.saturating_sub(first)) {
             let _ = write!(
                 svg,
                 "<line id=\"peak\" x1=\"{0:.1}\" y1=\"{TOP}\" x2=\"{0:.1}\" y2=\"{1}\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/>\n\
