@@ -63,6 +63,7 @@
 mod category;
 mod error;
 mod html;
+mod leak;
 mod recorder;
 mod snapshot;
 mod summary;
@@ -70,5 +71,6 @@ mod trace;
 
 pub use category::{Category, CategoryBytes, Phase};
 pub use error::TraceError;
+pub use leak::{detect_leak, LeakError, LeakTrace, LeftBehind};
 pub use recorder::{record, Recorder, Session};
 pub use trace::{Block, Event, Trace, TraceMark};

@@ -308,7 +308,7 @@ impl Trace {
             })
             .map(|(_, b)| b)
             .collect();
-        live.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        live.sort_by_key(|b| std::cmp::Reverse(b.bytes));
         live
     }
 
@@ -320,7 +320,7 @@ impl Trace {
             .iter()
             .filter(|b| b.free_event.is_none() && b.alloc_event.is_some_and(|a| a >= position))
             .collect();
-        left.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        left.sort_by_key(|b| std::cmp::Reverse(b.bytes));
         left
     }
 }
