@@ -259,7 +259,10 @@ impl SavedTensorHooks for SaveRecorder {
             producer,
             mark,
         });
-        Ok(tensor.shallow_clone())
+        // Detached: a saved output would otherwise hold its own grad_fn, a reference
+        // cycle that keeps a graph never run backward alive. Autograd restores the
+        // grad_fn when it unpacks; the storage and version counter are shared.
+        Ok(tensor.detach())
     }
 
     fn unpack(&self, packed: &Tensor) -> Result<Tensor, HookError> {
