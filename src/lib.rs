@@ -43,3 +43,4 @@ pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
 pub use memsave_optim as optim;
 pub use memsave_sys as sys;
+pub use memsave_trace as trace;

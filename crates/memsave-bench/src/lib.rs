@@ -66,6 +66,7 @@ mod saved;
 pub mod step;
 pub mod strategies;
 pub mod suite;
+pub mod trace;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
@@ -80,3 +81,4 @@ pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, OptimizerKind, OptimizerSpec,
     ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite, SuiteError, Technique,
 };
+pub use trace::{trace_case, TraceCaseError, TracedCase};

@@ -44,6 +44,9 @@ enum Command {
         /// A bundled suite to print.
         name: Option<String>,
     },
+    /// Record one case allocation by allocation: bytes by category (parameter,
+    /// gradient, saved_activation, ...), op and layer; HTML timeline, PyTorch snapshot.
+    Trace(TraceArgs),
     /// Validate a suite without running it.
     Check {
         /// The suite file (or the name of a bundled suite).
@@ -112,6 +115,30 @@ struct BenchArgs {
     memory_limit: Option<Bytes>,
 }
 
+#[derive(clap::Args)]
+struct TraceArgs {
+    /// The suite file, or the name of a bundled suite.
+    suite: String,
+    /// The model to trace (a name from the suite).
+    #[arg(long)]
+    model: String,
+    /// The strategy to trace (a name from the suite, e.g. 'checkpoint(segments=3)').
+    #[arg(long)]
+    strategy: String,
+    /// Write a self-contained HTML page: timeline by category, largest tensors at the peak.
+    #[arg(long, value_name = "PATH")]
+    html: Option<PathBuf>,
+    /// Write PyTorch's memory snapshot (pickle) for `python -m torch.cuda._memory_viz`.
+    #[arg(long, value_name = "PATH")]
+    snapshot: Option<PathBuf>,
+    /// Write the timeline alone as an SVG picture.
+    #[arg(long, value_name = "PATH")]
+    svg: Option<PathBuf>,
+    /// How many of the largest tensors live at the peak to list.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+}
+
 /// `--memory-limit`: a size, positive as in a suite's `memory_limit`.
 fn parse_memory_limit(text: &str) -> Result<Bytes, String> {
     let bytes: Bytes = text.parse().map_err(|e| format!("{e}"))?;
@@ -131,6 +158,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Suites { name } => suites(name.as_deref()),
         Command::Launch(args) => return launch(args),
+        Command::Trace(args) => trace(args),
         Command::Check { suite } => load(&suite).map(|s| {
             println!(
                 "{suite}: ok (suite {}, {} models, {} strategies)",
@@ -254,6 +282,47 @@ fn bench(args: BenchArgs) -> Result<()> {
     if let Some(dir) = &args.plot {
         let files = write_plots(&report, dir)?;
         eprintln!("wrote {} plots to {}", files.len(), dir.display());
+    }
+    Ok(())
+}
+
+fn trace(args: TraceArgs) -> Result<()> {
+    let suite = load(&args.suite)?;
+    for (flag, path) in [
+        ("--html", &args.html),
+        ("--snapshot", &args.snapshot),
+        ("--svg", &args.svg),
+    ] {
+        if let Some(path) = path {
+            check_writable_file(flag, path).map_err(invalid)?;
+        }
+    }
+    let case = match memsave_bench::trace_case(&suite, &args.model, &args.strategy) {
+        Err(
+            e @ (memsave_bench::TraceCaseError::UnknownModel { .. }
+            | memsave_bench::TraceCaseError::UnknownStrategy { .. }),
+        ) => return Err(invalid(format!("{}: {e}", args.suite))),
+        other => other?,
+    };
+    print!("{}", case.trace.summary(args.top));
+    if let Err(e) = &case.step {
+        println!("  the step failed: {e}");
+    }
+    let title = format!(
+        "memsave trace: {} / {} ({})",
+        args.model, args.strategy, suite.suite
+    );
+    if let Some(path) = &args.html {
+        write_atomic(path, case.trace.to_html(&title, args.top))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.snapshot {
+        write_atomic(path, case.trace.to_snapshot_pickle()?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        write_atomic(path, case.trace.timeline_svg())
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

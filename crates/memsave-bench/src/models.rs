@@ -15,13 +15,26 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
+/// Called with a block's index when the block starts (in the forward, and again when
+/// a checkpoint recomputes it in backward).
+pub type BlockObserver = Arc<dyn Fn(usize) + Send + Sync>;
+
 /// State the blocks of a model share with the runner.
-#[derive(Debug)]
 pub struct LayerContext {
     device: Device,
     residual: AtomicU8,
     recording: AtomicBool,
     trace: Mutex<Vec<TraceEntry>>,
+    on_block: Mutex<Option<BlockObserver>>,
+}
+
+impl std::fmt::Debug for LayerContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerContext")
+            .field("device", &self.device)
+            .field("residual", &self.residual_update())
+            .finish_non_exhaustive()
+    }
 }
 
 impl LayerContext {
@@ -31,7 +44,13 @@ impl LayerContext {
             residual: AtomicU8::new(0),
             recording: AtomicBool::new(false),
             trace: Mutex::new(Vec::new()),
+            on_block: Mutex::new(None),
         }
+    }
+
+    /// Sets (or, with `None`, removes) the observer told when each block starts.
+    pub fn set_block_observer(&self, observer: Option<BlockObserver>) {
+        *self.on_block.lock().unwrap_or_else(|p| p.into_inner()) = observer;
     }
 
     /// Sets the residual update every block uses from now on.
@@ -76,6 +95,14 @@ impl LayerContext {
 
     /// Runs block `index` on `x`, recording memory around it when a trace is on.
     fn block(&self, index: usize, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
+        let observer = self
+            .on_block
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(observer) = observer {
+            observer(index);
+        }
         if !self.recording.load(Ordering::Relaxed) {
             return f(x);
         }

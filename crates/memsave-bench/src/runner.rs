@@ -164,7 +164,8 @@ struct Settings {
     repeats: usize,
 }
 
-fn resolve_device(choice: DeviceChoice) -> Result<Device, RunError> {
+/// The device a suite's `device` setting names on this machine.
+pub fn resolve_device(choice: DeviceChoice) -> Result<Device, RunError> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Cuda if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
@@ -396,7 +397,7 @@ impl Drop for RestoreOnDrop {
 
 /// Sets the strategy's checkpoint plan; a budget is solved over a profile of the model
 /// on the step's (first micro-batch's) input, under the strategy's autocast.
-fn apply_plan(
+pub fn apply_plan(
     model: &mut Model,
     x: &Tensor,
     config: &StepConfig,

@@ -41,6 +41,32 @@ pub struct StepMeasurement {
     pub compressed_saved_bytes: Option<u64>,
 }
 
+/// A point of a step that [`f_step_observed`] tells its observer about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepEvent {
+    /// A forward (of the step, or of a micro-batch) begins.
+    Forward,
+    /// The model's forward ended: where `retained_after_forward_bytes` is read.
+    ForwardDone,
+    /// The loss is computed and backward begins.
+    Backward,
+    /// The optimizer's part of the step begins: the optimizer step after backward,
+    /// or the scaler's unscale and update.
+    Optimizer,
+}
+
+/// Follows the parts of a step, e.g. to record its memory by phase (`memsave trace`).
+pub trait StepObserver {
+    /// The step reached `event`.
+    fn step_event(&self, event: StepEvent);
+}
+
+struct Unobserved;
+
+impl StepObserver for Unobserved {
+    fn step_event(&self, _: StepEvent) {}
+}
+
 /// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
 ///
 /// The model's residual update and checkpoint plan must already be set. A strategy
@@ -58,7 +84,16 @@ pub fn f_step(
     record_trace: bool,
     scaler: Option<&mut GradScaler>,
 ) -> Result<StepMeasurement, String> {
-    f_step_with(model, x, config, device, record_trace, scaler, None)
+    f_step_observed(
+        model,
+        x,
+        config,
+        device,
+        record_trace,
+        scaler,
+        None,
+        &Unobserved,
+    )
 }
 
 /// [`f_step`] that also steps `optimizer` (the case's, for a strategy with
@@ -71,8 +106,32 @@ pub fn f_step_with(
     config: &StepConfig,
     device: Device,
     record_trace: bool,
+    scaler: Option<&mut GradScaler>,
+    optimizer: Option<&mut CaseOptimizer>,
+) -> Result<StepMeasurement, String> {
+    f_step_observed(
+        model,
+        x,
+        config,
+        device,
+        record_trace,
+        scaler,
+        optimizer,
+        &Unobserved,
+    )
+}
+
+/// [`f_step_with`], telling `observer` when each part of the step begins.
+#[allow(clippy::too_many_arguments)]
+pub fn f_step_observed(
+    model: &Model,
+    x: &Tensor,
+    config: &StepConfig,
+    device: Device,
+    record_trace: bool,
     mut scaler: Option<&mut GradScaler>,
     mut optimizer: Option<&mut CaseOptimizer>,
+    observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
     let params = model.params();
     free_grads(&params).map_err(|e| e.to_string())?;
@@ -111,6 +170,7 @@ pub fn f_step_with(
                         .map(|kind| AutocastGuard::new(device, kind))
                         .transpose()
                         .map_err(|e| e.to_string())?;
+                    observer.step_event(StepEvent::Forward);
                     if trace_this {
                         model.ctx.start_trace();
                     }
@@ -125,8 +185,10 @@ pub fn f_step_with(
                     let out = out.map_err(|e| e.to_string())?;
                     let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
                     retained = retained.max(now.saturating_sub(start));
+                    observer.step_event(StepEvent::ForwardDone);
                     let loss = models::loss(&out).map_err(|e| e.to_string())?;
                     phases.ended(PeakPhase::Forward)?;
+                    observer.step_event(StepEvent::Backward);
                     Ok((out, loss))
                 };
             match config.micro_batches {
@@ -168,10 +230,12 @@ pub fn f_step_with(
             }
             match (optimizer.as_deref_mut(), scaler) {
                 (Some(optimizer), scaler) => {
+                    observer.step_event(StepEvent::Optimizer);
                     optimizer.step(scaler)?;
                     phases.ended(PeakPhase::Optimizer)?;
                 }
                 (None, Some(scaler)) => {
+                    observer.step_event(StepEvent::Optimizer);
                     scaler
                         .f_unscale_params_(&params)
                         .map_err(|e| e.to_string())?;

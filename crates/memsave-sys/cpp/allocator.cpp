@@ -11,6 +11,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -18,12 +19,36 @@
 
 namespace {
 
+// One allocation or free seen while recording (see ms_cpu_trace_start); `bytes` is
+// negative for a free, `allocated_after` the counter right after it.
+struct MsAllocEvent {
+  uint64_t addr;
+  int64_t bytes;
+  int64_t allocated_after;
+  uint64_t time_ns;
+};
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
 struct Counters {
   std::mutex mu;
   std::unordered_map<void*, size_t> live;  // pointer -> bytes, for frees and the summary
   int64_t current = 0;
   int64_t peak = 0;
   int64_t limit = -1;  // -1: no limit
+  int64_t pending = 0;  // bytes being allocated right now, reserved against the limit
+  // The opt-in event recorder: off, it costs one bool test under the lock already held.
+  bool recording = false;
+  std::vector<MsAllocEvent> events;
+
+  // Called with `mu` held; `after` is `current` once the event has happened.
+  void record(void* ptr, int64_t bytes, int64_t after) {
+    if (recording) events.push_back({reinterpret_cast<uint64_t>(ptr), bytes, after, now_ns()});
+  }
 };
 
 // Leaked on purpose: storages can be freed during static destruction.
@@ -40,8 +65,10 @@ void counting_delete(void* ptr) noexcept {
     std::lock_guard<std::mutex> guard(c.mu);
     auto it = c.live.find(ptr);
     if (it != c.live.end()) {
-      c.current -= static_cast<int64_t>(it->second);
+      const auto bytes = static_cast<int64_t>(it->second);
+      c.current -= bytes;
       c.live.erase(it);
+      c.record(ptr, -bytes, c.current);
     }
   } catch (...) {
   }
@@ -53,36 +80,43 @@ struct CountingAllocator final : c10::Allocator {
     auto& c = counters();
     const auto n = static_cast<int64_t>(nbytes);
     {
+      // Reserve against the limit; the counter itself moves only once the memory is
+      // there, in the same critical section as the recorder's event.
       std::lock_guard<std::mutex> guard(c.mu);
-      if (c.limit >= 0 && c.current + n > c.limit) {
+      if (c.limit >= 0 && c.current + c.pending + n > c.limit) {
         TORCH_CHECK_WITH(OutOfMemoryError, false, "memsave: CPU out of memory: tried to allocate ", nbytes,
                          " bytes with ", c.current, " bytes allocated and a memory limit of ", c.limit,
                          " bytes (set_memory_limit)");
       }
-      c.current += n;
-      c.peak = std::max(c.peak, c.current);
+      c.pending += n;
     }
     void* ptr = nullptr;
     try {
       ptr = c10::alloc_cpu(nbytes);
     } catch (...) {
       std::lock_guard<std::mutex> guard(c.mu);
-      c.current -= n;
+      c.pending -= n;
       throw;
     }
     if (ptr == nullptr) {
       std::lock_guard<std::mutex> guard(c.mu);
-      c.current -= n;
+      c.pending -= n;
     } else {
       try {
         std::lock_guard<std::mutex> guard(c.mu);
+        c.pending -= n;
         c.live.emplace(ptr, nbytes);
-      } catch (...) {
-        // Not tracked: give the memory back and undo the count rather than leak it.
-        {
-          std::lock_guard<std::mutex> guard(c.mu);
-          c.current -= n;
+        try {
+          c.record(ptr, n, c.current + n);
+        } catch (...) {
+          c.live.erase(ptr);
+          throw;
         }
+        c.current += n;
+        c.peak = std::max(c.peak, c.current);
+      } catch (...) {
+        // Not tracked: give the memory back rather than leak it (the counter moved
+        // only after a successful emplace, so there is nothing to undo).
         c10::free_cpu(ptr);
         throw;
       }
@@ -189,6 +223,58 @@ int ms_cpu_largest_allocations(int64_t* out, size_t cap, size_t* written) {
                       std::greater<int64_t>());
     std::copy(sizes.begin(), sizes.begin() + static_cast<std::ptrdiff_t>(n), out);
     *written = n;
+  })
+}
+
+// Starts recording allocation events; `started` is false when a recording is already
+// on. The stream opens with one event per storage already live (time 0), so that
+// replaying it gives the counter at every event.
+int ms_cpu_trace_start(bool* started) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *started = !c.recording;
+    if (!*started) return 0;
+    c.events.clear();
+    c.events.reserve(c.live.size() + 4096);
+    int64_t running = 0;
+    for (const auto& entry : c.live) {
+      running += static_cast<int64_t>(entry.second);
+      c.events.push_back(
+          {reinterpret_cast<uint64_t>(entry.first), static_cast<int64_t>(entry.second), running, 0});
+    }
+    c.recording = true;
+  })
+}
+
+// How many events have been recorded so far: a position in the stream.
+int ms_cpu_trace_position(size_t* out) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    *out = c.events.size();
+  })
+}
+
+// Stops recording; `count` is the number of events to read with ms_cpu_trace_read.
+int ms_cpu_trace_stop(size_t* count) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    c.recording = false;
+    *count = c.events.size();
+  })
+}
+
+// Copies up to `cap` events of a stopped recording into `out`, then forgets them all.
+int ms_cpu_trace_read(MsAllocEvent* out, size_t cap, size_t* written) {
+  MS_TRY({
+    auto& c = counters();
+    std::lock_guard<std::mutex> guard(c.mu);
+    const size_t n = c.recording ? 0 : std::min(cap, c.events.size());
+    std::copy(c.events.begin(), c.events.begin() + static_cast<std::ptrdiff_t>(n), out);
+    *written = n;
+    if (!c.recording) std::vector<MsAllocEvent>().swap(c.events);
   })
 }
 

@@ -78,6 +78,66 @@ pub fn largest_allocations(k: usize) -> Vec<u64> {
     out.into_iter().map(|b| b.max(0) as u64).collect()
 }
 
+/// One allocation (`bytes > 0`) or free (`bytes < 0`) of a counted CPU storage, seen
+/// by the recorder ([`start_recording`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocEvent {
+    /// The storage's address (its data pointer).
+    pub addr: u64,
+    /// Bytes allocated (positive) or freed (negative).
+    pub bytes: i64,
+    /// [`allocated`] right after this event.
+    pub allocated_after: u64,
+    /// A monotonic clock in nanoseconds; 0 for the storages live when recording started.
+    pub time_ns: u64,
+}
+
+/// Starts recording every allocation and free of counted CPU storages, process-wide,
+/// from every thread; `false` when a recording is already on (nothing changes then).
+///
+/// The events open with one allocation per storage already live (time 0), so a replay
+/// of the events gives [`allocated`] at every event. While no recording is on the
+/// allocator pays a single flag test per allocation. Call [`stop_recording`] to get the
+/// events; they accumulate in memory (32 bytes each, outside the counter) until then.
+pub fn start_recording() -> Result<bool> {
+    install_counting_allocator()?;
+    let mut started = false;
+    // SAFETY: `started` is a valid, writable bool for the duration of the call.
+    check(unsafe { ffi::ms_cpu_trace_start(&mut started) })?;
+    Ok(started)
+}
+
+/// How many events the current recording holds: a position in its stream, to say
+/// "this happened between event n-1 and event n".
+pub fn recording_position() -> usize {
+    let mut out = 0usize;
+    // SAFETY: `out` is a valid, writable usize for the duration of the call.
+    expect_ok(unsafe { ffi::ms_cpu_trace_position(&mut out) });
+    out
+}
+
+/// Stops the recording and returns its events, in the order the counter saw them
+/// (empty when none was on).
+pub fn stop_recording() -> Vec<AllocEvent> {
+    let mut count = 0usize;
+    // SAFETY: `count` is a valid, writable usize for the duration of the call.
+    expect_ok(unsafe { ffi::ms_cpu_trace_stop(&mut count) });
+    let mut raw = vec![ffi::MsAllocEvent::default(); count];
+    let mut written = 0usize;
+    // SAFETY: `raw` has room for `count` events and the bridge writes at most `count`;
+    // `written` is a valid, writable usize.
+    expect_ok(unsafe { ffi::ms_cpu_trace_read(raw.as_mut_ptr(), count, &mut written) });
+    raw.truncate(written);
+    raw.into_iter()
+        .map(|e| AllocEvent {
+            addr: e.addr,
+            bytes: e.bytes,
+            allocated_after: e.allocated_after.max(0) as u64,
+            time_ns: e.time_ns,
+        })
+        .collect()
+}
+
 /// Reads one counter. The counters live behind a mutex and fail only if locking it
 /// fails, which the C++ runtime reports as an exception the bridge turns into a status.
 fn read_counter(read: impl FnOnce(*mut i64) -> i32) -> i64 {

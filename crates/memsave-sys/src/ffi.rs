@@ -31,6 +31,15 @@ pub type HookUnpackFn = unsafe extern "C" fn(
 ) -> c_int;
 /// Frees a handle written by the pack hook (called once per successful pack).
 pub type HookFreeFn = unsafe extern "C" fn(ctx: *mut c_void, packed: *mut c_void);
+/// One event of the CPU allocator's recorder (`cpp/allocator.cpp`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MsAllocEvent {
+    pub addr: u64,
+    pub bytes: i64,
+    pub allocated_after: i64,
+    pub time_ns: u64,
+}
 /// Callback of a post-accumulate-grad hook; reports failure via `ms_grad_hook_fail`.
 pub type GradHookFn =
     unsafe extern "C" fn(ctx: *mut c_void, tensor: *const C_tensor, status: *mut c_void);
@@ -194,4 +203,9 @@ extern "C" {
     pub fn ms_dist_broadcast(group: *mut c_void, t: *mut C_tensor, src: c_int) -> c_int;
     pub fn ms_dist_barrier(group: *mut c_void) -> c_int;
     pub fn ms_dist_set_grad(t: *mut C_tensor, grad: *const C_tensor) -> c_int;
+
+    pub fn ms_cpu_trace_start(started: *mut bool) -> c_int;
+    pub fn ms_cpu_trace_position(out: *mut usize) -> c_int;
+    pub fn ms_cpu_trace_stop(count: *mut usize) -> c_int;
+    pub fn ms_cpu_trace_read(out: *mut MsAllocEvent, cap: usize, written: *mut usize) -> c_int;
 }

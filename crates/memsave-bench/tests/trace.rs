@@ -1,0 +1,122 @@
+//! `memsave trace` through the library: the seed network's bytes by category against
+//! the harness's own measurement, and the categories against the meter at every event.
+use memsave_bench::trace::END_OF_FORWARD;
+use memsave_bench::{bundled, run_suite, trace_case, RunOptions, Status, Suite};
+use memsave_trace::{Category, Trace};
+use proptest::prelude::*;
+use serial_test::serial;
+
+fn suite(name: &str) -> Suite {
+    Suite::from_yaml(bundled(name).unwrap().source, &format!("{name}.yaml")).unwrap()
+}
+
+/// At every event the categories add up to the meter's count right after it.
+fn assert_adds_up(trace: &Trace) {
+    assert!(!trace.events.is_empty());
+    for (i, (bytes, event)) in trace.timeline().iter().zip(&trace.events).enumerate() {
+        assert_eq!(
+            bytes.total(),
+            event.allocated_after,
+            "event {i}: {bytes:?} against the meter's {}",
+            event.allocated_after
+        );
+    }
+}
+
+/// The seed network: 10 layers of `x = x + Linear(512, 512)(x)` on `[50, 100, 512]`.
+#[test]
+#[serial]
+fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
+    let seed = suite("seed");
+    let options = RunOptions {
+        filter: Some(regex::Regex::new("^seed-residual/baseline$").unwrap()),
+        repeats: Some(1),
+        warmup: Some(0),
+        ..RunOptions::default()
+    };
+    let report = run_suite(&seed, &options).unwrap();
+    let case = &report.cases[0];
+    assert_eq!(case.status, Status::Ok, "{:?}", case.error);
+    let retained = case.retained_after_forward_bytes.unwrap();
+
+    let traced = trace_case(&seed, "seed-residual", "baseline").unwrap();
+    let step = traced.step.as_ref().unwrap();
+    assert_eq!(step.retained_after_forward_bytes, retained);
+    let trace = &traced.trace;
+    assert_adds_up(trace);
+    let forward = trace.bytes_at_mark(END_OF_FORWARD).unwrap();
+    assert_eq!(forward[Category::SavedActivation], retained);
+    // Nine layer inputs and the output (which the loss saves), 50 * 100 * 512 floats each.
+    assert_eq!(forward[Category::SavedActivation], 10 * 50 * 100 * 512 * 4);
+    let parameters = 10 * (512 * 512 + 512) * 4;
+    assert_eq!(traced.parameter_bytes, parameters);
+    let end = trace.end_bytes();
+    assert_eq!(end[Category::Gradient], parameters);
+    assert_eq!(end[Category::Parameter], parameters);
+    assert_eq!(end[Category::Input], 50 * 100 * 512 * 4);
+    // What each layer keeps: its input, saved by addmm for AddmmBackward0; the first
+    // layer's input is the caller's.
+    let saved: Vec<_> = trace
+        .blocks
+        .iter()
+        .filter(|b| b.category == Category::SavedActivation)
+        .collect();
+    assert_eq!(saved.len(), 10);
+    for i in 1..10 {
+        let mark = format!("layer {i}");
+        let b = saved
+            .iter()
+            .find(|b| b.mark.as_deref() == Some(mark.as_str()))
+            .unwrap_or_else(|| panic!("no saved activation marked {mark}"));
+        assert_eq!(b.saved_by.as_deref(), Some("aten::addmm"));
+        // Linear flattens its 3-d input with a view before addmm.
+        assert_eq!(b.producer.as_deref(), Some("ViewBackward0"));
+        assert_eq!(b.bytes, 50 * 100 * 512 * 4);
+    }
+    assert_eq!(trace.unplaced_notes, 0);
+}
+
+/// A failing strategy still yields a trace, with the step's error beside it.
+#[test]
+#[serial]
+fn a_failing_step_is_traced_and_reported() {
+    let quick = suite("quick");
+    let traced = trace_case(&quick, "linear", "inplace_add").unwrap();
+    let error = traced.step.unwrap_err();
+    assert!(error.contains("in-place operation"), "{error}");
+    assert_adds_up(&traced.trace);
+}
+
+#[test]
+#[serial]
+fn unknown_names_are_an_error_that_lists_the_known_ones() {
+    let quick = suite("quick");
+    let e = trace_case(&quick, "nope", "baseline").unwrap_err();
+    assert!(e.to_string().contains("models: linear, mlp, gpt"), "{e}");
+    let e = trace_case(&quick, "linear", "nope").unwrap_err();
+    assert!(
+        e.to_string().contains("strategies: baseline, inplace_add"),
+        "{e}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Every bundled model kind under every technique (the quick suite's small shapes):
+    /// the categories add up to the meter at every event.
+    #[test]
+    #[serial]
+    fn categories_add_up_to_the_meter_at_every_event(model in 0usize..3, strategy in 0usize..13) {
+        let quick = suite("quick");
+        let model = quick.models[model].name.clone();
+        let strategy = quick.strategies[strategy].name.clone();
+        let traced = trace_case(&quick, &model, &strategy).unwrap();
+        assert_adds_up(&traced.trace);
+        let end = traced.trace.end_bytes();
+        prop_assert_eq!(end[Category::Parameter], traced.parameter_bytes);
+        if traced.step.is_ok() {
+            prop_assert_eq!(end[Category::Gradient], traced.parameter_bytes);
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! `Trace`: every allocation and free of a recorded step, each storage with its role.
+use crate::category::{Category, CategoryBytes, Phase};
+use crate::recorder::{Note, NoteKind};
+use memsave_sys::alloc::AllocEvent;
+use std::collections::BTreeMap;
+use tch::Device;
+
+/// One storage seen by the recording: live when it started, or allocated during it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// The storage's address.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its role, the same for its whole life.
+    pub category: Category,
+    /// For a saved activation: the aten op that saved it (`aten::addmm`).
+    pub saved_by: Option<String>,
+    /// For a saved activation: the `grad_fn` that produced it (`AddmmBackward0`;
+    /// `leaf` or `constant` for tensors without one).
+    pub producer: Option<String>,
+    /// The mark open when it was allocated (for a saved activation: when it was saved).
+    pub mark: Option<String>,
+    /// The phase it was allocated in.
+    pub phase: Phase,
+    /// The event that allocated it; `None` when it was live before the recording.
+    pub alloc_event: Option<usize>,
+    /// The event that freed it; `None` when it outlived the recording.
+    pub free_event: Option<usize>,
+}
+
+impl Block {
+    /// The op that keeps this storage: for a saved activation, the aten op that saved
+    /// it for its backward node (`aten::addmm` for `AddmmBackward0`).
+    pub fn op(&self) -> Option<&str> {
+        self.saved_by.as_deref()
+    }
+}
+
+/// One allocation or free, in the order the meter saw them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Index of the storage in [`Trace::blocks`].
+    pub block: usize,
+    /// Bytes allocated (positive) or freed (negative).
+    pub bytes: i64,
+    /// `memory_allocated` right after the event, as the meter counted it.
+    pub allocated_after: u64,
+    /// Nanoseconds since the recording started (0 for storages live before it).
+    pub time_ns: u64,
+    /// The phase the step was in.
+    pub phase: Phase,
+    /// Index into [`Trace::marks`] of the mark open at the event, if any.
+    pub mark: Option<usize>,
+}
+
+/// A mark the step set: its label and the number of events before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceMark {
+    /// The label given to [`Session::mark`](crate::Session::mark).
+    pub label: String,
+    /// Events before the mark: the state at the mark is the state after event
+    /// `position - 1`.
+    pub position: usize,
+}
+
+/// Every allocation and free of a recorded step, each storage with its role.
+///
+/// The first [`initial_events`](Self::initial_events) events are the storages live
+/// when the recording started; replaying the events gives `memory_allocated` at every
+/// event ([`Event::allocated_after`]), and [`timeline`](Self::timeline) splits it by
+/// category, so that the categories add up to it exactly.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    /// The recorded device.
+    pub device: Device,
+    /// Every storage, in order of first appearance.
+    pub blocks: Vec<Block>,
+    /// Every event, in order.
+    pub events: Vec<Event>,
+    /// How many of the first events stand for storages live at the start.
+    pub initial_events: usize,
+    /// The marks the step set, in order.
+    pub marks: Vec<TraceMark>,
+    /// Notes about storages the recorder could not find live (a tensor with no
+    /// counted storage, such as one created before the meter was installed).
+    pub unplaced_notes: usize,
+}
+
+/// Which role wins when a storage gets two: registered roles first, then what
+/// backward and autograd tell.
+fn rank(category: Category) -> u8 {
+    match category {
+        Category::Parameter => 0,
+        Category::Input => 1,
+        Category::OptimizerState => 2,
+        Category::Gradient => 3,
+        Category::SavedActivation => 4,
+        Category::Temporary | Category::Other => 5,
+    }
+}
+
+impl Trace {
+    pub(crate) fn build(device: Device, raw: Vec<AllocEvent>, mut notes: Vec<Note>) -> Trace {
+        notes.sort_by_key(|n| n.position); // stable: notes at one position keep their order
+        let initial_events = raw.iter().take_while(|e| e.time_ns == 0).count();
+        let t0 = raw.get(initial_events).map_or(0, |e| e.time_ns);
+        let mut trace = Trace {
+            device,
+            blocks: Vec::new(),
+            events: Vec::with_capacity(raw.len()),
+            initial_events,
+            marks: Vec::new(),
+            unplaced_notes: 0,
+        };
+        let mut roles: Vec<Option<Category>> = Vec::new();
+        let mut live: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut phase = Phase::Other;
+        let mut mark: Option<usize> = None;
+        let mut next_note = notes.iter().peekable();
+        for (i, e) in raw.iter().enumerate() {
+            while let Some(note) = next_note.next_if(|n| n.position <= i) {
+                trace.apply(note, &live, &mut roles, &mut phase, &mut mark);
+            }
+            let block = if e.bytes >= 0 {
+                let id = trace.blocks.len();
+                trace.blocks.push(Block {
+                    addr: e.addr,
+                    bytes: e.bytes as u64,
+                    category: Category::Other,
+                    saved_by: None,
+                    producer: None,
+                    mark: mark.map(|m| trace.marks[m].label.clone()),
+                    phase,
+                    alloc_event: (i >= initial_events).then_some(i),
+                    free_event: None,
+                });
+                roles.push(None);
+                live.insert(e.addr, id);
+                id
+            } else {
+                match live.remove(&e.addr) {
+                    Some(id) => {
+                        trace.blocks[id].free_event = Some(i);
+                        id
+                    }
+                    // Cannot happen (the stream opens with every live storage); kept
+                    // as its own `other` storage rather than dropped.
+                    None => {
+                        trace.blocks.push(Block {
+                            addr: e.addr,
+                            bytes: e.bytes.unsigned_abs(),
+                            category: Category::Other,
+                            saved_by: None,
+                            producer: None,
+                            mark: None,
+                            phase,
+                            alloc_event: None,
+                            free_event: Some(i),
+                        });
+                        roles.push(None);
+                        trace.blocks.len() - 1
+                    }
+                }
+            };
+            trace.events.push(Event {
+                block,
+                bytes: e.bytes,
+                allocated_after: e.allocated_after,
+                time_ns: e.time_ns.saturating_sub(t0),
+                phase,
+                mark,
+            });
+        }
+        for note in next_note {
+            trace.apply(note, &live, &mut roles, &mut phase, &mut mark);
+        }
+        for (block, role) in trace.blocks.iter_mut().zip(roles) {
+            block.category = role.unwrap_or(
+                if block.alloc_event.is_some() && block.free_event.is_some() {
+                    Category::Temporary
+                } else {
+                    Category::Other
+                },
+            );
+        }
+        trace
+    }
+
+    fn apply(
+        &mut self,
+        note: &Note,
+        live: &BTreeMap<u64, usize>,
+        roles: &mut [Option<Category>],
+        phase: &mut Phase,
+        mark: &mut Option<usize>,
+    ) {
+        let find = |ptr: u64| {
+            live.range(..=ptr)
+                .next_back()
+                .map(|(_, &id)| id)
+                .filter(|&id| ptr < self.blocks[id].addr + self.blocks[id].bytes.max(1))
+        };
+        match &note.what {
+            NoteKind::Phase(p) => *phase = *p,
+            NoteKind::Mark(label) => {
+                self.marks.push(TraceMark {
+                    label: label.clone(),
+                    position: note.position,
+                });
+                *mark = Some(self.marks.len() - 1);
+            }
+            NoteKind::Role { ptr, category } => match find(*ptr) {
+                Some(id) => {
+                    if roles[id].is_none_or(|r| rank(*category) < rank(r)) {
+                        roles[id] = Some(*category);
+                    }
+                }
+                None => self.unplaced_notes += 1,
+            },
+            NoteKind::Saved {
+                ptr,
+                op,
+                producer,
+                mark: saved_mark,
+            } => match find(*ptr) {
+                Some(id) => {
+                    let block = &mut self.blocks[id];
+                    if block.saved_by.is_none() {
+                        block.saved_by = Some(op.clone());
+                        block.producer = Some(producer.clone());
+                        block.mark = saved_mark.clone().or(block.mark.take());
+                    }
+                    if roles[id].is_none_or(|r| rank(Category::SavedActivation) < rank(r)) {
+                        roles[id] = Some(Category::SavedActivation);
+                    }
+                }
+                None => self.unplaced_notes += 1,
+            },
+        }
+    }
+
+    /// Bytes per category after each event: `timeline()[i].total()` is
+    /// `events[i].allocated_after`.
+    pub fn timeline(&self) -> Vec<CategoryBytes> {
+        let mut now = CategoryBytes::default();
+        self.events
+            .iter()
+            .map(|e| {
+                now.apply(self.blocks[e.block].category, e.bytes);
+                now
+            })
+            .collect()
+    }
+
+    /// Bytes per category after the first `position` events (0: nothing).
+    pub fn bytes_at(&self, position: usize) -> CategoryBytes {
+        let mut now = CategoryBytes::default();
+        for e in &self.events[..position.min(self.events.len())] {
+            now.apply(self.blocks[e.block].category, e.bytes);
+        }
+        now
+    }
+
+    /// Bytes per category when the recording started.
+    pub fn start_bytes(&self) -> CategoryBytes {
+        self.bytes_at(self.initial_events)
+    }
+
+    /// Bytes per category when the recording ended.
+    pub fn end_bytes(&self) -> CategoryBytes {
+        self.bytes_at(self.events.len())
+    }
+
+    /// Bytes per category at the first mark with this label.
+    pub fn bytes_at_mark(&self, label: &str) -> Option<CategoryBytes> {
+        self.marks
+            .iter()
+            .find(|m| m.label == label)
+            .map(|m| self.bytes_at(m.position))
+    }
+
+    /// The event after which `memory_allocated` was highest (the first such), or
+    /// `None` for an empty trace.
+    pub fn peak_event(&self) -> Option<usize> {
+        let max = self.events.iter().map(|e| e.allocated_after).max()?;
+        self.events.iter().position(|e| e.allocated_after == max)
+    }
+
+    /// The highest `memory_allocated` during the recording (0 for an empty trace).
+    pub fn peak_bytes(&self) -> u64 {
+        self.events
+            .iter()
+            .map(|e| e.allocated_after)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The storages live right after event `event`, largest first.
+    pub fn live_after(&self, event: usize) -> Vec<&Block> {
+        // The storages live at the start are blocks 0.. in the order of their events.
+        let mut live: Vec<&Block> = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(id, b)| {
+                b.alloc_event.unwrap_or(*id) <= event && b.free_event.is_none_or(|f| f > event)
+            })
+            .map(|(_, b)| b)
+            .collect();
+        live.sort_by_key(|b| std::cmp::Reverse(b.bytes));
+        live
+    }
+
+    /// The storages allocated at or after `position` and still live at the end,
+    /// largest first: what a step left behind.
+    pub fn left_behind_since(&self, position: usize) -> Vec<&Block> {
+        let mut left: Vec<&Block> = self
+            .blocks
+            .iter()
+            .filter(|b| b.free_event.is_none() && b.alloc_event.is_some_and(|a| a >= position))
+            .collect();
+        left.sort_by_key(|b| std::cmp::Reverse(b.bytes));
+        left
+    }
+}
