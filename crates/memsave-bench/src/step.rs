@@ -130,7 +130,7 @@ pub fn f_step_observed(
     device: Device,
     record_trace: bool,
     mut scaler: Option<&mut GradScaler>,
-    mut optimizer: Option<&mut CaseOptimizer>,
+    optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
     let params = model.params();
@@ -228,7 +228,7 @@ pub fn f_step_observed(
                     phases.ended(PeakPhase::Backward)?;
                 }
             }
-            match (optimizer.as_deref_mut(), scaler) {
+            match (optimizer, scaler) {
                 (Some(optimizer), scaler) => {
                     observer.step_event(StepEvent::Optimizer);
                     optimizer.step(scaler)?;
