@@ -395,6 +395,7 @@ strategies:
 }
 
 #[test]
+#[serial]
 fn offload_is_bitwise_and_compression_reports_its_bytes_and_error() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = format!(

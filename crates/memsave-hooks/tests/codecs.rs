@@ -74,6 +74,7 @@ fn codec_strategy() -> impl Strategy<Value = Codec> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
+    #[serial]
     fn every_codec_restores_dtype_and_shape_within_its_stated_bound(
         codec in codec_strategy(),
         shape in prop::collection::vec(1i64..9, 1..4),
@@ -100,6 +101,7 @@ proptest! {
 }
 
 #[test]
+#[serial]
 fn non_floating_tensors_and_out_of_range_values_pass_through() {
     let ints = Tensor::arange(10, (Kind::Int64, Device::Cpu));
     let mask = ints.gt(4);
@@ -116,6 +118,7 @@ fn non_floating_tensors_and_out_of_range_values_pass_through() {
 }
 
 #[test]
+#[serial]
 fn int8_stores_one_byte_per_value_and_one_f32_scale_per_block() {
     let x = Tensor::randn([10, 100], (Kind::Float, Device::Cpu));
     let codec = Codec::Int8 {
@@ -129,6 +132,7 @@ fn int8_stores_one_byte_per_value_and_one_f32_scale_per_block() {
 }
 
 #[test]
+#[serial]
 fn stochastic_rounding_is_unbiased_where_nearest_is_not() {
     // 0.3 of the step above zero: nearest always rounds down, stochastic on average not.
     let m = 127.0f32;

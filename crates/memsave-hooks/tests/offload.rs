@@ -122,6 +122,7 @@ fn after_the_writer_is_done_the_forward_retains_only_its_output() {
 }
 
 #[test]
+#[serial]
 fn a_missing_or_unusable_directory_is_an_err_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope");
