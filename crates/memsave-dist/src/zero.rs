@@ -163,17 +163,8 @@ impl<R: Rule> ZeroOptimizer<R> {
     /// [`Optimizer::f_zero_grad`]).
     pub fn f_zero_grad(&self, set_to_none: bool) -> Result<()> {
         let rank = self.group.rank();
-        for p in &self.params {
-            if set_to_none {
-                memsave_sys::tensor::set_grad_none(p)?;
-            } else {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _no_grad = tch::no_grad_guard();
-                    let _ = g.f_zero_().map_err(tensor_err(rank, "zero_grad"))?;
-                }
-            }
-        }
+        memsave_optim::zero_grad(&self.params, set_to_none)
+            .map_err(|source| DistError::Optim { rank, source })?;
         self.inner
             .f_zero_grad(set_to_none)
             .map_err(|source| DistError::Optim { rank, source })

@@ -145,7 +145,10 @@ impl Accounting {
     }
 }
 
-fn producer_of(t: &Tensor) -> Result<String, HookError> {
+/// Which node produced `t`, as [`Accounting`] reports it: its `grad_fn` name
+/// (`AddmmBackward0`), `leaf` for a tensor that requires grad without one, `constant`
+/// otherwise.
+pub fn producer_of(t: &Tensor) -> Result<String, HookError> {
     Ok(match memsave_sys::hooks::grad_fn_name(t)? {
         Some(name) => name,
         None if t.requires_grad() => "leaf".to_owned(),

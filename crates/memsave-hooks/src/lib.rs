@@ -40,7 +40,7 @@ mod pass_through;
 mod save_on_cpu;
 mod scope;
 
-pub use accounting::{Accounting, SavedRecord};
+pub use accounting::{producer_of, Accounting, SavedRecord};
 pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
 pub use compress::{Compress, CompressStats, Compressed};
 pub use error::{HookError, HooksError, OffloadError};

@@ -44,7 +44,7 @@ mod state;
 pub use adamw::{AdamW, AdamWConfig};
 pub use error::{OptimError, Result};
 pub use hook::InBackward;
-pub use optimizer::{Optimizer, Options, Rule};
+pub use optimizer::{zero_grad, Optimizer, Options, Rule};
 pub use placement::Placement;
 pub use saved::{SavedGroup, SavedParam, SavedState, SavedTensor};
 pub use sgd::{Sgd, SgdConfig};

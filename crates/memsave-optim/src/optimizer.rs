@@ -233,18 +233,7 @@ impl<R: Rule> Optimizer<R> {
     /// Clears the gradients: drops them (`set_to_none`, PyTorch's default, frees their
     /// memory) or fills them with zeros (tch's `zero_grad`, keeps the memory).
     pub fn f_zero_grad(&self, set_to_none: bool) -> Result<()> {
-        for p in &self.params {
-            if set_to_none {
-                memsave_sys::tensor::set_grad_none(p)?;
-            } else {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _no_grad = tch::no_grad_guard();
-                    let _ = g.f_zero_()?;
-                }
-            }
-        }
-        Ok(())
+        zero_grad(&self.params, set_to_none)
     }
 
     /// [`Optimizer::f_zero_grad`], panicking on error.
@@ -343,6 +332,24 @@ impl<R: Rule> Optimizer<R> {
         st.step = step;
         self.store.keep(index, st)
     }
+}
+
+/// Clears the gradients of `params`: drops them (`set_to_none`, freeing their memory)
+/// or fills them with zeros in place; what [`Optimizer::f_zero_grad`] does, for
+/// parameters held elsewhere (a sharded optimizer's full parameters).
+pub fn zero_grad(params: &[Tensor], set_to_none: bool) -> Result<()> {
+    for p in params {
+        if set_to_none {
+            memsave_sys::tensor::set_grad_none(p)?;
+        } else {
+            let mut g = p.grad();
+            if g.defined() {
+                let _no_grad = tch::no_grad_guard();
+                let _ = g.f_zero_()?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What the state buffers of one parameter look like.

@@ -247,11 +247,7 @@ impl SavedTensorHooks for SaveRecorder {
     }
 
     fn pack_saved_by(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Tensor, HookError> {
-        let producer = match memsave_sys::hooks::grad_fn_name(tensor)? {
-            Some(name) => name,
-            None if tensor.requires_grad() => "leaf".to_owned(),
-            None => "constant".to_owned(),
-        };
+        let producer = memsave_hooks::producer_of(tensor)?;
         let mark = self.shared.lock().mark.clone();
         self.shared.note(NoteKind::Saved {
             ptr: tensor.data_ptr() as u64,
