@@ -5,6 +5,7 @@ use super::de::{validated_map, Positive};
 use super::model::{Dtype, Size};
 use super::optimizer::{OptimizerArgs, OptimizerSpec};
 use memsave_amp::GradScalerConfig;
+pub use memsave_plan::{CompressDtype, OffloadSpec};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
@@ -67,44 +68,6 @@ impl ScalerSpec {
         }
         args
     }
-}
-
-/// What a `compress:` entry asks for: the codec saved activations are stored with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CompressDtype {
-    /// `bf16`.
-    Bf16,
-    /// `fp16`.
-    Fp16,
-    /// `fp8`: e4m3 with a per-block scale.
-    Fp8,
-    /// `int8`: blockwise absmax.
-    Int8,
-}
-
-impl CompressDtype {
-    /// The name as written in a suite.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CompressDtype::Bf16 => "bf16",
-            CompressDtype::Fp16 => "fp16",
-            CompressDtype::Fp8 => "fp8",
-            CompressDtype::Int8 => "int8",
-        }
-    }
-}
-
-/// Where an `offload:` entry keeps saved activations.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OffloadSpec {
-    /// `{to: disk}`, optionally `dir: PATH` (default: a `memsave-offload` folder in the
-    /// system's temporary directory, created if missing).
-    Disk {
-        /// `dir:` as written.
-        dir: Option<String>,
-    },
-    /// `{to: cpu}`: CUDA activations in pinned host memory (nothing to do on the CPU).
-    Cpu,
 }
 
 #[derive(Deserialize)]

@@ -1,7 +1,7 @@
 //! The saved-tensor hooks of a `compress:` or `offload:` strategy, made fresh for each
 //! step, and what they report after it.
-use crate::strategies::SavedTensors;
-use crate::suite::{CompressDtype, OffloadSpec};
+use crate::config::SavedTensors;
+use crate::levers::{CompressDtype, OffloadSpec};
 use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
 use std::path::PathBuf;
 use tch::Tensor;
