@@ -158,6 +158,14 @@ pub struct CaseResult {
     /// `|g - g_base| / |g_base|`, when they were compared.
     #[serde(default)]
     pub grad_rel_l2: Option<f64>,
+    /// Examples per optimizer step the case trained on: the model's batch, except
+    /// under `auto_batch`, which halves it until the step fits.
+    #[serde(default)]
+    pub global_batch: Option<i64>,
+    /// Real steps run to find a configuration that fits (`auto_batch`: the batch sizes
+    /// tried, every one but the last out of memory; `fit`: its confirming steps).
+    #[serde(default)]
+    pub tries: Option<usize>,
 }
 
 impl CaseResult {
@@ -182,6 +190,8 @@ impl CaseResult {
             offloaded_bytes: None,
             compressed_saved_bytes: None,
             grad_rel_l2: None,
+            global_batch: None,
+            tries: None,
         }
     }
 
@@ -292,9 +302,10 @@ impl Report {
             "grad diff",
             "peak at",
             "opt state",
+            "batch",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 14]> = Vec::new();
+        let mut rows: Vec<[String; 15]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -321,6 +332,12 @@ impl Report {
                 case.peak_phase.map_or_else(dash, |p| p.as_str().to_owned()),
                 case.optimizer_state_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),
+                match (case.global_batch, case.tries) {
+                    (Some(b), Some(1)) => format!("{b} (1 try)"),
+                    (Some(b), Some(t)) => format!("{b} ({t} tries)"),
+                    (Some(b), None) => b.to_string(),
+                    (None, _) => dash(),
+                },
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());

@@ -27,6 +27,8 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
+            // The runner searches for these (runner.rs); the step itself is plain.
+            Technique::AutoBatch(_) | Technique::Fit(_) => {}
         }
     }
     if config.optimizer.is_some_and(|o| o.in_backward) {
