@@ -166,6 +166,10 @@ pub struct CaseResult {
     /// tried, every one but the last out of memory; `fit`: its confirming steps).
     #[serde(default)]
     pub tries: Option<usize>,
+    /// The configuration a `fit` strategy chose (`memsave_plan::Choice::strategy`),
+    /// listed below the table.
+    #[serde(default)]
+    pub choice: Option<String>,
 }
 
 impl CaseResult {
@@ -192,6 +196,7 @@ impl CaseResult {
             grad_rel_l2: None,
             global_batch: None,
             tries: None,
+            choice: None,
         }
     }
 
@@ -370,6 +375,11 @@ impl Report {
         line(&mut out, header.to_vec());
         for row in &rows {
             line(&mut out, row.iter().map(String::as_str).collect());
+        }
+        for case in &self.cases {
+            if let Some(choice) = &case.choice {
+                let _ = writeln!(out, "{} / {}: chose {choice}", case.model, case.strategy);
+            }
         }
         for case in self.cases.iter().filter(|c| c.error.is_some()) {
             let _ = writeln!(

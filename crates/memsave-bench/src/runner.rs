@@ -482,6 +482,7 @@ fn measure_case(
     let mut config = config.clone();
     let config = &mut config;
     let mut tries = None;
+    let mut choice = None;
     let mut x = x.shallow_clone();
     let search = strategy.techniques.iter().find_map(|t| match t {
         Technique::AutoBatch(spec) => Some(Search::Halving(spec.clone())),
@@ -498,6 +499,7 @@ fn measure_case(
             // fit left the chosen schedule on the layers.
             *config = report.choice.step_config(None);
             tries = Some(report.tries);
+            choice = Some(report.choice.strategy.clone());
         }
         Some(Search::Halving(spec)) => {
             apply_plan(model, &x, config, device)?;
@@ -584,6 +586,7 @@ fn measure_case(
         grad_rel_l2: None,
         global_batch: Some(x.len()),
         tries,
+        choice,
     };
     if optimizer.is_some() {
         // The step freed the gradients: nothing to compare.

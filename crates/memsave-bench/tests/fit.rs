@@ -46,7 +46,10 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
     // Lossless levers only: the gradients of the whole batch, up to the order of the
     // micro-batches' sums.
     assert!(fit.grad_rel_l2.unwrap() < 1e-5, "{:?}", fit.grad_rel_l2);
-    assert!(report.to_table().contains("16 (1 try)"));
+    let table = report.to_table();
+    assert!(table.contains("16 (1 try)"), "{table}");
+    let chosen = fit.choice.as_deref().unwrap();
+    assert!(table.contains(&format!("mlp / fit(budget={budget}B): chose {chosen}")), "{table}");
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 /// Runs per small probe; the fastest gives the time, the highest the peak.
-const PROBE_RUNS: usize = 3;
+const PROBE_RUNS: usize = 2;
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
@@ -303,15 +303,23 @@ fn split_sizes(global: i64, k: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Two probe sizes below `largest`: about a half and a quarter of it.
-fn probe_sizes(largest: i64) -> (i64, i64) {
-    let s2 = div_ceil(largest, 2).max(1);
+/// Two probe sizes below `largest`: about `largest / fraction` and twice that.
+/// Small probes are cheap and, when their allocations line up event for event, exact
+/// (see `Affine`); offloading ones do not line up (the writer thread's pace decides
+/// when memory is freed), so they are probed closer to the real size.
+fn probe_sizes_of(largest: i64, fraction: i64) -> (i64, i64) {
+    let s2 = div_ceil(largest, fraction / 2).max(1);
     let s1 = div_ceil(s2, 2).max(1);
     if s1 == s2 && s2 < largest {
         (s1, s2 + 1)
     } else {
         (s1, s2)
     }
+}
+
+/// [`probe_sizes_of`] for `choice`.
+fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
+    probe_sizes_of(largest, if choice.offload { 4 } else { 8 })
 }
 
 type AffineKey = (String, bool);
@@ -344,7 +352,7 @@ impl Search<'_> {
             return Ok(a.clone());
         }
         let n = if accumulate { 2 } else { 1 };
-        let (mut s1, mut s2) = probe_sizes(largest);
+        let (mut s1, mut s2) = probe_sizes_for(choice, largest);
         // The smallest micro-batch known not to fit the budget.
         let mut fails_from = None;
         let affine = loop {
@@ -470,7 +478,7 @@ impl Search<'_> {
     /// The layer profile at micro-batch `m`, from two measured profiles.
     fn profile(&mut self, m: i64) -> Result<ChainProfile, FitError> {
         if self.profiles.is_none() {
-            let (a, b) = probe_sizes(div_ceil(self.global, 2));
+            let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
             let mut at = |size: i64| -> Result<ChainProfile, FitError> {
                 let x = self
                     .workload
