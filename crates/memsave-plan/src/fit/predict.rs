@@ -10,6 +10,9 @@ use super::probe::Probe;
 use memsave_checkpoint::{ChainProfile, LayerProfile};
 use std::sync::Arc;
 
+/// What is allocated after each allocation and free of a probe's run.
+type Series = Arc<Vec<i64>>;
+
 /// An affine model `a + b·size` of a configuration's peak and per-micro-batch time,
 /// fitted on two probes.
 ///
@@ -35,7 +38,7 @@ pub(crate) struct Affine {
     /// The smallest micro-batch that was run and did not fit the budget, if any.
     fails_from: Option<i64>,
     /// The two probes' allocation series, when they line up event for event.
-    series: Option<(Arc<Vec<i64>>, Arc<Vec<i64>>)>,
+    series: Option<(Series, Series)>,
     /// Where the second micro-batch begins in both series, when both agree.
     second: Option<usize>,
 }
@@ -213,5 +216,41 @@ mod tests {
         assert_eq!(single.peak(4), None);
         assert!((a.time(&[10]) - 1.0).abs() < 1e-12);
         assert!((a.time(&[5, 5]) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn moments_are_extrapolated_one_by_one() {
+        // Two moments: 1000 fixed bytes (gradients), and 100 per example
+        // (activations). At sizes 2 and 4 the gradients hold the peak (1000), so the
+        // line through the peaks is flat; at 20 the activations take 2000.
+        let with = |size: i64, peak| Probe {
+            series: Some(Arc::new(vec![100 * size, 1000])),
+            ..probe(peak, 0.1)
+        };
+        let a = Affine::fit(2, &with(2, 1000), 4, &with(4, 1000), 1);
+        assert!(a.is_exact());
+        assert_eq!(a.peak(20), Some(2000));
+        // Runs that did not make the same events: the line through the peaks.
+        let unaligned = Probe {
+            series: Some(Arc::new(vec![1, 2, 3])),
+            ..probe(1000, 0.1)
+        };
+        let b = Affine::fit(2, &with(2, 1000), 4, &unaligned, 1);
+        assert!(!b.is_exact());
+        assert_eq!(b.peak(20), Some(1000));
+    }
+
+    #[test]
+    fn micro_batches_after_the_first_are_extrapolated_to_their_own_size() {
+        // First micro-batch: 100 per example; the second: 1000 fixed (gradients) plus
+        // 100 per example. An uneven split of 7 + 6 peaks at 1000 + 600 in the second.
+        let with = |size: i64| Probe {
+            series: Some(Arc::new(vec![100 * size, 1000 + 100 * size])),
+            second_micro_batch: Some(1),
+            ..probe(1000 + 100 * size as u64, 0.1)
+        };
+        let a = Affine::fit(2, &with(2), 4, &with(4), 2);
+        assert_eq!(a.peak_split(7, 6), Some(1600));
+        assert_eq!(a.peak(7), Some(1700));
     }
 }
