@@ -137,17 +137,28 @@ impl Affine {
         Some(moments.max(0.0).ceil() as u64)
     }
 
-    /// The predicted step time for micro-batches of the given sizes.
+    /// The predicted step time for micro-batches of the given sizes: a fixed cost per
+    /// micro-batch plus a cost per example, both at least zero (a line through two
+    /// noisy timings can cross zero, which would make more micro-batches look faster),
+    /// plus the optimizer once.
     pub(crate) fn time(&self, sizes: &[i64]) -> f64 {
-        let per = |size: i64| {
-            if self.size1 == self.size2 {
-                return self.mb_time2 * size as f64 / self.size2.max(1) as f64;
-            }
+        let (fixed, per_example) = if self.size1 == self.size2 {
+            (0.0, self.mb_time2 / self.size2.max(1) as f64)
+        } else {
             let slope =
                 ((self.mb_time2 - self.mb_time1) / (self.size2 - self.size1) as f64).max(0.0);
-            (self.mb_time2 + slope * (size - self.size2) as f64).max(0.0)
+            let fixed = self.mb_time2 - slope * self.size2 as f64;
+            if fixed < 0.0 {
+                (0.0, self.mb_time2 / self.size2 as f64)
+            } else {
+                (fixed, slope)
+            }
         };
-        sizes.iter().map(|&s| per(s)).sum::<f64>() + self.optimizer_time_s
+        sizes
+            .iter()
+            .map(|&s| fixed + per_example * s as f64)
+            .sum::<f64>()
+            + self.optimizer_time_s
     }
 }
 
