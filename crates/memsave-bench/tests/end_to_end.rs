@@ -307,11 +307,12 @@ strategies:
             .unwrap_or_else(|| panic!("no row {name} in\n{table}"))
             .to_owned()
     };
-    // The grad diff column comes before the last two, `peak at` and `opt state`.
+    // The grad diff column comes before the last three, `peak at`, `opt state`
+    // (`-` here) and `batch`.
     let grad_cell = |name: &str| {
         let r = row(name);
         let cells: Vec<&str> = r.split_whitespace().collect();
-        cells[cells.len() - 3].to_owned()
+        cells[cells.len() - 4].to_owned()
     };
     assert_eq!(grad_cell("overflow"), "diverged", "{table}");
     assert!(row("ref").contains("1.00x"), "{table}");
@@ -320,8 +321,8 @@ strategies:
         row("ref")
             .split_whitespace()
             .rev()
-            .take(2)
-            .eq(["-", "backward"]),
+            .take(3)
+            .eq(["4", "-", "backward"]),
         "{table}"
     );
 }

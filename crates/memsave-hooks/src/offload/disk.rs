@@ -65,6 +65,7 @@ pub struct DiskOffload {
     pass: PassThrough,
     prefetch: usize,
     max_in_flight_bytes: u64,
+    synchronous: bool,
 }
 
 /// What [`DiskOffload`] did so far.
@@ -217,6 +218,7 @@ impl DiskOffload {
             pass: PassThrough::new(),
             prefetch: 1,
             max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
+            synchronous: false,
         })
     }
 
@@ -238,6 +240,15 @@ impl DiskOffload {
     /// [`DEFAULT_MAX_IN_FLIGHT_BYTES`]); a larger tensor waits alone.
     pub fn max_in_flight_bytes(mut self, bytes: u64) -> Self {
         self.max_in_flight_bytes = bytes;
+        self
+    }
+
+    /// With `true`, `pack` returns only once its tensor is written, so no saved
+    /// tensor waits in memory for the writer: what the forward holds no longer
+    /// depends on the writer thread's pace (memsave-plan's `fit` predicts peaks with
+    /// it), at the cost of the forward waiting for each write. Default false.
+    pub fn synchronous(mut self, synchronous: bool) -> Self {
+        self.synchronous = synchronous;
         self
     }
 
@@ -434,6 +445,15 @@ impl SavedTensorHooks for DiskOffload {
         if !self.send(Job::Write(Arc::clone(&entry))) {
             *lock(&entry.slot) = Slot::InMemory(tensor);
             shared.release(entry.layout.bytes);
+        } else if self.synchronous {
+            // Only this tensor can be in flight: wait until the writer is done with it.
+            let mut state = lock(&shared.state);
+            while state.in_flight_bytes > 0 {
+                state = shared
+                    .changed
+                    .wait(state)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
         }
         Ok(Offloaded(Packed::Stored(entry)))
     }

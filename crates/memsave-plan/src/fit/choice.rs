@@ -128,9 +128,7 @@ impl Choice {
             config.autocast = Some(Kind::BFloat16);
         }
         if self.offload {
-            config.saved = Some(SavedTensors::OffloadBounded {
-                max_in_flight_bytes: 0,
-            });
+            config.saved = Some(SavedTensors::OffloadSynchronous);
         } else if self.compress_int8 {
             config.saved = Some(SavedTensors::Compress(CompressDtype::Int8));
         }

@@ -30,10 +30,8 @@
 //! capacity: a lever set whose small run does not fit is retried at half the size.
 //!
 //! What an offload store keeps in memory depends on the pace of its writer thread, so
-//! the peak of an offloading configuration varies from run to run by up to a saved
-//! tensor or two; `fit` runs the store with one tensor at a time waiting for the
-//! writer, takes the highest of its probes, and its prediction for offload is an upper
-//! bound rather than an estimate.
+//! `fit` runs it synchronously (each saved tensor written before the forward goes on,
+//! read back without prefetch): its memory is then the same from run to run.
 //!
 //! It chooses the fastest predicted configuration whose predicted peak is within the
 //! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real

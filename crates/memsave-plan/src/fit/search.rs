@@ -344,15 +344,28 @@ impl Search<'_> {
         accumulate: bool,
         largest: i64,
     ) -> Result<Option<Affine>, FitError> {
+        // An offloading configuration with accumulation is run at its own micro-batch
+        // (and half of it): what its store keeps varies from run to run, so it is
+        // measured rather than extrapolated (a micro-batch is cheaper than the step).
+        let at_size = choice.offload && accumulate;
         let key = (
-            format!("{}|{:?}", lever_key(choice), choice.checkpoint),
+            format!(
+                "{}|{:?}|{}",
+                lever_key(choice),
+                choice.checkpoint,
+                if at_size { largest } else { 0 }
+            ),
             accumulate,
         );
         if let Some(a) = self.affines.get(&key) {
             return Ok(a.clone());
         }
         let n = if accumulate { 2 } else { 1 };
-        let (mut s1, mut s2) = probe_sizes_for(choice, largest);
+        let (mut s1, mut s2) = if at_size {
+            (div_ceil(largest, 2).min((largest - 1).max(1)), largest)
+        } else {
+            probe_sizes_for(choice, largest)
+        };
         // The smallest micro-batch known not to fit the budget.
         let mut fails_from = None;
         let affine = loop {
@@ -418,8 +431,10 @@ impl Search<'_> {
         largest: Option<i64>,
     ) -> Result<Candidate, FitError> {
         let accumulate = k > 1;
-        let largest = largest.unwrap_or(if accumulate {
+        let largest = largest.unwrap_or(if accumulate && !choice.offload {
             div_ceil(self.global, 2)
+        } else if accumulate {
+            m
         } else {
             self.global
         });
