@@ -6,7 +6,9 @@
 //! step is recorded: phases from the step ([`StepEvent`]), a mark per layer
 //! (`layer i`, also when a checkpoint recomputes it in backward), `end of forward`
 //! where the runner reads `retained_after_forward_bytes`, parameters and input
-//! registered with the recorder.
+//! registered with the recorder, and the optimizer's state and gradients shown to it
+//! through memsave-optim's `Observer` (state created lazily in the first update,
+//! fetched from disk for one update, gradients a step in backward frees).
 use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
 use crate::runner::apply_plan;
@@ -14,6 +16,7 @@ use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, Step
 use crate::strategies::StepConfig;
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
+use memsave_optim::Observer;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -77,6 +80,21 @@ impl StepObserver for Phases<'_> {
                 self.0.mark("optimizer");
             }
         }
+    }
+}
+
+/// Tells a recording session the optimizer's gradients and state as the optimizer
+/// works with them (state created in the first update or fetched from disk for one
+/// update, gradients freed by a step in backward).
+struct Roles(Session);
+
+impl Observer for Roles {
+    fn gradient(&self, _index: usize, grad: &Tensor) {
+        self.0.gradients(std::slice::from_ref(grad));
+    }
+
+    fn state(&self, _index: usize, tensors: &[Tensor]) {
+        self.0.optimizer_state(tensors);
     }
 }
 
@@ -151,14 +169,24 @@ pub fn trace_case(
         .iter()
         .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
         .sum();
+    // State from the warm-up steps exists already; state created or fetched during the
+    // step, and gradients an optimizer in backward frees, are shown to the session.
+    let state = optimizer
+        .as_ref()
+        .map(CaseOptimizer::state_tensors)
+        .unwrap_or_default();
     let (step, trace) = Recorder::new(device)
         .parameters(&params)
         .inputs(&[x.shallow_clone()])
+        .optimizer_state(&state)
         .record(|session| {
             let layers = session.clone();
             model
                 .ctx
                 .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
+            if let Some(optimizer) = optimizer.as_mut() {
+                optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
+            }
             let step = f_step_observed(
                 &model,
                 &x,
@@ -170,6 +198,10 @@ pub fn trace_case(
                 &Phases(session),
             );
             model.ctx.set_block_observer(None);
+            if let Some(optimizer) = optimizer.as_mut() {
+                optimizer.set_observer(None);
+                session.optimizer_state(&optimizer.state_tensors());
+            }
             session.phase(Phase::Other);
             step
         })?;
