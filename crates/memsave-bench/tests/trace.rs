@@ -54,8 +54,8 @@ fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
     assert_eq!(end[Category::Gradient], parameters);
     assert_eq!(end[Category::Parameter], parameters);
     assert_eq!(end[Category::Input], 50 * 100 * 512 * 4);
-    // What each layer keeps: its input, saved by addmm for AddmmBackward0; the first
-    // layer's input is the caller's.
+    // What each layer keeps: its input, a saved tensor of AddmmBackward0 (saved while
+    // aten::addmm ran); the first layer's input is the caller's.
     let saved: Vec<_> = trace
         .blocks
         .iter()
@@ -69,6 +69,9 @@ fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
             .find(|b| b.mark.as_deref() == Some(mark.as_str()))
             .unwrap_or_else(|| panic!("no saved activation marked {mark}"));
         assert_eq!(b.saved_by.as_deref(), Some("aten::addmm"));
+        // The node that saved it, as PyTorch names it (its `_saved_mat1`).
+        assert_eq!(b.saved_for.as_deref(), Some("AddmmBackward0"));
+        assert_eq!(b.role(), "saved_activation of AddmmBackward0");
         // Linear flattens its 3-d input with a view before addmm.
         assert_eq!(b.producer.as_deref(), Some("ViewBackward0"));
         assert_eq!(b.bytes, 50 * 100 * 512 * 4);

@@ -33,6 +33,12 @@ pub(crate) enum NoteKind {
         producer: String,
         mark: Option<String>,
     },
+    /// Backward unpacked the saved tensor at `ptr` while running `node`, the autograd
+    /// node that saved it.
+    SavedFor {
+        ptr: u64,
+        node: String,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -279,6 +285,13 @@ impl SavedTensorHooks for SaveRecorder {
     }
 
     fn unpack(&self, packed: &Tensor) -> Result<Tensor, HookError> {
+        // The node backward is running is the one whose saved tensor this is.
+        if let Some(node) = memsave_sys::hooks::current_autograd_node_name()? {
+            self.shared.note(NoteKind::SavedFor {
+                ptr: packed.data_ptr() as u64,
+                node,
+            });
+        }
         Ok(packed.shallow_clone())
     }
 }
