@@ -124,7 +124,10 @@ pub fn trace_case(
             known: names(suite.strategies.iter().map(|s| s.name.as_str())),
         })?;
     if suite.device == DeviceChoice::Cuda {
-        return Err(memsave_trace::TraceError::UnsupportedDevice(Device::Cuda(0)).into());
+        return Err(TraceCaseError::Setup(format!(
+            "suite '{}' runs on `device: cuda`, but memsave trace records on the CPU only (CUDA's caching allocator is not read); set `device: cpu` or `device: auto` in a copy of the suite",
+            suite.suite
+        )));
     }
     let device = Device::Cpu;
     memsave_meter::install();

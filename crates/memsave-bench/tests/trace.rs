@@ -103,6 +103,20 @@ fn unknown_names_are_an_error_that_lists_the_known_ones() {
     );
 }
 
+/// A suite on CUDA is refused in one actionable line (traces read the CPU's allocator).
+#[test]
+#[serial]
+fn a_cuda_suite_is_refused_in_one_line_that_says_what_to_change() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../suites/cuda.yaml");
+    let cuda = Suite::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();
+    let e = trace_case(&cuda, "linear", "baseline")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`device: cpu`"), "{e}");
+    assert!(e.contains("CPU only"), "{e}");
+    assert!(!e.contains('\n'), "one line: {e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
 

@@ -193,7 +193,7 @@ impl Trace {
         let _ = write!(
             out,
             "<h2>Largest tensors live at the peak ({})</h2>\n<table id=\"top-tensors\">\n\
-             <tr><th>#</th><th>bytes</th><th>role</th><th>aten op</th><th>mark</th><th>allocated in</th></tr>\n",
+             <tr><th>#</th><th>bytes</th><th>role</th><th>saved during</th><th>mark</th><th>allocated in</th></tr>\n",
             Bytes(self.peak_bytes())
         );
         for (i, b) in self.live_after(peak).iter().take(top).enumerate() {
