@@ -159,7 +159,9 @@ struct FitArgs {
     /// Lossy levers you accept, comma-separated: bf16, compress, int8-state.
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<FitLever>,
-    /// An optimizer stepped in every step (its state counts in the peak).
+    /// The optimizer stepped in every step (its state counts in the peak; it allows
+    /// the step in backward). Default: the suite's first `optimizer:` technique, if
+    /// any, else none.
     #[arg(long, value_name = "KIND")]
     optimizer: Option<FitOptimizer>,
     /// Fraction of the budget kept free for prediction errors.
@@ -188,6 +190,7 @@ enum FitLever {
 enum FitOptimizer {
     Adamw,
     Sgd,
+    None,
 }
 
 fn parse_margin(text: &str) -> Result<f64, String> {
@@ -369,13 +372,22 @@ fn fit(args: FitArgs) -> Result<()> {
             FitLever::Int8State => request.allow.int8_state = true,
         }
     }
-    let optimizer = args.optimizer.map(|kind| memsave_bench::OptimizerSpec {
-        kind: match kind {
-            FitOptimizer::Adamw => memsave_bench::OptimizerKind::Adamw,
-            FitOptimizer::Sgd => memsave_bench::OptimizerKind::Sgd,
-        },
+    let of = |kind| memsave_bench::OptimizerSpec {
+        kind,
         ..Default::default()
-    });
+    };
+    let optimizer = match args.optimizer {
+        Some(FitOptimizer::Adamw) => Some(of(memsave_bench::OptimizerKind::Adamw)),
+        Some(FitOptimizer::Sgd) => Some(of(memsave_bench::OptimizerKind::Sgd)),
+        Some(FitOptimizer::None) => None,
+        // The suite's own optimizer, stepped after backward at f32 (fit decides the rest).
+        None => suite.strategies.iter().find_map(|s| {
+            s.techniques.iter().find_map(|t| match t {
+                memsave_bench::Technique::Optimizer(spec) => Some(of(spec.kind)),
+                _ => None,
+            })
+        }),
+    };
     let outcome = quietly(|| {
         Ok::<_, memsave_bench::RunError>(memsave_bench::fit_model(
             &suite,

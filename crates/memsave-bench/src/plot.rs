@@ -272,30 +272,6 @@ fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
     Ok(svg)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn front_keeps_only_undominated_points() {
-        let points = [
-            ("a", 1.0, 100.0),
-            ("b", 2.0, 50.0),
-            ("c", 3.0, 60.0),
-            ("d", 4.0, 10.0),
-        ];
-        assert_eq!(
-            pareto_front(&points),
-            [(1.0, 100.0), (2.0, 50.0), (4.0, 10.0)]
-        );
-    }
-
-    #[test]
-    fn file_stems_are_safe() {
-        assert_eq!(file_stem("tiny-gpt/v2 x"), "tiny-gpt_v2_x");
-    }
-}
-
 /// `memsave fit --plot`: every candidate's predicted step time and peak, the Pareto
 /// front, the budget, and the choice.
 pub fn fit_svg(report: &memsave_plan::FitReport) -> Result<String, String> {
@@ -381,4 +357,28 @@ pub fn fit_svg(report: &memsave_plan::FitReport) -> Result<String, String> {
         root.present().map_err(err)?;
     }
     Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn front_keeps_only_undominated_points() {
+        let points = [
+            ("a", 1.0, 100.0),
+            ("b", 2.0, 50.0),
+            ("c", 3.0, 60.0),
+            ("d", 4.0, 10.0),
+        ];
+        assert_eq!(
+            pareto_front(&points),
+            [(1.0, 100.0), (2.0, 50.0), (4.0, 10.0)]
+        );
+    }
+
+    #[test]
+    fn file_stems_are_safe() {
+        assert_eq!(file_stem("tiny-gpt/v2 x"), "tiny-gpt_v2_x");
+    }
 }

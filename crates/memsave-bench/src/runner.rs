@@ -642,7 +642,13 @@ fn halve_until_fits(
                 .optimizer
                 .map(|spec| CaseOptimizer::build(&spec, &params))
                 .transpose()?;
-            f_step_with(model, &xs, config, device, false, None, optimizer.as_mut())
+            // A failed scalar operation in tch panics instead of returning the error.
+            panic::catch_unwind(AssertUnwindSafe(|| {
+                f_step_with(model, &xs, config, device, false, None, optimizer.as_mut())
+            }))
+            .unwrap_or_else(|payload| {
+                Err(memsave_sys::checkpoint::panic_message(&*payload).to_string())
+            })
         };
         drop(weights);
         let _ = memsave_accum::free_grads(&params);

@@ -33,43 +33,63 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
 
     assert_eq!(halving.status, Status::Ok, "{:?}", halving.error);
     let batch = halving.global_batch.unwrap();
-    assert!(batch < 16, "halving kept the batch of 16 at 45% of its peak");
+    assert!(
+        batch < 16,
+        "halving kept the batch of 16 at 45% of its peak"
+    );
     assert_eq!(16 % batch, 0, "halved from 16: {batch}");
-    assert_eq!(halving.tries, Some((16 / batch).trailing_zeros() as usize + 1));
+    assert_eq!(
+        halving.tries,
+        Some((16 / batch).trailing_zeros() as usize + 1)
+    );
     assert!(halving.peak_bytes.unwrap() <= budget);
-    assert!(!halving.has_baseline, "another batch: no gradient comparison");
+    assert!(
+        !halving.has_baseline,
+        "another batch: no gradient comparison"
+    );
 
     assert_eq!(fit.status, Status::Ok, "{:?}", fit.error);
     assert_eq!(fit.global_batch, Some(16), "fit keeps the global batch");
     assert_eq!(fit.tries, Some(1));
-    assert!(fit.peak_bytes.unwrap() <= budget, "{} > {budget}", fit.peak_bytes.unwrap());
+    assert!(
+        fit.peak_bytes.unwrap() <= budget,
+        "{} > {budget}",
+        fit.peak_bytes.unwrap()
+    );
     // Lossless levers only: the gradients of the whole batch, up to the order of the
     // micro-batches' sums.
     assert!(fit.grad_rel_l2.unwrap() < 1e-5, "{:?}", fit.grad_rel_l2);
     let table = report.to_table();
     assert!(table.contains("16 (1 try)"), "{table}");
     let chosen = fit.choice.as_deref().unwrap();
-    assert!(table.contains(&format!("mlp / fit(budget={budget}B): chose {chosen}")), "{table}");
+    assert!(
+        table.contains(&format!("mlp / fit(budget={budget}B): chose {chosen}")),
+        "{table}"
+    );
 }
 
 #[test]
 #[serial]
 fn halving_without_a_budget_says_what_it_needs() {
-    let report = run_suite(&suite("  - auto_batch: {policy: halving}\n"), &RunOptions::default())
-        .unwrap();
+    let report = run_suite(
+        &suite("  - auto_batch: {policy: halving}\n"),
+        &RunOptions::default(),
+    )
+    .unwrap();
     let case = &report.cases[0];
     assert_eq!(case.status, Status::Error);
     assert!(
-        case.error.as_deref().unwrap().contains("auto_batch needs a budget"),
+        case.error
+            .as_deref()
+            .unwrap()
+            .contains("auto_batch needs a budget"),
         "{:?}",
         case.error
     );
 }
 
 fn error_of(strategies: &str) -> String {
-    let yaml = format!(
-        "suite: bad\nmodels:\n{MODEL}strategies:\n{strategies}"
-    );
+    let yaml = format!("suite: bad\nmodels:\n{MODEL}strategies:\n{strategies}");
     match Suite::from_yaml(&yaml, "bad.yaml") {
         Ok(s) => panic!("accepted {s:?}"),
         Err(e) => e.to_string(),
@@ -81,7 +101,10 @@ fn error_of(strategies: &str) -> String {
 fn bad_entries_are_errors_at_their_place() {
     let e = error_of("  - auto_batch: {policy: doubling}\n");
     assert!(e.starts_with("bad.yaml:5:"), "{e}");
-    assert!(e.contains("unknown policy 'doubling', expected halving"), "{e}");
+    assert!(
+        e.contains("unknown policy 'doubling', expected halving"),
+        "{e}"
+    );
     let e = error_of("  - fit: {budget: 0}\n");
     assert!(e.starts_with("bad.yaml:5:"), "{e}");
     assert!(e.contains("positive") || e.contains("zero"), "{e}");
@@ -107,13 +130,17 @@ fn the_cli_writes_the_choice_and_its_measurement() {
     let dir = tempfile::tempdir().unwrap();
     let out = memsave(
         &[
-            "fit", "quick", "--model", "mlp", "--budget", "64KiB", "--json", "fit.json",
-            "--plot", "fit.svg",
+            "fit", "quick", "--model", "mlp", "--budget", "64KiB", "--json", "fit.json", "--plot",
+            "fit.svg",
         ],
         dir.path(),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("choice: "), "{stdout}");
     assert!(stdout.contains("Pareto front"), "{stdout}");
     let json: serde_json::Value =
@@ -144,15 +171,35 @@ fn the_cli_writes_the_choice_and_its_measurement() {
 fn the_cli_rejects_bad_input_with_exit_code_2() {
     let dir = tempfile::tempdir().unwrap();
     for (args, needle) in [
-        (&["fit", "quick", "--model", "mlp", "--budget", "0"][..], "positive"),
-        (&["fit", "quick", "--model", "mlp", "--budget", "lots"][..], "lots"),
         (
-            &["fit", "quick", "--model", "mlp", "--budget", "1MiB", "--global-batch", "0"][..],
+            &["fit", "quick", "--model", "mlp", "--budget", "0"][..],
+            "positive",
+        ),
+        (
+            &["fit", "quick", "--model", "mlp", "--budget", "lots"][..],
+            "lots",
+        ),
+        (
+            &[
+                "fit",
+                "quick",
+                "--model",
+                "mlp",
+                "--budget",
+                "1MiB",
+                "--global-batch",
+                "0",
+            ][..],
             "global-batch",
         ),
-        (&["fit", "quick", "--model", "nope", "--budget", "1MiB"][..], "no model 'nope'"),
         (
-            &["fit", "quick", "--model", "mlp", "--budget", "1MiB", "--allow", "fp4"][..],
+            &["fit", "quick", "--model", "nope", "--budget", "1MiB"][..],
+            "no model 'nope'",
+        ),
+        (
+            &[
+                "fit", "quick", "--model", "mlp", "--budget", "1MiB", "--allow", "fp4",
+            ][..],
             "fp4",
         ),
     ] {
@@ -167,7 +214,10 @@ fn the_cli_rejects_bad_input_with_exit_code_2() {
 #[serial]
 fn the_cli_names_the_smallest_budget_when_nothing_fits() {
     let dir = tempfile::tempdir().unwrap();
-    let out = memsave(&["fit", "quick", "--model", "mlp", "--budget", "64B"], dir.path());
+    let out = memsave(
+        &["fit", "quick", "--model", "mlp", "--budget", "64B"],
+        dir.path(),
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("no configuration fits 64 B"), "{err}");

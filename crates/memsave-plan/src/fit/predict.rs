@@ -10,6 +10,9 @@ use super::probe::Probe;
 use memsave_checkpoint::{ChainProfile, LayerProfile};
 use std::sync::Arc;
 
+/// What is allocated after each allocation and free of a probe's run.
+type Series = Arc<Vec<i64>>;
+
 /// An affine model `a + b·size` of a configuration's peak and per-micro-batch time,
 /// fitted on two probes.
 ///
@@ -35,7 +38,7 @@ pub(crate) struct Affine {
     /// The smallest micro-batch that was run and did not fit the budget, if any.
     fails_from: Option<i64>,
     /// The two probes' allocation series, when they line up event for event.
-    series: Option<(Arc<Vec<i64>>, Arc<Vec<i64>>)>,
+    series: Option<(Series, Series)>,
     /// Where the second micro-batch begins in both series, when both agree.
     second: Option<usize>,
 }
@@ -134,17 +137,28 @@ impl Affine {
         Some(moments.max(0.0).ceil() as u64)
     }
 
-    /// The predicted step time for micro-batches of the given sizes.
+    /// The predicted step time for micro-batches of the given sizes: a fixed cost per
+    /// micro-batch plus a cost per example, both at least zero (a line through two
+    /// noisy timings can cross zero, which would make more micro-batches look faster),
+    /// plus the optimizer once.
     pub(crate) fn time(&self, sizes: &[i64]) -> f64 {
-        let per = |size: i64| {
-            if self.size1 == self.size2 {
-                return self.mb_time2 * size as f64 / self.size2.max(1) as f64;
-            }
+        let (fixed, per_example) = if self.size1 == self.size2 {
+            (0.0, self.mb_time2 / self.size2.max(1) as f64)
+        } else {
             let slope =
                 ((self.mb_time2 - self.mb_time1) / (self.size2 - self.size1) as f64).max(0.0);
-            (self.mb_time2 + slope * (size - self.size2) as f64).max(0.0)
+            let fixed = self.mb_time2 - slope * self.size2 as f64;
+            if fixed < 0.0 {
+                (0.0, self.mb_time2 / self.size2 as f64)
+            } else {
+                (fixed, slope)
+            }
         };
-        sizes.iter().map(|&s| per(s)).sum::<f64>() + self.optimizer_time_s
+        sizes
+            .iter()
+            .map(|&s| fixed + per_example * s as f64)
+            .sum::<f64>()
+            + self.optimizer_time_s
     }
 }
 
@@ -213,5 +227,41 @@ mod tests {
         assert_eq!(single.peak(4), None);
         assert!((a.time(&[10]) - 1.0).abs() < 1e-12);
         assert!((a.time(&[5, 5]) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn moments_are_extrapolated_one_by_one() {
+        // Two moments: 1000 fixed bytes (gradients), and 100 per example
+        // (activations). At sizes 2 and 4 the gradients hold the peak (1000), so the
+        // line through the peaks is flat; at 20 the activations take 2000.
+        let with = |size: i64, peak| Probe {
+            series: Some(Arc::new(vec![100 * size, 1000])),
+            ..probe(peak, 0.1)
+        };
+        let a = Affine::fit(2, &with(2, 1000), 4, &with(4, 1000), 1);
+        assert!(a.is_exact());
+        assert_eq!(a.peak(20), Some(2000));
+        // Runs that did not make the same events: the line through the peaks.
+        let unaligned = Probe {
+            series: Some(Arc::new(vec![1, 2, 3])),
+            ..probe(1000, 0.1)
+        };
+        let b = Affine::fit(2, &with(2, 1000), 4, &unaligned, 1);
+        assert!(!b.is_exact());
+        assert_eq!(b.peak(20), Some(1000));
+    }
+
+    #[test]
+    fn micro_batches_after_the_first_are_extrapolated_to_their_own_size() {
+        // First micro-batch: 100 per example; the second: 1000 fixed (gradients) plus
+        // 100 per example. An uneven split of 7 + 6 peaks at 1000 + 600 in the second.
+        let with = |size: i64| Probe {
+            series: Some(Arc::new(vec![100 * size, 1000 + 100 * size])),
+            second_micro_batch: Some(1),
+            ..probe(1000 + 100 * size as u64, 0.1)
+        };
+        let a = Affine::fit(2, &with(2), 4, &with(4), 2);
+        assert_eq!(a.peak_split(7, 6), Some(1600));
+        assert_eq!(a.peak(7), Some(1700));
     }
 }

@@ -6,6 +6,7 @@ use crate::step::{f_step_observed, StepEvent, StepObserver};
 use crate::workload::Workload;
 use memsave_checkpoint::Schedule;
 use std::cell::Cell;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -125,16 +126,26 @@ pub(crate) fn probe(
                 forwards: Cell::new(0),
                 second_forward_at: Cell::new(None),
             };
-            let m = f_step_observed(
-                &*workload,
-                &x,
-                &config,
-                device,
-                false,
-                None,
-                optimizer.as_mut(),
-                &clock,
-            );
+            // Some of tch's operations panic instead of returning an out-of-memory
+            // error (a failed operation on a scalar): catch it as the error it is.
+            let m = panic::catch_unwind(AssertUnwindSafe(|| {
+                f_step_observed(
+                    &*workload,
+                    &x,
+                    &config,
+                    device,
+                    false,
+                    None,
+                    optimizer.as_mut(),
+                    &clock,
+                )
+            }))
+            .unwrap_or_else(|payload| {
+                Err(format!(
+                    "panicked: {}",
+                    memsave_sys::checkpoint::panic_message(&*payload)
+                ))
+            });
             if recording {
                 let events = memsave_sys::alloc::stop_recording();
                 let initial = events.iter().take_while(|e| e.time_ns == 0).count();
