@@ -6,7 +6,9 @@
 //! step is recorded: phases from the step ([`StepEvent`]), a mark per layer
 //! (`layer i`, also when a checkpoint recomputes it in backward), `end of forward`
 //! where the runner reads `retained_after_forward_bytes`, parameters and input
-//! registered with the recorder.
+//! registered with the recorder, and the optimizer's state and gradients shown to it
+//! through memsave-optim's `Observer` (state created lazily in the first update,
+//! fetched from disk for one update, gradients a step in backward frees).
 use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
 use crate::runner::apply_plan;
@@ -14,10 +16,11 @@ use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, Step
 use crate::strategies::resolve;
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
+use memsave_optim::Observer;
 use memsave_plan::Batch;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::Arc;
-use tch::Device;
+use tch::{Device, Tensor};
 
 /// The mark set where the runner reads `retained_after_forward_bytes`.
 pub const END_OF_FORWARD: &str = "end of forward";
@@ -81,6 +84,21 @@ impl StepObserver for Phases<'_> {
     }
 }
 
+/// Tells a recording session the optimizer's gradients and state as the optimizer
+/// works with them (state created in the first update or fetched from disk for one
+/// update, gradients freed by a step in backward).
+struct Roles(Session);
+
+impl Observer for Roles {
+    fn gradient(&self, _index: usize, grad: &Tensor) {
+        self.0.gradients(std::slice::from_ref(grad));
+    }
+
+    fn state(&self, _index: usize, tensors: &[Tensor]) {
+        self.0.optimizer_state(tensors);
+    }
+}
+
 /// Records one step of `model` under `strategy` (names as in the suite).
 ///
 /// Traces run on the CPU (the counting allocator's recorder); a suite whose device is
@@ -107,7 +125,10 @@ pub fn trace_case(
             known: names(suite.strategies.iter().map(|s| s.name.as_str())),
         })?;
     if suite.device == DeviceChoice::Cuda {
-        return Err(memsave_trace::TraceError::UnsupportedDevice(Device::Cuda(0)).into());
+        return Err(TraceCaseError::Setup(format!(
+            "suite '{}' runs on `device: cuda`, but memsave trace records on the CPU only (CUDA's caching allocator is not read); set `device: cpu` or `device: auto` in a copy of the suite",
+            suite.suite
+        )));
     }
     let device = Device::Cpu;
     memsave_meter::install();
@@ -151,14 +172,24 @@ pub fn trace_case(
         .iter()
         .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
         .sum();
+    // State from the warm-up steps exists already; state created or fetched during the
+    // step, and gradients an optimizer in backward frees, are shown to the session.
+    let state = optimizer
+        .as_ref()
+        .map(CaseOptimizer::state_tensors)
+        .unwrap_or_default();
     let (step, trace) = Recorder::new(device)
         .parameters(&params)
         .inputs(&[x.input.shallow_clone()])
+        .optimizer_state(&state)
         .record(|session| {
             let layers = session.clone();
             model
                 .ctx
                 .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
+            if let Some(optimizer) = optimizer.as_mut() {
+                optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
+            }
             let step = f_step_observed(
                 &model,
                 &x,
@@ -170,6 +201,10 @@ pub fn trace_case(
                 &Phases(session),
             );
             model.ctx.set_block_observer(None);
+            if let Some(optimizer) = optimizer.as_mut() {
+                optimizer.set_observer(None);
+                session.optimizer_state(&optimizer.state_tensors());
+            }
             session.phase(Phase::Other);
             step
         })?;

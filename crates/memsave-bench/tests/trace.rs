@@ -54,8 +54,8 @@ fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
     assert_eq!(end[Category::Gradient], parameters);
     assert_eq!(end[Category::Parameter], parameters);
     assert_eq!(end[Category::Input], 50 * 100 * 512 * 4);
-    // What each layer keeps: its input, saved by addmm for AddmmBackward0; the first
-    // layer's input is the caller's.
+    // What each layer keeps: its input, a saved tensor of AddmmBackward0 (saved while
+    // aten::addmm ran); the first layer's input is the caller's.
     let saved: Vec<_> = trace
         .blocks
         .iter()
@@ -69,6 +69,9 @@ fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
             .find(|b| b.mark.as_deref() == Some(mark.as_str()))
             .unwrap_or_else(|| panic!("no saved activation marked {mark}"));
         assert_eq!(b.saved_by.as_deref(), Some("aten::addmm"));
+        // The node that saved it, as PyTorch names it (its `_saved_mat1`).
+        assert_eq!(b.saved_for.as_deref(), Some("AddmmBackward0"));
+        assert_eq!(b.role(), "saved_activation of AddmmBackward0");
         // Linear flattens its 3-d input with a view before addmm.
         assert_eq!(b.producer.as_deref(), Some("ViewBackward0"));
         assert_eq!(b.bytes, 50 * 100 * 512 * 4);
@@ -100,6 +103,20 @@ fn unknown_names_are_an_error_that_lists_the_known_ones() {
     );
 }
 
+/// A suite on CUDA is refused in one actionable line (traces read the CPU's allocator).
+#[test]
+#[serial]
+fn a_cuda_suite_is_refused_in_one_line_that_says_what_to_change() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../suites/cuda.yaml");
+    let cuda = Suite::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();
+    let e = trace_case(&cuda, "linear", "baseline")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`device: cpu`"), "{e}");
+    assert!(e.contains("CPU only"), "{e}");
+    assert!(!e.contains('\n'), "one line: {e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
 
@@ -117,6 +134,119 @@ proptest! {
         prop_assert_eq!(end[Category::Parameter], traced.parameter_bytes);
         if traced.step.is_ok() {
             prop_assert_eq!(end[Category::Gradient], traced.parameter_bytes);
+        }
+    }
+}
+
+/// A small residual MLP under memsave-optim's optimizer, after backward and inside it,
+/// with the state in f32, bf16 and int8, on the device and on disk.
+const OPTIMIZER_SUITE: &str = "
+suite: trace-optimizer
+device: cpu
+seed: 0
+warmup: 0
+repeats: 1
+models:
+  - {name: mlp, kind: residual_mlp, layers: 3, hidden: 16, expansion: 2, batch: [4, 4]}
+strategies:
+  - {name: adamw, with: [{optimizer: {kind: adamw}}]}
+  - {name: adamw-in-backward, with: [{optimizer: {kind: adamw, in_backward: true}}]}
+  - {name: adamw-bf16-in-backward, with: [{optimizer: {kind: adamw, state: bf16, in_backward: true}}]}
+  - {name: adamw-int8-disk, with: [{optimizer: {kind: adamw, state: int8, placement: disk}}]}
+  - {name: ckpt+sgd-in-backward, with: [{checkpoint: {every_layer: true}}, {optimizer: {kind: sgd, in_backward: true}}]}
+";
+
+/// Bytes of state per parameter value: AdamW's two moments at the state's precision;
+/// SGD without momentum has none; on disk none is held between steps.
+fn state_bytes_per_value(strategy: &str) -> u64 {
+    match strategy {
+        "adamw" | "adamw-in-backward" => 2 * 4,
+        "adamw-bf16-in-backward" => 2 * 2,
+        _ => 0,
+    }
+}
+
+/// The optimizer's state is `optimizer_state` (created in the recorded step's first
+/// update, or by the warm-up step before it), to the byte of memsave-optim's own count;
+/// gradients are `gradient` also when a step in backward frees them inside backward.
+#[test]
+#[serial]
+fn optimizer_state_and_gradients_are_categorized_to_the_byte() {
+    let mut suite = Suite::from_yaml(OPTIMIZER_SUITE, "trace-optimizer.yaml").unwrap();
+    // 3 blocks of Linear(16, 32) and Linear(32, 16), f32.
+    let parameter_values = 3 * (16 * 32 + 32 + 32 * 16 + 16);
+    let parameter_bytes = parameter_values * 4;
+    let strategies: Vec<String> = suite.strategies.iter().map(|s| s.name.clone()).collect();
+    for warmup in [0, 1] {
+        suite.warmup = warmup;
+        for strategy in &strategies {
+            let case = format!("{strategy}, warm-up {warmup}");
+            let options = RunOptions {
+                filter: Some(
+                    regex::Regex::new(&format!("^mlp/{}$", regex::escape(strategy))).unwrap(),
+                ),
+                ..RunOptions::default()
+            };
+            let report = run_suite(&suite, &options).unwrap();
+            let harness = &report.cases[0];
+            assert_eq!(harness.status, Status::Ok, "{case}: {:?}", harness.error);
+            let state_bytes = harness.optimizer_state_bytes.unwrap();
+            assert_eq!(
+                state_bytes,
+                state_bytes_per_value(strategy) * parameter_values,
+                "{case}"
+            );
+
+            let traced = trace_case(&suite, "mlp", strategy).unwrap();
+            traced.step.as_ref().unwrap();
+            let trace = &traced.trace;
+            let summary = trace.summary(8);
+            assert_eq!(traced.parameter_bytes, parameter_bytes);
+            assert_adds_up(trace);
+            let end = trace.end_bytes();
+            assert_eq!(
+                end[Category::OptimizerState],
+                state_bytes,
+                "{case}\n{summary}"
+            );
+            assert_eq!(
+                end[Category::Gradient],
+                0,
+                "{case}: the step frees them\n{summary}"
+            );
+            assert_eq!(end[Category::Parameter], parameter_bytes, "{case}");
+            // Every parameter's gradient was a `gradient`, whether the optimizer stepped
+            // after backward or inside it (where its hook freed the gradient at once).
+            let gradients: u64 = trace
+                .blocks
+                .iter()
+                .filter(|b| b.category == Category::Gradient && b.alloc_event.is_some())
+                .map(|b| b.bytes)
+                .sum();
+            assert_eq!(gradients, parameter_bytes, "{case}\n{summary}");
+            if !strategy.contains("in-backward") {
+                let at_step = trace.bytes_at_mark("optimizer").unwrap();
+                assert_eq!(
+                    at_step[Category::Gradient],
+                    parameter_bytes,
+                    "{case}\n{summary}"
+                );
+            }
+            if strategy == "adamw-int8-disk" {
+                // On disk between steps, in memory for one parameter's update at a time:
+                // the largest parameter's two int8 moments and their f32 scales (one per
+                // 256 values: two for a 16 x 32 weight).
+                let largest: u64 = 16 * 32;
+                let most = trace
+                    .timeline()
+                    .iter()
+                    .map(|b| b[Category::OptimizerState])
+                    .max()
+                    .unwrap();
+                assert_eq!(most, 2 * (largest + 2 * 4), "{case}\n{summary}");
+            }
+            assert_eq!(end[Category::Other], 0, "{case}\n{summary}");
+            assert_eq!(trace.unplaced_notes, 0, "{case}\n{summary}");
         }
     }
 }

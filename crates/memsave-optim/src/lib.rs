@@ -35,6 +35,7 @@
 mod adamw;
 mod error;
 mod hook;
+mod observe;
 mod optimizer;
 mod placement;
 mod saved;
@@ -44,6 +45,7 @@ mod state;
 pub use adamw::{AdamW, AdamWConfig};
 pub use error::{OptimError, Result};
 pub use hook::InBackward;
+pub use observe::Observer;
 pub use optimizer::{zero_grad, Optimizer, Options, Rule};
 pub use placement::Placement;
 pub use saved::{SavedGroup, SavedParam, SavedState, SavedTensor};

@@ -1,12 +1,14 @@
 //! The optimizer shared by every update rule: parameters in groups, per-parameter
 //! state at a chosen precision and placement, the step, and the gradients.
 use std::fmt::Debug;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use crate::error::{OptimError, Result};
+use crate::observe::{Observer, ObserverSlot};
 use crate::placement::{Placement, StateStore};
 use crate::state::{Buffer, Sign, State};
 
@@ -71,6 +73,7 @@ pub struct Optimizer<R: Rule> {
     pub(crate) states: Vec<ParamState>,
     pub(crate) options: Options,
     pub(crate) store: StateStore,
+    pub(crate) observer: ObserverSlot,
 }
 
 impl<R: Rule> Optimizer<R> {
@@ -99,6 +102,7 @@ impl<R: Rule> Optimizer<R> {
             states: Vec::new(),
             options,
             store,
+            observer: ObserverSlot::default(),
         };
         opt.add_param_group(params, config)?;
         Ok(opt)
@@ -189,6 +193,22 @@ impl<R: Rule> Optimizer<R> {
             .flat_map(|s| &s.buffers)
             .map(Buffer::bytes)
             .sum()
+    }
+
+    /// The state tensors held in memory now, every parameter's in order (moments,
+    /// momentum; 8-bit codes and their block scales): the tensors
+    /// [`Optimizer::state_bytes`] counts. Handles to the same storages, to register
+    /// with a memory tool; none before the first step, and none with
+    /// [`Placement::Disk`] between steps (see [`Observer`] for the state during a step).
+    pub fn state_tensors(&self) -> Vec<Tensor> {
+        self.states.iter().flat_map(|s| parts(&s.buffers)).collect()
+    }
+
+    /// Shows `observer` every gradient this optimizer reads and every parameter's state
+    /// while it is in memory, from the next update on (`None` stops it). One observer at
+    /// a time: setting one replaces the previous.
+    pub fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
+        self.observer = ObserverSlot(observer);
     }
 
     /// Updates every parameter that has a gradient, under `no_grad`; parameters without
@@ -298,6 +318,10 @@ impl<R: Rule> Optimizer<R> {
             device: param.device(),
         };
         self.store.fetch(index, st, &layout)?;
+        if let Some(observer) = &self.observer.0 {
+            observer.gradient(index, &grad);
+            observer.state(index, &parts(&st.buffers));
+        }
         let flat_param = param.f_view([-1]).map_err(at)?;
         let flat_grad = grad.f_reshape([-1]).map_err(at)?;
         let chunk = state.chunk_len(numel);
@@ -330,7 +354,18 @@ impl<R: Rule> Optimizer<R> {
             start += len;
         }
         st.step = step;
-        self.store.keep(index, st)
+        let before: Vec<usize> = parts(&st.buffers)
+            .iter()
+            .map(|t| t.data_ptr() as usize)
+            .collect();
+        self.store.keep(index, st)?;
+        if let Some(observer) = &self.observer.0 {
+            let kept = parts(&st.buffers);
+            if !kept.is_empty() && kept.iter().map(|t| t.data_ptr() as usize).ne(before) {
+                observer.state(index, &kept);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -350,6 +385,14 @@ pub fn zero_grad(params: &[Tensor], set_to_none: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Handles to the tensors of `buffers`, in order.
+fn parts(buffers: &[Buffer]) -> Vec<Tensor> {
+    buffers
+        .iter()
+        .flat_map(|b| b.parts().into_iter().map(|(_, t)| t.shallow_clone()))
+        .collect()
 }
 
 /// What the state buffers of one parameter look like.

@@ -3,8 +3,10 @@
 use crate::levers::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 use memsave_amp::GradScaler;
 use memsave_optim::{
-    AdamW, AdamWConfig, InBackward, Optimizer, Options, Placement, Rule, Sgd, SgdConfig, State,
+    AdamW, AdamWConfig, InBackward, Observer, Optimizer, Options, Placement, Rule, Sgd, SgdConfig,
+    State,
 };
+use std::sync::Arc;
 use tch::Tensor;
 
 /// The optimizer, stepping after backward or from hooks inside it.
@@ -44,6 +46,20 @@ impl<R: Rule> Stepper<R> {
             Stepper::InBackward(hooked) => hooked.optimizer().state_bytes(),
         }
     }
+
+    fn state_tensors(&self) -> Vec<Tensor> {
+        match self {
+            Stepper::After(opt) => opt.state_tensors(),
+            Stepper::InBackward(hooked) => hooked.optimizer().state_tensors(),
+        }
+    }
+
+    fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
+        match self {
+            Stepper::After(opt) => opt.set_observer(observer),
+            Stepper::InBackward(hooked) => hooked.optimizer().set_observer(observer),
+        }
+    }
 }
 
 /// A case's optimizer, with a temporary directory for `placement: disk` that lives as
@@ -57,6 +73,8 @@ pub struct CaseOptimizer {
 trait Step {
     fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String>;
     fn state_bytes(&self) -> u64;
+    fn state_tensors(&self) -> Vec<Tensor>;
+    fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>);
 }
 
 impl<R: Rule> Step for Stepper<R> {
@@ -65,6 +83,12 @@ impl<R: Rule> Step for Stepper<R> {
     }
     fn state_bytes(&self) -> u64 {
         Stepper::state_bytes(self)
+    }
+    fn state_tensors(&self) -> Vec<Tensor> {
+        Stepper::state_tensors(self)
+    }
+    fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
+        Stepper::set_observer(self, observer);
     }
 }
 
@@ -118,6 +142,18 @@ impl CaseOptimizer {
     /// Bytes of optimizer state held in memory now.
     pub fn state_bytes(&self) -> u64 {
         self.stepper.state_bytes()
+    }
+
+    /// The state tensors held in memory now (what [`state_bytes`](Self::state_bytes)
+    /// counts), to register with a memory recorder.
+    pub fn state_tensors(&self) -> Vec<Tensor> {
+        self.stepper.state_tensors()
+    }
+
+    /// Shows `observer` the gradients and state the optimizer works with during its
+    /// steps (see [`memsave_optim::Observer`]); `None` stops it.
+    pub fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
+        self.stepper.set_observer(observer);
     }
 }
 

@@ -281,6 +281,17 @@ int ms_tensor_grad_fn_name(const at::Tensor* t, void* sink, bool* has) {
   })
 }
 
+// Writes the name of the autograd node the calling thread is running in backward
+// (`AddmmBackward0`) into `sink`, or nothing when it runs none. Inside an unpack hook
+// that is the node that saved the tensor.
+int ms_current_autograd_node_name(void* sink, bool* has) {
+  MS_TRY({
+    const auto fn = torch::autograd::get_current_node();
+    *has = fn != nullptr;
+    if (fn != nullptr) *static_cast<std::string*>(sink) = fn->name();
+  })
+}
+
 int ms_string_new(void** out) {
   MS_TRY({ *out = new std::string(); })
 }

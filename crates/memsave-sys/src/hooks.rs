@@ -194,6 +194,27 @@ pub fn install_engine() -> Result<()> {
     check(unsafe { ffi::ms_hooks_install_engine() })
 }
 
+/// The name of the autograd node the calling thread is running in backward
+/// (`AddmmBackward0`), or `None` outside backward. Called from an unpack hook, it names
+/// the node that saved the tensor being unpacked: PyTorch's name for whose saved
+/// tensor it is (`grad_fn._saved_mat1` of an `AddmmBackward0`).
+pub fn current_autograd_node_name() -> Result<Option<String>> {
+    let mut sink: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `sink` is a writable pointer; on success it owns a new std::string.
+    check(unsafe { ffi::ms_string_new(&mut sink) })?;
+    let mut has = false;
+    // SAFETY: `sink` is the string made above.
+    let status = check(unsafe { ffi::ms_current_autograd_node_name(sink, &mut has) });
+    // SAFETY: `sink` is a live std::string; its text is copied before it is freed once.
+    let name = unsafe { std::ffi::CStr::from_ptr(ffi::ms_string_data(sink)) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: freed exactly once, after its last use.
+    unsafe { ffi::ms_string_free(sink) };
+    status?;
+    Ok(has.then_some(name))
+}
+
 /// The name of the autograd node that produced `t` (`AddmmBackward0`), or `None` for a
 /// leaf or a tensor without history.
 pub fn grad_fn_name(t: &Tensor) -> Result<Option<String>> {

@@ -43,7 +43,8 @@ fn escape(text: &str) -> String {
 impl Trace {
     /// A self-contained HTML page: a stacked-area timeline of the bytes per category
     /// at every event, with the phases as background bands and the peak marked, and a
-    /// table of the `top` largest storages live at the peak (category, op, mark).
+    /// table of the `top` largest storages live at the peak (role, such as
+    /// `saved_activation of AddmmBackward0`, the aten op that saved it, mark).
     ///
     /// The page loads nothing: its Content-Security-Policy is `default-src 'none'`
     /// and it has no script, so it opens offline and in locked-down viewers.
@@ -192,7 +193,7 @@ impl Trace {
         let _ = write!(
             out,
             "<h2>Largest tensors live at the peak ({})</h2>\n<table id=\"top-tensors\">\n\
-             <tr><th>#</th><th>bytes</th><th>category</th><th>op</th><th>mark</th><th>allocated in</th></tr>\n",
+             <tr><th>#</th><th>bytes</th><th>role</th><th>saved during</th><th>mark</th><th>allocated in</th></tr>\n",
             Bytes(self.peak_bytes())
         );
         for (i, b) in self.live_after(peak).iter().take(top).enumerate() {
@@ -201,8 +202,8 @@ impl Trace {
                 "<tr><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 i + 1,
                 Bytes(b.bytes),
-                b.category,
-                escape(b.op().unwrap_or("-")),
+                escape(&b.role()),
+                escape(b.saved_by.as_deref().unwrap_or("-")),
                 escape(b.mark.as_deref().unwrap_or("-")),
                 if b.alloc_event.is_some() { b.phase.as_str() } else { "before the recording" }
             );

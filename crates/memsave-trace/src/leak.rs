@@ -12,7 +12,9 @@ use std::fmt;
 pub struct LeftBehind {
     /// Their category.
     pub category: Category,
-    /// The op that saved them, for saved activations.
+    /// For saved activations, what saved them: the autograd node (`TanhBackward0`)
+    /// when backward has unpacked them, else the aten op that was running (`aten::tanh`;
+    /// a leaked graph usually never runs backward).
     pub op: Option<String>,
     /// The mark open when they were allocated (or saved).
     pub mark: Option<String>,
@@ -41,10 +43,12 @@ impl fmt::Display for LeakTrace {
         for l in &self.left_behind {
             write!(
                 f,
-                "\n  {:>12}  {:<16}  {:<16}  {}  ({} storages)",
+                "\n  {:>12}  {:<36}  {}  ({} storages)",
                 Bytes(l.bytes).to_string(),
-                l.category.as_str(),
-                l.op.as_deref().unwrap_or("-"),
+                match &l.op {
+                    Some(op) => format!("{} of {op}", l.category),
+                    None => l.category.to_string(),
+                },
                 l.mark.as_deref().unwrap_or("-"),
                 l.count
             )?;
@@ -103,7 +107,7 @@ pub fn detect_leak<E>(
     if let Some(&first_end) = ends.first() {
         for b in trace.left_behind_since(first_end) {
             let entry = groups
-                .entry((b.category, b.saved_by.clone(), b.mark.clone()))
+                .entry((b.category, b.op().map(str::to_owned), b.mark.clone()))
                 .or_default();
             entry.0 += b.bytes;
             entry.1 += 1;

@@ -5,7 +5,7 @@
 //! event recorder on and returns a [`Trace`]: every allocation and free, each with its
 //! size, time, [`Phase`] (forward, backward, optimizer), the mark open at that moment,
 //! and a [`Category`]: `parameter`, `gradient`, `optimizer_state`, `saved_activation`
-//! (with the op that produced it, `AddmmBackward0`, and the layer's mark), `temporary`,
+//! (with the autograd node that saved it, `AddmmBackward0`, and the layer's mark), `temporary`,
 //! `input` or `other`. At every event the categories add up to `memory_allocated`
 //! exactly; what the recorder cannot place is `other`, counted, never dropped. A trace
 //! exports to PyTorch's memory snapshot ([`Trace::to_snapshot_pickle`], for
@@ -14,7 +14,8 @@
 //!
 //! The seed question, answered: in `x = x + Linear(x)` every layer's input is a
 //! `saved_activation` of `AddmmBackward0` (the previous layer's add produced the
-//! tensor, `addmm` saved it), so the forward's memory grows by one input per layer.
+//! tensor; the Linear's `AddmmBackward0` node saved it, to compute the weight's
+//! gradient), so the forward's memory grows by one input per layer.
 //!
 //! ```
 //! use memsave_trace::{Category, Phase, Recorder};
@@ -52,6 +53,13 @@
 //! let end = trace.end_bytes();
 //! assert_eq!(end[Category::Gradient], 3 * (64 * 64 + 64) * 4);
 //! assert_eq!(end[Category::Gradient], end[Category::Parameter]);
+//! // Who keeps them: the node that saved them, named as PyTorch names it.
+//! let saved = trace
+//!     .blocks
+//!     .iter()
+//!     .find(|b| b.category == Category::SavedActivation && b.mark.as_deref() == Some("layer 1"))
+//!     .unwrap();
+//! assert_eq!(saved.role(), "saved_activation of AddmmBackward0");
 //! // The categories add up to the meter at every event.
 //! for (bytes, event) in trace.timeline().iter().zip(&trace.events) {
 //!     assert_eq!(bytes.total(), event.allocated_after);

@@ -33,6 +33,12 @@ pub(crate) enum NoteKind {
         producer: String,
         mark: Option<String>,
     },
+    /// Backward unpacked the saved tensor at `ptr` while running `node`, the autograd
+    /// node that saved it.
+    SavedFor {
+        ptr: u64,
+        node: String,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -66,7 +72,8 @@ impl Shared {
 }
 
 /// What the step being recorded can tell the recorder: the phase it is in, marks,
-/// and optimizer state created during the step. Cheap to clone (clones share the
+/// and optimizer state and gradients it creates and frees where the recorder cannot
+/// see them. Cheap to clone (clones share the
 /// recording), so a model can hold one to mark its layers.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -87,10 +94,24 @@ impl Session {
         self.shared.note(NoteKind::Mark(label));
     }
 
-    /// Marks `tensors` as optimizer state (state an optimizer creates lazily in its
-    /// first step: call this after that step, with the state's tensors).
+    /// Marks `tensors` as optimizer state: state an optimizer creates lazily in its
+    /// first step, or brings into memory for an update only (state kept on disk).
+    ///
+    /// A role holds for a storage's whole life, so call this at any time while the
+    /// storages are live: after the step for state that stays, or from inside the step
+    /// (`memsave_optim::Observer::state`) for state that is freed within it. Storages
+    /// already freed are not found (they stay `temporary`; [`Trace::unplaced_notes`]
+    /// counts the miss).
     pub fn optimizer_state(&self, tensors: &[Tensor]) {
         self.shared.roles(tensors, Category::OptimizerState);
+    }
+
+    /// Marks `tensors` as gradients: for a gradient freed inside the step before the
+    /// recorder sees it at the end, such as one an optimizer fused into backward
+    /// updates and frees in its post-accumulate-grad hook (call this from that hook,
+    /// or from `memsave_optim::Observer::gradient`, while the gradient is live).
+    pub fn gradients(&self, tensors: &[Tensor]) {
+        self.shared.roles(tensors, Category::Gradient);
     }
 }
 
@@ -111,7 +132,9 @@ impl Session {
 ///   hooks, not to the recorder: they show as `temporary` (recomputed) or `other`.
 /// - **One grad hook per parameter.** libtorch keeps one post-accumulate-grad hook
 ///   per tensor; when a parameter has one already (an optimizer fused into backward),
-///   its gradient is found from `.grad` at the end of the step only.
+///   its gradient is found from `.grad` at the end of the step only, and a gradient the
+///   hook frees is `temporary` unless the hook tells [`Session::gradients`] (memsave-optim's
+///   optimizers do, through `Optimizer::set_observer`).
 #[derive(Debug)]
 pub struct Recorder {
     device: Device,
@@ -262,6 +285,13 @@ impl SavedTensorHooks for SaveRecorder {
     }
 
     fn unpack(&self, packed: &Tensor) -> Result<Tensor, HookError> {
+        // The node backward is running is the one whose saved tensor this is.
+        if let Some(node) = memsave_sys::hooks::current_autograd_node_name()? {
+            self.shared.note(NoteKind::SavedFor {
+                ptr: packed.data_ptr() as u64,
+                node,
+            });
+        }
         Ok(packed.shallow_clone())
     }
 }

@@ -52,23 +52,27 @@ struct SegmentBlock {
     frames: Vec<Frame>,
 }
 
-/// Innermost first, as PyTorch lists frames: the role (category and op), the
-/// producer of a saved tensor, then the mark and the phase of the allocation.
+/// Innermost first, as PyTorch lists frames: the role (`saved_activation of
+/// AddmmBackward0`), for a saved tensor the aten op that saved it and the tensor's own
+/// grad_fn, then the mark and the phase of the allocation.
 fn frames(block: &Block) -> Vec<Frame> {
-    let role = match block.op() {
-        Some(op) => format!("{} {op}", block.category),
-        None => block.category.to_string(),
-    };
     let mut frames = vec![Frame {
         filename: format!("memsave:{}", block.category),
         line: 0,
-        name: role,
+        name: block.role(),
     }];
+    if let Some(op) = &block.saved_by {
+        frames.push(Frame {
+            filename: "saved by".to_owned(),
+            line: 0,
+            name: op.clone(),
+        });
+    }
     if let Some(producer) = &block.producer {
         frames.push(Frame {
-            filename: "producer".to_owned(),
+            filename: "grad_fn".to_owned(),
             line: 0,
-            name: format!("tensor from {producer}"),
+            name: format!("the tensor's grad_fn: {producer}"),
         });
     }
     frames.push(Frame {
@@ -87,7 +91,8 @@ impl Trace {
     /// `alloc` for every allocation (the storages live at the start first, at time 0)
     /// and a `free_requested` plus `free_completed` for every free; `segments` has one
     /// segment per storage live at the end (the CPU allocator has no segments of its
-    /// own). The frames name the category, the op and the mark.
+    /// own). The frames name the role (`saved_activation of AddmmBackward0`), the aten
+    /// op and the mark.
     ///
     /// Open it with `python -m torch.cuda._memory_viz trace_plot FILE -o out.html`, or
     /// drop it on PyTorch's memory_viz page.

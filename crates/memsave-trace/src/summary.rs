@@ -7,8 +7,8 @@ use std::fmt::Write;
 
 impl Trace {
     /// A table of bytes per category at the start, at the peak and at the end, where
-    /// the peak happened, the saved activations at the peak by op, and the `top`
-    /// largest storages live at the peak.
+    /// the peak happened, the saved activations at the peak by the autograd node that
+    /// saved them (`AddmmBackward0`), and the `top` largest storages live at the peak.
     pub fn summary(&self, top: usize) -> String {
         let mut out = String::new();
         let allocations = self.events[self.initial_events..]
@@ -73,7 +73,7 @@ impl Trace {
         if !by_op.is_empty() {
             let _ = writeln!(
                 out,
-                "  saved activations at the peak, by the op that saved them:"
+                "  saved activations at the peak, by the autograd node that saved them:"
             );
             for (op, (bytes, count)) in &by_op {
                 let _ = writeln!(
@@ -100,13 +100,12 @@ impl Trace {
     }
 }
 
-/// `12.00 MiB  saved_activation  AddmmBackward0  [layer 3]`
+/// `12.00 MiB  saved_activation of AddmmBackward0  [layer 3]`
 fn describe(b: &Block) -> String {
     format!(
-        "{:>12}  {:<16}  {:<20}  {}",
+        "{:>12}  {:<36}  {}",
         Bytes(b.bytes).to_string(),
-        b.category.as_str(),
-        b.op().unwrap_or("-"),
+        b.role(),
         b.mark
             .as_deref()
             .map_or(String::new(), |m| format!("[{m}]"))

@@ -14,10 +14,16 @@ pub struct Block {
     pub bytes: u64,
     /// Its role, the same for its whole life.
     pub category: Category,
-    /// For a saved activation: the aten op that saved it (`aten::addmm`).
+    /// For a saved activation: the autograd node that saved it (`AddmmBackward0`, as
+    /// PyTorch names it: the tensor is that node's `_saved_mat1`), known once backward
+    /// has unpacked it; `None` for a graph that never ran backward.
+    pub saved_for: Option<String>,
+    /// For a saved activation: the aten op that was running when it was saved
+    /// (`aten::addmm`, whose autograd node is `AddmmBackward0`).
     pub saved_by: Option<String>,
-    /// For a saved activation: the `grad_fn` that produced it (`AddmmBackward0`;
-    /// `leaf` or `constant` for tensors without one).
+    /// For a saved activation: the `grad_fn` of the tensor itself, the node that will
+    /// receive its gradient (`ViewBackward0` for a Linear's flattened input; `leaf` or
+    /// `constant` for tensors without one). Not the node that saved it.
     pub producer: Option<String>,
     /// The mark open when it was allocated (for a saved activation: when it was saved).
     pub mark: Option<String>,
@@ -30,10 +36,23 @@ pub struct Block {
 }
 
 impl Block {
-    /// The op that keeps this storage: for a saved activation, the aten op that saved
-    /// it for its backward node (`aten::addmm` for `AddmmBackward0`).
+    /// What keeps this storage, for a saved activation: the autograd node that saved it
+    /// (`AddmmBackward0`), or, when backward never unpacked it, the aten op that was
+    /// running when it was saved (`aten::addmm`).
     pub fn op(&self) -> Option<&str> {
-        self.saved_by.as_deref()
+        self.saved_for.as_deref().or(self.saved_by.as_deref())
+    }
+
+    /// The storage's role in words, as reports show it: `saved_activation of
+    /// AddmmBackward0` (PyTorch's name for the node whose saved tensor it is), else the
+    /// category's name (`gradient`).
+    pub fn role(&self) -> String {
+        match self.op() {
+            Some(op) if self.category == Category::SavedActivation => {
+                format!("{} of {op}", self.category)
+            }
+            _ => self.category.to_string(),
+        }
     }
 }
 
@@ -128,6 +147,7 @@ impl Trace {
                     addr: e.addr,
                     bytes: e.bytes as u64,
                     category: Category::Other,
+                    saved_for: None,
                     saved_by: None,
                     producer: None,
                     mark: mark.map(|m| trace.marks[m].label.clone()),
@@ -151,6 +171,7 @@ impl Trace {
                             addr: e.addr,
                             bytes: e.bytes.unsigned_abs(),
                             category: Category::Other,
+                            saved_for: None,
                             saved_by: None,
                             producer: None,
                             mark: None,
@@ -237,6 +258,15 @@ impl Trace {
                 }
                 None => self.unplaced_notes += 1,
             },
+            NoteKind::SavedFor { ptr, node } => {
+                // Unpacked in backward: the storage is live, and was saved before.
+                if let Some(id) = find(*ptr) {
+                    let block = &mut self.blocks[id];
+                    if block.saved_for.is_none() && block.saved_by.is_some() {
+                        block.saved_for = Some(node.clone());
+                    }
+                }
+            }
         }
     }
 

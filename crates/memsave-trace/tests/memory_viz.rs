@@ -45,8 +45,9 @@ mv.segsum(data)
 text = mv.trace(data)
 assert "entries" in text, text[:200]
 names = {f["name"] for e in data["device_traces"][0] for f in e["frames"]}
-assert "saved_activation aten::addmm" in names, names
-assert "tensor from AddBackward0" in names, names
+assert "saved_activation of AddmmBackward0" in names, names
+assert "aten::addmm" in names, names
+assert "the tensor's grad_fn: AddBackward0" in names, names
 assert any("memsave:gradient" in l for l in lines.splitlines()), lines[:500]
 print(peak, current, flame)
 "#;

@@ -41,8 +41,8 @@ fn a_panicking_step_stops_the_recording() {
 #[test]
 fn cuda_is_refused_with_a_reason() {
     let e = record(Device::Cuda(0), |_| ()).unwrap_err();
-    assert!(
-        e.to_string().contains("CPU's counting allocator only"),
-        "{e}"
-    );
+    let message = e.to_string();
+    assert!(message.contains("CPU's counting allocator only"), "{e}");
+    assert!(message.contains("record the step on Device::Cpu"), "{e}");
+    assert!(!message.contains('\n'), "one line: {e}");
 }
