@@ -44,6 +44,7 @@
 mod error;
 mod function;
 mod layers;
+mod levers;
 mod plan;
 mod profile;
 mod schedule;
@@ -52,8 +53,9 @@ mod solver;
 
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
+pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, Stored};
 pub use plan::Plan;
 pub use profile::{ChainProfile, LayerProfile};
-pub use schedule::{Block, Schedule};
+pub use schedule::{Block, Schedule, StoredBoundary};
 pub use sequential::CheckpointedSequential;
-pub use solver::{predict, Prediction, Solver};
+pub use solver::{predict, predict_with_levers, Prediction, Solver};
