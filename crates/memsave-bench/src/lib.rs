@@ -56,27 +56,27 @@
 
 pub mod atomic;
 pub mod bundled;
+pub mod fit;
 pub mod message;
 pub mod models;
-pub mod optimizer;
 pub mod plot;
 pub mod report;
 pub mod runner;
-mod saved;
-pub mod step;
 pub mod strategies;
 pub mod suite;
 pub mod trace;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
+pub use fit::{fit_model, FitCaseError};
+pub use memsave_plan::{optimizer, step};
 pub use message::one_line;
-pub use plot::{write_plots, PlotError};
+pub use plot::{fit_svg, write_plots, PlotError};
 pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
-    run_suite, run_suite_with, selected_cases, Observer, RunError, RunOptions, Silent,
+    run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError, RunOptions, Silent,
 };
-pub use strategies::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, OptimizerKind, OptimizerSpec,
     ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite, SuiteError, Technique,

@@ -10,6 +10,7 @@ use crate::strategies::ResidualUpdate;
 use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_meter::f_memory_allocated;
+use memsave_plan::{Batch, Workload};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
@@ -138,19 +139,26 @@ fn safe_residual(x: &Tensor, fx: &Tensor) -> Result<Tensor, String> {
     memsave_inplace::f_residual_add(x.shallow_clone(), fx).map_err(|e| e.to_string())
 }
 
-/// A built model: parameters, the layer chain and the context its blocks read.
+/// A built model: parameters, the layer chain, the context its blocks read, and the
+/// suite's input batch. It is the bundled kinds' [`Workload`].
 pub struct Model {
+    /// The model's name in the suite.
+    pub name: String,
     /// The parameters.
     pub vs: nn::VarStore,
     /// The blocks, run under a checkpoint plan.
     pub seq: CheckpointedSequential,
     /// Shared with the blocks.
     pub ctx: Arc<LayerContext>,
+    /// The suite's input (`batch` as the model spec gives it).
+    pub input: Tensor,
 }
 
 impl Model {
-    /// Builds `spec` on `device` (parameters from libtorch's current RNG state).
-    pub fn build(spec: &ModelSpec, device: Device) -> Model {
+    /// Builds `spec` on `device`: the parameters, then a uniform random input of the
+    /// spec's shape, both from libtorch's current RNG state (seed it first for a
+    /// reproducible model).
+    pub fn build(spec: &ModelSpec, device: Device) -> Result<Model, tch::TchError> {
         let vs = nn::VarStore::new(device);
         let ctx = Arc::new(LayerContext::new(device));
         let mut seq = CheckpointedSequential::new();
@@ -179,12 +187,73 @@ impl Model {
                 }
             };
         }
-        Model { vs, seq, ctx }
+        let input = Tensor::f_rand(spec.input_shape(), (Kind::Float, device))?;
+        Ok(Model {
+            name: spec.name.clone(),
+            vs,
+            seq,
+            ctx,
+            input,
+        })
     }
 
     /// The trainable parameters, in creation order.
     pub fn params(&self) -> Vec<Tensor> {
         self.vs.trainable_variables()
+    }
+}
+
+impl Workload for Model {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device(&self) -> Device {
+        self.ctx.device
+    }
+
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.seq
+    }
+
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.seq
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        self.params()
+    }
+
+    fn global_batch(&self) -> i64 {
+        self.input.size().first().copied().unwrap_or(0)
+    }
+
+    /// The first `size` examples of the suite's input (a view); beyond the suite's
+    /// batch, the input repeated along the first dimension (a new tensor).
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        let have = self.global_batch();
+        if size <= have {
+            return Ok(Batch::input(self.input.f_narrow(0, 0, size)?));
+        }
+        let times = (size + have - 1) / have.max(1);
+        let mut reps = vec![1i64; self.input.dim()];
+        reps[0] = times;
+        Ok(Batch::input(
+            self.input.f_repeat(&reps)?.f_narrow(0, 0, size)?,
+        ))
+    }
+
+    fn set_residual(&self, update: ResidualUpdate) -> bool {
+        self.ctx.set_residual(update);
+        true
+    }
+
+    fn start_trace(&self) {
+        self.ctx.start_trace();
+    }
+
+    fn stop_trace(&self) -> Vec<TraceEntry> {
+        self.ctx.stop_trace()
     }
 }
 
@@ -255,10 +324,5 @@ impl PreLnBlock {
 
 /// The loss of every strategy: the mean of the squared output, in f32.
 pub fn loss(output: &Tensor) -> Result<Tensor, tch::TchError> {
-    let output = if output.kind() == Kind::Float {
-        output.shallow_clone()
-    } else {
-        output.f_to_kind(Kind::Float)?
-    };
-    output.f_square()?.f_mean(Kind::Float)
+    memsave_plan::mean_square(output)
 }

@@ -27,6 +27,7 @@
 //! The CSV has the same columns as before, plus `grad_diverged`, `has_baseline`,
 //! `peak_phase` and `optimizer_state_bytes` at the end.
 use memsave_meter::Bytes;
+pub use memsave_plan::{PeakPhase, TraceEntry};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -99,41 +100,6 @@ impl StepTime {
     }
 }
 
-/// The phase of a step during which its allocation peaked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PeakPhase {
-    /// The forward and the loss (of any micro-batch).
-    Forward,
-    /// Backward (with `in_backward`, the optimizer's updates happen here too).
-    Backward,
-    /// The optimizer step after backward.
-    Optimizer,
-}
-
-impl PeakPhase {
-    /// The name used in JSON and the table.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PeakPhase::Forward => "forward",
-            PeakPhase::Backward => "backward",
-            PeakPhase::Optimizer => "optimizer",
-        }
-    }
-}
-
-/// Bytes allocated around one block of the measured forward (absolute, like
-/// `memory_allocated`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TraceEntry {
-    /// `layer i`.
-    pub mark: String,
-    /// Allocated before the block ran.
-    pub before: u64,
-    /// Allocated right after it returned (its input still held by the caller).
-    pub after: u64,
-}
-
 /// One model under one strategy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CaseResult {
@@ -192,6 +158,14 @@ pub struct CaseResult {
     /// `|g - g_base| / |g_base|`, when they were compared.
     #[serde(default)]
     pub grad_rel_l2: Option<f64>,
+    /// Examples per optimizer step the case trained on: the model's batch, except
+    /// under `auto_batch`, which halves it until the step fits.
+    #[serde(default)]
+    pub global_batch: Option<i64>,
+    /// Real steps run to find a configuration that fits (`auto_batch`: the batch sizes
+    /// tried, every one but the last out of memory; `fit`: its confirming steps).
+    #[serde(default)]
+    pub tries: Option<usize>,
 }
 
 impl CaseResult {
@@ -216,6 +190,8 @@ impl CaseResult {
             offloaded_bytes: None,
             compressed_saved_bytes: None,
             grad_rel_l2: None,
+            global_batch: None,
+            tries: None,
         }
     }
 
@@ -326,9 +302,10 @@ impl Report {
             "grad diff",
             "peak at",
             "opt state",
+            "batch",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 14]> = Vec::new();
+        let mut rows: Vec<[String; 15]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -355,6 +332,12 @@ impl Report {
                 case.peak_phase.map_or_else(dash, |p| p.as_str().to_owned()),
                 case.optimizer_state_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),
+                match (case.global_batch, case.tries) {
+                    (Some(b), Some(1)) => format!("{b} (1 try)"),
+                    (Some(b), Some(t)) => format!("{b} ({t} tries)"),
+                    (Some(b), None) => b.to_string(),
+                    (None, _) => dash(),
+                },
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());

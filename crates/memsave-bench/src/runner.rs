@@ -11,13 +11,17 @@ use crate::models::Model;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
-use crate::strategies::{PlanChoice, ResidualUpdate, StepConfig};
-use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
+use crate::strategies::{resolve, ResidualUpdate, StepConfig};
+use crate::suite::{
+    AutoBatchSpec, DeviceChoice, FitSpec, ModelSpec, StrategySpec, Suite, Technique,
+};
 use memsave_amp::GradScaler;
 use memsave_checkpoint::Plan;
+pub use memsave_plan::plan::apply_plan;
+use memsave_plan::{Batch, Workload};
 use regex::Regex;
 use std::panic::{self, AssertUnwindSafe};
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
 /// Overrides of the suite's settings, and which cases to run.
 #[derive(Debug, Clone, Default)]
@@ -118,21 +122,34 @@ pub fn run_suite_with(
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        memory_limit: limit,
     };
     let selected = selected_cases(suite, options);
     let jobs = schedule(&selected);
     observer.started(jobs.len());
     let mut results: Vec<Option<CaseResult>> = vec![None; jobs.len()];
-    let mut current: Option<(usize, Result<Workbench, String>)> = None;
+    // The current model, its input and its baseline gradients.
+    type Built = (Model, Batch, Option<Vec<Vec<f32>>>);
+    let mut current: Option<(usize, Result<Built, String>)> = None;
     for job in &jobs {
         let spec = selected[job.model].0;
         if current.as_ref().map(|c| c.0) != Some(job.model) {
             drop(current.take()); // free the previous model before building the next
-            current = Some((job.model, Workbench::build(spec, &settings)));
+            let built = build_bundled(spec, &settings).map(|(m, x)| (m, x, None));
+            current = Some((job.model, built));
         }
         observer.case_started(&spec.name, &job.strategy.name);
         let mut case = match current.as_mut().map(|c| &mut c.1) {
-            Some(Ok(bench)) => run_case(bench, spec, job.strategy, &settings),
+            Some(Ok((model, x, reference))) => {
+                let mut bench = Workbench {
+                    model,
+                    x: x.shallow_clone(),
+                    reference: reference.take(),
+                };
+                let case = run_case(&mut bench, job.strategy, &settings);
+                *reference = bench.reference;
+                case
+            }
             Some(Err(error)) => CaseResult::failed(
                 &spec.name,
                 &job.strategy.name,
@@ -146,15 +163,170 @@ pub fn run_suite_with(
         results[job.position] = Some(case);
     }
     drop(current);
-    let cases = results.into_iter().flatten().collect();
-    Ok(Report {
+    Ok(report(
+        suite,
+        device,
+        results.into_iter().flatten().collect(),
+    ))
+}
+
+fn report(suite: &Suite, device: Device, cases: Vec<CaseResult>) -> Report {
+    Report {
         schema_version: SCHEMA_VERSION,
         suite: suite.suite.clone(),
         device: device_name(device),
         libtorch_version: memsave_sys::version::libtorch_version().to_owned(),
         threads: usize::try_from(tch::get_num_threads()).unwrap_or(0),
         cases,
-    })
+    }
+}
+
+/// Runs the suite's strategies (and settings: warm-up, repeats, threads, memory
+/// limit) on a model of your own instead of the suite's models, which are ignored.
+/// The input is `workload.batch(workload.global_batch())`; the suite's `device` must
+/// be the workload's (`auto` takes the workload's). `options.filter` matches
+/// `name/strategy` with the workload's name.
+///
+/// Strategies that need what a [`Workload`] does not provide (the residual updates
+/// `inplace_add`, `add_out` and `safe_residual` on a model without residual blocks)
+/// are reported `unavailable`.
+///
+/// ```
+/// use memsave_bench::{run_workload, RunOptions, Status, Suite};
+/// use memsave_checkpoint::CheckpointedSequential;
+/// use memsave_plan::{Batch, Workload};
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+///
+/// // A model defined here: four tanh layers of width 32, batches of 16 rows.
+/// struct Mine {
+///     vs: nn::VarStore,
+///     layers: CheckpointedSequential,
+///     data: Tensor,
+/// }
+///
+/// impl Workload for Mine {
+///     fn name(&self) -> &str { "mine" }
+///     fn device(&self) -> Device { Device::Cpu }
+///     fn layers(&self) -> &CheckpointedSequential { &self.layers }
+///     fn layers_mut(&mut self) -> &mut CheckpointedSequential { &mut self.layers }
+///     fn parameters(&self) -> Vec<Tensor> { self.vs.trainable_variables() }
+///     fn global_batch(&self) -> i64 { 16 }
+///     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+///         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+///     }
+/// }
+///
+/// tch::manual_seed(0);
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let mut layers = CheckpointedSequential::new();
+/// for i in 0..4 {
+///     let lin = nn::linear(vs.root() / i, 32, 32, Default::default());
+///     layers = layers.add_fn(move |x| lin.forward(x).tanh());
+/// }
+/// let data = Tensor::rand([16, 32], (Kind::Float, Device::Cpu));
+/// let mut mine = Mine { vs, layers, data };
+///
+/// // The suite's own models are not run here (the same file can serve `memsave bench`).
+/// let yaml = "
+/// suite: mine
+/// warmup: 0
+/// repeats: 1
+/// models:
+///   - {name: bundled, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}
+/// strategies:
+///   - baseline
+///   - checkpoint: {every_layer: true}
+///   - inplace_add
+/// ";
+/// let suite = Suite::from_yaml(yaml, "mine.yaml")?;
+/// let report = run_workload(&mut mine, &suite, &RunOptions::default())?;
+/// assert_eq!(report.cases[0].model, "mine");
+/// // Each tanh layer saves its f32 output [16, 32] for backward, the last one is
+/// // the model's output: 4 * 16 * 32 * 4 bytes after the forward.
+/// assert_eq!(report.cases[0].retained_after_forward_bytes, Some(4 * 16 * 32 * 4));
+/// // Per-layer checkpoints keep only the layers' inputs and the output.
+/// assert_eq!(report.cases[1].grad_max_abs_diff, Some(0.0));
+/// assert_eq!(report.cases[2].status, Status::Unavailable);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn run_workload(
+    workload: &mut dyn Workload,
+    suite: &Suite,
+    options: &RunOptions,
+) -> Result<Report, RunError> {
+    memsave_meter::install();
+    let device = match suite.device {
+        DeviceChoice::Auto => workload.device(),
+        choice => resolve_device(choice)?,
+    };
+    if device != workload.device() {
+        return Err(RunError::DeviceUnavailable(format!(
+            "{} (the suite's device; the workload '{}' is on {})",
+            device_name(device),
+            workload.name(),
+            device_name(workload.device())
+        )));
+    }
+    if let Some(n) = options.threads.or(suite.threads) {
+        tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    }
+    let limit = options
+        .memory_limit
+        .or(suite.memory_limit.as_ref().map(|s| s.bytes));
+    let _limit = LimitGuard::set(device, limit)?;
+    let settings = Settings {
+        device,
+        seed: suite.seed,
+        warmup: options.warmup.unwrap_or(suite.warmup),
+        repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        memory_limit: limit,
+    };
+    let name = workload.name().to_owned();
+    let strategies: Vec<&StrategySpec> = suite
+        .strategies
+        .iter()
+        .filter(|s| match &options.filter {
+            Some(re) => re.is_match(&format!("{name}/{}", s.name)),
+            None => true,
+        })
+        .collect();
+    let x = isolated(|| {
+        workload
+            .batch(workload.global_batch())
+            .map_err(|e| e.to_string())
+    });
+    let mut cases = Vec::with_capacity(strategies.len());
+    // Strategies that write into their input run last, as in `run_suite`.
+    let mut order: Vec<usize> = (0..strategies.len()).collect();
+    order.sort_by_key(|&i| resolve(strategies[i]).is_ok_and(|c| c.residual.writes_input()));
+    let mut results: Vec<Option<CaseResult>> = vec![None; strategies.len()];
+    let mut bench = match x {
+        Ok(x) => Some(Workbench {
+            model: workload,
+            x,
+            reference: None,
+        }),
+        Err(error) => {
+            for (i, s) in strategies.iter().enumerate() {
+                results[i] = Some(CaseResult::failed(
+                    &name,
+                    &s.name,
+                    Status::Error,
+                    format!("making the input batch failed: {error}"),
+                ));
+            }
+            None
+        }
+    };
+    if let Some(bench) = bench.as_mut() {
+        for i in order {
+            let mut case = run_case(bench, strategies[i], &settings);
+            case.is_baseline = strategies[i].is_baseline();
+            results[i] = Some(case);
+        }
+    }
+    cases.extend(results.into_iter().flatten());
+    Ok(report(suite, device, cases))
 }
 
 struct Settings {
@@ -162,6 +334,8 @@ struct Settings {
     seed: u64,
     warmup: usize,
     repeats: usize,
+    /// The suite's simulated capacity, if any (`auto_batch`'s default budget).
+    memory_limit: Option<u64>,
 }
 
 /// The device a suite's `device` setting names on this machine.
@@ -193,6 +367,7 @@ impl LimitGuard {
             return Ok(None);
         };
         let previous = memsave_meter::memory_limit(device);
+        let limit = previous.map_or(limit, |p| p.min(limit));
         memsave_meter::set_memory_limit(device, Some(limit))
             .map_err(|e| RunError::MemoryLimit(e.to_string()))?;
         Ok(Some(LimitGuard { device, previous }))
@@ -231,80 +406,119 @@ fn schedule<'s>(selected: &[(&'s ModelSpec, Vec<&'s StrategySpec>)]) -> Vec<Job<
             position += 1;
         }
     }
-    let writes_input =
-        |s: &StrategySpec| StepConfig::resolve(s).is_ok_and(|c| c.residual.writes_input());
+    let writes_input = |s: &StrategySpec| resolve(s).is_ok_and(|c| c.residual.writes_input());
     jobs.sort_by_key(|j| writes_input(j.strategy)); // stable: suite order otherwise
     jobs
 }
 
 /// A model, its input, and the baseline gradients its cases are compared with.
-struct Workbench {
-    model: Model,
-    x: Tensor,
+struct Workbench<'m> {
+    model: &'m mut dyn Workload,
+    x: Batch,
     reference: Option<Vec<Vec<f32>>>,
 }
 
-impl Workbench {
-    /// Builds the model and input from the suite's seed, so a rebuild is identical.
-    fn build(spec: &ModelSpec, settings: &Settings) -> Result<Workbench, String> {
-        isolated(|| {
-            tch::manual_seed(settings.seed as i64);
-            let model = Model::build(spec, settings.device);
-            let x = Tensor::f_rand(spec.input_shape(), (Kind::Float, settings.device))
-                .map_err(|e| e.to_string())?;
-            Ok(Workbench {
-                model,
-                x,
-                reference: None,
-            })
-        })
-    }
+/// A bundled model built from the suite's seed, so a rebuild is identical.
+fn build_bundled(spec: &ModelSpec, settings: &Settings) -> Result<(Model, Batch), String> {
+    isolated(|| {
+        tch::manual_seed(settings.seed as i64);
+        let model = Model::build(spec, settings.device).map_err(|e| e.to_string())?;
+        let x = Batch::input(model.input.shallow_clone());
+        Ok((model, x))
+    })
 }
 
-fn run_case(
-    bench: &mut Workbench,
-    spec: &ModelSpec,
-    strategy: &StrategySpec,
-    settings: &Settings,
-) -> CaseResult {
+fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Settings) -> CaseResult {
     let Workbench {
         model,
         x,
         reference,
     } = bench;
-    let config = match StepConfig::resolve(strategy) {
+    let model: &mut dyn Workload = &mut **model;
+    let name = model.name().to_owned();
+    let config = match resolve(strategy) {
         Ok(config) => config,
         Err(reason) => {
-            return CaseResult::failed(&spec.name, &strategy.name, Status::Unavailable, reason)
+            return CaseResult::failed(&name, &strategy.name, Status::Unavailable, reason)
         }
     };
+    if !model.set_residual(config.residual) {
+        model.set_residual(ResidualUpdate::Add);
+        return CaseResult::failed(
+            &name,
+            &strategy.name,
+            Status::Unavailable,
+            format!(
+                "the model '{name}' has no residual blocks to apply {:?} to (the workload's set_residual declined it)",
+                config.residual
+            ),
+        );
+    }
     let outcome = isolated(|| measure_case(model, x, strategy, &config, settings, reference));
     // Leave the model as the next case expects it, whatever happened.
-    model.ctx.set_residual(ResidualUpdate::Add);
-    model.ctx.stop_trace();
-    let _ = model.seq.set_plan(Plan::None);
-    let _ = memsave_accum::free_grads(&model.params());
+    model.set_residual(ResidualUpdate::Add);
+    model.stop_trace();
+    let _ = model.layers_mut().set_plan(Plan::None);
+    let _ = memsave_accum::free_grads(&model.parameters());
     match outcome {
         Ok(case) => CaseResult {
-            model: spec.name.clone(),
+            model: name,
             strategy: strategy.name.clone(),
             ..case
         },
-        Err(error) => CaseResult::failed(&spec.name, &strategy.name, Status::Error, error),
+        Err(error) => CaseResult::failed(&name, &strategy.name, Status::Error, error),
     }
 }
 
 fn measure_case(
-    model: &mut Model,
-    x: &Tensor,
+    model: &mut dyn Workload,
+    x: &Batch,
     strategy: &StrategySpec,
     config: &StepConfig,
     settings: &Settings,
     reference: &mut Option<Vec<Vec<f32>>>,
 ) -> Result<CaseResult, String> {
     let device = settings.device;
-    model.ctx.set_residual(config.residual);
-    apply_plan(model, x, config, device)?;
+    let mut config = config.clone();
+    let config = &mut config;
+    let mut tries = None;
+    let mut x = x.shallow_clone();
+    let search = strategy.techniques.iter().find_map(|t| match t {
+        Technique::AutoBatch(spec) => Some(Search::Halving(spec.clone())),
+        Technique::Fit(spec) => Some(Search::Fit(spec.clone())),
+        _ => None,
+    });
+    match &search {
+        Some(Search::Fit(spec)) => {
+            let mut request = memsave_plan::FitRequest::new(spec.budget.bytes);
+            request.allow.bf16 = spec.allow.iter().any(|l| l == "bf16");
+            request.allow.compress = spec.allow.iter().any(|l| l == "compress");
+            request.allow.int8_state = spec.allow.iter().any(|l| l == "int8_state");
+            let report = memsave_plan::fit(model, &request).map_err(|e| e.to_string())?;
+            // fit left the chosen schedule on the layers.
+            *config = report.choice.step_config(None);
+            tries = Some(report.tries);
+        }
+        Some(Search::Halving(spec)) => {
+            apply_plan(model, &x, config, device)?;
+            let budget = spec.budget.as_ref().map(|b| b.bytes).or(settings.memory_limit).ok_or(
+                "auto_batch needs a budget: give one ({policy: halving, budget: 40MiB}) or set the suite's memory_limit",
+            )?;
+            let (size, count) = halve_until_fits(model, &x, config, device, budget)?;
+            x = x.f_narrow(0, size).map_err(|e| e.to_string())?;
+            tries = Some(count);
+        }
+        None => apply_plan(model, &x, config, device)?,
+    }
+    let x = &x;
+    let config: &StepConfig = config;
+    let _limit = match (&search, settings.memory_limit) {
+        (Some(Search::Halving(AutoBatchSpec { budget: Some(b) })), _) => {
+            let start = memsave_meter::f_memory_allocated(device).map_err(|e| e.to_string())?;
+            LimitGuard::set(device, Some(start + b.bytes)).map_err(|e| e.to_string())?
+        }
+        _ => None,
+    };
     // One scaler and one optimizer for the whole case, as in a training loop; the
     // weights the optimizer changes are put back when the case ends, however it ends.
     let mut scaler = config
@@ -313,12 +527,12 @@ fn measure_case(
         .transpose()
         .map_err(|e| e.to_string())?;
     let _weights = match config.optimizer {
-        Some(_) => Some(RestoreOnDrop(SavedWeights::save(&model.params())?)),
+        Some(_) => Some(RestoreOnDrop(SavedWeights::save(&model.parameters())?)),
         None => None,
     };
     let mut optimizer = config
         .optimizer
-        .map(|spec| CaseOptimizer::build(&spec, &model.params()))
+        .map(|spec| CaseOptimizer::build(&spec, &model.parameters()))
         .transpose()?;
     for _ in 0..settings.warmup {
         f_step_with(
@@ -348,7 +562,7 @@ fn measure_case(
         last = Some(m);
     }
     let last = last.ok_or("no measured repeat")?;
-    let grads = f_grads(&model.params())?;
+    let grads = f_grads(&model.parameters())?;
     let mut case = CaseResult {
         model: String::new(),
         strategy: String::new(),
@@ -368,9 +582,13 @@ fn measure_case(
         offloaded_bytes: last.offloaded_bytes,
         compressed_saved_bytes: last.compressed_saved_bytes,
         grad_rel_l2: None,
+        global_batch: Some(x.len()),
+        tries,
     };
     if optimizer.is_some() {
         // The step freed the gradients: nothing to compare.
+    } else if matches!(search, Some(Search::Halving(_))) {
+        // Another batch: the gradients are not comparable with the baseline's.
     } else if strategy.is_baseline() {
         *reference = Some(grads);
     } else {
@@ -385,6 +603,60 @@ fn measure_case(
     Ok(case)
 }
 
+/// How a strategy searches for a configuration that fits.
+enum Search {
+    /// `auto_batch: {policy: halving}`.
+    Halving(AutoBatchSpec),
+    /// `fit: {budget}`.
+    Fit(FitSpec),
+}
+
+/// HF accelerate's `find_executable_batch_size`: runs a step of the first `size`
+/// examples under the capacity `budget` above the current allocation, halving `size`
+/// on each out-of-memory error. Returns the size that fitted and the steps tried.
+fn halve_until_fits(
+    model: &mut dyn Workload,
+    x: &Batch,
+    config: &StepConfig,
+    device: Device,
+    budget: u64,
+) -> Result<(i64, usize), String> {
+    let mut size = x.len();
+    let mut tries = 0;
+    let params = model.parameters();
+    loop {
+        tries += 1;
+        let xs = x.f_narrow(0, size).map_err(|e| e.to_string())?;
+        let weights = match config.optimizer {
+            Some(_) => Some(RestoreOnDrop(SavedWeights::save(&params)?)),
+            None => None,
+        };
+        let outcome = {
+            let start = memsave_meter::f_memory_allocated(device).map_err(|e| e.to_string())?;
+            let _limit =
+                LimitGuard::set(device, Some(start + budget)).map_err(|e| e.to_string())?;
+            let mut optimizer = config
+                .optimizer
+                .map(|spec| CaseOptimizer::build(&spec, &params))
+                .transpose()?;
+            f_step_with(model, &xs, config, device, false, None, optimizer.as_mut())
+        };
+        drop(weights);
+        let _ = memsave_accum::free_grads(&params);
+        match outcome {
+            Ok(_) => return Ok((size, tries)),
+            Err(e) if e.contains("out of memory") && size > 1 => size /= 2,
+            Err(e) if e.contains("out of memory") => {
+                return Err(format!(
+                "auto_batch: even a batch of 1 does not fit the budget of {} after {tries} tries",
+                memsave_meter::Bytes(budget)
+            ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Puts a case's starting weights back when the case ends (also on an error or a
 /// panic), so the next case sees the model the suite built.
 struct RestoreOnDrop(SavedWeights);
@@ -395,51 +667,20 @@ impl Drop for RestoreOnDrop {
     }
 }
 
-/// Sets the strategy's checkpoint plan; a budget is solved over a profile of the model
-/// on the step's (first micro-batch's) input, under the strategy's autocast.
-pub fn apply_plan(
-    model: &mut Model,
-    x: &Tensor,
-    config: &StepConfig,
-    device: Device,
-) -> Result<(), String> {
-    let plan = match config.plan {
-        PlanChoice::Fixed(plan) => plan,
-        PlanChoice::Budget(bytes) => {
-            let example = match config.micro_batches {
-                Some(count) => {
-                    let batch = x.size()[0];
-                    let first = memsave_accum::f_split(batch, memsave_accum::Split::Count(count))
-                        .map_err(|e| e.to_string())?[0];
-                    first.f_narrow(x).map_err(|e| e.to_string())?
-                }
-                None => x.shallow_clone(),
-            };
-            let params = model.params();
-            let _autocast = config
-                .autocast
-                .map(|kind| memsave_amp::AutocastGuard::new(device, kind))
-                .transpose()
-                .map_err(|e| e.to_string())?;
-            model
-                .seq
-                .profile(&example, &params, |y| {
-                    crate::models::loss(y).unwrap_or_else(|e| panic!("{e}"))
-                })
-                .map_err(|e| e.to_string())?;
-            Plan::Budget(bytes)
-        }
-    };
-    model.seq.set_plan(plan).map_err(|e| e.to_string())
-}
-
 /// The gradients of one unmeasured baseline step, for a suite without a baseline case.
-fn baseline_grads(model: &mut Model, x: &Tensor, device: Device) -> Result<Vec<Vec<f32>>, String> {
+fn baseline_grads(
+    model: &mut dyn Workload,
+    x: &Batch,
+    device: Device,
+) -> Result<Vec<Vec<f32>>, String> {
     let config = StepConfig::baseline();
-    model.ctx.set_residual(config.residual);
-    model.seq.set_plan(Plan::None).map_err(|e| e.to_string())?;
+    model.set_residual(config.residual);
+    model
+        .layers_mut()
+        .set_plan(Plan::None)
+        .map_err(|e| e.to_string())?;
     f_step(model, x, &config, device, false, None)?;
-    f_grads(&model.params())
+    f_grads(&model.parameters())
 }
 
 /// Runs `f`, turning a panic into an error with its message; either way the error is

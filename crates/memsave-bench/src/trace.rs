@@ -11,12 +11,13 @@ use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
 use crate::runner::apply_plan;
 use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
-use crate::strategies::StepConfig;
+use crate::strategies::resolve;
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
+use memsave_plan::Batch;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::Arc;
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
 /// The mark set where the runner reads `retained_after_forward_bytes`.
 pub const END_OF_FORWARD: &str = "end of forward";
@@ -113,11 +114,10 @@ pub fn trace_case(
     if let Some(n) = suite.threads {
         tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
     }
-    let config = StepConfig::resolve(strategy_spec).map_err(TraceCaseError::Setup)?;
+    let config = resolve(strategy_spec).map_err(TraceCaseError::Setup)?;
     tch::manual_seed(suite.seed as i64);
-    let model = Model::build(spec, device);
-    let x = Tensor::f_rand(spec.input_shape(), (Kind::Float, device))
-        .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
+    let model = Model::build(spec, device).map_err(|e| TraceCaseError::Setup(e.to_string()))?;
+    let x = Batch::input(model.input.shallow_clone());
     model.ctx.set_residual(config.residual);
     let mut model = model;
     apply_plan(&mut model, &x, &config, device).map_err(TraceCaseError::Setup)?;
@@ -153,7 +153,7 @@ pub fn trace_case(
         .sum();
     let (step, trace) = Recorder::new(device)
         .parameters(&params)
-        .inputs(&[x.shallow_clone()])
+        .inputs(&[x.input.shallow_clone()])
         .record(|session| {
             let layers = session.clone();
             model

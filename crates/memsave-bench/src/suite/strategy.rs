@@ -5,6 +5,7 @@ use super::de::{validated_map, Positive};
 use super::model::{Dtype, Size};
 use super::optimizer::{OptimizerArgs, OptimizerSpec};
 use memsave_amp::GradScalerConfig;
+pub use memsave_plan::{CompressDtype, OffloadSpec};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
@@ -67,44 +68,6 @@ impl ScalerSpec {
         }
         args
     }
-}
-
-/// What a `compress:` entry asks for: the codec saved activations are stored with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CompressDtype {
-    /// `bf16`.
-    Bf16,
-    /// `fp16`.
-    Fp16,
-    /// `fp8`: e4m3 with a per-block scale.
-    Fp8,
-    /// `int8`: blockwise absmax.
-    Int8,
-}
-
-impl CompressDtype {
-    /// The name as written in a suite.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CompressDtype::Bf16 => "bf16",
-            CompressDtype::Fp16 => "fp16",
-            CompressDtype::Fp8 => "fp8",
-            CompressDtype::Int8 => "int8",
-        }
-    }
-}
-
-/// Where an `offload:` entry keeps saved activations.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OffloadSpec {
-    /// `{to: disk}`, optionally `dir: PATH` (default: a `memsave-offload` folder in the
-    /// system's temporary directory, created if missing).
-    Disk {
-        /// `dir:` as written.
-        dir: Option<String>,
-    },
-    /// `{to: cpu}`: CUDA activations in pinned host memory (nothing to do on the CPU).
-    Cpu,
 }
 
 #[derive(Deserialize)]
@@ -175,6 +138,76 @@ pub enum Technique {
     /// Saved activations kept on disk or in host memory until backward
     /// (`memsave_hooks::DiskOffload`, `memsave_hooks::SaveOnCpu`).
     Offload(OffloadSpec),
+    /// HF accelerate's `find_executable_batch_size`: halve the batch on each
+    /// out-of-memory error under the simulated capacity (`budget`, else the suite's
+    /// `memory_limit`), without raising accumulation, so the global batch shrinks.
+    AutoBatch(AutoBatchSpec),
+    /// `memsave_plan::fit` chooses the configuration (micro-batches, recompute,
+    /// offload, and the allowed lossy levers) for the budget, keeping the global batch.
+    Fit(FitSpec),
+}
+
+/// What an `auto_batch:` entry asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoBatchSpec {
+    /// The capacity; `None`: the suite's `memory_limit`.
+    pub budget: Option<Size>,
+}
+
+/// What a `fit:` entry asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FitSpec {
+    /// The byte budget.
+    pub budget: Size,
+    /// Lossy levers allowed: any of `bf16`, `compress`, `int8_state`.
+    pub allow: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AutoBatchArgs {
+    policy: String,
+    budget: Option<Size>,
+}
+
+fn auto_batch_args<E: de::Error>(args: AutoBatchArgs) -> Result<AutoBatchSpec, E> {
+    if args.policy != "halving" {
+        return Err(E::custom(format!(
+            "auto_batch: unknown policy '{}', expected halving",
+            args.policy
+        )));
+    }
+    if args.budget.as_ref().is_some_and(|b| b.bytes == 0) {
+        return Err(E::custom("auto_batch: the budget must be positive"));
+    }
+    Ok(AutoBatchSpec {
+        budget: args.budget,
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FitArgs {
+    budget: Size,
+    #[serde(default)]
+    allow: Vec<String>,
+}
+
+fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
+    if args.budget.bytes == 0 {
+        return Err(E::custom("fit: the budget must be positive"));
+    }
+    for lever in &args.allow {
+        if !["bf16", "compress", "int8_state"].contains(&lever.as_str()) {
+            return Err(E::custom(format!(
+                "fit: unknown lever '{lever}' in allow, expected bf16, compress or int8_state"
+            )));
+        }
+    }
+    Ok(FitSpec {
+        budget: args.budget,
+        allow: args.allow,
+    })
 }
 
 impl Technique {
@@ -210,6 +243,20 @@ impl Technique {
                 format!("offload(to=disk, dir={dir})")
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
+            Technique::AutoBatch(AutoBatchSpec { budget: None }) => {
+                "auto_batch(policy=halving)".into()
+            }
+            Technique::AutoBatch(AutoBatchSpec { budget: Some(b) }) => {
+                format!("auto_batch(policy=halving, budget={})", b.text)
+            }
+            Technique::Fit(spec) if spec.allow.is_empty() => {
+                format!("fit(budget={})", spec.budget.text)
+            }
+            Technique::Fit(spec) => format!(
+                "fit(budget={}, allow={})",
+                spec.budget.text,
+                spec.allow.join("+")
+            ),
         }
     }
 
@@ -228,6 +275,8 @@ impl Technique {
             Technique::Compress(_) | Technique::Offload(_) => {
                 "saved-tensor hook (compress, offload)"
             }
+            Technique::AutoBatch(_) => "auto_batch",
+            Technique::Fit(_) => "fit",
         }
     }
 }
@@ -353,7 +402,7 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 7] = [
+const WITH_ARGS: [&str; 9] = [
     "checkpoint",
     "autocast",
     "accumulate",
@@ -361,6 +410,8 @@ const WITH_ARGS: [&str; 7] = [
     "optimizer",
     "compress",
     "offload",
+    "auto_batch",
+    "fit",
 ];
 
 fn plain_technique<E: de::Error>(name: &str) -> Result<Technique, E> {
@@ -385,6 +436,8 @@ fn example_args(name: &str) -> &'static str {
         "optimizer" => "{kind: adamw}",
         "compress" => "{dtype: int8}",
         "offload" => "{to: disk}",
+        "auto_batch" => "{policy: halving, budget: 40MiB}",
+        "fit" => "{budget: 40MiB}",
         _ => "{micro_batches: 4}",
     }
 }
@@ -412,6 +465,8 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
         "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
+        "auto_batch" => Technique::AutoBatch(auto_batch_args(map.next_value::<AutoBatchArgs>()?)?),
+        "fit" => Technique::Fit(fit_args(map.next_value::<FitArgs>()?)?),
         _ if PLAIN.contains(&key) => {
             return Err(de::Error::custom(format!(
                 "'{key}' takes no arguments: write it as a plain list item"
@@ -464,6 +519,12 @@ fn combine(name: Option<String>, techniques: Vec<Technique>) -> Result<StrategyS
     for (i, t) in techniques.iter().enumerate() {
         if t.group() == "baseline" && techniques.len() > 1 {
             return Err("baseline cannot be combined with other techniques".into());
+        }
+        if t.group() == "fit" && techniques.len() > 1 {
+            return Err(
+                "fit chooses every lever itself, so it cannot be combined with other techniques"
+                    .into(),
+            );
         }
         if techniques[..i].iter().any(|u| u.group() == t.group()) {
             return Err(format!(

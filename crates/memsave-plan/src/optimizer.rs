@@ -1,6 +1,6 @@
 //! The optimizer of a case (`optimizer:` technique): built once per case, stepped
 //! after backward or from inside it, and its state bytes reported.
-use crate::suite::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
+use crate::levers::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 use memsave_amp::GradScaler;
 use memsave_optim::{
     AdamW, AdamWConfig, InBackward, Optimizer, Options, Placement, Rule, Sgd, SgdConfig, State,

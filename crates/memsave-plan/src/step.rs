@@ -7,11 +7,11 @@
 //!   weight cache alive) minus start; with micro-batches the largest over them, which
 //!   from the second on includes the gradients accumulated so far;
 //! - the output is held until its backward has finished, as a Python variable would be.
-use crate::models::{self, Model};
+use crate::config::StepConfig;
+use crate::measure::{PeakPhase, TraceEntry};
 use crate::optimizer::CaseOptimizer;
-use crate::report::{PeakPhase, TraceEntry};
 use crate::saved::{SavedBytes, StepHooks};
-use crate::strategies::StepConfig;
+use crate::workload::{Batch, Workload};
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
 use memsave_meter::{f_max_memory_allocated, f_memory_allocated, measure};
@@ -67,7 +67,8 @@ impl StepObserver for Unobserved {
     fn step_event(&self, _: StepEvent) {}
 }
 
-/// Runs one step of `model` on `x` as `config` says; errors carry libtorch's text.
+/// Runs one step of `model` on the batch `x` as `config` says; errors carry
+/// libtorch's text.
 ///
 /// The model's residual update and checkpoint plan must already be set. A strategy
 /// that writes into its input gets a copy of `x` (made before the step starts), so
@@ -77,8 +78,8 @@ impl StepObserver for Unobserved {
 /// `memsave_amp::GradScaler`, and the step ends with its unscale and update. Pass the
 /// same scaler to every step of a case, as a training loop would.
 pub fn f_step(
-    model: &Model,
-    x: &Tensor,
+    model: &dyn Workload,
+    x: &Batch,
     config: &StepConfig,
     device: Device,
     record_trace: bool,
@@ -101,8 +102,8 @@ pub fn f_step(
 /// is one), or, built with `in_backward`, from its hooks during backward. Either way
 /// the gradients are freed when the step ends.
 pub fn f_step_with(
-    model: &Model,
-    x: &Tensor,
+    model: &dyn Workload,
+    x: &Batch,
     config: &StepConfig,
     device: Device,
     record_trace: bool,
@@ -124,8 +125,8 @@ pub fn f_step_with(
 /// [`f_step_with`], telling `observer` when each part of the step begins.
 #[allow(clippy::too_many_arguments)]
 pub fn f_step_observed(
-    model: &Model,
-    x: &Tensor,
+    model: &dyn Workload,
+    x: &Batch,
     config: &StepConfig,
     device: Device,
     record_trace: bool,
@@ -133,12 +134,15 @@ pub fn f_step_observed(
     optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
-    let params = model.params();
+    let params = model.parameters();
     free_grads(&params).map_err(|e| e.to_string())?;
     let input = if config.residual.writes_input() {
-        let mut copy = x.f_empty_like().map_err(|e| e.to_string())?;
-        copy.f_copy_(x).map_err(|e| e.to_string())?;
-        copy
+        let mut copy = x.input.f_empty_like().map_err(|e| e.to_string())?;
+        copy.f_copy_(&x.input).map_err(|e| e.to_string())?;
+        Batch {
+            input: copy,
+            target: x.target.as_ref().map(Tensor::shallow_clone),
+        }
     } else {
         x.shallow_clone()
     };
@@ -147,7 +151,8 @@ pub fn f_step_observed(
     let hooks = match &config.saved {
         Some(choice) => {
             let mut held: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
-            held.push(input.shallow_clone());
+            held.push(input.input.shallow_clone());
+            held.extend(input.target.as_ref().map(Tensor::shallow_clone));
             Some(StepHooks::new(choice, &held)?)
         }
         None => None,
@@ -163,34 +168,35 @@ pub fn f_step_observed(
             let phases = PhaseTracker::new(device);
             // The forward and the loss of one pass; the output is returned so the caller
             // holds it until its backward has finished, as a Python variable would be.
-            let mut forward =
-                |xin: &Tensor, trace_this: bool| -> Result<(Tensor, Tensor), String> {
-                    let _autocast = config
-                        .autocast
-                        .map(|kind| AutocastGuard::new(device, kind))
-                        .transpose()
-                        .map_err(|e| e.to_string())?;
-                    observer.step_event(StepEvent::Forward);
-                    if trace_this {
-                        model.ctx.start_trace();
-                    }
-                    let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
-                    let out = model.seq.f_forward(xin);
-                    if let Some(guard) = hooks_guard {
-                        guard.exit().map_err(|e| e.to_string())?;
-                    }
-                    if trace_this {
-                        trace = model.ctx.stop_trace();
-                    }
-                    let out = out.map_err(|e| e.to_string())?;
-                    let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
-                    retained = retained.max(now.saturating_sub(start));
-                    observer.step_event(StepEvent::ForwardDone);
-                    let loss = models::loss(&out).map_err(|e| e.to_string())?;
-                    phases.ended(PeakPhase::Forward)?;
-                    observer.step_event(StepEvent::Backward);
-                    Ok((out, loss))
-                };
+            let mut forward = |xin: &Batch, trace_this: bool| -> Result<(Tensor, Tensor), String> {
+                let _autocast = config
+                    .autocast
+                    .map(|kind| AutocastGuard::new(device, kind))
+                    .transpose()
+                    .map_err(|e| e.to_string())?;
+                observer.step_event(StepEvent::Forward);
+                if trace_this {
+                    model.start_trace();
+                }
+                let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
+                let out = model.layers().f_forward(&xin.input);
+                if let Some(guard) = hooks_guard {
+                    guard.exit().map_err(|e| e.to_string())?;
+                }
+                if trace_this {
+                    trace = model.stop_trace();
+                }
+                let out = out.map_err(|e| e.to_string())?;
+                let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
+                retained = retained.max(now.saturating_sub(start));
+                observer.step_event(StepEvent::ForwardDone);
+                let loss = model
+                    .loss(&out, xin.target.as_ref())
+                    .map_err(|e| e.to_string())?;
+                phases.ended(PeakPhase::Forward)?;
+                observer.step_event(StepEvent::Backward);
+                Ok((out, loss))
+            };
             match config.micro_batches {
                 None => {
                     let (out, loss) = forward(&input, record_trace)?;
@@ -207,6 +213,7 @@ pub fn f_step_observed(
                 }
                 Some(count) => {
                     let batch = *input
+                        .input
                         .size()
                         .first()
                         .ok_or("the input has no batch dimension")?;
@@ -218,7 +225,9 @@ pub fn f_step_observed(
                             if mb.index > 0 {
                                 phases.ended(PeakPhase::Backward)?;
                             }
-                            let xin = mb.f_narrow(&input).map_err(|e| e.to_string())?;
+                            let xin = input
+                                .f_narrow(mb.start, mb.len)
+                                .map_err(|e| e.to_string())?;
                             let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
                             held = Some(out);
                             Ok::<_, String>(loss)
@@ -252,7 +261,7 @@ pub fn f_step_observed(
             Ok((retained, time_s, phases.peak_phase.get(), saved))
         },
     );
-    release_step_leftovers(&input, config);
+    release_step_leftovers(&input.input, config);
     let (retained, time_s, peak_phase, saved) = result?;
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,

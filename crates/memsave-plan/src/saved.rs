@@ -1,7 +1,7 @@
 //! The saved-tensor hooks of a `compress:` or `offload:` strategy, made fresh for each
 //! step, and what they report after it.
-use crate::strategies::SavedTensors;
-use crate::suite::{CompressDtype, OffloadSpec};
+use crate::config::SavedTensors;
+use crate::levers::{CompressDtype, OffloadSpec};
 use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
 use std::path::PathBuf;
 use tch::Tensor;
@@ -57,6 +57,16 @@ impl StepHooks {
             }
             SavedTensors::Offload(OffloadSpec::Cpu) => {
                 StepHooks::Cpu(SaveOnCpu::new().excluding(held))
+            }
+            SavedTensors::OffloadBounded {
+                max_in_flight_bytes,
+            } => {
+                let store = DiskOffload::new(default_dir()?).map_err(|e| e.to_string())?;
+                StepHooks::Disk(
+                    store
+                        .excluding(held)
+                        .max_in_flight_bytes(*max_in_flight_bytes),
+                )
             }
         })
     }

@@ -1,0 +1,90 @@
+//! What a configuration changes in a training step: the residual update, the
+//! checkpoint plan, autocast, micro-batching, loss scaling, the optimizer and the
+//! saved-tensor hooks. The harness resolves a suite's strategy into one; `fit` builds
+//! them from its candidates.
+use crate::levers::{CompressDtype, OffloadSpec, OptimizerSpec};
+use memsave_amp::GradScalerConfig;
+use memsave_checkpoint::Plan;
+use tch::Kind;
+
+/// How a residual block adds its branch `f(x)` to its input `x`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResidualUpdate {
+    /// `x + f(x)`, out of place: what autograd needs.
+    #[default]
+    Add,
+    /// `x += f(x)`: mutates `x`, which the layer saved for backward, so backward fails.
+    InplaceAdd,
+    /// `add(x, f(x), out=x)`: `out=` does not support autograd, so the forward fails.
+    AddOut,
+    /// memsave-inplace's `residual_add`: in place only when nothing else holds `x`.
+    Safe,
+}
+
+impl ResidualUpdate {
+    /// True when the update may write into its input, so the runner gives it a copy
+    /// of the suite's input rather than the shared one.
+    pub fn writes_input(self) -> bool {
+        matches!(self, ResidualUpdate::InplaceAdd | ResidualUpdate::AddOut)
+    }
+}
+
+/// The checkpoint plan of a strategy, before a budget is solved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanChoice {
+    /// A plan that needs no profile.
+    Fixed(Plan),
+    /// `Plan::Budget(bytes)`: the model is profiled on the step's input first.
+    Budget(u64),
+}
+
+/// What the forward's saved-tensor hooks do with saved activations, if anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SavedTensors {
+    /// Stored smaller by `memsave_hooks::Compress`.
+    Compress(CompressDtype),
+    /// Offloaded by `memsave_hooks::DiskOffload` or `memsave_hooks::SaveOnCpu`.
+    Offload(OffloadSpec),
+    /// Offloaded by `memsave_hooks::DiskOffload` in the default directory, with at
+    /// most this many bytes waiting for its writer (0: one tensor at a time). `fit`
+    /// uses it so that what waits in memory, which depends on the writer's pace, stays
+    /// small against the budget.
+    OffloadBounded {
+        /// `DiskOffload::max_in_flight_bytes`.
+        max_in_flight_bytes: u64,
+    },
+}
+
+/// Everything a measured step needs to know about a strategy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepConfig {
+    /// The residual update of every block.
+    pub residual: ResidualUpdate,
+    /// The checkpoint plan of the model.
+    pub plan: PlanChoice,
+    /// Autocast dtype of the forward and the loss, if any.
+    pub autocast: Option<Kind>,
+    /// Number of micro-batches of the first batch dimension, if any.
+    pub micro_batches: Option<usize>,
+    /// The settings of the case's `GradScaler`, if the strategy scales the loss.
+    pub scaler: Option<GradScalerConfig>,
+    /// The optimizer stepped inside the measured step, if any.
+    pub optimizer: Option<OptimizerSpec>,
+    /// Saved-tensor hooks around the forward, if any.
+    pub saved: Option<SavedTensors>,
+}
+
+impl StepConfig {
+    /// Plain training: the baseline.
+    pub fn baseline() -> Self {
+        Self {
+            residual: ResidualUpdate::Add,
+            plan: PlanChoice::Fixed(Plan::None),
+            autocast: None,
+            micro_batches: None,
+            scaler: None,
+            optimizer: None,
+            saved: None,
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! The user's model as a memsave [`Workload`], one measured training step under any
+//! combination of memsave's levers ([`step`]), and [`fit`]: the fastest configuration
+//! of those levers whose peak fits a byte budget, with the global batch kept.
+//!
+//! The harness (`memsave-bench`) and `fit` share everything here: the harness's
+//! bundled models are workloads, its strategies resolve to a [`StepConfig`], and its
+//! measured step is [`step::f_step_with`].
+//!
+//! Modules: [`workload`] (the trait and [`Batch`]), [`config`] (what a configuration
+//! changes in a step), [`levers`] (optimizer and saved-tensor settings), [`measure`]
+//! (peak phase, per-block trace), [`step`] (one measured step), [`optimizer`] (the
+//! optimizer of a run), [`fit`](mod@fit) (the planner).
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod fit;
+pub mod levers;
+pub mod measure;
+pub mod optimizer;
+pub mod plan;
+mod saved;
+pub mod step;
+pub mod workload;
+
+pub use config::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use fit::{fit, Allow, Candidate, Choice, FitError, FitReport, FitRequest};
+
+pub use levers::{
+    CompressDtype, OffloadSpec, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision,
+};
+pub use measure::{PeakPhase, TraceEntry};
+pub use optimizer::{CaseOptimizer, SavedWeights};
+pub use step::{f_step, f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
+pub use workload::{mean_square, Batch, Workload};

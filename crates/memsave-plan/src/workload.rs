@@ -1,0 +1,176 @@
+//! [`Workload`]: a model as memsave measures and plans it, whoever defined it.
+use crate::config::ResidualUpdate;
+use crate::levers::OptimizerSpec;
+use crate::measure::TraceEntry;
+use memsave_checkpoint::CheckpointedSequential;
+use tch::{Device, Kind, TchError, Tensor};
+
+/// A batch of examples: the model's input and, for losses that need one, a target.
+/// Both are split along their first dimension into micro-batches.
+#[derive(Debug)]
+pub struct Batch {
+    /// The model's input; its first dimension is the batch.
+    pub input: Tensor,
+    /// What the loss compares the output with, if anything; its first dimension is the
+    /// batch too.
+    pub target: Option<Tensor>,
+}
+
+impl Batch {
+    /// A batch with an input only (losses such as the mean square of the output).
+    pub fn input(input: Tensor) -> Self {
+        Self {
+            input,
+            target: None,
+        }
+    }
+
+    /// The number of examples (the input's first dimension).
+    pub fn len(&self) -> i64 {
+        self.input.size().first().copied().unwrap_or(0)
+    }
+
+    /// True when the batch has no examples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Examples `start..start + len` of input and target, as views (no copy).
+    pub fn f_narrow(&self, start: i64, len: i64) -> Result<Batch, TchError> {
+        Ok(Batch {
+            input: self.input.f_narrow(0, start, len)?,
+            target: self
+                .target
+                .as_ref()
+                .map(|t| t.f_narrow(0, start, len))
+                .transpose()?,
+        })
+    }
+
+    /// Views of the same tensors.
+    pub fn shallow_clone(&self) -> Batch {
+        Batch {
+            input: self.input.shallow_clone(),
+            target: self.target.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+/// A model memsave can measure (`memsave_bench::run_workload`) and plan for
+/// ([`fit`](crate::fit)): its layers as a [`CheckpointedSequential`] (so that a
+/// checkpoint plan is only a setting), its parameters, a maker of input batches of
+/// any size, a loss and, optionally, an optimizer.
+///
+/// Only the first six methods are required. The rest have defaults that fit most
+/// models: the loss is the mean of the squared output, there is no optimizer, and
+/// the harness's residual-update strategies (`inplace_add`, `add_out`,
+/// `safe_residual`) and per-block traces are unavailable.
+///
+/// Traps: `batch` must return the same examples for the same size every time (a
+/// fixed seed, or a slice of a batch made once), or gradients cannot be compared
+/// between strategies; and the loss must be a mean over the batch, so that
+/// micro-batches weighted by their size add up to the full batch's gradient.
+///
+/// ```
+/// use memsave_checkpoint::CheckpointedSequential;
+/// use memsave_plan::{Batch, Workload};
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+///
+/// /// Three residual linear layers of width 16 and batches of 8 random rows.
+/// struct Tiny {
+///     vs: nn::VarStore,
+///     layers: CheckpointedSequential,
+///     data: Tensor,
+/// }
+///
+/// impl Tiny {
+///     fn new() -> Tiny {
+///         tch::manual_seed(0);
+///         let vs = nn::VarStore::new(Device::Cpu);
+///         let mut layers = CheckpointedSequential::new();
+///         for i in 0..3 {
+///             let lin = nn::linear(vs.root() / i, 16, 16, Default::default());
+///             layers = layers.add_fn(move |x| x + lin.forward(x).relu());
+///         }
+///         let data = Tensor::rand([8, 16], (Kind::Float, Device::Cpu));
+///         Tiny { vs, layers, data }
+///     }
+/// }
+///
+/// impl Workload for Tiny {
+///     fn name(&self) -> &str { "tiny" }
+///     fn device(&self) -> Device { Device::Cpu }
+///     fn layers(&self) -> &CheckpointedSequential { &self.layers }
+///     fn layers_mut(&mut self) -> &mut CheckpointedSequential { &mut self.layers }
+///     fn parameters(&self) -> Vec<Tensor> { self.vs.trainable_variables() }
+///     fn global_batch(&self) -> i64 { 8 }
+///     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+///         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+///     }
+/// }
+///
+/// let tiny = Tiny::new();
+/// assert_eq!(tiny.batch(4)?.len(), 4);
+/// # Ok::<(), tch::TchError>(())
+/// ```
+pub trait Workload {
+    /// The model's name in reports.
+    fn name(&self) -> &str;
+
+    /// The device its parameters and batches are on.
+    fn device(&self) -> Device;
+
+    /// The layers, run in order; the output of the last goes to [`loss`](Self::loss).
+    fn layers(&self) -> &CheckpointedSequential;
+
+    /// The layers, to set a checkpoint plan or profile them.
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential;
+
+    /// The trainable parameters.
+    fn parameters(&self) -> Vec<Tensor>;
+
+    /// The number of examples in one optimizer step (the global batch) by default.
+    fn global_batch(&self) -> i64;
+
+    /// A batch of `size` examples, the same ones for the same size every time (for
+    /// `size <= global_batch()`, best the first `size` of the global batch).
+    fn batch(&self, size: i64) -> Result<Batch, TchError>;
+
+    /// The loss of `output` against the batch's `target`: a scalar, the mean over the
+    /// batch. By default the mean of the squared output, in f32 (the target ignored).
+    fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
+        let _ = target;
+        mean_square(output)
+    }
+
+    /// The optimizer stepped at the end of every step, if the workload has one.
+    fn optimizer(&self) -> Option<OptimizerSpec> {
+        None
+    }
+
+    /// Makes every residual block use `update` from now on. Returns false when the
+    /// model has no such blocks (the default), so strategies asking for another
+    /// update than [`ResidualUpdate::Add`] are reported unavailable.
+    fn set_residual(&self, update: ResidualUpdate) -> bool {
+        update == ResidualUpdate::Add
+    }
+
+    /// Starts recording the memory around each block of the next forward (the
+    /// harness's per-layer trace); by default nothing is recorded.
+    fn start_trace(&self) {}
+
+    /// Stops recording and returns what was recorded (by default nothing).
+    fn stop_trace(&self) -> Vec<TraceEntry> {
+        Vec::new()
+    }
+}
+
+/// The mean of the squared `output`, in f32: the default [`Workload::loss`].
+pub fn mean_square(output: &Tensor) -> Result<Tensor, TchError> {
+    let output = if output.kind() == Kind::Float {
+        output.shallow_clone()
+    } else {
+        output.f_to_kind(Kind::Float)?
+    };
+    output.f_square()?.f_mean(Kind::Float)
+}
