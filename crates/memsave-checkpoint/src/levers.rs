@@ -13,6 +13,7 @@ use crate::layers::SharedLayer;
 use memsave_meter::measure;
 use memsave_sys::hooks::{Packed, RawHooks};
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
@@ -43,6 +44,36 @@ pub trait BoundaryStore: Send + Sync + 'static {
     fn store(&self, boundary: &Tensor) -> std::result::Result<Stored, String>;
     /// Rebuilds the tensor from what [`store`](Self::store) kept.
     fn restore(&self, stored: &Stored) -> std::result::Result<Tensor, String>;
+    /// Bytes `stored` keeps in memory, when the store can tell (for
+    /// [`LeverStats::resident_bytes`]); `None` by default.
+    fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
+        let _ = stored;
+        None
+    }
+}
+
+/// What one store took from the forwards so far (not the profile's calibration).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeverStats {
+    /// The store's [`name`](BoundaryStore::name).
+    pub name: String,
+    /// The store's [`is_lossless`](BoundaryStore::is_lossless).
+    pub lossless: bool,
+    /// Boundaries stored.
+    pub tensors: u64,
+    /// Their bytes as they were.
+    pub bytes: u64,
+    /// Bytes their stored forms kept in memory, if the store tells
+    /// ([`BoundaryStore::resident_bytes`]).
+    pub resident_bytes: Option<u64>,
+}
+
+#[derive(Default)]
+struct Counters {
+    tensors: AtomicU64,
+    bytes: AtomicU64,
+    resident_bytes: AtomicU64,
+    resident_unknown: AtomicBool,
 }
 
 /// What storing one boundary with one store costs, measured on the boundary itself.
@@ -75,13 +106,42 @@ pub struct LeverProfile {
     pub boundaries: Vec<Option<BoundaryCost>>,
 }
 
-/// A boundary store with the name the solver's plans refer to it by (its index).
+/// A boundary store as the chain uses it, counting what the forwards hand it.
 #[derive(Clone)]
-pub(crate) struct Lever(pub(crate) Arc<dyn BoundaryStore>);
+pub(crate) struct Lever(pub(crate) Arc<dyn BoundaryStore>, Arc<Counters>);
+
+impl Lever {
+    pub(crate) fn new(store: Arc<dyn BoundaryStore>) -> Self {
+        Self(store, Arc::default())
+    }
+
+    pub(crate) fn stats(&self) -> LeverStats {
+        let c = &self.1;
+        LeverStats {
+            name: self.0.name(),
+            lossless: self.0.is_lossless(),
+            tensors: c.tensors.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            resident_bytes: (!c.resident_unknown.load(Ordering::Relaxed))
+                .then(|| c.resident_bytes.load(Ordering::Relaxed)),
+        }
+    }
+}
 
 impl RawHooks for Lever {
     fn pack(&self, tensor: &Tensor, _saved_by: Option<&str>) -> std::result::Result<Packed, String> {
-        self.0.store(tensor)
+        let stored = self.0.store(tensor)?;
+        let c = &self.1;
+        c.tensors.fetch_add(1, Ordering::Relaxed);
+        let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+        c.bytes.fetch_add(bytes, Ordering::Relaxed);
+        match self.0.resident_bytes(&stored) {
+            Some(b) => {
+                c.resident_bytes.fetch_add(b, Ordering::Relaxed);
+            }
+            None => c.resident_unknown.store(true, Ordering::Relaxed),
+        }
+        Ok(stored)
     }
 
     fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, String> {

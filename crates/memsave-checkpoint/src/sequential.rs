@@ -2,7 +2,7 @@
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
-use crate::levers::{profile_levers, BoundaryStore, Lever, LeverProfile};
+use crate::levers::{profile_levers, BoundaryStore, Lever, LeverProfile, LeverStats};
 use crate::plan::Plan;
 use crate::profile::{profile_chain, ChainProfile};
 use crate::schedule::{Block, Schedule};
@@ -89,12 +89,28 @@ impl CheckpointedSequential {
     /// - only other plans' schedules ignore the stores; [`Plan::None`], `Segments`,
     ///   `EveryLayer` and `Nested` never store.
     pub fn with_levers(mut self, stores: Vec<Arc<dyn BoundaryStore>>) -> Self {
-        self.levers = stores.into_iter().map(Lever).collect();
+        self.set_levers(stores);
+        self
+    }
+
+    /// [`with_levers`](Self::with_levers) on a chain you hold by reference.
+    pub fn set_levers(&mut self, stores: Vec<Arc<dyn BoundaryStore>>) {
+        self.levers = stores.into_iter().map(Lever::new).collect();
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
         self.lever_profiles.clear();
-        self
+    }
+
+    /// Whether levers are set.
+    pub fn has_levers(&self) -> bool {
+        !self.levers.is_empty()
+    }
+
+    /// What each store took from the forwards so far (the profile's calibration not
+    /// counted), in the order of [`with_levers`](Self::with_levers).
+    pub fn lever_stats(&self) -> Vec<LeverStats> {
+        self.levers.iter().map(Lever::stats).collect()
     }
 
     /// The stores' measured costs per boundary (empty before [`profile`](Self::profile)

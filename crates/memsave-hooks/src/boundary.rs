@@ -38,6 +38,10 @@ impl BoundaryStore for DiskOffload {
         let packed = downcast::<Offloaded>(stored, "offload to disk")?;
         self.unpack(packed).map_err(|e| e.to_string())
     }
+
+    fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
+        stored.downcast_ref::<Offloaded>().map(Offloaded::resident_bytes)
+    }
 }
 
 /// Compression as a lever: the boundary kept in the codec's form, decoded for the
@@ -60,5 +64,12 @@ impl BoundaryStore for Compress {
     fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
         let packed = downcast::<Compressed>(stored, "compress")?;
         self.unpack(packed).map_err(|e| e.to_string())
+    }
+
+    fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
+        stored.downcast_ref::<Compressed>().map(|c| match c {
+            Compressed::Kept(t) => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+            Compressed::Encoded(e) => e.stored_bytes(),
+        })
     }
 }
