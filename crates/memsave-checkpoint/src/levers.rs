@@ -129,7 +129,11 @@ impl Lever {
 }
 
 impl RawHooks for Lever {
-    fn pack(&self, tensor: &Tensor, _saved_by: Option<&str>) -> std::result::Result<Packed, String> {
+    fn pack(
+        &self,
+        tensor: &Tensor,
+        _saved_by: Option<&str>,
+    ) -> std::result::Result<Packed, String> {
         let stored = self.0.store(tensor)?;
         let c = &self.1;
         c.tensors.fetch_add(1, Ordering::Relaxed);
@@ -206,7 +210,11 @@ pub(crate) fn profile_levers(
         .collect();
     let run = || -> Result<()> {
         let mut x = example.detach();
-        for (l, layer) in layers.iter().enumerate().take(layers.len().saturating_sub(1)) {
+        for (l, layer) in layers
+            .iter()
+            .enumerate()
+            .take(layers.len().saturating_sub(1))
+        {
             x = tch::no_grad(|| layer.forward(&x));
             if saves_output[l] {
                 continue;

@@ -203,7 +203,11 @@ impl CheckpointedSequential {
     /// Follows an explicit schedule (for example one from [`Solver`]). Its stored
     /// boundaries must name levers set by [`with_levers`](Self::with_levers).
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
-        if let Some(b) = schedule.stored().iter().find(|b| b.lever >= self.levers.len()) {
+        if let Some(b) = schedule
+            .stored()
+            .iter()
+            .find(|b| b.lever >= self.levers.len())
+        {
             return Err(CheckpointError::InvalidPlan(format!(
                 "the schedule stores boundary {} with store {}, but {} stores are set (with_levers)",
                 b.layer,
@@ -265,7 +269,13 @@ impl CheckpointedSequential {
                 .lever_profiles
                 .iter()
                 .enumerate()
-                .filter_map(|(j, lp)| lp.boundaries.get(*start).copied().flatten().map(|c| (j, lp, c)))
+                .filter_map(|(j, lp)| {
+                    lp.boundaries
+                        .get(*start)
+                        .copied()
+                        .flatten()
+                        .map(|c| (j, lp, c))
+                })
                 .collect();
             let line = match self.schedule.lever_at(*start) {
                 Some(j) => {
@@ -284,7 +294,8 @@ impl CheckpointedSequential {
                 }
                 None if *start == 0 => "kept: the chain's input, which the caller holds".to_owned(),
                 None if costs.is_empty() => {
-                    "kept: no store can free it (the layer before keeps its output for backward)".to_owned()
+                    "kept: no store can free it (the layer before keeps its output for backward)"
+                        .to_owned()
                 }
                 None => {
                     let cheapest = costs
@@ -302,7 +313,9 @@ impl CheckpointedSequential {
                     format!("kept: the budget is met faster without storing it ({cheapest})")
                 }
             };
-            out.push_str(&format!("\n  layer {start} (ckpt[{start}..{end}]){size}: {line}"));
+            out.push_str(&format!(
+                "\n  layer {start} (ckpt[{start}..{end}]){size}: {line}"
+            ));
         }
         out
     }

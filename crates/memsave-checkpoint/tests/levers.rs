@@ -203,7 +203,10 @@ fn lever_plans_fit_their_budget_predicted_and_measured() {
         let budget = smallest + (baseline - smallest) * i / steps;
         seq.set_plan(Plan::Budget(budget)).unwrap();
         let predicted = seq.predict().unwrap();
-        assert!(predicted.peak_bytes <= budget, "predicted {predicted:?} > {budget}");
+        assert!(
+            predicted.peak_bytes <= budget,
+            "predicted {predicted:?} > {budget}"
+        );
         // The store only adds choices: never slower than recomputation alone.
         if recompute_only.set_plan(Plan::Budget(budget)).is_ok() {
             let alone = recompute_only.predict().unwrap().step_time_s;
@@ -219,7 +222,11 @@ fn lever_plans_fit_their_budget_predicted_and_measured() {
                 seq.explain()
             );
         }
-        assert_eq!(store.alive.load(Ordering::SeqCst), 0, "freed after backward");
+        assert_eq!(
+            store.alive.load(Ordering::SeqCst),
+            0,
+            "freed after backward"
+        );
     }
 }
 
@@ -320,7 +327,12 @@ enum Entry {
     RetainGraph,
 }
 
-fn gradients(seq: &CheckpointedSequential, vs: &nn::VarStore, x0: &Tensor, entry: Entry) -> Vec<Tensor> {
+fn gradients(
+    seq: &CheckpointedSequential,
+    vs: &nn::VarStore,
+    x0: &Tensor,
+    entry: Entry,
+) -> Vec<Tensor> {
     clear_grads(vs);
     let x = x0.detach().set_requires_grad(true);
     let params = vs.trainable_variables();
@@ -411,7 +423,6 @@ fn a_module_chain_works_with_levers() {
     loss_of(&y).backward();
 }
 
-
 /// Exact model check: on every-layer checkpointing with the first `n` boundaries stored,
 /// the measured peak differs from the prediction by the same bytes for every `n`, the
 /// recompute-only model's own gap (4 bytes on this chain: the loss's gradient, which
@@ -428,7 +439,9 @@ fn stores_add_no_error_to_the_model() {
     let mut gaps = Vec::new();
     let mut peaks = Vec::new();
     for n in [0usize, 1, 2, 5, 11] {
-        let stored = (1..=n).map(|layer| StoredBoundary { layer, lever: 0 }).collect();
+        let stored = (1..=n)
+            .map(|layer| StoredBoundary { layer, lever: 0 })
+            .collect();
         seq.set_schedule(Schedule::every_layer(12).with_stored(stored).unwrap())
             .unwrap();
         let predicted = seq.predict().unwrap().peak_bytes as i64;

@@ -40,7 +40,9 @@ impl BoundaryStore for DiskOffload {
     }
 
     fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
-        stored.downcast_ref::<Offloaded>().map(Offloaded::resident_bytes)
+        stored
+            .downcast_ref::<Offloaded>()
+            .map(Offloaded::resident_bytes)
     }
 }
 

@@ -81,12 +81,19 @@ fn disk_offload_keeps_gradients_bitwise_fits_its_prediction_and_leaves_the_store
     let (baseline, _) = step(&seq, &vs, &x);
 
     seq.set_schedule(every_layer_stored(12)).unwrap();
-    assert!(seq.explain().contains("stored by offload to disk"), "{}", seq.explain());
+    assert!(
+        seq.explain().contains("stored by offload to disk"),
+        "{}",
+        seq.explain()
+    );
     let predicted = seq.predict().unwrap().peak_bytes;
     let start = memory_allocated(CPU);
     let written = disk.stats().written_bytes; // the profile's calibration wrote too
     let (grads, peak) = step(&seq, &vs, &x);
-    assert!(peak <= predicted + LOSS_GRAD_BYTES, "peak {peak} > predicted {predicted}");
+    assert!(
+        peak <= predicted + LOSS_GRAD_BYTES,
+        "peak {peak} > predicted {predicted}"
+    );
     assert_eq!(disk.stats().written_bytes - written, 11 * 32 * 64 * 4);
     assert!(baseline.iter().zip(&grads).all(|(a, b)| a.equal(b)));
     drop(grads);
@@ -112,7 +119,10 @@ fn int8_compression_keeps_gradients_within_its_bound() {
     seq.set_schedule(every_layer_stored(12)).unwrap();
     let predicted = seq.predict().unwrap().peak_bytes;
     let (grads, peak) = step(&seq, &vs, &x);
-    assert!(peak <= predicted + LOSS_GRAD_BYTES, "peak {peak} > predicted {predicted}");
+    assert!(
+        peak <= predicted + LOSS_GRAD_BYTES,
+        "peak {peak} > predicted {predicted}"
+    );
     assert!(int8.stats().saved_bytes() > 0);
     let (mut diff, mut norm) = (0.0, 0.0);
     for (a, b) in baseline.iter().zip(&grads) {

@@ -1,12 +1,12 @@
 //! Setting a configuration's checkpoint plan on a workload, profiling the workload's
 //! layers first when the plan is a byte budget.
 use crate::config::{PlanChoice, StepConfig};
-use crate::workload::{Batch, Workload};
 use crate::levers::CompressDtype;
+use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
 use memsave_hooks::{Compress, DiskOffload};
-use std::sync::Arc;
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
 use tch::Device;
 
 /// Profiles `model`'s layers on `example` (per-layer bytes and times, the workload's

@@ -86,7 +86,13 @@ impl<'a> Model<'a> {
         if layer == 0 || layer >= layers || self.profile.elements[layer - 1].saves_output {
             return None;
         }
-        let cost = self.levers.get(lever)?.boundaries.get(layer).copied().flatten()?;
+        let cost = self
+            .levers
+            .get(lever)?
+            .boundaries
+            .get(layer)
+            .copied()
+            .flatten()?;
         Some(StoreTerms {
             resident: cost.resident_bytes,
             store_peak: cost.store_peak_bytes.max(cost.resident_bytes),
@@ -187,14 +193,14 @@ impl<'a> Model<'a> {
             + blocks
                 .iter()
                 .map(|b| match b {
-                Block::Layer(l) => {
-                    let p = &self.profile.elements[*l];
-                    p.forward_time_s + p.backward_time_s
-                }
-                Block::Checkpoint { start, end, inner } => {
-                    self.nograd_time(*start, *end) + self.time(inner, &[])
-                }
-            })
+                    Block::Layer(l) => {
+                        let p = &self.profile.elements[*l];
+                        p.forward_time_s + p.backward_time_s
+                    }
+                    Block::Checkpoint { start, end, inner } => {
+                        self.nograd_time(*start, *end) + self.time(inner, &[])
+                    }
+                })
                 .sum::<f64>()
     }
 

@@ -62,7 +62,11 @@ impl Stages {
             overhead: model.profile.checkpoint_overhead_bytes,
             stores: bounds
                 .iter()
-                .map(|&b| (0..model.levers.len()).map(|j| model.store_terms(b, j)).collect())
+                .map(|&b| {
+                    (0..model.levers.len())
+                        .map(|j| model.store_terms(b, j))
+                        .collect()
+                })
                 .collect(),
             bounds: Vec::new(),
         };
