@@ -19,6 +19,15 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
                     CheckpointSpec::EveryLayer => PlanChoice::Fixed(Plan::EveryLayer),
                     CheckpointSpec::Nested => PlanChoice::Fixed(Plan::Nested),
                     CheckpointSpec::Budget(size) => PlanChoice::Budget(size.bytes),
+                    CheckpointSpec::BudgetWithLevers {
+                        budget,
+                        offload,
+                        compress,
+                    } => PlanChoice::BudgetWithLevers {
+                        bytes: budget.bytes,
+                        offload: *offload,
+                        compress: *compress,
+                    },
                 }
             }
             Technique::Autocast(dtype) => config.autocast = Some(dtype.kind),

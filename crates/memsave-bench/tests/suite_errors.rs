@@ -557,3 +557,57 @@ fn compress_and_offload_parse_combine_and_reject_bad_arguments() {
         "only one saved-tensor hook",
     );
 }
+
+#[test]
+fn budget_levers_parse_and_bad_ones_are_rejected_at_the_entry() {
+    let yaml = format!(
+        "{BASE}  - checkpoint: {{budget: 18MiB, offload: true, compress: int8}}
+  - checkpoint: {{budget: 18MiB, offload: true}}
+  - {{name: levers+bf16, with: [{{checkpoint: {{budget: 18MiB, compress: bf16}}}}, {{autocast: {{dtype: bf16}}}}]}}
+"
+    );
+    let suite = Suite::from_yaml(&yaml, "levers.yaml").unwrap();
+    let names: Vec<&str> = suite.strategies.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "baseline",
+            "checkpoint(budget=18MiB,offload=true,compress=int8)",
+            "checkpoint(budget=18MiB,offload=true)",
+            "levers+bf16",
+        ]
+    );
+    assert_eq!(
+        suite.strategies[2].techniques,
+        [Technique::Checkpoint(CheckpointSpec::BudgetWithLevers {
+            budget: memsave_bench::Size {
+                bytes: 18 << 20,
+                text: "18MiB".into()
+            },
+            offload: true,
+            compress: None,
+        })]
+    );
+    assert_eq!(suite.strategies[3].techniques.len(), 2);
+
+    assert_error(
+        &with_strategy("checkpoint: {segments: 3, offload: true}"),
+        "6:17",
+        "give a budget too",
+    );
+    assert_error(
+        &with_strategy("checkpoint: {budget: 18MiB, compress: int4}"),
+        "6:17",
+        "unknown dtype 'int4'",
+    );
+    assert_error(
+        &with_strategy("checkpoint: {budget: 18MiB, offload: false}"),
+        "6:17",
+        "offload must be true",
+    );
+    assert_error(
+        &with_strategy("checkpoint: {budget: 18MiB, offload: yes please}"),
+        "6:42",
+        "checkpoint.offload: invalid type: string \"yes please\", expected a boolean",
+    );
+}

@@ -1,7 +1,9 @@
 //! `checkpoint`: run a function without keeping its activations, recompute it in backward.
 use crate::error::Result;
+use crate::levers::Lever;
 use memsave_sys::checkpoint as raw;
 use std::fmt::Display;
+use std::sync::Arc;
 use tch::Tensor;
 
 /// Options of a checkpointed call; `Checkpoint::default()` preserves the RNG state.
@@ -50,6 +52,27 @@ impl Checkpoint {
         let boxed: raw::CheckpointFn =
             Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
         Ok(raw::checkpoint(&inputs, self.preserve_rng, boxed)?)
+    }
+
+    /// [`try_run`](Self::try_run) with the inputs kept by `store` until the recompute
+    /// instead of by the checkpoint.
+    pub(crate) fn try_run_stored<F, E>(
+        self,
+        inputs: &[&Tensor],
+        store: Lever,
+        mut f: F,
+    ) -> Result<Vec<Tensor>>
+    where
+        F: FnMut(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
+        E: Display,
+    {
+        let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+        let boxed: raw::CheckpointFn =
+            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
+        let frame = memsave_sys::hooks::push(Arc::new(store))?;
+        let out = raw::checkpoint_packing_inputs(&inputs, self.preserve_rng, boxed);
+        frame.exit()?;
+        Ok(out?)
     }
 }
 

@@ -9,6 +9,16 @@
 //!   (parity with `checkpoint_sequential`), `Nested` (logarithmic memory) and
 //!   `Budget(bytes)`: the schedule with the least recomputation whose predicted peak
 //!   fits, solved by dynamic programming ([`Solver`]) over a measured profile.
+//! - Levers beyond recomputation ([`BoundaryStore`], set with
+//!   [`CheckpointedSequential::with_levers`]): every checkpoint keeps its input for the
+//!   whole backward, the floor of recomputation alone. A boundary store (disk offload
+//!   or a compression codec from `memsave-hooks`, or your own) can keep that input
+//!   instead until the recompute. With levers, `Budget` chooses per top-level
+//!   checkpoint: keep the input, or store it with one of the stores, from the bytes and
+//!   seconds [`CheckpointedSequential::profile`] measures for each store on each real
+//!   boundary; [`CheckpointedSequential::explain`] says what it chose for each boundary
+//!   and why. Without levers (the default) plans are recompute-only, as before. A
+//!   lossless store keeps gradients bitwise equal to the plain run's.
 //!
 //! Why it helps: in `x = x + linear(x)` every layer saves its input for backward, so a
 //! plain forward keeps one activation per layer. A checkpointed segment keeps only its
@@ -44,6 +54,7 @@
 mod error;
 mod function;
 mod layers;
+mod levers;
 mod plan;
 mod profile;
 mod schedule;
@@ -52,8 +63,9 @@ mod solver;
 
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
+pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, Stored};
 pub use plan::Plan;
 pub use profile::{ChainProfile, LayerProfile};
-pub use schedule::{Block, Schedule};
+pub use schedule::{Block, Schedule, StoredBoundary};
 pub use sequential::CheckpointedSequential;
-pub use solver::{predict, Prediction, Solver};
+pub use solver::{predict, predict_with_levers, Prediction, Solver};

@@ -19,23 +19,74 @@ pub enum Block {
     },
 }
 
-/// A sequence of blocks covering layers `0..len` in order.
+/// A top-level checkpoint whose input a boundary store keeps until the recompute (see
+/// [`BoundaryStore`](crate::BoundaryStore)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StoredBoundary {
+    /// The layer whose input is stored: the start of a top-level checkpoint, above 0.
+    pub layer: usize,
+    /// Which store keeps it: an index into the chain's levers.
+    pub lever: usize,
+}
+
+/// A sequence of blocks covering layers `0..len` in order, and the boundaries that
+/// stores keep (none unless levers are in use).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {
     blocks: Vec<Block>,
+    stored: Vec<StoredBoundary>,
 }
 
 impl Schedule {
     /// A schedule from blocks; checks that they cover `0..len` exactly, recursively.
     pub fn new(blocks: Vec<Block>, len: usize) -> Result<Self> {
         check_cover(&blocks, 0, len)?;
-        Ok(Self { blocks })
+        Ok(Self {
+            blocks,
+            stored: Vec::new(),
+        })
+    }
+
+    /// This schedule with the inputs of some top-level checkpoints kept by stores. Each
+    /// boundary must start a top-level checkpoint past layer 0 (the chain's input is the
+    /// caller's), at most once.
+    pub fn with_stored(mut self, mut stored: Vec<StoredBoundary>) -> Result<Self> {
+        stored.sort();
+        for (i, b) in stored.iter().enumerate() {
+            let starts_checkpoint = self
+                .blocks
+                .iter()
+                .any(|block| matches!(block, Block::Checkpoint { start, .. } if *start == b.layer));
+            if b.layer == 0 || !starts_checkpoint || (i > 0 && stored[i - 1].layer == b.layer) {
+                return Err(CheckpointError::InvalidPlan(format!(
+                    "boundary {} can be stored only once, and only where a top-level checkpoint \
+                     past layer 0 starts",
+                    b.layer
+                )));
+            }
+        }
+        self.stored = stored;
+        Ok(self)
+    }
+
+    /// The boundaries stores keep, by layer.
+    pub fn stored(&self) -> &[StoredBoundary] {
+        &self.stored
+    }
+
+    /// The store keeping layer `layer`'s input, if any.
+    pub fn lever_at(&self, layer: usize) -> Option<usize> {
+        self.stored
+            .binary_search_by_key(&layer, |b| b.layer)
+            .ok()
+            .map(|i| self.stored[i].lever)
     }
 
     /// Every layer run normally.
     pub fn plain(len: usize) -> Self {
         Self {
             blocks: (0..len).map(Block::Layer).collect(),
+            stored: Vec::new(),
         }
     }
 
@@ -49,6 +100,7 @@ impl Schedule {
                     inner: vec![Block::Layer(i)],
                 })
                 .collect(),
+            stored: Vec::new(),
         }
     }
 
@@ -72,13 +124,17 @@ impl Schedule {
             start += size;
         }
         blocks.extend((start..len).map(Block::Layer));
-        Ok(Self { blocks })
+        Ok(Self {
+            blocks,
+            stored: Vec::new(),
+        })
     }
 
     /// Recursive halving (see [`Plan::Nested`](crate::Plan::Nested)).
     pub fn nested(len: usize) -> Self {
         Self {
             blocks: nested_blocks(0, len),
+            stored: Vec::new(),
         }
     }
 
@@ -145,7 +201,11 @@ fn check_cover(blocks: &[Block], start: usize, end: usize) -> Result<()> {
     Ok(())
 }
 
-fn write_blocks(f: &mut fmt::Formatter<'_>, blocks: &[Block]) -> fmt::Result {
+fn write_blocks(
+    f: &mut fmt::Formatter<'_>,
+    blocks: &[Block],
+    stored: &[StoredBoundary],
+) -> fmt::Result {
     for (i, block) in blocks.iter().enumerate() {
         if i > 0 {
             write!(f, " ")?;
@@ -153,8 +213,12 @@ fn write_blocks(f: &mut fmt::Formatter<'_>, blocks: &[Block]) -> fmt::Result {
         match block {
             Block::Layer(l) => write!(f, "{l}")?,
             Block::Checkpoint { start, end, inner } => {
-                write!(f, "ckpt[{start}..{end}]{{")?;
-                write_blocks(f, inner)?;
+                write!(f, "ckpt[{start}..{end}]")?;
+                if let Some(b) = stored.iter().find(|b| b.layer == *start) {
+                    write!(f, "<store {}>", b.lever)?;
+                }
+                write!(f, "{{")?;
+                write_blocks(f, inner, &[])?;
                 write!(f, "}}")?;
             }
         }
@@ -163,10 +227,11 @@ fn write_blocks(f: &mut fmt::Formatter<'_>, blocks: &[Block]) -> fmt::Result {
 }
 
 /// `0 1 ckpt[2..4]{2 3}`: layer numbers run normally, checkpointed ranges with the
-/// schedule of their recompute in braces.
+/// schedule of their recompute in braces; `ckpt[2..4]<store 0>{2 3}` when store 0 keeps
+/// the checkpoint's input.
 impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_blocks(f, &self.blocks)
+        write_blocks(f, &self.blocks, &self.stored)
     }
 }
 

@@ -2,13 +2,15 @@
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
+use crate::levers::{profile_levers, BoundaryStore, Lever, LeverProfile, LeverStats};
 use crate::plan::Plan;
 use crate::profile::{profile_chain, ChainProfile};
 use crate::schedule::{Block, Schedule};
-use crate::solver::{predict, Prediction, Solver};
+use crate::solver::{predict_with_levers, Prediction, Solver};
 use memsave_meter::Bytes;
 use memsave_sys::checkpoint::panic_message;
 use std::fmt;
+use std::sync::Arc;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
@@ -37,6 +39,8 @@ pub struct CheckpointedSequential {
     schedule: Schedule,
     profile: Option<ChainProfile>,
     checkpoint: Checkpoint,
+    levers: Vec<Lever>,
+    lever_profiles: Vec<LeverProfile>,
 }
 
 impl Default for CheckpointedSequential {
@@ -54,6 +58,8 @@ impl CheckpointedSequential {
             schedule: Schedule::plain(0),
             profile: None,
             checkpoint: Checkpoint::new(),
+            levers: Vec::new(),
+            lever_profiles: Vec::new(),
         }
     }
 
@@ -65,7 +71,52 @@ impl CheckpointedSequential {
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
+        self.lever_profiles.clear();
         self
+    }
+
+    /// Boundary stores a [`Plan::Budget`] may use besides recomputation: per top-level
+    /// checkpoint, the solver keeps its input in memory or hands it to one of `stores`
+    /// (store `i` in [`Schedule::stored`]), whichever gives the least step time within
+    /// the budget, from costs [`profile`](Self::profile) measures on the real boundaries
+    /// (bytes each store keeps in memory, its peaks, its seconds).
+    ///
+    /// None by default: plans are recompute-only and do not change. Setting levers drops
+    /// the profile (it has to measure them) and the plan (back to [`Plan::None`]). Traps:
+    /// - a lossy store (a compression codec) changes gradients; the solver uses it
+    ///   whenever it is the fastest way to fit, so give only lossless stores when
+    ///   gradients must stay bitwise equal;
+    /// - only other plans' schedules ignore the stores; [`Plan::None`], `Segments`,
+    ///   `EveryLayer` and `Nested` never store.
+    pub fn with_levers(mut self, stores: Vec<Arc<dyn BoundaryStore>>) -> Self {
+        self.set_levers(stores);
+        self
+    }
+
+    /// [`with_levers`](Self::with_levers) on a chain you hold by reference.
+    pub fn set_levers(&mut self, stores: Vec<Arc<dyn BoundaryStore>>) {
+        self.levers = stores.into_iter().map(Lever::new).collect();
+        self.plan = Plan::None;
+        self.schedule = Schedule::plain(self.layers.len());
+        self.profile = None;
+        self.lever_profiles.clear();
+    }
+
+    /// Whether levers are set.
+    pub fn has_levers(&self) -> bool {
+        !self.levers.is_empty()
+    }
+
+    /// What each store took from the forwards so far (the profile's calibration not
+    /// counted), in the order of [`with_levers`](Self::with_levers).
+    pub fn lever_stats(&self) -> Vec<LeverStats> {
+        self.levers.iter().map(Lever::stats).collect()
+    }
+
+    /// The stores' measured costs per boundary (empty before [`profile`](Self::profile)
+    /// or without levers).
+    pub fn lever_profiles(&self) -> &[LeverProfile] {
+        &self.lever_profiles
     }
 
     /// Appends a closure layer.
@@ -81,6 +132,7 @@ impl CheckpointedSequential {
     pub fn preserve_rng(mut self, preserve: bool) -> Self {
         self.checkpoint = self.checkpoint.preserve_rng(preserve);
         self.profile = None;
+        self.lever_profiles.clear();
         self
     }
 
@@ -110,7 +162,8 @@ impl CheckpointedSequential {
     }
 
     /// Measures every layer once on `example` (bytes it saves, bytes of its output,
-    /// forward and backward time) and the `loss` on the chain's output. Needed by
+    /// forward and backward time) and the `loss` on the chain's output, and each lever
+    /// (see [`with_levers`](Self::with_levers)) on each boundary. Needed by
     /// [`Plan::Budget`] and by the predictions of [`explain`](Self::explain).
     ///
     /// `params` are the model's parameters; their gradients are set to none.
@@ -121,6 +174,12 @@ impl CheckpointedSequential {
         loss: impl Fn(&Tensor) -> Tensor,
     ) -> Result<&ChainProfile> {
         let profile = profile_chain(&self.layers, example, params, &loss, self.checkpoint)?;
+        self.lever_profiles = if self.levers.is_empty() {
+            Vec::new()
+        } else {
+            let saves_output: Vec<bool> = profile.elements.iter().map(|e| e.saves_output).collect();
+            profile_levers(&self.layers, example, &saves_output, &self.levers)?
+        };
         Ok(self.profile.insert(profile))
     }
 
@@ -134,22 +193,38 @@ impl CheckpointedSequential {
             Plan::Nested => Schedule::nested(n),
             Plan::Budget(bytes) => {
                 let profile = self.profile.as_ref().ok_or(CheckpointError::NotProfiled)?;
-                Solver::new(profile).solve_budget(bytes)?
+                Solver::with_levers(profile, &self.lever_profiles).solve_budget(bytes)?
             }
         };
         self.plan = plan;
         Ok(())
     }
 
-    /// Follows an explicit schedule (for example one from [`Solver`]).
+    /// Follows an explicit schedule (for example one from [`Solver`]). Its stored
+    /// boundaries must name levers set by [`with_levers`](Self::with_levers).
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
-        self.schedule = Schedule::new(schedule.blocks().to_vec(), self.layers.len())?;
+        if let Some(b) = schedule
+            .stored()
+            .iter()
+            .find(|b| b.lever >= self.levers.len())
+        {
+            return Err(CheckpointError::InvalidPlan(format!(
+                "the schedule stores boundary {} with store {}, but {} stores are set (with_levers)",
+                b.layer,
+                b.lever,
+                self.levers.len()
+            )));
+        }
+        self.schedule = Schedule::new(schedule.blocks().to_vec(), self.layers.len())?
+            .with_stored(schedule.stored().to_vec())?;
         Ok(())
     }
 
     /// Predicted peak and time of the current schedule; needs a profile.
     pub fn predict(&self) -> Option<Prediction> {
-        self.profile.as_ref().map(|p| predict(p, &self.schedule))
+        self.profile
+            .as_ref()
+            .map(|p| predict_with_levers(p, &self.lever_profiles, &self.schedule))
     }
 
     /// The plan, its schedule, and (with a profile) the predicted peak and recompute
@@ -174,12 +249,93 @@ impl CheckpointedSequential {
         } else {
             out.push_str("\n(no profile: call profile() for predicted peak and time)");
         }
+        if !self.levers.is_empty() {
+            out.push_str(&self.explain_boundaries());
+        }
+        out
+    }
+
+    /// One line per top-level checkpoint boundary: kept or stored, and why.
+    fn explain_boundaries(&self) -> String {
+        let mut out = String::from("\nboundaries (inputs of top-level checkpoints):");
+        let profile = self.profile.as_ref();
+        for block in self.schedule.blocks() {
+            let Block::Checkpoint { start, end, .. } = block else {
+                continue;
+            };
+            let bytes = profile.map(|p| p.elements[*start].input_bytes);
+            let size = bytes.map_or(String::new(), |b| format!(" ({})", Bytes(b)));
+            let costs: Vec<(usize, &LeverProfile, crate::levers::BoundaryCost)> = self
+                .lever_profiles
+                .iter()
+                .enumerate()
+                .filter_map(|(j, lp)| {
+                    lp.boundaries
+                        .get(*start)
+                        .copied()
+                        .flatten()
+                        .map(|c| (j, lp, c))
+                })
+                .collect();
+            let line = match self.schedule.lever_at(*start) {
+                Some(j) => {
+                    let name = self.levers[j].0.name();
+                    match costs.iter().find(|(i, ..)| *i == j) {
+                        Some((_, lp, c)) => format!(
+                            "stored by {name}{}: keeps {} in memory instead, for {:.2} ms store + {:.2} ms restore; \
+                             keeping it would not fit the budget as fast",
+                            if lp.lossless { "" } else { " (lossy)" },
+                            Bytes(c.resident_bytes),
+                            c.store_time_s * 1e3,
+                            c.restore_time_s * 1e3
+                        ),
+                        None => format!("stored by {name}"),
+                    }
+                }
+                None if *start == 0 => "kept: the chain's input, which the caller holds".to_owned(),
+                None if costs.is_empty() => {
+                    "kept: no store can free it (the layer before keeps its output for backward)"
+                        .to_owned()
+                }
+                None => {
+                    let cheapest = costs
+                        .iter()
+                        .map(|(_, lp, c)| {
+                            format!(
+                                "{} would keep {} for {:.2} ms",
+                                lp.name,
+                                Bytes(c.resident_bytes),
+                                (c.store_time_s + c.restore_time_s) * 1e3
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    format!("kept: the budget is met faster without storing it ({cheapest})")
+                }
+            };
+            out.push_str(&format!(
+                "\n  layer {start} (ckpt[{start}..{end}]){size}: {line}"
+            ));
+        }
         out
     }
 
     /// Runs the chain on `x` following the schedule; a panicking layer becomes an `Err`.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let run = || run_blocks(&self.layers, self.schedule.blocks(), x, self.checkpoint);
+        let store_for = |start: usize| {
+            self.schedule
+                .lever_at(start)
+                .and_then(|j| self.levers.get(j).cloned())
+        };
+        let run = || {
+            run_blocks(
+                &self.layers,
+                self.schedule.blocks(),
+                x,
+                self.checkpoint,
+                &store_for,
+            )
+        };
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
             Err(CheckpointError::Torch(format!(
                 "a layer panicked: {}",
@@ -189,11 +345,15 @@ impl CheckpointedSequential {
     }
 }
 
+/// Runs `blocks` on `x`; `store_for(start)` names the store that keeps the input of a
+/// checkpoint starting at `start` (top level only: the recompute of a checkpoint runs
+/// its inner blocks with none).
 fn run_blocks(
     layers: &[SharedLayer],
     blocks: &[Block],
     x: &Tensor,
     options: Checkpoint,
+    store_for: &dyn Fn(usize) -> Option<Lever>,
 ) -> Result<Tensor> {
     let mut x = x.shallow_clone();
     for block in blocks {
@@ -203,9 +363,13 @@ fn run_blocks(
                 let owned: Vec<SharedLayer> = layers.to_vec();
                 let inner = inner.clone();
                 debug_assert!(start < end);
-                let mut out = options.try_run(&[&x], move |xs| {
-                    run_blocks(&owned, &inner, &xs[0], options).map(|y| vec![y])
-                })?;
+                let f = move |xs: &[Tensor]| {
+                    run_blocks(&owned, &inner, &xs[0], options, &|_| None).map(|y| vec![y])
+                };
+                let mut out = match store_for(*start) {
+                    Some(store) => options.try_run_stored(&[&x], store, f)?,
+                    None => options.try_run(&[&x], f)?,
+                };
                 out.remove(0)
             }
         };

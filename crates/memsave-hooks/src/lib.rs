@@ -12,6 +12,11 @@
 //! in files until backward. The packing built-ins leave parameters and the tensors you
 //! name alone ([`PassThrough`]): packing what stays alive anyway only adds bytes.
 //!
+//! [`DiskOffload`] and [`Compress`] are also levers of `memsave-checkpoint`'s budget
+//! planner (they implement its `BoundaryStore`): given to
+//! `CheckpointedSequential::with_levers`, they may keep the inputs of checkpoints
+//! until their recompute, where the planner finds that cheaper than recomputing more.
+//!
 //! ```
 //! use memsave_hooks::{saved_tensors_hooks, Accounting};
 //! use tch::{Device, Kind, Tensor};
@@ -32,6 +37,7 @@
 #![forbid(unsafe_code)]
 
 mod accounting;
+mod boundary;
 mod codec;
 mod compress;
 mod error;

@@ -36,6 +36,18 @@ pub enum PlanChoice {
     Fixed(Plan),
     /// `Plan::Budget(bytes)`: the model is profiled on the step's input first.
     Budget(u64),
+    /// `Plan::Budget(bytes)` whose solver may also keep checkpoint inputs in boundary
+    /// stores (`CheckpointedSequential::with_levers`): a disk store (with `offload`, in
+    /// a temporary directory made for the case) and a codec (with `compress`), measured
+    /// when the model is profiled.
+    BudgetWithLevers {
+        /// The budget.
+        bytes: u64,
+        /// Whether the solver may offload boundaries to disk.
+        offload: bool,
+        /// The codec the solver may compress boundaries with.
+        compress: Option<CompressDtype>,
+    },
 }
 
 /// What the forward's saved-tensor hooks do with saved activations, if anything.

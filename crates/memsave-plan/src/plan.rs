@@ -1,9 +1,12 @@
 //! Setting a configuration's checkpoint plan on a workload, profiling the workload's
 //! layers first when the plan is a byte budget.
 use crate::config::{PlanChoice, StepConfig};
+use crate::levers::CompressDtype;
 use crate::workload::{Batch, Workload};
-use memsave_checkpoint::{ChainProfile, CheckpointedSequential, Plan};
+use memsave_checkpoint::{BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
+use memsave_hooks::{Compress, DiskOffload};
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
 use tch::Device;
 
 /// Profiles `model`'s layers on `example` (per-layer bytes and times, the workload's
@@ -42,9 +45,21 @@ pub fn apply_plan(
     config: &StepConfig,
     device: Device,
 ) -> Result<(), String> {
-    let plan = match config.plan {
-        PlanChoice::Fixed(plan) => plan,
-        PlanChoice::Budget(bytes) => {
+    let (levers, budget) = match config.plan {
+        PlanChoice::Fixed(_) => (Vec::new(), None),
+        PlanChoice::Budget(bytes) => (Vec::new(), Some(bytes)),
+        PlanChoice::BudgetWithLevers {
+            bytes,
+            offload,
+            compress,
+        } => (lever_stores(offload, compress)?, Some(bytes)),
+    };
+    if !levers.is_empty() || model.layers().has_levers() {
+        model.layers_mut().set_levers(levers);
+    }
+    let plan = match (config.plan, budget) {
+        (PlanChoice::Fixed(plan), _) => plan,
+        (_, Some(bytes)) => {
             let example = match config.micro_batches {
                 Some(count) => {
                     let first = memsave_accum::f_split(x.len(), memsave_accum::Split::Count(count))
@@ -62,6 +77,56 @@ pub fn apply_plan(
             f_profile(model, &example)?;
             Plan::Budget(bytes)
         }
+        (_, None) => unreachable!("every budget choice has a budget"),
     };
     model.layers_mut().set_plan(plan).map_err(|e| e.to_string())
+}
+
+/// The boundary stores of a `checkpoint: {budget, offload, compress}` strategy: disk
+/// offload in a temporary directory of its own (removed when the store is dropped),
+/// without read-ahead so that the planned peak holds, and the codec.
+fn lever_stores(
+    offload: bool,
+    compress: Option<CompressDtype>,
+) -> Result<Vec<Arc<dyn BoundaryStore>>, String> {
+    let mut stores: Vec<Arc<dyn BoundaryStore>> = Vec::new();
+    if offload {
+        let dir = tempfile::Builder::new()
+            .prefix("memsave-levers-")
+            .tempdir()
+            .map_err(|e| format!("checkpoint offload: no temporary directory: {e}"))?;
+        let store = DiskOffload::new(dir.path()).map_err(|e| e.to_string())?;
+        stores.push(Arc::new(DirStore {
+            store: store.prefetch(0),
+            _dir: dir,
+        }));
+    }
+    if let Some(dtype) = compress {
+        stores.push(Arc::new(Compress::new(crate::saved::codec(dtype))));
+    }
+    Ok(stores)
+}
+
+/// A disk store that owns its temporary directory.
+struct DirStore {
+    store: DiskOffload,
+    _dir: tempfile::TempDir,
+}
+
+impl BoundaryStore for DirStore {
+    fn name(&self) -> String {
+        self.store.name()
+    }
+    fn is_lossless(&self) -> bool {
+        self.store.is_lossless()
+    }
+    fn store(&self, boundary: &tch::Tensor) -> Result<memsave_checkpoint::Stored, String> {
+        BoundaryStore::store(&self.store, boundary)
+    }
+    fn restore(&self, stored: &memsave_checkpoint::Stored) -> Result<tch::Tensor, String> {
+        self.store.restore(stored)
+    }
+    fn resident_bytes(&self, stored: &memsave_checkpoint::Stored) -> Option<u64> {
+        self.store.resident_bytes(stored)
+    }
 }

@@ -22,6 +22,31 @@ pub(crate) struct SavedBytes {
     pub compressed_saved_bytes: Option<u64>,
 }
 
+impl SavedBytes {
+    /// These bytes plus what the checkpoint's boundary stores took between `before` and
+    /// `after` (`CheckpointedSequential::lever_stats`): lossless stores moved bytes out
+    /// (offloaded), lossy ones shrank them (compressed).
+    pub fn with_levers(
+        self,
+        before: &[memsave_checkpoint::LeverStats],
+        after: &[memsave_checkpoint::LeverStats],
+    ) -> Self {
+        let mut out = self;
+        for (b, a) in before.iter().zip(after) {
+            let bytes = a.bytes - b.bytes;
+            let resident = a.resident_bytes.unwrap_or(0) - b.resident_bytes.unwrap_or(0);
+            let moved = bytes.saturating_sub(resident);
+            let slot = if a.lossless {
+                &mut out.offloaded_bytes
+            } else {
+                &mut out.compressed_saved_bytes
+            };
+            *slot = Some(slot.unwrap_or(0) + moved);
+        }
+        out
+    }
+}
+
 /// The codec of a suite's `compress: {dtype}`.
 pub(crate) fn codec(dtype: CompressDtype) -> Codec {
     match dtype {

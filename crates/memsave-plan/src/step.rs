@@ -157,6 +157,7 @@ pub fn f_step_observed(
         }
         None => None,
     };
+    let levers_before = model.layers().lever_stats();
     let mut trace = Vec::new();
     let (result, m) = measure(
         device,
@@ -263,6 +264,7 @@ pub fn f_step_observed(
     );
     release_step_leftovers(&input.input, config);
     let (retained, time_s, peak_phase, saved) = result?;
+    let saved = saved.with_levers(&levers_before, &model.layers().lever_stats());
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,
         peak_bytes: m.peak_bytes,

@@ -222,6 +222,21 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng)
       : closure_(std::move(closure)), preserve_rng_(preserve_rng) {}
 
+  // Hands each defined input to the calling thread's innermost hook frame (pushed by
+  // the caller for this call) instead of keeping it: the recompute unpacks it. Call
+  // before `forward`; the packed inputs live as long as the frame (a second backward
+  // with retain_graph unpacks them again).
+  void pack_inputs_with_current_hooks(const std::vector<at::Tensor>& inputs) {
+    packed_inputs_.resize(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) continue;
+      auto hooks = memsave::hooks::current_hooks();
+      MS_CHECK(hooks != nullptr, "checkpoint: packing inputs needs a hook frame, and none is pushed");
+      hooks->call_pack_hook(inputs[i]);
+      packed_inputs_[i] = std::move(hooks);
+    }
+  }
+
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override;
 
   // Runs the forward under this frame; returns the closure's outputs.
@@ -229,8 +244,11 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     auto rng_lock = lock_rng_region(preserve_rng_);
     state_ = ForwardState::capture(inputs, preserve_rng_);
     std::vector<uint32_t> versions;
-    for (const auto& t : inputs) {
-      inputs_.push_back(t.defined() ? t.detach() : at::Tensor());  // shares storage and version counter
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto& t = inputs[i];
+      const bool packed = i < packed_inputs_.size() && packed_inputs_[i] != nullptr;
+      // A kept input shares storage and version counter with the caller's tensor.
+      inputs_.push_back(t.defined() && !packed ? t.detach() : at::Tensor());
       requires_grad_.push_back(t.defined() && t.requires_grad());
       versions.push_back(t.defined() && !t.is_inference() ? t._version() : 0);
     }
@@ -342,6 +360,8 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   std::unique_ptr<Closure> closure_;
   bool preserve_rng_;
   std::vector<at::Tensor> inputs_;
+  // Inputs packed by a hook frame instead of kept (null: kept in `inputs_`).
+  std::vector<std::unique_ptr<torch::autograd::SavedVariableHooks>> packed_inputs_;
   std::vector<bool> requires_grad_;
   std::vector<uint32_t> versions_;
   ForwardState state_;
@@ -416,6 +436,13 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
   std::vector<at::Tensor> replay_inputs;
   replay_inputs.reserve(inputs_.size());
   for (size_t i = 0; i < inputs_.size(); ++i) {
+    if (i < packed_inputs_.size() && packed_inputs_[i] != nullptr) {
+      // The hooks check the version and the shape and dtype of what they restore.
+      auto x = packed_inputs_[i]->call_unpack_hook().detach();
+      if (requires_grad_[i]) x.requires_grad_(true);
+      replay_inputs.push_back(std::move(x));
+      continue;
+    }
     const auto& saved = inputs_[i];
     if (!saved.defined()) {
       replay_inputs.emplace_back();
@@ -496,8 +523,11 @@ const char* ms_checkpoint_stop_message() noexcept { return kStopMessage; }
 // this returns (error, no graph) or when the autograd graph is freed.
 //
 // The outputs are returned as a vector handle: read it with `ms_tensor_vec_*`.
+//
+// With `pack_inputs`, the inputs are handed to the calling thread's innermost hook
+// frame at the forward instead of being kept, and unpacked for the recompute.
 int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_fn run, ms_drop_fn drop,
-                  bool preserve_rng, void** out_vec) {
+                  bool preserve_rng, bool pack_inputs, void** out_vec) {
   std::unique_ptr<Closure> closure;
   try {
     closure = std::make_unique<Closure>(ctx, run, drop);
@@ -533,6 +563,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
       return 0;
     }
     auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng);
+    if (pack_inputs) frame->pack_inputs_with_current_hooks(in);
     *result = frame->forward(in);
     *out_vec = result.release();
   })

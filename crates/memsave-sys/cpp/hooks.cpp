@@ -145,6 +145,10 @@ bool pop(size_t depth) {
   return true;
 }
 
+std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks() {
+  return memsave_engine().get_default_saved_variable_hooks();
+}
+
 const char* current_op() {
   const auto& state = tls();
   return state.op_recorders > 0 && !state.ops.empty() ? state.ops.back() : nullptr;

@@ -55,6 +55,10 @@ void install_engine();
 // frame is popped, for `current_op()`.
 size_t push(std::shared_ptr<Frame> frame, bool record_ops = false);
 
+// Hooks for one tensor from the calling thread's innermost frame, as the engine asks
+// for them; nullptr when no frame is pushed or hooks are disabled.
+std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks();
+
 // The innermost aten op running on this thread ("aten::addmm"), or nullptr when no
 // frame with `record_ops` is pushed.
 const char* current_op();

@@ -127,6 +127,32 @@ fn quiet_early_stop_panics() {
 /// With `preserve_rng`, checkpointed regions on different threads take turns (a
 /// process-wide lock held while `f` runs), so that each one's random draws are its own.
 pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Result<Vec<Tensor>> {
+    run_checkpoint(inputs, preserve_rng, false, f)
+}
+
+/// [`checkpoint`] that does not keep its inputs either: at the forward, each defined
+/// input is packed by the calling thread's innermost hook frame (push one with
+/// [`hooks::push`](crate::hooks::push) around this call), which keeps it in its stead;
+/// the recompute unpacks it. The packed inputs live as long as the checkpoint (until
+/// the graph is freed), so a second backward with `keep_graph` unpacks them again.
+/// Errors when no hook frame is pushed.
+///
+/// Trap: an input that something else still holds (the caller, a tensor saved by an
+/// earlier op) stays in memory however it is packed.
+pub fn checkpoint_packing_inputs(
+    inputs: &[Tensor],
+    preserve_rng: bool,
+    f: CheckpointFn,
+) -> Result<Vec<Tensor>> {
+    run_checkpoint(inputs, preserve_rng, true, f)
+}
+
+fn run_checkpoint(
+    inputs: &[Tensor],
+    preserve_rng: bool,
+    pack_inputs: bool,
+    f: CheckpointFn,
+) -> Result<Vec<Tensor>> {
     quiet_early_stop_panics();
     let ptrs: Vec<*mut C_tensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let ctx = Box::into_raw(Box::new(Mutex::new(f))) as *mut c_void;
@@ -141,6 +167,7 @@ pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Res
             run,
             drop_closure,
             preserve_rng,
+            pack_inputs,
             &mut vec,
         )
     })?;

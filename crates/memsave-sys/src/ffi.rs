@@ -116,6 +116,7 @@ extern "C" {
         run: RunFn,
         drop: DropFn,
         preserve_rng: bool,
+        pack_inputs: bool,
         out_vec: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_tensor_vec_len(vec: *const c_void) -> usize;

@@ -22,6 +22,17 @@ pub enum CheckpointSpec {
     Nested,
     /// `{budget: SIZE}`: least recomputation under a peak budget.
     Budget(Size),
+    /// `{budget: SIZE, offload: true, compress: DTYPE}`: the budget's solver may also
+    /// keep checkpoint inputs on disk (`offload: true`: a temporary directory of the
+    /// case's own) or compressed with the codec (`compress:`), at least one of them.
+    BudgetWithLevers {
+        /// The budget.
+        budget: Size,
+        /// `offload: true`.
+        offload: bool,
+        /// `compress: DTYPE`.
+        compress: Option<CompressDtype>,
+    },
 }
 
 /// What a `grad_scaler` entry asks for: `memsave_amp::GradScaler`'s knobs, each left
@@ -228,6 +239,20 @@ impl Technique {
             Technique::Checkpoint(CheckpointSpec::Budget(size)) => {
                 format!("checkpoint(budget={})", size.text)
             }
+            Technique::Checkpoint(CheckpointSpec::BudgetWithLevers {
+                budget,
+                offload,
+                compress,
+            }) => {
+                let mut args = vec![format!("budget={}", budget.text)];
+                if *offload {
+                    args.push("offload=true".into());
+                }
+                if let Some(dtype) = compress {
+                    args.push(format!("compress={}", dtype.as_str()));
+                }
+                format!("checkpoint({})", args.join(","))
+            }
             Technique::Autocast(dtype) => format!("autocast(dtype={})", dtype.text),
             Technique::Accumulate { micro_batches } => {
                 format!("accumulate(micro_batches={micro_batches})")
@@ -316,6 +341,8 @@ struct RawCheckpoint {
     every_layer: Option<bool>,
     nested: Option<bool>,
     budget: Option<Size>,
+    offload: Option<bool>,
+    compress: Option<String>,
 }
 
 impl RawCheckpoint {
@@ -338,8 +365,35 @@ impl RawCheckpoint {
                 None => {}
             }
         }
+        let offload = self.offload.unwrap_or(false);
+        let compress = match self.compress {
+            Some(dtype) => Some(
+                compress_args::<de::value::Error>(CompressArgs { dtype })
+                    .map_err(|e| format!("checkpoint {e}"))?,
+            ),
+            None => None,
+        };
+        if self.budget.is_none() && (self.offload.is_some() || compress.is_some()) {
+            return Err(
+                "checkpoint: offload and compress are levers of the budget planner: give a budget too"
+                    .into(),
+            );
+        }
+        if self.offload == Some(false) && compress.is_none() {
+            return Err(
+                "checkpoint: offload must be true (leave it out for recomputation alone)".into(),
+            );
+        }
         if let Some(size) = self.budget {
-            plans.push(CheckpointSpec::Budget(size));
+            plans.push(if offload || compress.is_some() {
+                CheckpointSpec::BudgetWithLevers {
+                    budget: size,
+                    offload,
+                    compress,
+                }
+            } else {
+                CheckpointSpec::Budget(size)
+            });
         }
         match plans.len() {
             1 => Ok(plans.remove(0)),
@@ -355,7 +409,7 @@ impl<'de> Deserialize<'de> for CheckpointSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         validated_map(
             d,
-            "checkpoint arguments: {segments: K} | {every_layer: true} | {nested: true} | {budget: SIZE}",
+            "checkpoint arguments: {segments: K} | {every_layer: true} | {nested: true} | {budget: SIZE[, offload: true][, compress: DTYPE]}",
             RawCheckpoint::check,
         )
     }

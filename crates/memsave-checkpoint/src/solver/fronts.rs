@@ -113,8 +113,7 @@ impl Fronts {
                             break;
                         }
                         merge(
-                            fronts.get(cand.k, t),
-                            cand.rest_bytes,
+                            (fronts.get(cand.k, t), cand.rest_bytes, 0),
                             fronts.get(s, cand.k),
                             cand.inner_bytes,
                             cand.floor,
@@ -122,6 +121,26 @@ impl Fronts {
                             cand.nograd_time_s,
                             &mut scratch,
                         );
+                        // The same checkpoint with its input kept by a store: top level
+                        // only (a checkpoint nested in another is not rerun from a store).
+                        if t != stages {
+                            continue;
+                        }
+                        for store in st.stores[s].iter().flatten() {
+                            let c = cand.stored(store, st.a[s]);
+                            if c.floor > hi {
+                                continue;
+                            }
+                            merge(
+                                (fronts.get(cand.k, t), c.rest_bytes, c.discount),
+                                fronts.get(s, cand.k),
+                                c.inner_bytes,
+                                c.floor,
+                                hi,
+                                c.time_s,
+                                &mut scratch,
+                            );
+                        }
                     }
                     let cap = if t == stages { TOP_FACTOR * cap } else { cap };
                     reduce(&mut scratch, &mut sorted, hi, cap, &mut fronts.points);
@@ -134,13 +153,13 @@ impl Fronts {
     }
 }
 
-/// Appends to `out` the front of "run the part with `first` (needing `shift_first` more),
-/// and the part with `second` (`shift_second` more)", never below `floor`, up to `hi`:
-/// walking both fronts by the next smallest need gives every schedule worth keeping.
+/// Appends to `out` the front of "run the part with `first` (needing `shift_first` more,
+/// less `discount_first`, never below 0), and the part with `second` (`shift_second`
+/// more)", never below `floor`, up to `hi`: walking both fronts by the next smallest need
+/// gives every schedule worth keeping.
 #[allow(clippy::too_many_arguments)] // one tight loop; a struct would only rename them
 fn merge(
-    first: &[Point],
-    shift_first: u64,
+    (first, shift_first, discount_first): (&[Point], u64, u64),
     second: &[Point],
     shift_second: u64,
     floor: u64,
@@ -151,7 +170,7 @@ fn merge(
     let (mut i, mut j) = (0, 0);
     loop {
         let need = floor
-            .max(shift_first + first[i].need)
+            .max((shift_first + first[i].need).saturating_sub(discount_first))
             .max(shift_second + second[j].need);
         if need > hi {
             return;

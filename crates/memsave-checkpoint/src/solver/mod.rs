@@ -39,12 +39,13 @@ mod model;
 mod stages;
 
 use crate::error::{CheckpointError, Result};
+use crate::levers::LeverProfile;
 use crate::profile::ChainProfile;
-use crate::schedule::{Block, Schedule};
+use crate::schedule::{Block, Schedule, StoredBoundary};
 use fronts::{lookup, Fronts, Point, POINT_BYTES, TOP_FACTOR};
 use memsave_meter::Bytes;
 use model::Model;
-pub use model::{predict, Prediction};
+pub use model::{predict, predict_with_levers, Prediction};
 use stages::Stages;
 
 /// Chains of more elements (layers and loss) than this are planned over this many
@@ -125,8 +126,18 @@ impl<'a> Solver<'a> {
 
     /// A solver for the profiled chain; cheap, the table is built by the first solve.
     pub fn new(profile: &'a ChainProfile) -> Self {
+        Self::with_levers(profile, &[])
+    }
+
+    /// A solver that may also keep the input of a top-level checkpoint in a boundary
+    /// store (see [`BoundaryStore`](crate::BoundaryStore)), `levers[i]` being store `i`
+    /// of the schedules it returns. For each top-level checkpoint it weighs keeping the
+    /// input against each store by the store's measured bytes and seconds at that
+    /// boundary, and returns the fastest schedule that fits, as without levers. With no
+    /// levers it is [`Solver::new`], plan for plan.
+    pub fn with_levers(profile: &'a ChainProfile, levers: &'a [LeverProfile]) -> Self {
         Self {
-            model: Model::new(profile),
+            model: Model::with_levers(profile, levers),
             tables: None,
         }
     }
@@ -173,11 +184,14 @@ impl<'a> Solver<'a> {
             });
         }
         let mut blocks = Vec::new();
-        tables.walk(0, last, budget_bytes, &mut blocks);
+        let mut stored = Vec::new();
+        tables.walk(0, last, budget_bytes, &mut blocks, &mut stored);
         // The loss always comes last and runs normally; it is not part of the schedule.
         let head = blocks.pop();
         debug_assert_eq!(head, Some(Block::Layer(layers)));
-        Ok(Schedule::new(blocks, layers).expect("the solver builds covering schedules"))
+        Ok(Schedule::new(blocks, layers)
+            .and_then(|s| s.with_stored(stored))
+            .expect("the solver builds covering schedules"))
     }
 
     /// The schedule with the smallest predicted peak the solver can find, or an error for
@@ -206,6 +220,8 @@ impl<'a> Solver<'a> {
 enum Choice {
     Store,
     Checkpoint(usize),
+    /// Checkpoint to `k`, its input kept by lever `j`.
+    StoredCheckpoint(usize, usize),
 }
 
 impl Tables {
@@ -243,13 +259,42 @@ impl Tables {
                     Choice::Checkpoint(cand.k),
                 );
             }
+            if t != st.len() {
+                continue;
+            }
+            for (j, store) in st.stores[s].iter().enumerate() {
+                let Some(c) = store.map(|store| cand.stored(&store, st.a[s])) else {
+                    continue;
+                };
+                if c.floor > budget {
+                    continue;
+                }
+                let rest = (budget + c.discount)
+                    .checked_sub(c.rest_bytes)
+                    .and_then(|m| lookup(self.fronts.get(cand.k, t), m));
+                if let (Some(rest), Some(inner)) =
+                    (rest, fits(self.fronts.get(s, cand.k), c.inner_bytes))
+                {
+                    consider(
+                        rest.time_s + inner.time_s + c.time_s,
+                        Choice::StoredCheckpoint(cand.k, j),
+                    );
+                }
+            }
         }
         best.map(|(_, choice)| choice)
     }
 
     /// Appends the blocks of the fastest schedule of `s..t` within `budget`; the fronts
     /// guarantee one exists when the caller's lookup found a fitting point.
-    fn walk(&self, mut s: usize, t: usize, mut budget: u64, out: &mut Vec<Block>) {
+    fn walk(
+        &self,
+        mut s: usize,
+        t: usize,
+        mut budget: u64,
+        out: &mut Vec<Block>,
+        stored: &mut Vec<StoredBoundary>,
+    ) {
         let st = &self.stages;
         while s < t {
             let choice = self
@@ -263,13 +308,35 @@ impl Tables {
                 }
                 Choice::Checkpoint(k) => {
                     let mut inner = Vec::new();
-                    self.walk(s, k, budget - st.checkpoint_inner_bytes(), &mut inner);
+                    let inner_budget = budget - st.checkpoint_inner_bytes();
+                    self.walk(s, k, inner_budget, &mut inner, &mut Vec::new());
                     out.push(Block::Checkpoint {
                         start: st.bounds[s],
                         end: st.bounds[k],
                         inner,
                     });
                     budget -= st.checkpoint_rest_bytes(s, k);
+                    s = k;
+                }
+                Choice::StoredCheckpoint(k, j) => {
+                    let cand = st
+                        .checkpoint_candidates(s, t)
+                        .find(|c| c.k == k)
+                        .expect("the chosen checkpoint is a candidate");
+                    let store = st.stores[s][j].expect("the chosen store is measured");
+                    let c = cand.stored(&store, st.a[s]);
+                    let mut inner = Vec::new();
+                    self.walk(s, k, budget - c.inner_bytes, &mut inner, &mut Vec::new());
+                    out.push(Block::Checkpoint {
+                        start: st.bounds[s],
+                        end: st.bounds[k],
+                        inner,
+                    });
+                    stored.push(StoredBoundary {
+                        layer: st.bounds[s],
+                        lever: j,
+                    });
+                    budget = budget + c.discount - c.rest_bytes;
                     s = k;
                 }
             }
@@ -378,7 +445,7 @@ mod tests {
         }
         for budget in (top[0].need..=plain).step_by(997) {
             let mut blocks = Vec::new();
-            tables.walk(0, 6, budget, &mut blocks);
+            tables.walk(0, 6, budget, &mut blocks, &mut Vec::new());
             assert_eq!(blocks.pop(), Some(Block::Layer(20)));
             let s = Schedule::new(blocks, 20).unwrap();
             assert!(predict(&p, &s).peak_bytes <= budget, "{s} at {budget}");

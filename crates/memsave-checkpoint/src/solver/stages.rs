@@ -1,6 +1,6 @@
 //! The chain as the dynamic program sees it: stages of consecutive layers, with the
 //! byte and time figures of the exact model folded per stage.
-use super::model::Model;
+use super::model::{Model, StoreTerms};
 
 /// Stage `i` covers elements `bounds[i]..bounds[i + 1]`; the loss is always a stage of
 /// its own, the last. Storing a stage runs its layers normally one after the other;
@@ -30,6 +30,9 @@ pub(super) struct Stages {
     pub(super) nograd_full: Vec<u64>,
     /// Bytes a checkpoint holds itself.
     pub(super) overhead: u64,
+    /// `stores[s][j]`: storing the input of a top-level checkpoint starting at stage `s`
+    /// with lever `j`, where that is possible.
+    pub(super) stores: Vec<Vec<Option<StoreTerms>>>,
 }
 
 impl Stages {
@@ -57,6 +60,14 @@ impl Stages {
             nograd_rest: Vec::new(),
             nograd_full: Vec::new(),
             overhead: model.profile.checkpoint_overhead_bytes,
+            stores: bounds
+                .iter()
+                .map(|&b| {
+                    (0..model.levers.len())
+                        .map(|j| model.store_terms(b, j))
+                        .collect()
+                })
+                .collect(),
             bounds: Vec::new(),
         };
         for w in bounds.windows(2) {
@@ -130,6 +141,7 @@ impl Stages {
             Candidate {
                 k,
                 floor: self.checkpoint_held(s, k) + nograd_peak + self.grads[t],
+                nograd_peak,
                 rest_bytes: self.checkpoint_rest_bytes(s, k),
                 inner_bytes: self.checkpoint_inner_bytes(),
                 nograd_time_s,
@@ -144,10 +156,40 @@ pub(super) struct Candidate {
     pub(super) k: usize,
     /// Need of the checkpoint's forward: held bytes, its no-grad peak and `G(t)`.
     pub(super) floor: u64,
+    /// The no-grad peak part of `floor`.
+    pub(super) nograd_peak: u64,
     /// Bytes the rest runs beside ([`Stages::checkpoint_rest_bytes`]).
     pub(super) rest_bytes: u64,
     /// Bytes the recompute runs beside ([`Stages::checkpoint_inner_bytes`]).
     pub(super) inner_bytes: u64,
     /// No-grad seconds of the checkpoint's forward.
     pub(super) nograd_time_s: f64,
+}
+
+impl Candidate {
+    /// The candidate with its input stored (`a_s`: the input's bytes): the forward holds
+    /// the stored form too (or the store's own peak, before the segment runs), the rest
+    /// runs with the stored form instead of the input (the parent counts the input, so
+    /// its bytes are discounted there), the recompute beside the stored form and what
+    /// the restore needs beyond the tensor it restores.
+    pub(super) fn stored(&self, st: &StoreTerms, a_s: u64) -> StoredCandidate {
+        let held = self.floor - self.nograd_peak;
+        StoredCandidate {
+            floor: (self.floor + st.resident).max(held + st.store_peak),
+            rest_bytes: self.rest_bytes + st.resident,
+            discount: a_s,
+            inner_bytes: self.inner_bytes + st.resident + st.restore_extra,
+            time_s: self.nograd_time_s + st.time_s,
+        }
+    }
+}
+
+/// A checkpoint candidate whose input a store keeps: the rest's need is
+/// `rest_bytes + need - discount` (never below 0).
+pub(super) struct StoredCandidate {
+    pub(super) floor: u64,
+    pub(super) rest_bytes: u64,
+    pub(super) discount: u64,
+    pub(super) inner_bytes: u64,
+    pub(super) time_s: f64,
 }

@@ -380,6 +380,23 @@ impl Shared {
     }
 }
 
+impl Offloaded {
+    /// Bytes this packed tensor keeps in memory now: all of it when passed through or
+    /// kept after a failed write, what still waits for the writer, else 0.
+    pub(crate) fn resident_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        match &self.0 {
+            Packed::Kept(t) => bytes(t),
+            Packed::Stored(entry) => match &*lock(&entry.slot) {
+                Slot::Queued(t) | Slot::InMemory(t) | Slot::Prefetched { tensor: t, .. } => {
+                    bytes(t)
+                }
+                _ => 0,
+            },
+        }
+    }
+}
+
 impl Drop for Offloaded {
     fn drop(&mut self) {
         if let Packed::Stored(entry) = &self.0 {

@@ -1,0 +1,77 @@
+//! The built-in stores as levers of `memsave-checkpoint`'s budget planner: a
+//! checkpoint's input kept on disk or compressed until its recompute.
+use crate::compress::{Compress, Compressed};
+use crate::offload::{DiskOffload, Offloaded};
+use crate::scope::SavedTensorHooks;
+use memsave_checkpoint::{BoundaryStore, Stored};
+use tch::Tensor;
+
+fn downcast<'a, T: 'static>(stored: &'a Stored, store: &str) -> Result<&'a T, String> {
+    stored
+        .downcast_ref::<T>()
+        .ok_or_else(|| format!("{store}: the stored value was not made by this store"))
+}
+
+/// Disk offload as a lever: the boundary is written before `store` returns (so the
+/// planner's measured cost is what the forward pays), read back for the recompute;
+/// bitwise lossless. Build the `DiskOffload` with `prefetch(0)` for a lever: a
+/// read-ahead brings the next boundary back before its recompute, which the plan does
+/// not count. A write that fails keeps the tensor in memory (nothing is lost; the
+/// store's [`stats`](DiskOffload::stats) count it in `kept_in_memory`).
+impl BoundaryStore for DiskOffload {
+    fn name(&self) -> String {
+        format!("offload to disk ({})", self.dir().display())
+    }
+
+    fn is_lossless(&self) -> bool {
+        true
+    }
+
+    fn store(&self, boundary: &Tensor) -> Result<Stored, String> {
+        let packed = self.pack(boundary).map_err(|e| e.to_string())?;
+        // A failed write keeps the tensor in memory; the stats say so.
+        let _ = self.flush();
+        Ok(Box::new(packed))
+    }
+
+    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+        let packed = downcast::<Offloaded>(stored, "offload to disk")?;
+        self.unpack(packed).map_err(|e| e.to_string())
+    }
+
+    fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
+        stored
+            .downcast_ref::<Offloaded>()
+            .map(Offloaded::resident_bytes)
+    }
+}
+
+/// Compression as a lever: the boundary kept in the codec's form, decoded for the
+/// recompute. Lossy: the recompute runs on the decoded values, so gradients change
+/// within the codec's error.
+impl BoundaryStore for Compress {
+    fn name(&self) -> String {
+        format!("compress to {}", self.codec().name())
+    }
+
+    fn is_lossless(&self) -> bool {
+        false
+    }
+
+    fn store(&self, boundary: &Tensor) -> Result<Stored, String> {
+        let packed = self.pack(boundary).map_err(|e| e.to_string())?;
+        Ok(Box::new(packed))
+    }
+
+    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+        let packed = downcast::<Compressed>(stored, "compress")?;
+        self.unpack(packed).map_err(|e| e.to_string())
+    }
+
+    fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
+        stored.downcast_ref::<Compressed>().map(|c| match c {
+            Compressed::Kept(t) => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+            Compressed::Encoded(e) => e.stored_bytes(),
+        })
+    }
+}
