@@ -26,7 +26,7 @@ impl BundledSuite {
 }
 
 /// Every bundled suite; the first one is the default of `memsave bench`.
-pub const BUNDLED: [BundledSuite; 4] = [
+pub const BUNDLED: [BundledSuite; 5] = [
     BundledSuite {
         name: "seed",
         source: include_str!("../../../suites/seed.yaml"),
@@ -43,9 +43,14 @@ pub const BUNDLED: [BundledSuite; 4] = [
         name: "optimizer",
         source: include_str!("../../../suites/optimizer.yaml"),
     },
+    BundledSuite {
+        name: "distributed",
+        source: include_str!("../../../suites/distributed.yaml"),
+    },
 ];
 
-/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`).
+/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`,
+/// `distributed`).
 pub fn bundled(name: &str) -> Option<BundledSuite> {
     BUNDLED.iter().copied().find(|s| s.name == name)
 }
