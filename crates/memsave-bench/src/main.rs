@@ -519,7 +519,8 @@ impl Observer for Progress {
 }
 
 /// `memsave launch`: exits 0 when every rank succeeded, with the failed rank's own exit
-/// code (128 + signal when killed) when one failed, 1 on a timeout, 2 on bad options.
+/// code (128 + signal when killed) when one failed, 124 when `--timeout` ended the ranks,
+/// 127 when the program cannot be started, 2 on bad options, 1 otherwise.
 fn launch(args: LaunchArgs) -> ExitCode {
     use memsave_dist::DistError;
     let config = memsave_dist::LaunchConfig {
@@ -541,6 +542,10 @@ fn launch(args: LaunchArgs) -> ExitCode {
                     ExitCode::from(u8::try_from(exit_code).unwrap_or(1).max(1))
                 }
                 DistError::Config { .. } => ExitCode::from(2),
+                // As timeout(1) and the shells: 124 for a timeout, 127 for a program
+                // that cannot be started.
+                DistError::LaunchTimeout { .. } => ExitCode::from(124),
+                DistError::Spawn { .. } => ExitCode::from(127),
                 _ => ExitCode::from(1),
             }
         }
