@@ -421,57 +421,6 @@ fn csv_field(text: &str) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn csv_fields_are_quoted_when_needed() {
-        assert_eq!(csv_field("plain"), "plain");
-        assert_eq!(csv_field("a, b"), "\"a, b\"");
-        assert_eq!(csv_field("say \"x\""), "\"say \"\"x\"\"\"");
-    }
-
-    #[test]
-    fn a_nan_difference_is_diverged_not_missing() {
-        let mut case = CaseResult::failed("m", "s", Status::Ok, String::new());
-        assert!(!case.has_baseline && !case.grad_diverged);
-        case.set_grad_diff(f64::NAN);
-        assert!(case.has_baseline && case.grad_diverged);
-        assert_eq!(case.grad_max_abs_diff, None);
-        case.set_grad_diff(f64::INFINITY);
-        assert!(case.grad_diverged);
-        case.set_grad_diff(0.5);
-        assert!(case.has_baseline && !case.grad_diverged);
-        assert_eq!(case.grad_max_abs_diff, Some(0.5));
-    }
-
-    #[test]
-    fn version_1_reports_still_parse() {
-        // The shape `pytorch_suite.py` writes: no schema_version, `libtorch`, no flags.
-        let v1 = r#"{"suite": "seed", "device": "cpu", "libtorch": "2.13.0", "threads": 2,
-            "cases": [{"model": "m", "strategy": "baseline", "status": "ok", "error": null,
-            "start_bytes": 1, "peak_bytes": 2, "retained_after_forward_bytes": 3,
-            "step_time_s": {"min": 1.0, "median": 1.0, "max": 1.0},
-            "grad_max_abs_diff": null, "trace": []}]}"#;
-        let report = Report::from_json(v1).unwrap();
-        assert_eq!(report.schema_version, 1);
-        assert_eq!(report.libtorch_version, "2.13.0");
-        assert!(!report.cases[0].is_baseline && !report.cases[0].grad_diverged);
-        let v2: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
-        assert_eq!(v2["schema_version"], 2);
-        assert!(v2.get("libtorch").is_none());
-        assert_eq!(v2["libtorch_version"], "2.13.0");
-    }
-
-    #[test]
-    fn median_is_the_upper_middle() {
-        let t = StepTime::from_times(vec![3.0, 1.0, 2.0, 4.0]).unwrap();
-        assert_eq!((t.min, t.median, t.max), (1.0, 3.0, 4.0));
-        assert!(StepTime::from_times(Vec::new()).is_none());
-    }
-}
-
 /// The per-rank figures of a distributed run, below the main table.
 fn distributed_table(out: &mut String, cases: &[CaseResult]) {
     let header = [
@@ -525,5 +474,56 @@ fn distributed_table(out: &mut String, cases: &[CaseResult]) {
     line(header.to_vec());
     for row in &rows {
         line(row.iter().map(String::as_str).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_fields_are_quoted_when_needed() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a, b"), "\"a, b\"");
+        assert_eq!(csv_field("say \"x\""), "\"say \"\"x\"\"\"");
+    }
+
+    #[test]
+    fn a_nan_difference_is_diverged_not_missing() {
+        let mut case = CaseResult::failed("m", "s", Status::Ok, String::new());
+        assert!(!case.has_baseline && !case.grad_diverged);
+        case.set_grad_diff(f64::NAN);
+        assert!(case.has_baseline && case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, None);
+        case.set_grad_diff(f64::INFINITY);
+        assert!(case.grad_diverged);
+        case.set_grad_diff(0.5);
+        assert!(case.has_baseline && !case.grad_diverged);
+        assert_eq!(case.grad_max_abs_diff, Some(0.5));
+    }
+
+    #[test]
+    fn version_1_reports_still_parse() {
+        // The shape `pytorch_suite.py` writes: no schema_version, `libtorch`, no flags.
+        let v1 = r#"{"suite": "seed", "device": "cpu", "libtorch": "2.13.0", "threads": 2,
+            "cases": [{"model": "m", "strategy": "baseline", "status": "ok", "error": null,
+            "start_bytes": 1, "peak_bytes": 2, "retained_after_forward_bytes": 3,
+            "step_time_s": {"min": 1.0, "median": 1.0, "max": 1.0},
+            "grad_max_abs_diff": null, "trace": []}]}"#;
+        let report = Report::from_json(v1).unwrap();
+        assert_eq!(report.schema_version, 1);
+        assert_eq!(report.libtorch_version, "2.13.0");
+        assert!(!report.cases[0].is_baseline && !report.cases[0].grad_diverged);
+        let v2: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(v2["schema_version"], 2);
+        assert!(v2.get("libtorch").is_none());
+        assert_eq!(v2["libtorch_version"], "2.13.0");
+    }
+
+    #[test]
+    fn median_is_the_upper_middle() {
+        let t = StepTime::from_times(vec![3.0, 1.0, 2.0, 4.0]).unwrap();
+        assert_eq!((t.min, t.median, t.max), (1.0, 3.0, 4.0));
+        assert!(StepTime::from_times(Vec::new()).is_none());
     }
 }

@@ -74,14 +74,21 @@ fn a_launch_past_its_timeout_exits_124_and_leaves_no_rank() {
     assert!(started.elapsed() < Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(124), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("ranks [0, 1] still running after 2s"), "{stderr}");
+    assert!(
+        stderr.contains("ranks [0, 1] still running after 2s"),
+        "{stderr}"
+    );
     for rank in 0..2 {
         let pid = std::fs::read_to_string(dir.path().join(format!("rank{rank}.pid")))
             .expect("the rank wrote its pid");
         let alive = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
             .map(|s| !s.contains(") Z "))
             .unwrap_or(false);
-        assert!(!alive, "rank {rank} (pid {}) outlived the launch", pid.trim());
+        assert!(
+            !alive,
+            "rank {rank} (pid {}) outlived the launch",
+            pid.trim()
+        );
     }
 }
 
