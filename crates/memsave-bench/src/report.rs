@@ -21,6 +21,10 @@
 //!   allocation peaked) and `optimizer_state_bytes` (for a strategy with
 //!   `optimizer:`, as `pytorch_suite.py` reports it), `null` when not measured.
 //!
+//! - per case `world_size`, `gradient_bytes` and `bytes_sent_per_step`, for a suite
+//!   with `world_size` (see [`crate::distributed`]); `null` otherwise. The CSV does not
+//!   carry them.
+//!
 //! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new
 //! fields then take their defaults (`schema_version` 1, the flags false).
 //!
