@@ -16,6 +16,9 @@
 //!   `SaveOnCpu` and `Accounting`.
 //! - [`dist`]: distributed training on libtorch's c10d: process groups, the launcher,
 //!   data parallel with bucketed all-reduce and `no_sync`, ZeRO-1/2 sharded state.
+//! - [`plan`]: your own model as a `Workload`, one measured training step under any
+//!   combination of the levers above, and `fit`: the fastest configuration whose peak
+//!   fits a byte budget with the global batch kept.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
 //!   the autograd engine with saved-tensor hooks behind checkpointing).
 //!
@@ -42,5 +45,6 @@ pub use memsave_hooks as hooks;
 pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
 pub use memsave_optim as optim;
+pub use memsave_plan as plan;
 pub use memsave_sys as sys;
 pub use memsave_trace as trace;

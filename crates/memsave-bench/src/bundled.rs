@@ -26,7 +26,7 @@ impl BundledSuite {
 }
 
 /// Every bundled suite; the first one is the default of `memsave bench`.
-pub const BUNDLED: [BundledSuite; 5] = [
+pub const BUNDLED: [BundledSuite; 6] = [
     BundledSuite {
         name: "seed",
         source: include_str!("../../../suites/seed.yaml"),
@@ -44,12 +44,16 @@ pub const BUNDLED: [BundledSuite; 5] = [
         source: include_str!("../../../suites/optimizer.yaml"),
     },
     BundledSuite {
+        name: "fit",
+        source: include_str!("../../../suites/fit.yaml"),
+    },
+    BundledSuite {
         name: "distributed",
         source: include_str!("../../../suites/distributed.yaml"),
     },
 ];
 
-/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`,
+/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`, `fit`,
 /// `distributed`).
 pub fn bundled(name: &str) -> Option<BundledSuite> {
     BUNDLED.iter().copied().find(|s| s.name == name)

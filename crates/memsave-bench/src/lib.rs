@@ -57,6 +57,7 @@
 pub mod atomic;
 pub mod bundled;
 pub mod distributed;
+pub mod fit;
 pub mod message;
 pub mod models;
 pub mod plot;
@@ -68,9 +69,10 @@ pub mod trace;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
+pub use fit::{fit_model, FitCaseError};
 pub use memsave_plan::{optimizer, step};
 pub use message::one_line;
-pub use plot::{write_plots, PlotError};
+pub use plot::{fit_svg, write_plots, PlotError};
 pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
     run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError, RunOptions, Silent,

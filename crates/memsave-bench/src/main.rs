@@ -47,6 +47,10 @@ enum Command {
     /// Record one case allocation by allocation: bytes by category (parameter,
     /// gradient, saved_activation, ...), op and layer; HTML timeline, PyTorch snapshot.
     Trace(TraceArgs),
+    /// The fastest configuration of a suite's model whose peak fits a byte budget,
+    /// with the global batch kept: micro-batches, recompute, offload, optimizer step
+    /// in backward (and, with --allow, bf16, compression, 8-bit optimizer state).
+    Fit(FitArgs),
     /// Validate a suite without running it.
     Check {
         /// The suite file (or the name of a bundled suite).
@@ -164,6 +168,69 @@ struct TraceArgs {
     top: usize,
 }
 
+#[derive(clap::Args)]
+struct FitArgs {
+    /// The suite file, or the name of a bundled suite.
+    suite: String,
+    /// The model to fit (a name from the suite).
+    #[arg(long)]
+    model: String,
+    /// The most bytes a step may allocate above parameters and input, e.g. 24MiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
+    budget: Bytes,
+    /// Examples per optimizer step (default: the model's batch in the suite).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
+    global_batch: Option<i64>,
+    /// Lossy levers you accept, comma-separated: bf16, compress, int8-state.
+    #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
+    allow: Vec<FitLever>,
+    /// The optimizer stepped in every step (its state counts in the peak; it allows
+    /// the step in backward). Default: the suite's first `optimizer:` technique, if
+    /// any, else none.
+    #[arg(long, value_name = "KIND")]
+    optimizer: Option<FitOptimizer>,
+    /// Fraction of the budget kept free for prediction errors.
+    #[arg(long, default_value_t = 0.05, value_parser = parse_margin)]
+    margin: f64,
+    /// Also run every candidate at its real size to check the choice (slow).
+    #[arg(long)]
+    exhaustive: bool,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Write the candidates, the front and the budget as an SVG picture.
+    #[arg(long, value_name = "PATH")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum FitLever {
+    Bf16,
+    Compress,
+    #[value(name = "int8-state")]
+    Int8State,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum FitOptimizer {
+    Adamw,
+    Sgd,
+    None,
+}
+
+fn parse_margin(text: &str) -> Result<f64, String> {
+    let m: f64 = text
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number"))?;
+    if (0.0..1.0).contains(&m) {
+        Ok(m)
+    } else {
+        Err(format!(
+            "the margin must be at least 0 and below 1, got {text}"
+        ))
+    }
+}
+
 /// `--memory-limit`: a size, positive as in a suite's `memory_limit`.
 fn parse_memory_limit(text: &str) -> Result<Bytes, String> {
     let bytes: Bytes = text.parse().map_err(|e| format!("{e}"))?;
@@ -185,6 +252,7 @@ fn main() -> ExitCode {
         Command::Launch(args) => return launch(args),
         Command::Rank(args) => rank(args),
         Command::Trace(args) => trace(args),
+        Command::Fit(args) => fit(args),
         Command::Check { suite } => load(&suite).map(|s| {
             println!(
                 "{suite}: ok (suite {}, {} models, {} strategies)",
@@ -326,6 +394,78 @@ fn rank(args: RankCli) -> Result<()> {
         threads: args.threads,
     };
     memsave_bench::distributed::run_rank(&suite, &rank_args).map_err(anyhow::Error::msg)
+}
+
+fn fit(args: FitArgs) -> Result<()> {
+    let suite = load(&args.suite)?;
+    for (flag, path) in [("--json", &args.json), ("--plot", &args.plot)] {
+        if let Some(path) = path {
+            check_writable_file(flag, path).map_err(invalid)?;
+        }
+    }
+    let mut request = memsave_plan::FitRequest::new(args.budget.0);
+    request.global_batch = args.global_batch;
+    request.margin = args.margin;
+    request.exhaustive = args.exhaustive;
+    for lever in &args.allow {
+        match lever {
+            FitLever::Bf16 => request.allow.bf16 = true,
+            FitLever::Compress => request.allow.compress = true,
+            FitLever::Int8State => request.allow.int8_state = true,
+        }
+    }
+    let of = |kind| memsave_bench::OptimizerSpec {
+        kind,
+        ..Default::default()
+    };
+    let optimizer = match args.optimizer {
+        Some(FitOptimizer::Adamw) => Some(of(memsave_bench::OptimizerKind::Adamw)),
+        Some(FitOptimizer::Sgd) => Some(of(memsave_bench::OptimizerKind::Sgd)),
+        Some(FitOptimizer::None) => None,
+        // The suite's own optimizer, stepped after backward at f32 (fit decides the rest).
+        None => suite.strategies.iter().find_map(|s| {
+            s.techniques.iter().find_map(|t| match t {
+                memsave_bench::Technique::Optimizer(spec) => Some(of(spec.kind)),
+                _ => None,
+            })
+        }),
+    };
+    let outcome = quietly(|| {
+        Ok::<_, memsave_bench::RunError>(memsave_bench::fit_model(
+            &suite,
+            &args.model,
+            &request,
+            optimizer,
+        ))
+    })?;
+    let report = match outcome {
+        Ok(report) => report,
+        Err(e @ memsave_bench::FitCaseError::UnknownModel { .. }) => {
+            return Err(invalid(format!("{}: {e}", args.suite)))
+        }
+        Err(e @ memsave_bench::FitCaseError::Fit(memsave_plan::FitError::Infeasible { .. })) => {
+            return Err(anyhow::anyhow!("{e}"))
+        }
+        Err(
+            e @ memsave_bench::FitCaseError::Fit(
+                memsave_plan::FitError::ZeroBudget
+                | memsave_plan::FitError::BadGlobalBatch(_)
+                | memsave_plan::FitError::BadMargin(_),
+            ),
+        ) => return Err(invalid(e)),
+        Err(e) => return Err(e.into()),
+    };
+    print!("{}", report.to_text());
+    println!("fit took {:.2} s", report.fit_time_s);
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("serializing the report")?;
+        write_atomic(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let svg = memsave_bench::fit_svg(&report).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        write_atomic(path, svg).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn trace(args: TraceArgs) -> Result<()> {

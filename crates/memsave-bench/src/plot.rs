@@ -272,6 +272,93 @@ fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
     Ok(svg)
 }
 
+/// `memsave fit --plot`: every candidate's predicted step time and peak, the Pareto
+/// front, the budget, and the choice.
+pub fn fit_svg(report: &memsave_plan::FitReport) -> Result<String, String> {
+    let points: Vec<(&str, f64, f64, bool)> = report
+        .candidates
+        .iter()
+        .filter_map(|c| {
+            Some((
+                c.choice.strategy.as_str(),
+                c.predicted_step_time_s?,
+                c.predicted_peak_bytes? as f64 / MIB,
+                c.choice == report.choice,
+            ))
+        })
+        .collect();
+    let front: Vec<(f64, f64)> = report
+        .front
+        .iter()
+        .filter_map(|c| {
+            Some((
+                c.predicted_step_time_s?,
+                c.predicted_peak_bytes? as f64 / MIB,
+            ))
+        })
+        .collect();
+    let budget = report.budget_bytes as f64 / MIB;
+    let max_t = points.iter().map(|p| p.1).fold(1e-6, f64::max);
+    let max_m = points.iter().map(|p| p.2).fold(budget, f64::max);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!(
+                    "{}: fit at {:.1} MiB, global batch {}",
+                    report.model, budget, report.global_batch
+                ),
+                ("sans-serif", 22),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..max_t * 1.25, 0.0..max_m * 1.1)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("predicted step time (s)")
+            .y_desc("predicted peak MiB above parameters and input")
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(LineSeries::new(
+                vec![(0.0, budget), (max_t * 1.25, budget)],
+                BLACK.stroke_width(1),
+            ))
+            .map_err(err)?
+            .label("budget")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
+        chart
+            .draw_series(LineSeries::new(front, RED.stroke_width(1)))
+            .map_err(err)?
+            .label("Pareto front")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
+        chart
+            .draw_series(points.iter().map(|&(name, t, m, chosen)| {
+                let color = if chosen {
+                    GREEN.filled()
+                } else {
+                    BLUE.filled()
+                };
+                EmptyElement::at((t, m))
+                    + Circle::new((0, 0), if chosen { 6 } else { 4 }, color)
+                    + Text::new(name.to_owned(), (6, -6), ("sans-serif", 11))
+            }))
+            .map_err(err)?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

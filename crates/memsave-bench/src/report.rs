@@ -176,6 +176,18 @@ pub struct CaseResult {
     /// counted its collectives, for a suite with `world_size`.
     #[serde(default)]
     pub bytes_sent_per_step: Option<u64>,
+    /// Examples per optimizer step the case trained on: the model's batch, except
+    /// under `auto_batch`, which halves it until the step fits.
+    #[serde(default)]
+    pub global_batch: Option<i64>,
+    /// Real steps run to find a configuration that fits (`auto_batch`: the batch sizes
+    /// tried, every one but the last out of memory; `fit`: its confirming steps).
+    #[serde(default)]
+    pub tries: Option<usize>,
+    /// The configuration a `fit` strategy chose (`memsave_plan::Choice::strategy`),
+    /// listed below the table.
+    #[serde(default)]
+    pub choice: Option<String>,
 }
 
 impl CaseResult {
@@ -203,6 +215,9 @@ impl CaseResult {
             world_size: None,
             gradient_bytes: None,
             bytes_sent_per_step: None,
+            global_batch: None,
+            tries: None,
+            choice: None,
         }
     }
 
@@ -313,9 +328,10 @@ impl Report {
             "grad diff",
             "peak at",
             "opt state",
+            "batch",
         ];
         let dash = || "-".to_owned();
-        let mut rows: Vec<[String; 14]> = Vec::new();
+        let mut rows: Vec<[String; 15]> = Vec::new();
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
             rows.push([
@@ -342,6 +358,12 @@ impl Report {
                 case.peak_phase.map_or_else(dash, |p| p.as_str().to_owned()),
                 case.optimizer_state_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),
+                match (case.global_batch, case.tries) {
+                    (Some(b), Some(1)) => format!("{b} (1 try)"),
+                    (Some(b), Some(t)) => format!("{b} ({t} tries)"),
+                    (Some(b), None) => b.to_string(),
+                    (None, _) => dash(),
+                },
             ]);
         }
         let mut widths = header.map(|h| h.chars().count());
@@ -377,6 +399,11 @@ impl Report {
         }
         if self.cases.iter().any(|c| c.world_size.is_some()) {
             distributed_table(&mut out, &self.cases);
+        }
+        for case in &self.cases {
+            if let Some(choice) = &case.choice {
+                let _ = writeln!(out, "{} / {}: chose {choice}", case.model, case.strategy);
+            }
         }
         for case in self.cases.iter().filter(|c| c.error.is_some()) {
             let _ = writeln!(

@@ -12,7 +12,9 @@ use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
 use crate::strategies::{resolve, ResidualUpdate, StepConfig};
-use crate::suite::{DeviceChoice, ModelSpec, StrategySpec, Suite};
+use crate::suite::{
+    AutoBatchSpec, DeviceChoice, FitSpec, ModelSpec, StrategySpec, Suite, Technique,
+};
 use memsave_amp::GradScaler;
 use memsave_checkpoint::Plan;
 pub use memsave_plan::plan::apply_plan;
@@ -133,6 +135,7 @@ pub fn run_suite_with(
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        memory_limit: limit,
     };
     let selected = selected_cases(suite, options);
     let jobs = schedule(&selected);
@@ -289,6 +292,7 @@ pub fn run_workload(
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        memory_limit: limit,
     };
     let name = workload.name().to_owned();
     let strategies: Vec<&StrategySpec> = suite
@@ -343,6 +347,8 @@ pub(crate) struct Settings {
     seed: u64,
     warmup: usize,
     repeats: usize,
+    /// The suite's simulated capacity, if any (`auto_batch`'s default budget).
+    memory_limit: Option<u64>,
 }
 
 /// The device a suite's `device` setting names on this machine.
@@ -374,6 +380,7 @@ impl LimitGuard {
             return Ok(None);
         };
         let previous = memsave_meter::memory_limit(device);
+        let limit = previous.map_or(limit, |p| p.min(limit));
         memsave_meter::set_memory_limit(device, Some(limit))
             .map_err(|e| RunError::MemoryLimit(e.to_string()))?;
         Ok(Some(LimitGuard { device, previous }))
@@ -485,7 +492,48 @@ fn measure_case(
     reference: &mut Option<Vec<Vec<f32>>>,
 ) -> Result<CaseResult, String> {
     let device = settings.device;
-    apply_plan(model, x, config, device)?;
+    let mut config = config.clone();
+    let config = &mut config;
+    let mut tries = None;
+    let mut choice = None;
+    let mut x = x.shallow_clone();
+    let search = strategy.techniques.iter().find_map(|t| match t {
+        Technique::AutoBatch(spec) => Some(Search::Halving(spec.clone())),
+        Technique::Fit(spec) => Some(Search::Fit(spec.clone())),
+        _ => None,
+    });
+    match &search {
+        Some(Search::Fit(spec)) => {
+            let mut request = memsave_plan::FitRequest::new(spec.budget.bytes);
+            request.allow.bf16 = spec.allow.iter().any(|l| l == "bf16");
+            request.allow.compress = spec.allow.iter().any(|l| l == "compress");
+            request.allow.int8_state = spec.allow.iter().any(|l| l == "int8_state");
+            let report = memsave_plan::fit(model, &request).map_err(|e| e.to_string())?;
+            // fit left the chosen schedule on the layers.
+            *config = report.choice.step_config(None);
+            tries = Some(report.tries);
+            choice = Some(report.choice.strategy.clone());
+        }
+        Some(Search::Halving(spec)) => {
+            apply_plan(model, &x, config, device)?;
+            let budget = spec.budget.as_ref().map(|b| b.bytes).or(settings.memory_limit).ok_or(
+                "auto_batch needs a budget: give one ({policy: halving, budget: 40MiB}) or set the suite's memory_limit",
+            )?;
+            let (size, count) = halve_until_fits(model, &x, config, device, budget)?;
+            x = x.f_narrow(0, size).map_err(|e| e.to_string())?;
+            tries = Some(count);
+        }
+        None => apply_plan(model, &x, config, device)?,
+    }
+    let x = &x;
+    let config: &StepConfig = config;
+    let _limit = match (&search, settings.memory_limit) {
+        (Some(Search::Halving(AutoBatchSpec { budget: Some(b) })), _) => {
+            let start = memsave_meter::f_memory_allocated(device).map_err(|e| e.to_string())?;
+            LimitGuard::set(device, Some(start + b.bytes)).map_err(|e| e.to_string())?
+        }
+        _ => None,
+    };
     // One scaler and one optimizer for the whole case, as in a training loop; the
     // weights the optimizer changes are put back when the case ends, however it ends.
     let mut scaler = config
@@ -552,9 +600,14 @@ fn measure_case(
         world_size: None,
         gradient_bytes: None,
         bytes_sent_per_step: None,
+        global_batch: Some(x.len()),
+        tries,
+        choice,
     };
     if optimizer.is_some() {
         // The step freed the gradients: nothing to compare.
+    } else if matches!(search, Some(Search::Halving(_))) {
+        // Another batch: the gradients are not comparable with the baseline's.
     } else if strategy.is_baseline() {
         *reference = Some(grads);
     } else {
@@ -567,6 +620,66 @@ fn measure_case(
         }
     }
     Ok(case)
+}
+
+/// How a strategy searches for a configuration that fits.
+enum Search {
+    /// `auto_batch: {policy: halving}`.
+    Halving(AutoBatchSpec),
+    /// `fit: {budget}`.
+    Fit(FitSpec),
+}
+
+/// HF accelerate's `find_executable_batch_size`: runs a step of the first `size`
+/// examples under the capacity `budget` above the current allocation, halving `size`
+/// on each out-of-memory error. Returns the size that fitted and the steps tried.
+fn halve_until_fits(
+    model: &mut dyn Workload,
+    x: &Batch,
+    config: &StepConfig,
+    device: Device,
+    budget: u64,
+) -> Result<(i64, usize), String> {
+    let mut size = x.len();
+    let mut tries = 0;
+    let params = model.parameters();
+    loop {
+        tries += 1;
+        let xs = x.f_narrow(0, size).map_err(|e| e.to_string())?;
+        let weights = match config.optimizer {
+            Some(_) => Some(RestoreOnDrop(SavedWeights::save(&params)?)),
+            None => None,
+        };
+        let outcome = {
+            let start = memsave_meter::f_memory_allocated(device).map_err(|e| e.to_string())?;
+            let _limit =
+                LimitGuard::set(device, Some(start + budget)).map_err(|e| e.to_string())?;
+            let mut optimizer = config
+                .optimizer
+                .map(|spec| CaseOptimizer::build(&spec, &params))
+                .transpose()?;
+            // A failed scalar operation in tch panics instead of returning the error.
+            panic::catch_unwind(AssertUnwindSafe(|| {
+                f_step_with(model, &xs, config, device, false, None, optimizer.as_mut())
+            }))
+            .unwrap_or_else(|payload| {
+                Err(memsave_sys::checkpoint::panic_message(&*payload).to_string())
+            })
+        };
+        drop(weights);
+        let _ = memsave_accum::free_grads(&params);
+        match outcome {
+            Ok(_) => return Ok((size, tries)),
+            Err(e) if e.contains("out of memory") && size > 1 => size /= 2,
+            Err(e) if e.contains("out of memory") => {
+                return Err(format!(
+                "auto_batch: even a batch of 1 does not fit the budget of {} after {tries} tries",
+                memsave_meter::Bytes(budget)
+            ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Puts a case's starting weights back when the case ends (also on an error or a

@@ -30,6 +30,8 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::Zero(_) => {
                 return Err("zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)".into())
             }
+            // The runner searches for these (runner.rs); the step itself is plain.
+            Technique::AutoBatch(_) | Technique::Fit(_) => {}
         }
     }
     if config.optimizer.is_some_and(|o| o.in_backward) {

@@ -45,6 +45,14 @@ pub enum SavedTensors {
     Compress(CompressDtype),
     /// Offloaded by `memsave_hooks::DiskOffload` or `memsave_hooks::SaveOnCpu`.
     Offload(OffloadSpec),
+    /// Offloaded by `memsave_hooks::DiskOffload` in the default directory, with at
+    /// most this many bytes waiting for its writer (0: one tensor at a time). `fit`
+    /// uses it so that what waits in memory, which depends on the writer's pace, stays
+    /// small against the budget.
+    OffloadBounded {
+        /// `DiskOffload::max_in_flight_bytes`.
+        max_in_flight_bytes: u64,
+    },
 }
 
 /// Everything a measured step needs to know about a strategy.

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod fit;
 pub mod levers;
 pub mod measure;
 pub mod optimizer;
@@ -22,6 +23,7 @@ pub mod step;
 pub mod workload;
 
 pub use config::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use fit::{fit, Allow, Candidate, Choice, FitError, FitReport, FitRequest};
 
 pub use levers::{
     CompressDtype, OffloadSpec, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision,

@@ -22,7 +22,7 @@ pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfi
                 .profile(&example.input, &params, |y| {
                     model.loss(y, target).unwrap_or_else(|e| panic!("{e}"))
                 })
-                .map(ChainProfile::clone)
+                .cloned()
                 .map_err(|e| e.to_string())
         }))
     };

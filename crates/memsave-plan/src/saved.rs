@@ -58,6 +58,16 @@ impl StepHooks {
             SavedTensors::Offload(OffloadSpec::Cpu) => {
                 StepHooks::Cpu(SaveOnCpu::new().excluding(held))
             }
+            SavedTensors::OffloadBounded {
+                max_in_flight_bytes,
+            } => {
+                let store = DiskOffload::new(default_dir()?).map_err(|e| e.to_string())?;
+                StepHooks::Disk(
+                    store
+                        .excluding(held)
+                        .max_in_flight_bytes(*max_in_flight_bytes),
+                )
+            }
         })
     }
 

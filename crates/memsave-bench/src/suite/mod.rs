@@ -94,7 +94,8 @@ pub use model::{
 };
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 pub use strategy::{
-    CheckpointSpec, CompressDtype, OffloadSpec, ScalerSpec, StrategySpec, Technique,
+    AutoBatchSpec, CheckpointSpec, CompressDtype, FitSpec, OffloadSpec, ScalerSpec, StrategySpec,
+    Technique,
 };
 
 use std::path::Path;

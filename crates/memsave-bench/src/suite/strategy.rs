@@ -142,6 +142,76 @@ pub enum Technique {
     /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`).
     /// Needs `world_size` and an `optimizer`.
     Zero(u8),
+    /// HF accelerate's `find_executable_batch_size`: halve the batch on each
+    /// out-of-memory error under the simulated capacity (`budget`, else the suite's
+    /// `memory_limit`), without raising accumulation, so the global batch shrinks.
+    AutoBatch(AutoBatchSpec),
+    /// `memsave_plan::fit` chooses the configuration (micro-batches, recompute,
+    /// offload, and the allowed lossy levers) for the budget, keeping the global batch.
+    Fit(FitSpec),
+}
+
+/// What an `auto_batch:` entry asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoBatchSpec {
+    /// The capacity; `None`: the suite's `memory_limit`.
+    pub budget: Option<Size>,
+}
+
+/// What a `fit:` entry asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FitSpec {
+    /// The byte budget.
+    pub budget: Size,
+    /// Lossy levers allowed: any of `bf16`, `compress`, `int8_state`.
+    pub allow: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AutoBatchArgs {
+    policy: String,
+    budget: Option<Size>,
+}
+
+fn auto_batch_args<E: de::Error>(args: AutoBatchArgs) -> Result<AutoBatchSpec, E> {
+    if args.policy != "halving" {
+        return Err(E::custom(format!(
+            "auto_batch: unknown policy '{}', expected halving",
+            args.policy
+        )));
+    }
+    if args.budget.as_ref().is_some_and(|b| b.bytes == 0) {
+        return Err(E::custom("auto_batch: the budget must be positive"));
+    }
+    Ok(AutoBatchSpec {
+        budget: args.budget,
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FitArgs {
+    budget: Size,
+    #[serde(default)]
+    allow: Vec<String>,
+}
+
+fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
+    if args.budget.bytes == 0 {
+        return Err(E::custom("fit: the budget must be positive"));
+    }
+    for lever in &args.allow {
+        if !["bf16", "compress", "int8_state"].contains(&lever.as_str()) {
+            return Err(E::custom(format!(
+                "fit: unknown lever '{lever}' in allow, expected bf16, compress or int8_state"
+            )));
+        }
+    }
+    Ok(FitSpec {
+        budget: args.budget,
+        allow: args.allow,
+    })
 }
 
 impl Technique {
@@ -178,6 +248,20 @@ impl Technique {
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
             Technique::Zero(stage) => format!("zero(stage={stage})"),
+            Technique::AutoBatch(AutoBatchSpec { budget: None }) => {
+                "auto_batch(policy=halving)".into()
+            }
+            Technique::AutoBatch(AutoBatchSpec { budget: Some(b) }) => {
+                format!("auto_batch(policy=halving, budget={})", b.text)
+            }
+            Technique::Fit(spec) if spec.allow.is_empty() => {
+                format!("fit(budget={})", spec.budget.text)
+            }
+            Technique::Fit(spec) => format!(
+                "fit(budget={}, allow={})",
+                spec.budget.text,
+                spec.allow.join("+")
+            ),
         }
     }
 
@@ -197,6 +281,8 @@ impl Technique {
                 "saved-tensor hook (compress, offload)"
             }
             Technique::Zero(_) => "zero",
+            Technique::AutoBatch(_) => "auto_batch",
+            Technique::Fit(_) => "fit",
         }
     }
 }
@@ -322,7 +408,7 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 8] = [
+const WITH_ARGS: [&str; 10] = [
     "checkpoint",
     "autocast",
     "accumulate",
@@ -331,6 +417,8 @@ const WITH_ARGS: [&str; 8] = [
     "compress",
     "offload",
     "zero",
+    "auto_batch",
+    "fit",
 ];
 
 fn plain_technique<E: de::Error>(name: &str) -> Result<Technique, E> {
@@ -356,6 +444,8 @@ fn example_args(name: &str) -> &'static str {
         "compress" => "{dtype: int8}",
         "offload" => "{to: disk}",
         "zero" => "2",
+        "auto_batch" => "{policy: halving, budget: 40MiB}",
+        "fit" => "{budget: 40MiB}",
         _ => "{micro_batches: 4}",
     }
 }
@@ -384,6 +474,8 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
         "zero" => Technique::Zero(map.next_value::<ZeroStageArg>()?.0),
+        "auto_batch" => Technique::AutoBatch(auto_batch_args(map.next_value::<AutoBatchArgs>()?)?),
+        "fit" => Technique::Fit(fit_args(map.next_value::<FitArgs>()?)?),
         _ if PLAIN.contains(&key) => {
             return Err(de::Error::custom(format!(
                 "'{key}' takes no arguments: write it as a plain list item"
@@ -468,6 +560,12 @@ fn combine(name: Option<String>, techniques: Vec<Technique>) -> Result<StrategyS
     for (i, t) in techniques.iter().enumerate() {
         if t.group() == "baseline" && techniques.len() > 1 {
             return Err("baseline cannot be combined with other techniques".into());
+        }
+        if t.group() == "fit" && techniques.len() > 1 {
+            return Err(
+                "fit chooses every lever itself, so it cannot be combined with other techniques"
+                    .into(),
+            );
         }
         if techniques[..i].iter().any(|u| u.group() == t.group()) {
             return Err(format!(

@@ -1,0 +1,226 @@
+//! `fit` and `auto_batch` in the harness and the CLI: what each keeps of the batch,
+//! budgets met to the byte, the JSON of `memsave fit`, and bad input.
+use memsave_bench::{run_suite, RunOptions, Status, Suite};
+use serial_test::serial;
+use std::path::Path;
+use std::process::{Command, Output};
+
+const MODEL: &str =
+    "  - {name: mlp, kind: residual_mlp, layers: 4, hidden: 32, expansion: 2, batch: [16, 16]}\n";
+
+fn suite(strategies: &str) -> Suite {
+    let yaml = format!(
+        "suite: fit-test\nwarmup: 0\nrepeats: 1\nmodels:\n{MODEL}strategies:\n{strategies}"
+    );
+    Suite::from_yaml(&yaml, "fit-test.yaml").unwrap()
+}
+
+#[test]
+#[serial]
+fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
+    let base = run_suite(&suite("  - baseline\n"), &RunOptions::default()).unwrap();
+    let peak = base.cases[0].peak_bytes.unwrap();
+    let budget = peak * 45 / 100;
+    let strategies = format!(
+        "  - baseline\n  - auto_batch: {{policy: halving, budget: {budget}B}}\n  - fit: {{budget: {budget}B}}\n"
+    );
+    let report = run_suite(&suite(&strategies), &RunOptions::default()).unwrap();
+    let [plain, halving, fit] = &report.cases[..] else {
+        panic!("three cases expected");
+    };
+    assert_eq!(plain.global_batch, Some(16));
+    assert_eq!(plain.tries, None);
+
+    assert_eq!(halving.status, Status::Ok, "{:?}", halving.error);
+    let batch = halving.global_batch.unwrap();
+    assert!(
+        batch < 16,
+        "halving kept the batch of 16 at 45% of its peak"
+    );
+    assert_eq!(16 % batch, 0, "halved from 16: {batch}");
+    assert_eq!(
+        halving.tries,
+        Some((16 / batch).trailing_zeros() as usize + 1)
+    );
+    assert!(halving.peak_bytes.unwrap() <= budget);
+    assert!(
+        !halving.has_baseline,
+        "another batch: no gradient comparison"
+    );
+
+    assert_eq!(fit.status, Status::Ok, "{:?}", fit.error);
+    assert_eq!(fit.global_batch, Some(16), "fit keeps the global batch");
+    assert_eq!(fit.tries, Some(1));
+    assert!(
+        fit.peak_bytes.unwrap() <= budget,
+        "{} > {budget}",
+        fit.peak_bytes.unwrap()
+    );
+    // Lossless levers only: the gradients of the whole batch, up to the order of the
+    // micro-batches' sums.
+    assert!(fit.grad_rel_l2.unwrap() < 1e-5, "{:?}", fit.grad_rel_l2);
+    let table = report.to_table();
+    assert!(table.contains("16 (1 try)"), "{table}");
+    let chosen = fit.choice.as_deref().unwrap();
+    assert!(
+        table.contains(&format!("mlp / fit(budget={budget}B): chose {chosen}")),
+        "{table}"
+    );
+}
+
+#[test]
+#[serial]
+fn halving_without_a_budget_says_what_it_needs() {
+    let report = run_suite(
+        &suite("  - auto_batch: {policy: halving}\n"),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    let case = &report.cases[0];
+    assert_eq!(case.status, Status::Error);
+    assert!(
+        case.error
+            .as_deref()
+            .unwrap()
+            .contains("auto_batch needs a budget"),
+        "{:?}",
+        case.error
+    );
+}
+
+fn error_of(strategies: &str) -> String {
+    let yaml = format!("suite: bad\nmodels:\n{MODEL}strategies:\n{strategies}");
+    match Suite::from_yaml(&yaml, "bad.yaml") {
+        Ok(s) => panic!("accepted {s:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+#[serial]
+fn bad_entries_are_errors_at_their_place() {
+    let e = error_of("  - auto_batch: {policy: doubling}\n");
+    assert!(e.starts_with("bad.yaml:5:"), "{e}");
+    assert!(
+        e.contains("unknown policy 'doubling', expected halving"),
+        "{e}"
+    );
+    let e = error_of("  - fit: {budget: 0}\n");
+    assert!(e.starts_with("bad.yaml:5:"), "{e}");
+    assert!(e.contains("positive") || e.contains("zero"), "{e}");
+    let e = error_of("  - fit: {budget: 1MiB, allow: [fp4]}\n");
+    assert!(e.contains("unknown lever 'fp4'"), "{e}");
+    let e = error_of("  - {with: [{fit: {budget: 1MiB}}, {checkpoint: {segments: 2}}]}\n");
+    assert!(e.contains("fit chooses every lever itself"), "{e}");
+    let e = error_of("  - fit\n");
+    assert!(e.contains("needs arguments"), "{e}");
+}
+
+fn memsave(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("the memsave binary runs")
+}
+
+#[test]
+#[serial]
+fn the_cli_writes_the_choice_and_its_measurement() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = memsave(
+        &[
+            "fit", "quick", "--model", "mlp", "--budget", "64KiB", "--json", "fit.json", "--plot",
+            "fit.svg",
+        ],
+        dir.path(),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("choice: "), "{stdout}");
+    assert!(stdout.contains("Pareto front"), "{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["model"], "mlp");
+    assert_eq!(json["budget_bytes"], 64 * 1024);
+    assert_eq!(json["global_batch"], 4);
+    for key in [
+        "predicted_peak_bytes",
+        "measured_peak_bytes",
+        "predicted_step_time_s",
+        "measured_step_time_s",
+        "tries",
+    ] {
+        assert!(json[key].is_number(), "{key}: {}", json[key]);
+    }
+    assert!(json["choice"]["strategy"].is_string());
+    assert!(json["choice"]["micro_batches"].as_u64().unwrap() >= 1);
+    assert!(json["front"].as_array().is_some_and(|f| !f.is_empty()));
+    assert!(json["measured_peak_bytes"].as_u64().unwrap() <= 64 * 1024);
+    let svg = std::fs::read_to_string(dir.path().join("fit.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("budget"));
+}
+
+#[test]
+#[serial]
+fn the_cli_rejects_bad_input_with_exit_code_2() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, needle) in [
+        (
+            &["fit", "quick", "--model", "mlp", "--budget", "0"][..],
+            "positive",
+        ),
+        (
+            &["fit", "quick", "--model", "mlp", "--budget", "lots"][..],
+            "lots",
+        ),
+        (
+            &[
+                "fit",
+                "quick",
+                "--model",
+                "mlp",
+                "--budget",
+                "1MiB",
+                "--global-batch",
+                "0",
+            ][..],
+            "global-batch",
+        ),
+        (
+            &["fit", "quick", "--model", "nope", "--budget", "1MiB"][..],
+            "no model 'nope'",
+        ),
+        (
+            &[
+                "fit", "quick", "--model", "mlp", "--budget", "1MiB", "--allow", "fp4",
+            ][..],
+            "fp4",
+        ),
+    ] {
+        let out = memsave(args, dir.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+#[serial]
+fn the_cli_names_the_smallest_budget_when_nothing_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = memsave(
+        &["fit", "quick", "--model", "mlp", "--budget", "64B"],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no configuration fits 64 B"), "{err}");
+    assert!(err.contains("give a budget of at least"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

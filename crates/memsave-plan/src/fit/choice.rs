@@ -1,0 +1,159 @@
+//! A candidate configuration of `fit`: how the global batch is split and which levers
+//! are pulled, and the step configuration it runs as.
+use crate::config::{PlanChoice, SavedTensors, StepConfig};
+use crate::levers::{CompressDtype, OptimizerSpec, StatePrecision};
+use memsave_checkpoint::{Block, Plan, Schedule};
+use serde::Serialize;
+use tch::Kind;
+
+/// One configuration `fit` considers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Choice {
+    /// A short name of the configuration, as the harness would name a strategy.
+    pub strategy: String,
+    /// How many micro-batches the global batch is split into (1: no accumulation).
+    pub micro_batches: usize,
+    /// The largest micro-batch (the split is as even as possible: sizes differ by at
+    /// most one).
+    pub micro_batch: i64,
+    /// The checkpoint schedule (as `CheckpointedSequential`'s `explain` prints it), if
+    /// any layer is recomputed.
+    pub checkpoint: Option<String>,
+    /// Saved activations offloaded to a file-backed store (lossless).
+    pub offload: bool,
+    /// The optimizer steps each parameter from inside backward and frees its gradient.
+    pub in_backward: bool,
+    /// Forward under bf16 autocast (lossy; only when allowed).
+    pub autocast_bf16: bool,
+    /// Saved activations compressed to int8 (lossy; only when allowed).
+    pub compress_int8: bool,
+    /// Optimizer state in 8 bits (lossy; only when allowed).
+    pub int8_state: bool,
+    #[serde(skip)]
+    pub(crate) schedule: Option<Schedule>,
+}
+
+impl Choice {
+    pub(crate) fn new(global_batch: i64, micro_batches: usize) -> Choice {
+        let k = micro_batches.max(1) as i64;
+        let mut c = Choice {
+            strategy: String::new(),
+            micro_batches: micro_batches.max(1),
+            micro_batch: (global_batch + k - 1) / k,
+            checkpoint: None,
+            offload: false,
+            in_backward: false,
+            autocast_bf16: false,
+            compress_int8: false,
+            int8_state: false,
+            schedule: None,
+        };
+        c.rename();
+        c
+    }
+
+    /// The checkpoint schedule the configuration follows, if any.
+    pub fn schedule(&self) -> Option<&Schedule> {
+        self.schedule.as_ref()
+    }
+
+    pub(crate) fn with_schedule(mut self, schedule: Option<Schedule>) -> Choice {
+        self.checkpoint = schedule.as_ref().map(|s| s.to_string());
+        self.schedule = schedule;
+        self.rename();
+        self
+    }
+
+    pub(crate) fn with(mut self, f: impl FnOnce(&mut Choice)) -> Choice {
+        f(&mut self);
+        self.rename();
+        self
+    }
+
+    /// True when every lever is lossless (gradients bitwise equal to plain training
+    /// on the same micro-batches).
+    pub fn is_lossless(&self) -> bool {
+        !(self.autocast_bf16 || self.compress_int8 || self.int8_state)
+    }
+
+    fn rename(&mut self) {
+        let mut parts = Vec::new();
+        if let Some(s) = &self.schedule {
+            parts.push(format!("checkpoint({} recomputed)", recomputed(s)));
+        }
+        if self.micro_batches > 1 {
+            parts.push(format!("accumulate(micro_batches={})", self.micro_batches));
+        }
+        if self.offload {
+            parts.push("offload(to=disk)".to_owned());
+        }
+        if self.compress_int8 {
+            parts.push("compress(dtype=int8)".to_owned());
+        }
+        if self.autocast_bf16 {
+            parts.push("autocast(dtype=bf16)".to_owned());
+        }
+        if self.in_backward {
+            parts.push("optimizer(in_backward=true)".to_owned());
+        }
+        if self.int8_state {
+            parts.push("optimizer(state=int8)".to_owned());
+        }
+        self.strategy = if parts.is_empty() {
+            "baseline".to_owned()
+        } else {
+            parts.join("+")
+        };
+    }
+
+    /// The step configuration of this choice, with `optimizer` (the workload's)
+    /// changed by the choice's optimizer levers. The checkpoint schedule is not in it:
+    /// set [`schedule`](Self::schedule) on the layers (`fit` leaves it set).
+    pub fn step_config(&self, optimizer: Option<OptimizerSpec>) -> StepConfig {
+        self.probe_config(optimizer, self.micro_batches)
+    }
+
+    /// [`step_config`](Self::step_config) for a batch split into `micro_batches` (2
+    /// when probing an accumulating choice on a small batch).
+    pub(crate) fn probe_config(
+        &self,
+        optimizer: Option<OptimizerSpec>,
+        micro_batches: usize,
+    ) -> StepConfig {
+        let mut config = StepConfig::baseline();
+        // The schedule is set on the layers directly; the plan stays "none" here.
+        config.plan = PlanChoice::Fixed(Plan::None);
+        config.micro_batches = (micro_batches > 1).then_some(micro_batches);
+        if self.autocast_bf16 {
+            config.autocast = Some(Kind::BFloat16);
+        }
+        if self.offload {
+            config.saved = Some(SavedTensors::OffloadBounded {
+                max_in_flight_bytes: 0,
+            });
+        } else if self.compress_int8 {
+            config.saved = Some(SavedTensors::Compress(CompressDtype::Int8));
+        }
+        config.optimizer = optimizer.map(|mut o| {
+            o.in_backward = self.in_backward;
+            if self.int8_state {
+                o.state = StatePrecision::Int8;
+            }
+            o
+        });
+        config
+    }
+}
+
+/// Layer forwards recomputed per step by `s`.
+pub(crate) fn recomputed(s: &Schedule) -> usize {
+    let layers: usize = s
+        .blocks()
+        .iter()
+        .map(|b| match b {
+            Block::Layer(_) => 1,
+            Block::Checkpoint { start, end, .. } => end - start,
+        })
+        .sum();
+    s.forward_count().saturating_sub(layers)
+}

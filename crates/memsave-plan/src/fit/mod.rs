@@ -1,0 +1,297 @@
+//! `fit`: the fastest training configuration whose peak fits a byte budget, with the
+//! global batch kept.
+//!
+//! The answer to "my step needs 30 GiB and I have 24": instead of halving the batch
+//! on each out-of-memory error (which changes the global batch, and costs a crash per
+//! try), `fit` predicts the peak and the time of every configuration it considers and
+//! runs only the one it chooses, once, under the meter's simulated capacity.
+//!
+//! # What it considers
+//! - **micro-batches**: the global batch split into `k` micro-batches as evenly as
+//!   possible (sizes differ by at most one), gradients accumulated; the global batch,
+//!   and so the training, is unchanged;
+//! - **recompute**: the checkpoint schedule of `memsave-checkpoint`'s budget solver
+//!   for that micro-batch size, with the least recomputation that fits;
+//! - **offload**: saved activations in a file-backed store (`memsave-hooks`);
+//! - **optimizer step in backward** (for a workload with an optimizer, without
+//!   accumulation): each parameter is updated and its gradient freed as soon as it is
+//!   complete;
+//! - only when allowed ([`Allow`]), the lossy ones: bf16 autocast, int8 compression of
+//!   saved activations, 8-bit optimizer state.
+//!
+//! # How it predicts
+//! It runs each lever set on two small micro-batches (for accumulation, a step of two
+//! micro-batches of that size, so that the gradients already accumulated are
+//! counted), and fits the peak and the per-micro-batch time as affine functions of the
+//! micro-batch size (activations grow with the batch; gradients, optimizer state and
+//! the rest do not). Recompute schedules come from the solver over a layer profile
+//! interpolated from profiles at two small sizes; each schedule is then itself run on
+//! two small micro-batches. The small runs happen under the budget as the simulated
+//! capacity: a lever set whose small run does not fit is retried at half the size.
+//!
+//! What an offload store keeps in memory depends on the pace of its writer thread, so
+//! the peak of an offloading configuration varies from run to run by up to a saved
+//! tensor or two; `fit` runs the store with one tensor at a time waiting for the
+//! writer, takes the highest of its probes, and its prediction for offload is an upper
+//! bound rather than an estimate.
+//!
+//! It chooses the fastest predicted configuration whose predicted peak is within the
+//! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real
+//! step of it under the budget (on the CPU, the meter's `set_memory_limit`: an
+//! allocation past the budget fails at once) and reports the prediction, the
+//! measurement, and the Pareto front of peak against time.
+//!
+//! The budget is the peak above the parameters and the input batch, the optimizer's
+//! state counted (the first step of a fresh optimizer allocates it), the same
+//! definition as `memsave bench`'s `peak_bytes`.
+//!
+//! Traps: the workload's weights are put back after every run, but its checkpoint
+//! schedule is left as the choice's (that is the point) and its gradients are freed.
+mod choice;
+mod predict;
+mod probe;
+mod search;
+
+pub use choice::Choice;
+pub use search::fit;
+
+use memsave_meter::Bytes;
+use serde::Serialize;
+
+/// What to fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitRequest {
+    /// The most bytes the step may allocate above the parameters and the input.
+    pub budget_bytes: u64,
+    /// Examples per optimizer step; `None`: the workload's
+    /// [`global_batch`](crate::Workload::global_batch).
+    pub global_batch: Option<i64>,
+    /// The lossy levers the caller accepts.
+    pub allow: Allow,
+    /// Fraction of the budget kept free for prediction errors: a configuration is
+    /// chosen only if its predicted peak is within `budget · (1 − margin)`.
+    pub margin: f64,
+    /// Also run every candidate at its real size (under the budget) and report the
+    /// fastest that really fits, to check the choice. Slow: one real step per
+    /// candidate.
+    pub exhaustive: bool,
+}
+
+impl FitRequest {
+    /// A request for `budget_bytes` with the defaults: the workload's global batch,
+    /// lossless levers only, a 5% margin, no exhaustive check.
+    pub fn new(budget_bytes: u64) -> Self {
+        Self {
+            budget_bytes,
+            global_batch: None,
+            allow: Allow::default(),
+            margin: 0.05,
+            exhaustive: false,
+        }
+    }
+}
+
+/// The lossy levers `fit` may use besides the lossless ones (recompute, offload,
+/// micro-batches, optimizer step in backward). All off by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Allow {
+    /// Forward under bf16 autocast.
+    pub bf16: bool,
+    /// Saved activations compressed to int8 (blockwise absmax).
+    pub compress: bool,
+    /// 8-bit blockwise optimizer state.
+    pub int8_state: bool,
+}
+
+impl Allow {
+    /// Every lossy lever.
+    pub fn all() -> Allow {
+        Allow {
+            bf16: true,
+            compress: true,
+            int8_state: true,
+        }
+    }
+}
+
+/// A configuration as `fit` saw it: predicted, and measured when it was run at its
+/// real size (the choice, or every candidate with `exhaustive`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// The configuration.
+    pub choice: Choice,
+    /// Predicted peak above parameters and input, if it could be predicted.
+    pub predicted_peak_bytes: Option<u64>,
+    /// Predicted step time, seconds.
+    pub predicted_step_time_s: Option<f64>,
+    /// The predicted peak is within the budget less the margin.
+    pub predicted_fits: bool,
+    /// Measured peak at the real size, if run.
+    pub measured_peak_bytes: Option<u64>,
+    /// Measured step time at the real size, if run (the faster of two steps).
+    pub measured_step_time_s: Option<f64>,
+    /// Why it has no prediction or measurement, if so.
+    pub note: Option<String>,
+}
+
+/// The answer of [`fit`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FitReport {
+    /// The workload's name.
+    pub model: String,
+    /// The budget asked for.
+    pub budget_bytes: u64,
+    /// Examples per optimizer step, kept by every candidate.
+    pub global_batch: i64,
+    /// The margin applied to predictions.
+    pub margin: f64,
+    /// The lossy levers allowed.
+    pub allow: Allow,
+    /// The chosen configuration.
+    pub choice: Choice,
+    /// Its predicted peak.
+    pub predicted_peak_bytes: u64,
+    /// Its peak measured by the confirming step under the budget.
+    pub measured_peak_bytes: u64,
+    /// Its predicted step time, seconds.
+    pub predicted_step_time_s: f64,
+    /// Its measured step time, seconds.
+    pub measured_step_time_s: f64,
+    /// Real steps of chosen configurations run to confirm one (1 when the first choice
+    /// fit; each extra one is a choice that did not).
+    pub tries: usize,
+    /// Small runs (while predicting) that did not fit the budget and were retried at
+    /// half the micro-batch.
+    pub small_runs_over_budget: usize,
+    /// Why this configuration, in a sentence or two.
+    pub why: String,
+    /// Configurations no other beats in both predicted peak and time, by peak.
+    pub front: Vec<Candidate>,
+    /// Every configuration considered, in the order considered.
+    pub candidates: Vec<Candidate>,
+    /// With `exhaustive`: the fastest configuration measured within the budget.
+    pub fastest_measured: Option<Candidate>,
+    /// Seconds `fit` took (the exhaustive runs included).
+    pub fit_time_s: f64,
+}
+
+impl FitReport {
+    /// The choice, why, and the front, for a person to read.
+    pub fn to_text(&self) -> String {
+        let mut out = format!(
+            "{}: budget {}, global batch {}\nchoice: {}\n  predicted peak {}, measured {} ({:+.1}%)\n  predicted step {:.3} s, measured {:.3} s\n  tries {}\nwhy: {}\n",
+            self.model,
+            Bytes(self.budget_bytes),
+            self.global_batch,
+            self.choice.strategy,
+            Bytes(self.predicted_peak_bytes),
+            Bytes(self.measured_peak_bytes),
+            percent(self.predicted_peak_bytes, self.measured_peak_bytes),
+            self.predicted_step_time_s,
+            self.measured_step_time_s,
+            self.tries,
+            self.why,
+        );
+        out.push_str("\nPareto front (predicted):\n");
+        out.push_str(&table(&self.front));
+        out.push_str("\nEvery configuration considered:\n");
+        out.push_str(&table(&self.candidates));
+        if let Some(f) = &self.fastest_measured {
+            out.push_str(&format!(
+                "\nexhaustive: fastest measured within the budget: {} ({:.3} s); the choice measured {:.3} s ({:.2}x)\n",
+                f.choice.strategy,
+                f.measured_step_time_s.unwrap_or(f64::NAN),
+                self.measured_step_time_s,
+                self.measured_step_time_s / f.measured_step_time_s.unwrap_or(f64::NAN)
+            ));
+        }
+        out
+    }
+}
+
+fn percent(predicted: u64, measured: u64) -> f64 {
+    if measured == 0 {
+        0.0
+    } else {
+        (predicted as f64 / measured as f64 - 1.0) * 100.0
+    }
+}
+
+/// Candidates as a table.
+pub fn table(candidates: &[Candidate]) -> String {
+    let mut rows = vec![[
+        "strategy".to_owned(),
+        "micro".to_owned(),
+        "pred peak".to_owned(),
+        "pred time".to_owned(),
+        "fits".to_owned(),
+        "meas peak".to_owned(),
+        "meas time".to_owned(),
+    ]];
+    for c in candidates {
+        rows.push([
+            c.choice.strategy.clone(),
+            format!("{}x{}", c.choice.micro_batches, c.choice.micro_batch),
+            c.predicted_peak_bytes
+                .map_or("-".into(), |b| Bytes(b).to_string()),
+            c.predicted_step_time_s
+                .map_or("-".into(), |t| format!("{t:.3} s")),
+            if c.predicted_fits { "yes" } else { "no" }.to_owned(),
+            c.measured_peak_bytes
+                .map_or("-".into(), |b| Bytes(b).to_string()),
+            c.measured_step_time_s
+                .map_or("-".into(), |t| format!("{t:.3} s")),
+        ]);
+    }
+    let widths: Vec<usize> = (0..7)
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (cell, w))| {
+                if i == 0 {
+                    format!("{cell:<w$}")
+                } else {
+                    format!("{cell:>w$}")
+                }
+            })
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Why `fit` gave no configuration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FitError {
+    /// A budget of 0 bytes.
+    #[error("the budget must be more than 0 bytes")]
+    ZeroBudget,
+    /// A global batch of 0 or less.
+    #[error("the global batch must be at least 1 (got {0})")]
+    BadGlobalBatch(i64),
+    /// A margin outside `0..1`.
+    #[error("the margin must be at least 0 and below 1 (got {0})")]
+    BadMargin(f64),
+    /// Nothing fits.
+    #[error("no configuration fits {budget}: the smallest peak found is {smallest} ({how}); {hint}", budget = Bytes(*budget_bytes), smallest = Bytes(*smallest_bytes))]
+    Infeasible {
+        /// The budget asked for.
+        budget_bytes: u64,
+        /// The smallest predicted peak (less the margin: the smallest budget `fit`
+        /// would accept) among the allowed levers.
+        smallest_bytes: u64,
+        /// The configuration that reaches it.
+        how: String,
+        /// What it would take: a larger budget, or lossy levers if not allowed.
+        hint: String,
+    },
+    /// The workload's step failed (not for lack of memory).
+    #[error("the workload's step failed: {0}")]
+    Step(String),
+}

@@ -1,0 +1,209 @@
+//! Running one configuration for real on a batch of a given size: the peak above the
+//! parameters and input (the optimizer's state counted), and the step time.
+use super::choice::Choice;
+use crate::optimizer::{CaseOptimizer, SavedWeights};
+use crate::step::{f_step_observed, StepEvent, StepObserver};
+use crate::workload::Workload;
+use memsave_checkpoint::Schedule;
+use std::cell::Cell;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What running a configuration measured.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Probe {
+    /// Highest allocation over the runs minus the allocation before the first one
+    /// (parameters and input; a fresh optimizer's state is counted).
+    pub peak_bytes: u64,
+    /// The fastest run's step time, seconds.
+    pub time_s: f64,
+    /// The fastest run's optimizer time after backward, seconds.
+    pub optimizer_time_s: f64,
+    /// On the CPU, the allocation above the start after every allocation and free of
+    /// the first run (the meter's event recorder), when no other recording was on.
+    pub series: Option<Arc<Vec<i64>>>,
+    /// Where in `series` the second micro-batch's forward begins, if there is one.
+    pub second_micro_batch: Option<usize>,
+}
+
+/// Why a probe did not measure.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ProbeError {
+    /// An allocation failed: the configuration does not fit the limit in force.
+    OutOfMemory(String),
+    /// Anything else: the workload's step failed.
+    Failed(String),
+}
+
+fn is_oom(text: &str) -> bool {
+    text.contains("out of memory")
+}
+
+/// Times the optimizer's part of a step, and notes where in the allocation recording
+/// the second micro-batch begins.
+struct Clock {
+    optimizer_start: Cell<Option<Instant>>,
+    forwards: Cell<usize>,
+    second_forward_at: Cell<Option<usize>>,
+}
+
+impl StepObserver for Clock {
+    fn step_event(&self, event: StepEvent) {
+        match event {
+            StepEvent::Optimizer => self.optimizer_start.set(Some(Instant::now())),
+            StepEvent::Forward => {
+                self.forwards.set(self.forwards.get() + 1);
+                if self.forwards.get() == 2 {
+                    self.second_forward_at
+                        .set(Some(memsave_sys::alloc::recording_position()));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Runs `choice` `runs` times on `batch` examples split into `micro_batches`, with the
+/// choice's schedule on the layers and a fresh optimizer (the workload's, changed by
+/// the choice's levers); the weights are put back afterwards. With `budget`, the
+/// meter's simulated capacity is the allocation before the first run plus `budget`
+/// during the runs (on the CPU; on CUDA the measured peak is compared instead).
+pub(crate) fn probe(
+    workload: &mut dyn Workload,
+    choice: &Choice,
+    batch: i64,
+    micro_batches: usize,
+    runs: usize,
+    budget: Option<u64>,
+) -> Result<Probe, ProbeError> {
+    let device = workload.device();
+    let layers = workload.layers().len();
+    let schedule = choice
+        .schedule()
+        .cloned()
+        .unwrap_or_else(|| Schedule::plain(layers));
+    workload
+        .layers_mut()
+        .set_schedule(schedule)
+        .map_err(|e| ProbeError::Failed(e.to_string()))?;
+    let config = choice.probe_config(workload.optimizer(), micro_batches);
+    let x = workload
+        .batch(batch)
+        .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
+    let params = workload.parameters();
+    memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))?;
+    let weights = match config.optimizer {
+        Some(_) => Some(SavedWeights::save(&params).map_err(ProbeError::Failed)?),
+        None => None,
+    };
+    let base =
+        memsave_meter::f_memory_allocated(device).map_err(|e| ProbeError::Failed(e.to_string()))?;
+    let previous_limit = memsave_meter::memory_limit(device);
+    let limited = budget.is_some() && device == tch::Device::Cpu;
+    if let (true, Some(budget)) = (limited, budget) {
+        let limit = base.saturating_add(budget);
+        let limit = previous_limit.map_or(limit, |p| p.min(limit));
+        memsave_meter::f_set_memory_limit(device, Some(limit))
+            .map_err(|e| ProbeError::Failed(e.to_string()))?;
+    }
+    let outcome = (|| {
+        let mut optimizer = config
+            .optimizer
+            .map(|spec| CaseOptimizer::build(&spec, &params))
+            .transpose()
+            .map_err(ProbeError::Failed)?;
+        let mut best: Option<Probe> = None;
+        let mut peak = 0;
+        let mut series = None;
+        let mut second = None;
+        for run in 0..runs.max(1) {
+            let recording = run == 0
+                && device == tch::Device::Cpu
+                && memsave_sys::alloc::start_recording().unwrap_or(false);
+            let clock = Clock {
+                optimizer_start: Cell::new(None),
+                forwards: Cell::new(0),
+                second_forward_at: Cell::new(None),
+            };
+            // Some of tch's operations panic instead of returning an out-of-memory
+            // error (a failed operation on a scalar): catch it as the error it is.
+            let m = panic::catch_unwind(AssertUnwindSafe(|| {
+                f_step_observed(
+                    &*workload,
+                    &x,
+                    &config,
+                    device,
+                    false,
+                    None,
+                    optimizer.as_mut(),
+                    &clock,
+                )
+            }))
+            .unwrap_or_else(|payload| {
+                Err(format!(
+                    "panicked: {}",
+                    memsave_sys::checkpoint::panic_message(&*payload)
+                ))
+            });
+            if recording {
+                let events = memsave_sys::alloc::stop_recording();
+                let initial = events.iter().take_while(|e| e.time_ns == 0).count();
+                second = clock
+                    .second_forward_at
+                    .get()
+                    .map(|at| at.saturating_sub(initial));
+                series = Some(Arc::new(
+                    events
+                        .iter()
+                        .filter(|e| e.time_ns != 0)
+                        .map(|e| e.allocated_after as i64 - base as i64)
+                        .collect::<Vec<i64>>(),
+                ));
+            }
+            let m = m.map_err(|e| {
+                if is_oom(&e) {
+                    ProbeError::OutOfMemory(e)
+                } else {
+                    ProbeError::Failed(e)
+                }
+            })?;
+            let end = Instant::now();
+            let optimizer_time_s = clock
+                .optimizer_start
+                .get()
+                .map(|t| end.duration_since(t).as_secs_f64().min(m.time_s))
+                .unwrap_or(0.0);
+            peak = peak.max((m.start_bytes + m.peak_bytes).saturating_sub(base));
+            if best.as_ref().is_none_or(|b| m.time_s < b.time_s) {
+                best = Some(Probe {
+                    peak_bytes: 0,
+                    time_s: m.time_s,
+                    optimizer_time_s,
+                    series: None,
+                    second_micro_batch: None,
+                });
+            }
+        }
+        let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
+        if let Some(budget) = budget.filter(|b| peak > *b) {
+            return Err(ProbeError::OutOfMemory(format!(
+                "the peak {peak} bytes is above the budget {budget} bytes"
+            )));
+        }
+        Ok(Probe {
+            peak_bytes: peak,
+            series,
+            second_micro_batch: second,
+            ..best
+        })
+    })();
+    if limited {
+        let _ = memsave_meter::f_set_memory_limit(device, previous_limit);
+    }
+    let _ = memsave_accum::free_grads(&params);
+    if let Some(weights) = weights {
+        weights.restore().map_err(ProbeError::Failed)?;
+    }
+    outcome
+}

@@ -1,0 +1,734 @@
+//! The search of `fit`: candidates by micro-batch count, lever set and recompute
+//! schedule, predicted from small runs, the fastest that fits confirmed by one real
+//! step.
+use super::choice::Choice;
+use super::predict::{profile_at, Affine};
+use super::probe::{probe, ProbeError};
+use super::{Candidate, FitError, FitReport, FitRequest};
+use crate::plan::f_profile;
+use crate::workload::Workload;
+use memsave_checkpoint::{predict, ChainProfile, Schedule, Solver};
+use memsave_meter::Bytes;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Runs per small probe; the fastest gives the time, the highest the peak.
+const PROBE_RUNS: usize = 2;
+
+/// Finds the fastest configuration of `workload` whose peak fits
+/// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
+///
+/// ```no_run
+/// # fn run(model: &mut dyn memsave_plan::Workload) -> Result<(), memsave_plan::FitError> {
+/// use memsave_plan::{fit, FitRequest};
+///
+/// let report = fit(model, &FitRequest::new(24 << 20))?;
+/// println!("{}", report.to_text());
+/// assert!(report.measured_peak_bytes <= 24 << 20);
+/// # Ok(()) }
+/// ```
+pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitReport, FitError> {
+    let started = Instant::now();
+    if request.budget_bytes == 0 {
+        return Err(FitError::ZeroBudget);
+    }
+    if !(0.0..1.0).contains(&request.margin) {
+        return Err(FitError::BadMargin(request.margin));
+    }
+    let global = request
+        .global_batch
+        .unwrap_or_else(|| workload.global_batch());
+    if global < 1 {
+        return Err(FitError::BadGlobalBatch(global));
+    }
+    memsave_meter::install();
+    let target = (request.budget_bytes as f64 * (1.0 - request.margin)).floor() as u64;
+    let mut search = Search {
+        workload,
+        budget: request.budget_bytes,
+        target,
+        global,
+        affines: HashMap::new(),
+        profiles: None,
+        small_over: 0,
+    };
+    let has_optimizer = search.workload.optimizer().is_some();
+    let lever_sets = lever_sets(request, has_optimizer);
+    let mut candidates: Vec<Candidate> = Vec::new();
+    // The fastest predicted time of a configuration that fits, so far.
+    let best = |cs: &[Candidate]| {
+        cs.iter()
+            .filter(|c| c.predicted_fits)
+            .filter_map(|c| c.predicted_step_time_s)
+            .fold(f64::INFINITY, f64::min)
+    };
+    for k in splits(global) {
+        let m = div_ceil(global, k as i64);
+        let mut plain_fits = false;
+        let mut plain_time = None;
+        for levers in lever_sets.iter().filter(|l| k == 1 || !l.in_backward) {
+            let choice = levers.apply(Choice::new(global, k));
+            let candidate = search.evaluate(&choice, m, k, None)?;
+            if levers.is_plain() {
+                plain_fits = candidate.predicted_fits;
+                plain_time = candidate.predicted_step_time_s;
+            }
+            candidates.push(candidate);
+        }
+        // Every lever costs time on top of the plain step: once the plain step with
+        // this many micro-batches is predicted slower than something that fits, more
+        // recompute (or more micro-batches) cannot win.
+        let hopeless = plain_time.is_some_and(|t| t > best(&candidates)) && !request.exhaustive;
+        if hopeless {
+            break;
+        }
+        if !plain_fits {
+            for levers in lever_sets
+                .iter()
+                .filter(|l| (k == 1 || !l.in_backward) && !l.offload && !l.compress)
+            {
+                let base = levers.apply(Choice::new(global, k));
+                if let Some(candidate) = search.recompute(&base, m, k)? {
+                    candidates.push(candidate);
+                }
+            }
+        }
+        if plain_fits && !request.exhaustive {
+            break; // more micro-batches only add per-micro-batch overhead
+        }
+    }
+
+    let mut order: Vec<usize> = (0..candidates.len())
+        .filter(|&i| candidates[i].predicted_fits)
+        .collect();
+    order.sort_by(|&a, &b| {
+        let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
+        t(a).total_cmp(&t(b))
+    });
+    if order.is_empty() {
+        return Err(search.infeasible(&candidates, request)?);
+    }
+    let mut tries = 0;
+    let mut chosen = None;
+    for &i in &order {
+        tries += 1;
+        let c = &candidates[i].choice;
+        match probe(
+            search.workload,
+            c,
+            global,
+            c.micro_batches,
+            PROBE_RUNS,
+            Some(request.budget_bytes),
+        ) {
+            Ok(p) => {
+                candidates[i].measured_peak_bytes = Some(p.peak_bytes);
+                candidates[i].measured_step_time_s = Some(p.time_s);
+                chosen = Some(i);
+                break;
+            }
+            Err(ProbeError::OutOfMemory(e)) => {
+                candidates[i].note = Some(format!("did not fit when run: {e}"));
+            }
+            Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+        }
+    }
+    let Some(chosen) = chosen else {
+        return Err(search.infeasible(&candidates, request)?);
+    };
+
+    let mut fastest_measured = None;
+    if request.exhaustive {
+        for (i, c) in candidates.iter_mut().enumerate() {
+            if i == chosen {
+                continue;
+            }
+            let choice = c.choice.clone();
+            match probe(
+                search.workload,
+                &choice,
+                global,
+                choice.micro_batches,
+                PROBE_RUNS,
+                Some(request.budget_bytes),
+            ) {
+                Ok(p) => {
+                    c.measured_peak_bytes = Some(p.peak_bytes);
+                    c.measured_step_time_s = Some(p.time_s);
+                }
+                Err(ProbeError::OutOfMemory(_)) => {
+                    c.note = Some("over the budget when run at its real size".into())
+                }
+                Err(ProbeError::Failed(e)) => c.note = Some(e),
+            }
+        }
+        fastest_measured = candidates
+            .iter()
+            .filter(|c| c.measured_step_time_s.is_some())
+            .min_by(|a, b| {
+                a.measured_step_time_s
+                    .unwrap_or(f64::INFINITY)
+                    .total_cmp(&b.measured_step_time_s.unwrap_or(f64::INFINITY))
+            })
+            .cloned();
+    }
+
+    // Leave the workload on the chosen schedule.
+    let schedule = candidates[chosen]
+        .choice
+        .schedule()
+        .cloned()
+        .unwrap_or_else(|| Schedule::plain(search.workload.layers().len()));
+    let _ = search.workload.layers_mut().set_schedule(schedule);
+
+    let c = &candidates[chosen];
+    let why = why(c, &candidates, target, request, global);
+    Ok(FitReport {
+        model: search.workload.name().to_owned(),
+        budget_bytes: request.budget_bytes,
+        global_batch: global,
+        margin: request.margin,
+        allow: request.allow,
+        choice: c.choice.clone(),
+        predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
+        measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
+        predicted_step_time_s: c.predicted_step_time_s.unwrap_or(0.0),
+        measured_step_time_s: c.measured_step_time_s.unwrap_or(0.0),
+        tries,
+        small_runs_over_budget: search.small_over,
+        why,
+        front: front(&candidates),
+        candidates,
+        fastest_measured,
+        fit_time_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// A set of levers besides micro-batching and recompute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+struct Levers {
+    offload: bool,
+    in_backward: bool,
+    bf16: bool,
+    compress: bool,
+    int8_state: bool,
+}
+
+impl Levers {
+    fn is_plain(&self) -> bool {
+        *self == Levers::default()
+    }
+
+    fn apply(&self, choice: Choice) -> Choice {
+        choice.with(|c| {
+            c.offload = self.offload;
+            c.in_backward = self.in_backward;
+            c.autocast_bf16 = self.bf16;
+            c.compress_int8 = self.compress;
+            c.int8_state = self.int8_state;
+        })
+    }
+}
+
+/// The lever sets to consider: plain and offload, each also with the optimizer step in
+/// backward when there is an optimizer; then the allowed lossy ones.
+fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
+    let mut sets = Vec::new();
+    let mut push = |l: Levers| {
+        sets.push(l);
+        if has_optimizer {
+            sets.push(Levers {
+                in_backward: true,
+                ..l
+            });
+        }
+    };
+    push(Levers::default());
+    push(Levers {
+        offload: true,
+        ..Levers::default()
+    });
+    let allow = request.allow;
+    if allow.bf16 {
+        push(Levers {
+            bf16: true,
+            ..Levers::default()
+        });
+    }
+    if allow.compress {
+        push(Levers {
+            compress: true,
+            ..Levers::default()
+        });
+    }
+    if allow.int8_state && has_optimizer {
+        sets.push(Levers {
+            int8_state: true,
+            ..Levers::default()
+        });
+        sets.push(Levers {
+            int8_state: true,
+            in_backward: true,
+            ..Levers::default()
+        });
+    }
+    sets
+}
+
+/// Micro-batch counts giving distinct largest micro-batches, fewest first.
+fn splits(global: i64) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut last = None;
+    for k in 1..=global {
+        let m = div_ceil(global, k);
+        if last != Some(m) {
+            // The fewest micro-batches with this largest size.
+            out.push(div_ceil(global, m) as usize);
+            last = Some(m);
+        }
+    }
+    out.dedup();
+    out
+}
+
+fn div_ceil(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b.max(1)
+}
+
+/// The sizes of `k` micro-batches of `global` examples, as even as possible.
+fn split_sizes(global: i64, k: usize) -> Vec<i64> {
+    let k = k.max(1) as i64;
+    (0..k)
+        .map(|i| global / k + i64::from(i < global % k))
+        .collect()
+}
+
+/// Two probe sizes below `largest`: about `largest / fraction` and twice that.
+/// Small probes are cheap and, when their allocations line up event for event, exact
+/// (see `Affine`); offloading ones do not line up (the writer thread's pace decides
+/// when memory is freed), so they are probed closer to the real size.
+fn probe_sizes_of(largest: i64, fraction: i64) -> (i64, i64) {
+    let s2 = div_ceil(largest, fraction / 2).max(1);
+    let s1 = div_ceil(s2, 2).max(1);
+    if s1 == s2 && s2 < largest {
+        (s1, s2 + 1)
+    } else {
+        (s1, s2)
+    }
+}
+
+/// [`probe_sizes_of`] for `choice`.
+fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
+    probe_sizes_of(largest, if choice.offload { 4 } else { 8 })
+}
+
+type AffineKey = (String, bool);
+
+struct Search<'w> {
+    workload: &'w mut dyn Workload,
+    budget: u64,
+    target: u64,
+    global: i64,
+    affines: HashMap<AffineKey, Option<Affine>>,
+    profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
+    small_over: usize,
+}
+
+impl Search<'_> {
+    /// The affine model of `choice` (its levers and schedule) with accumulation or
+    /// not, from two probes below `largest`; `None` when even one example per
+    /// micro-batch does not fit the budget.
+    fn affine(
+        &mut self,
+        choice: &Choice,
+        accumulate: bool,
+        largest: i64,
+    ) -> Result<Option<Affine>, FitError> {
+        let key = (
+            format!("{}|{:?}", lever_key(choice), choice.checkpoint),
+            accumulate,
+        );
+        if let Some(a) = self.affines.get(&key) {
+            return Ok(a.clone());
+        }
+        let n = if accumulate { 2 } else { 1 };
+        let (mut s1, mut s2) = probe_sizes_for(choice, largest);
+        // The smallest micro-batch known not to fit the budget.
+        let mut fails_from = None;
+        let affine = loop {
+            let p2 = match self.run_small(choice, s2, n)? {
+                Some(p) => p,
+                None if s2 == 1 => break None,
+                None => {
+                    // Too big already: everything from here on does not fit; halve.
+                    fails_from = Some(s2);
+                    let next = (s2 / 2).max(1);
+                    (s1, s2) = (div_ceil(next, 2).min(next), next);
+                    if s1 == s2 && s2 > 1 {
+                        s1 = s2 - 1;
+                    }
+                    continue;
+                }
+            };
+            let p1 = if s1 == s2 {
+                p2.clone()
+            } else {
+                match self.run_small(choice, s1, n)? {
+                    Some(p) => p,
+                    // Smaller but not fitting: memory does not grow with the batch here.
+                    None => break None,
+                }
+            };
+            break Some(Affine::fit(s1, &p1, s2, &p2, n).failing_from(fails_from));
+        };
+        self.affines.insert(key, affine.clone());
+        Ok(affine)
+    }
+
+    /// One small probe under the budget: `None` when it did not fit.
+    fn run_small(
+        &mut self,
+        choice: &Choice,
+        size: i64,
+        n: usize,
+    ) -> Result<Option<super::probe::Probe>, FitError> {
+        match probe(
+            self.workload,
+            choice,
+            size * n as i64,
+            n,
+            PROBE_RUNS,
+            Some(self.budget),
+        ) {
+            Ok(p) => Ok(Some(p)),
+            Err(ProbeError::OutOfMemory(_)) => {
+                self.small_over += 1;
+                Ok(None)
+            }
+            Err(ProbeError::Failed(e)) => Err(FitError::Step(e)),
+        }
+    }
+
+    /// The candidate `choice` with `k` micro-batches of at most `m` examples.
+    fn evaluate(
+        &mut self,
+        choice: &Choice,
+        m: i64,
+        k: usize,
+        largest: Option<i64>,
+    ) -> Result<Candidate, FitError> {
+        let accumulate = k > 1;
+        let largest = largest.unwrap_or(if accumulate {
+            div_ceil(self.global, 2)
+        } else {
+            self.global
+        });
+        let affine = self.affine(choice, accumulate, largest)?;
+        Ok(match affine {
+            Some(a) if a.known_over(m) => Candidate {
+                choice: choice.clone(),
+                predicted_peak_bytes: None,
+                predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
+                predicted_fits: false,
+                measured_peak_bytes: None,
+                measured_step_time_s: None,
+                note: Some(format!(
+                    "over {}: a smaller micro-batch already was",
+                    Bytes(self.budget)
+                )),
+            },
+            Some(a) => {
+                let sizes = split_sizes(self.global, k);
+                let later = sizes.get(1).copied().unwrap_or(m);
+                let peak = if k > 1 {
+                    a.peak_split(m, later)
+                } else {
+                    a.peak(m)
+                };
+                Candidate {
+                    choice: choice.clone(),
+                    predicted_peak_bytes: peak,
+                    predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
+                    predicted_fits: peak.is_some_and(|p| p <= self.target),
+                    measured_peak_bytes: None,
+                    measured_step_time_s: None,
+                    note: peak.is_none().then(|| {
+                        format!(
+                            "only micro-batches of one example were measured within {}",
+                            Bytes(self.budget)
+                        )
+                    }),
+                }
+            }
+            None => Candidate {
+                choice: choice.clone(),
+                predicted_peak_bytes: None,
+                predicted_step_time_s: None,
+                predicted_fits: false,
+                measured_peak_bytes: None,
+                measured_step_time_s: None,
+                note: Some(format!(
+                    "a micro-batch of one example does not fit {}",
+                    Bytes(self.budget)
+                )),
+            },
+        })
+    }
+
+    /// The layer profile at micro-batch `m`, from two measured profiles.
+    fn profile(&mut self, m: i64) -> Result<ChainProfile, FitError> {
+        if self.profiles.is_none() {
+            let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
+            let mut at = |size: i64| -> Result<ChainProfile, FitError> {
+                let x = self
+                    .workload
+                    .batch(size)
+                    .map_err(|e| FitError::Step(e.to_string()))?;
+                f_profile(self.workload, &x).map_err(FitError::Step)
+            };
+            let pa = at(a)?;
+            let pb = if a == b { pa.clone() } else { at(b)? };
+            self.profiles = Some((pa, a, pb, b));
+        }
+        let (pa, a, pb, b) = self.profiles.as_ref().expect("profiled above");
+        Ok(profile_at(pa, *a, pb, *b, m))
+    }
+
+    /// The recompute candidate of `base` at `k` micro-batches of at most `m`: the
+    /// solver's schedule with the least recomputation whose real peak is predicted
+    /// within the target, adjusted until the prediction from real runs agrees.
+    fn recompute(
+        &mut self,
+        base: &Choice,
+        m: i64,
+        k: usize,
+    ) -> Result<Option<Candidate>, FitError> {
+        let profile = self.profile(m)?;
+        let layers = self.workload.layers().len();
+        let plain = Schedule::plain(layers);
+        let model_plain = predict(&profile, &plain).peak_bytes;
+        // What the real step adds to the solver's model (accumulated gradients,
+        // optimizer state...), taken from the plain configuration's prediction.
+        let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
+            Some(real) => real.saturating_sub(model_plain),
+            None => 0,
+        };
+        let mut solver_budget = self.target.saturating_sub(extra);
+        let mut last = None;
+        for _ in 0..3 {
+            let schedule = match Solver::new(&profile).solve_budget(solver_budget) {
+                Ok(s) => s,
+                Err(_) => break,
+            };
+            if schedule == plain {
+                solver_budget = model_plain.saturating_sub(1);
+                continue;
+            }
+            let choice = base.clone().with_schedule(Some(schedule));
+            let candidate = self.evaluate(&choice, m, k, Some(m))?;
+            let fits = candidate.predicted_fits;
+            let over = candidate
+                .predicted_peak_bytes
+                .map(|p| p.saturating_sub(self.target));
+            last = Some(candidate);
+            match over {
+                _ if fits => break,
+                Some(over) => solver_budget = solver_budget.saturating_sub(over + 1),
+                None => break,
+            }
+        }
+        if last.is_none() {
+            // No schedule within the target: the one with the least memory, for the
+            // record (and for the smallest feasible budget).
+            if let Ok(schedule) = Solver::new(&profile).f_min_memory() {
+                if schedule != plain {
+                    let choice = base.clone().with_schedule(Some(schedule));
+                    last = Some(self.evaluate(&choice, m, k, Some(m))?);
+                }
+            }
+        }
+        Ok(last)
+    }
+
+    /// The error for a budget nothing fits: the smallest budget that would do, and
+    /// what it takes. The configurations with the least memory (one example per
+    /// micro-batch, each lever set, with and without the solver's least-memory
+    /// schedule) are run once without the budget to learn their peaks; the lossy
+    /// levers not allowed are run too, to say what allowing them would reach.
+    fn infeasible(
+        &mut self,
+        candidates: &[Candidate],
+        request: &FitRequest,
+    ) -> Result<FitError, FitError> {
+        let k = self.global as usize;
+        let n = if k > 1 { 2 } else { 1 };
+        let has_optimizer = self.workload.optimizer().is_some();
+        let mut everything = FitRequest::new(request.budget_bytes);
+        everything.allow = super::Allow::all();
+        let allowed = |l: &Levers| {
+            (!l.bf16 || request.allow.bf16)
+                && (!l.compress || request.allow.compress)
+                && (!l.int8_state || request.allow.int8_state)
+        };
+        let least_memory = {
+            let profile = self.profile(1)?;
+            Solver::new(&profile).f_min_memory().ok()
+        };
+        let mut best_allowed: Option<(u64, String)> = candidates
+            .iter()
+            .filter(|c| c.choice.micro_batches == k || c.predicted_fits)
+            .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
+            .min_by_key(|(p, _)| *p);
+        let mut best_lossy: Option<(u64, String)> = None;
+        for levers in lever_sets(&everything, has_optimizer)
+            .into_iter()
+            .filter(|l| k == 1 || !l.in_backward)
+        {
+            let plain = levers.apply(Choice::new(self.global, k));
+            let mut choices = vec![plain.clone()];
+            if let (Some(s), false) = (&least_memory, levers.offload || levers.compress) {
+                choices.push(plain.with_schedule(Some(s.clone())));
+            }
+            for choice in choices {
+                let peak = match probe(self.workload, &choice, n as i64, n, 1, None) {
+                    Ok(p) => p.peak_bytes,
+                    Err(ProbeError::OutOfMemory(_)) => continue,
+                    Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+                };
+                let slot = if allowed(&levers) {
+                    &mut best_allowed
+                } else {
+                    &mut best_lossy
+                };
+                if slot.as_ref().is_none_or(|(p, _)| peak < *p) {
+                    *slot = Some((peak, choice.strategy.clone()));
+                }
+            }
+        }
+        let need = |peak: u64| Bytes(budget_for(peak, request.margin));
+        let mut hint = String::new();
+        if let (Some((lossy, how)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
+            if lossy < lossless {
+                hint = format!(
+                    "allowing lossy levers would need {} ({how}); ",
+                    need(*lossy)
+                );
+            }
+        }
+        Ok(match best_allowed {
+            Some((peak, how)) => FitError::Infeasible {
+                budget_bytes: request.budget_bytes,
+                smallest_bytes: budget_for(peak, request.margin),
+                how: format!("{how}, predicted peak {}", Bytes(peak)),
+                hint: format!("{hint}give a budget of at least {}", need(peak)),
+            },
+            None => FitError::Infeasible {
+                budget_bytes: request.budget_bytes,
+                smallest_bytes: request.budget_bytes,
+                how: "no configuration ran at all".into(),
+                hint: format!(
+                    "{hint}give a larger budget (the parameters' gradients alone take {})",
+                    Bytes(self.gradient_bytes())
+                ),
+            },
+        })
+    }
+}
+
+impl Search<'_> {
+    /// Bytes of the gradients of every parameter (a lower bound of any step's peak
+    /// without the optimizer step in backward).
+    fn gradient_bytes(&self) -> u64 {
+        self.workload
+            .parameters()
+            .iter()
+            .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
+            .sum()
+    }
+}
+
+/// The budget to recommend for a configuration whose peak was `peak`: accepted with
+/// `margin`, with 2% more for what varies between runs (an offload store's writer
+/// thread frees memory at its own pace).
+fn budget_for(peak: u64, margin: f64) -> u64 {
+    (peak as f64 * 1.02 / (1.0 - margin)).ceil() as u64 + 1
+}
+
+fn lever_key(c: &Choice) -> String {
+    format!(
+        "{}{}{}{}{}",
+        u8::from(c.offload),
+        u8::from(c.in_backward),
+        u8::from(c.autocast_bf16),
+        u8::from(c.compress_int8),
+        u8::from(c.int8_state)
+    )
+}
+
+/// Candidates that no other beats in both predicted peak and time, by peak.
+fn front(candidates: &[Candidate]) -> Vec<Candidate> {
+    let known: Vec<&Candidate> = candidates
+        .iter()
+        .filter(|c| c.predicted_peak_bytes.is_some() && c.predicted_step_time_s.is_some())
+        .collect();
+    let mut front: Vec<Candidate> = known
+        .iter()
+        .filter(|c| {
+            let (p, t) = (
+                c.predicted_peak_bytes.unwrap_or(0),
+                c.predicted_step_time_s.unwrap_or(0.0),
+            );
+            !known.iter().any(|o| {
+                let (op, ot) = (
+                    o.predicted_peak_bytes.unwrap_or(0),
+                    o.predicted_step_time_s.unwrap_or(0.0),
+                );
+                (op <= p && ot <= t) && (op < p || ot < t)
+            })
+        })
+        .map(|c| (*c).clone())
+        .collect();
+    front.sort_by_key(|c| c.predicted_peak_bytes);
+    front
+}
+
+fn why(
+    chosen: &Candidate,
+    candidates: &[Candidate],
+    target: u64,
+    request: &FitRequest,
+    global: i64,
+) -> String {
+    let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
+    let mut why = format!(
+        "the fastest predicted of {fitting} configurations whose predicted peak is within {} (the budget less a {:.0}% margin)",
+        Bytes(target),
+        request.margin * 100.0
+    );
+    let t = chosen.predicted_step_time_s.unwrap_or(0.0);
+    if let Some(faster) = candidates
+        .iter()
+        .filter(|c| !c.predicted_fits && c.predicted_step_time_s.is_some_and(|ct| ct < t))
+        .min_by(|a, b| {
+            a.predicted_step_time_s
+                .unwrap_or(0.0)
+                .total_cmp(&b.predicted_step_time_s.unwrap_or(0.0))
+        })
+    {
+        why.push_str(&format!(
+            "; faster would be {} ({:.3} s) but it needs {}",
+            faster.choice.strategy,
+            faster.predicted_step_time_s.unwrap_or(0.0),
+            faster
+                .predicted_peak_bytes
+                .map_or("more".to_owned(), |b| Bytes(b).to_string())
+        ));
+    }
+    if chosen.choice.micro_batches > 1 {
+        why.push_str(&format!(
+            "; the global batch of {global} is kept as {} micro-batches with accumulated gradients",
+            chosen.choice.micro_batches
+        ));
+    }
+    why
+}
