@@ -141,13 +141,14 @@ fn rank_main(args: &Args) -> Result<()> {
         let micro = args.batch / args.micro_batches;
         let mut total = 0.0;
         for m in 0..args.micro_batches {
-            // Gradients add up locally; ZeRO-2 communicates once, in the step.
+            // ZeRO-2 reduces each micro-batch's gradients in buckets during its
+            // backward, freeing them: each rank holds only its shard's sum.
             let loss = model.loss(&tokens.narrow(0, m * micro, micro))? / args.micro_batches as f64;
             loss.backward();
             total += loss.double_value(&[]);
         }
-        opt.f_step()?;
         let grads = opt.gradient_bytes();
+        opt.f_step()?;
         opt.f_zero_grad(true)?;
         let mean = Tensor::from_slice(&[total]);
         group.all_reduce(&mean)?;
@@ -162,7 +163,7 @@ fn rank_main(args: &Args) -> Result<()> {
         if step + 1 == args.steps {
             let full_state = 2 * 4 * numel as u64;
             println!(
-                "rank {rank} of {world}: {numel} parameters; AdamW state {} here (single process: {}), gradients held after the step {} (single process: {})",
+                "rank {rank} of {world}: {numel} parameters; AdamW state {} here (single process: {}), gradients held after backward {} (single process: {})",
                 Bytes(opt.state_bytes()),
                 Bytes(full_state),
                 Bytes(grads),

@@ -26,7 +26,7 @@ impl BundledSuite {
 }
 
 /// Every bundled suite; the first one is the default of `memsave bench`.
-pub const BUNDLED: [BundledSuite; 5] = [
+pub const BUNDLED: [BundledSuite; 6] = [
     BundledSuite {
         name: "seed",
         source: include_str!("../../../suites/seed.yaml"),
@@ -47,9 +47,14 @@ pub const BUNDLED: [BundledSuite; 5] = [
         name: "fit",
         source: include_str!("../../../suites/fit.yaml"),
     },
+    BundledSuite {
+        name: "distributed",
+        source: include_str!("../../../suites/distributed.yaml"),
+    },
 ];
 
-/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`, `fit`).
+/// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`, `fit`,
+/// `distributed`).
 pub fn bundled(name: &str) -> Option<BundledSuite> {
     BUNDLED.iter().copied().find(|s| s.name == name)
 }

@@ -56,6 +56,7 @@
 
 pub mod atomic;
 pub mod bundled;
+pub mod distributed;
 pub mod fit;
 pub mod message;
 pub mod models;

@@ -59,6 +59,28 @@ enum Command {
     /// Start N ranks of a distributed program on this machine (the `torchrun` of
     /// memsave): `memsave launch -n 4 -- ./train --epochs 2`.
     Launch(LaunchArgs),
+    /// One rank of one case of a suite with `world_size` (started by `memsave bench`
+    /// through the launcher; not for direct use).
+    #[command(hide = true)]
+    Rank(RankCli),
+}
+
+#[derive(clap::Args)]
+struct RankCli {
+    /// The suite file.
+    suite: PathBuf,
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    strategy: String,
+    #[arg(long)]
+    out_dir: PathBuf,
+    #[arg(long)]
+    warmup: Option<usize>,
+    #[arg(long)]
+    repeats: Option<usize>,
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -117,6 +139,9 @@ struct BenchArgs {
     /// like the suite's `memory_limit`.
     #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     memory_limit: Option<Bytes>,
+    /// Run every case on N ranks (local processes) instead of the suite's `world_size`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    world_size: Option<u64>,
 }
 
 #[derive(clap::Args)]
@@ -225,6 +250,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Suites { name } => suites(name.as_deref()),
         Command::Launch(args) => return launch(args),
+        Command::Rank(args) => rank(args),
         Command::Trace(args) => trace(args),
         Command::Fit(args) => fit(args),
         Command::Check { suite } => load(&suite).map(|s| {
@@ -334,6 +360,8 @@ fn bench(args: BenchArgs) -> Result<()> {
         warmup: args.warmup,
         threads: args.threads.map(|n| n as usize),
         memory_limit: args.memory_limit.map(|b| b.0),
+        world_size: args.world_size.map(|n| n as usize),
+        rank_program: None,
     };
     let mut progress = Progress::new();
     let report = quietly(|| run_suite_with(&suite, &options, &mut progress))?;
@@ -352,6 +380,20 @@ fn bench(args: BenchArgs) -> Result<()> {
         eprintln!("wrote {} plots to {}", files.len(), dir.display());
     }
     Ok(())
+}
+
+/// `memsave rank`: one rank of a distributed case.
+fn rank(args: RankCli) -> Result<()> {
+    let suite = Suite::from_file(&args.suite).map_err(invalid)?;
+    let rank_args = memsave_bench::distributed::RankArgs {
+        model: args.model,
+        strategy: args.strategy,
+        out_dir: args.out_dir,
+        warmup: args.warmup,
+        repeats: args.repeats,
+        threads: args.threads,
+    };
+    memsave_bench::distributed::run_rank(&suite, &rank_args).map_err(anyhow::Error::msg)
 }
 
 fn fit(args: FitArgs) -> Result<()> {
@@ -617,7 +659,8 @@ impl Observer for Progress {
 }
 
 /// `memsave launch`: exits 0 when every rank succeeded, with the failed rank's own exit
-/// code (128 + signal when killed) when one failed, 1 on a timeout, 2 on bad options.
+/// code (128 + signal when killed) when one failed, 124 when `--timeout` ended the ranks,
+/// 127 when the program cannot be started, 2 on bad options, 1 otherwise.
 fn launch(args: LaunchArgs) -> ExitCode {
     use memsave_dist::DistError;
     let config = memsave_dist::LaunchConfig {
@@ -639,6 +682,10 @@ fn launch(args: LaunchArgs) -> ExitCode {
                     ExitCode::from(u8::try_from(exit_code).unwrap_or(1).max(1))
                 }
                 DistError::Config { .. } => ExitCode::from(2),
+                // As timeout(1) and the shells: 124 for a timeout, 127 for a program
+                // that cannot be started.
+                DistError::LaunchTimeout { .. } => ExitCode::from(124),
+                DistError::Spawn { .. } => ExitCode::from(127),
                 _ => ExitCode::from(1),
             }
         }

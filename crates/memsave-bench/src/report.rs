@@ -21,6 +21,10 @@
 //!   allocation peaked) and `optimizer_state_bytes` (for a strategy with
 //!   `optimizer:`, as `pytorch_suite.py` reports it), `null` when not measured.
 //!
+//! - per case `world_size`, `gradient_bytes` and `bytes_sent_per_step`, for a suite
+//!   with `world_size` (see [`crate::distributed`]); `null` otherwise. The CSV does not
+//!   carry them.
+//!
 //! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new
 //! fields then take their defaults (`schema_version` 1, the flags false).
 //!
@@ -158,6 +162,20 @@ pub struct CaseResult {
     /// `|g - g_base| / |g_base|`, when they were compared.
     #[serde(default)]
     pub grad_rel_l2: Option<f64>,
+    /// The number of ranks the case ran on, for a suite with `world_size`. Then
+    /// `start_bytes` and `peak_bytes` are the largest over the ranks, and
+    /// `optimizer_state_bytes`, `gradient_bytes` and `bytes_sent_per_step` are per rank
+    /// (the largest over the ranks).
+    #[serde(default)]
+    pub world_size: Option<usize>,
+    /// Gradient bytes a rank holds after the step's backward, by the meter (what the
+    /// backward left allocated), for a suite with `world_size`.
+    #[serde(default)]
+    pub gradient_bytes: Option<u64>,
+    /// Bytes a rank sent in the last measured step, as `memsave_dist`'s process group
+    /// counted its collectives, for a suite with `world_size`.
+    #[serde(default)]
+    pub bytes_sent_per_step: Option<u64>,
     /// Examples per optimizer step the case trained on: the model's batch, except
     /// under `auto_batch`, which halves it until the step fits.
     #[serde(default)]
@@ -194,6 +212,9 @@ impl CaseResult {
             offloaded_bytes: None,
             compressed_saved_bytes: None,
             grad_rel_l2: None,
+            world_size: None,
+            gradient_bytes: None,
+            bytes_sent_per_step: None,
             global_batch: None,
             tries: None,
             choice: None,
@@ -376,6 +397,9 @@ impl Report {
         for row in &rows {
             line(&mut out, row.iter().map(String::as_str).collect());
         }
+        if self.cases.iter().any(|c| c.world_size.is_some()) {
+            distributed_table(&mut out, &self.cases);
+        }
         for case in &self.cases {
             if let Some(choice) = &case.choice {
                 let _ = writeln!(out, "{} / {}: chose {choice}", case.model, case.strategy);
@@ -425,6 +449,62 @@ fn csv_field(text: &str) -> String {
         format!("\"{}\"", text.replace('"', "\"\""))
     } else {
         text.to_owned()
+    }
+}
+
+/// The per-rank figures of a distributed run, below the main table.
+fn distributed_table(out: &mut String, cases: &[CaseResult]) {
+    let header = [
+        "model",
+        "strategy",
+        "ranks",
+        "peak/rank",
+        "opt state/rank",
+        "grads/rank",
+        "sent/step/rank",
+    ];
+    let dash = || "-".to_owned();
+    let bytes = |b: Option<u64>| b.map_or_else(dash, |b| Bytes(b).to_string());
+    let rows: Vec<[String; 7]> = cases
+        .iter()
+        .filter(|c| c.world_size.is_some())
+        .map(|c| {
+            [
+                c.model.clone(),
+                c.strategy.clone(),
+                c.world_size.map_or_else(dash, |n| n.to_string()),
+                bytes(c.peak_bytes),
+                bytes(c.optimizer_state_bytes),
+                bytes(c.gradient_bytes),
+                bytes(c.bytes_sent_per_step),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(|h| h.chars().count());
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let _ = writeln!(out, "per rank:");
+    let mut line = |cells: Vec<&str>| {
+        let mut text = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            let pad = " ".repeat(w - cell.chars().count());
+            if i < 2 {
+                text.push_str(cell);
+                text.push_str(&pad);
+            } else {
+                text.push_str(&pad);
+                text.push_str(cell);
+            }
+            text.push_str("  ");
+        }
+        let _ = writeln!(out, "{}", text.trim_end());
+    };
+    line(header.to_vec());
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect());
     }
 }
 

@@ -38,6 +38,11 @@ pub struct RunOptions {
     pub threads: Option<usize>,
     /// Simulated memory limit in bytes instead of the suite's.
     pub memory_limit: Option<u64>,
+    /// Ranks instead of the suite's `world_size` (see [`crate::distributed`]).
+    pub world_size: Option<usize>,
+    /// The program whose hidden `rank` subcommand runs one rank of a distributed case
+    /// (default: this process's executable, which must then be the `memsave` binary).
+    pub rank_program: Option<std::path::PathBuf>,
 }
 
 /// Follows a run, e.g. to show progress. Every method has an empty default.
@@ -65,6 +70,9 @@ pub enum RunError {
     /// The memory limit cannot be applied.
     #[error("cannot apply the memory limit: {0}")]
     MemoryLimit(String),
+    /// A distributed run (`world_size`) cannot start.
+    #[error("distributed run: {0}")]
+    Distributed(String),
 }
 
 /// The models and strategies a run will measure, in suite order.
@@ -109,6 +117,11 @@ pub fn run_suite_with(
     observer: &mut dyn Observer,
 ) -> Result<Report, RunError> {
     memsave_meter::install();
+    if let Some(n) = options.world_size.or(suite.world_size) {
+        let device = resolve_device(suite.device)?;
+        let cases = crate::distributed::run_cases(suite, options, n, observer)?;
+        return Ok(report(suite, device, cases));
+    }
     let device = resolve_device(suite.device)?;
     if let Some(n) = options.threads.or(suite.threads) {
         tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
@@ -170,7 +183,7 @@ pub fn run_suite_with(
     ))
 }
 
-fn report(suite: &Suite, device: Device, cases: Vec<CaseResult>) -> Report {
+pub(crate) fn report(suite: &Suite, device: Device, cases: Vec<CaseResult>) -> Report {
     Report {
         schema_version: SCHEMA_VERSION,
         suite: suite.suite.clone(),
@@ -329,7 +342,7 @@ pub fn run_workload(
     Ok(report(suite, device, cases))
 }
 
-struct Settings {
+pub(crate) struct Settings {
     device: Device,
     seed: u64,
     warmup: usize,
@@ -584,6 +597,9 @@ fn measure_case(
         offloaded_bytes: last.offloaded_bytes,
         compressed_saved_bytes: last.compressed_saved_bytes,
         grad_rel_l2: None,
+        world_size: None,
+        gradient_bytes: None,
+        bytes_sent_per_step: None,
         global_batch: Some(x.len()),
         tries,
         choice,

@@ -36,6 +36,9 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
+            Technique::Zero(_) => {
+                return Err("zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)".into())
+            }
             // The runner searches for these (runner.rs); the step itself is plain.
             Technique::AutoBatch(_) | Technique::Fit(_) => {}
         }

@@ -61,3 +61,44 @@ fn bad_options_exit_2() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--master-port is required"));
 }
+
+#[test]
+fn a_launch_past_its_timeout_exits_124_and_leaves_no_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let script = format!(
+        "echo $$ > {}/rank$RANK.pid; exec sleep 600",
+        dir.path().display()
+    );
+    let out = launch(&["--timeout", "2", "-n", "2", "--", "sh", "-c", &script]);
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("ranks [0, 1] still running after 2s"),
+        "{stderr}"
+    );
+    for rank in 0..2 {
+        let pid = std::fs::read_to_string(dir.path().join(format!("rank{rank}.pid")))
+            .expect("the rank wrote its pid");
+        let alive = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false);
+        assert!(
+            !alive,
+            "rank {rank} (pid {}) outlived the launch",
+            pid.trim()
+        );
+    }
+}
+
+#[test]
+fn a_program_that_cannot_start_exits_127_naming_the_rank() {
+    let out = launch(&["-n", "2", "--", "/nonexistent/memsave-test-program"]);
+    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 0: could not start /nonexistent/memsave-test-program"),
+        "{stderr}"
+    );
+}

@@ -251,6 +251,46 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Sends `input_splits[r]` values of `input` (taken in rank order) to rank `r` and
+    /// receives `output_splits[r]` values from rank `r` into `output` (in rank order):
+    /// PyTorch's `all_to_all_single` with split sizes (Gloo's alltoallv). Each slice
+    /// has one entry per rank; `input`'s split sizes on rank `s` must equal the output
+    /// split sizes the receivers give for `s`. Sends the values addressed to the other
+    /// ranks (its own slice is copied locally).
+    pub fn all_to_all_single(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[i64],
+        input_splits: &[i64],
+    ) -> Result<()> {
+        self.check_tensor(output, "the output")?;
+        self.check_tensor(input, "the input")?;
+        let n = self.world_size();
+        if output_splits.len() != n || input_splits.len() != n {
+            return Err(DistError::Config {
+                rank: self.rank(),
+                reason: format!(
+                    "all_to_all_single: {} output and {} input split sizes; expected one per rank ({n})",
+                    output_splits.len(),
+                    input_splits.len()
+                ),
+            });
+        }
+        self.inner
+            .gloo
+            .all_to_all(output, input, output_splits, input_splits)?;
+        let elt = input.kind().elt_size_in_bytes() as u64;
+        let sent: i64 = input_splits
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != self.rank())
+            .map(|(_, &k)| k)
+            .sum();
+        self.count(sent.max(0) as u64 * elt);
+        Ok(())
+    }
+
     /// Copies rank `src`'s `t` into `t` on every rank. The source sends `N-1` copies.
     pub fn broadcast(&self, t: &Tensor, src: usize) -> Result<()> {
         self.check_tensor(t, "the tensor")?;

@@ -1,6 +1,10 @@
 //! ZeRO stages 1 and 2: each rank keeps and updates only its shard of the optimizer
-//! state (and, in stage 2, of the gradients), then the updated parameters are gathered.
+//! state (and, in stage 2, of the gradients, reduced in buckets while backward runs),
+//! then the updated parameters are gathered.
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use memsave_optim::{Optimizer, Options, Rule, State};
+use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use tch::{Device, Kind, Tensor};
 
 use crate::check::same_shapes_everywhere;
@@ -13,8 +17,9 @@ pub enum ZeroStage {
     /// Optimizer state sharded; gradients all-reduced whole (PyTorch's
     /// `ZeroRedundancyOptimizer` on top of DDP).
     One,
-    /// Optimizer state and gradients sharded: gradients are reduce-scattered, and each
-    /// rank keeps only its shard of them after the step.
+    /// Optimizer state and gradients sharded: gradients are reduced in buckets while
+    /// backward produces them, each rank receiving only its shard's sum, and the full
+    /// gradients are freed bucket by bucket (DeepSpeed's ZeRO-2).
     Two,
 }
 
@@ -24,23 +29,48 @@ pub enum ZeroStage {
 /// The parameters are laid out, in order, in one flat f32 vector padded with zeros to a
 /// multiple of N × the state's block (1 value for f32 and bf16 state, the block of
 /// [`State::Int8Blockwise`]); rank `r` owns the `r`-th of N equal slices, and its
-/// optimizer updates only that slice. One [`ZeroOptimizer::f_step`]:
-/// 1. flattens this rank's gradients (zeros for parameters without one);
-/// 2. stage 1: all-reduces them and keeps its slice; stage 2: reduce-scatters them, so
-///    each rank receives only its slice, and frees the parameters' gradients;
-/// 3. divides by N (gradients are averaged, as in DDP) and updates its slice;
-/// 4. all-gathers the slices into every rank's parameters.
+/// optimizer updates only that slice.
 ///
-/// Gradient accumulation needs nothing more: backward several micro-batches (their
-/// gradients add up locally, with no communication), then step once.
+/// Stage 1: backward runs as on one process; [`ZeroOptimizer::f_step`] flattens the
+/// gradients, all-reduces them, keeps this rank's slice, updates it and all-gathers
+/// the parameters.
+///
+/// Stage 2: the parameters are grouped into buckets of consecutive parameters, in
+/// reverse order (the order backward usually produces their gradients), as
+/// [`crate::DistributedDataParallel`] does. A post-accumulate-grad hook on each
+/// parameter counts ready gradients; when a bucket is complete (and every bucket
+/// before it is done), its gradients are flattened, their `.grad`s are freed, and one
+/// all-to-all sends each rank the part of the bucket that falls in its slice; each
+/// rank adds what it receives, in rank order, into its slice's gradient sum. So a rank
+/// holds its slice of the gradients (1/N) plus the bucket in flight, never all of them.
+/// Each rank sends the bucket less its own part: over a step, `(N-1)/N` of the padded
+/// gradients, as a reduce-scatter would. [`ZeroOptimizer::f_step`] then divides the
+/// sum by N (gradients are averaged, as in DDP), updates the slice and all-gathers the
+/// parameters.
+///
+/// Gradient accumulation: under stage 1, backward several micro-batches and step once
+/// (no communication before the step). Under stage 2, every backward reduces its
+/// buckets (communication per micro-batch, gradients stay at 1/N), unless it runs
+/// inside [`ZeroOptimizer::no_sync`]: then the gradients add up whole in `.grad`, and
+/// the next backward outside `no_sync` (or the step) reduces the sum.
 ///
 /// Traps: a parameter without a gradient is updated with a zero gradient (weight decay
-/// and momentum still apply), where a single-process optimizer skips it. The step
-/// needs two transient flat f32 buffers as large as all the parameters. With 8-bit
+/// and momentum still apply), where a single-process optimizer skips it. Under stage 2
+/// a parameter that gets no gradient in a backward leaves its bucket incomplete until
+/// the step, which reduces it with zeros; every rank must run the same backwards, or
+/// the collectives wait on each other until the timeout. Each parameter can carry only
+/// one post-accumulate-grad hook, so stage 2 cannot be combined with
+/// [`crate::DistributedDataParallel`] or `step_in_backward` on the same parameters.
+/// Stage 1's step needs two transient flat f32 buffers as large as all the parameters;
+/// stage 2 needs, per bucket, the bucket and N × this rank's part of it. With 8-bit
 /// state the blocks run over the flat vector, across parameter boundaries, so the
 /// quantization differs from a single-process optimizer's per-parameter blocks.
 #[derive(Debug)]
 pub struct ZeroOptimizer<R: Rule> {
+    // Dropped first: removing the hooks releases their references to the reducer.
+    _hooks: Vec<GradHookHandle>,
+    /// Stage 2's bucketed reduction (None under stage 1).
+    reducer: Option<Arc<Mutex<Reducer>>>,
     group: ProcessGroup,
     stage: ZeroStage,
     params: Vec<Tensor>,
@@ -54,13 +84,29 @@ impl<R: Rule> ZeroOptimizer<R> {
     /// Shards the optimizer of `params` (the same parameters, in the same order, on
     /// every rank: checked once here) over the ranks of `group`, and copies rank 0's
     /// parameter values to every rank. Parameters must be contiguous f32 CPU tensors
-    /// that require grad.
+    /// that require grad. Stage 2 reduces gradients in buckets of at most 25 MiB
+    /// (PyTorch DDP's default; see [`ZeroOptimizer::with_bucket_cap`]).
     pub fn new(
         group: &ProcessGroup,
         params: &[Tensor],
         config: R,
         options: Options,
         stage: ZeroStage,
+    ) -> Result<Self> {
+        Self::with_bucket_cap(group, params, config, options, stage, 25 << 20)
+    }
+
+    /// As [`ZeroOptimizer::new`], with stage 2's buckets holding at most
+    /// `bucket_cap_bytes` of gradient (a parameter larger than that gets a bucket of
+    /// its own). Smaller buckets free full gradients sooner and communicate more often.
+    /// Stage 1 ignores it.
+    pub fn with_bucket_cap(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        config: R,
+        options: Options,
+        stage: ZeroStage,
+        bucket_cap_bytes: u64,
     ) -> Result<Self> {
         let rank = group.rank();
         for (index, p) in params.iter().enumerate() {
@@ -110,7 +156,38 @@ impl<R: Rule> ZeroOptimizer<R> {
         };
         let inner = Optimizer::with_options(&[shard.shallow_clone()], config, inner_options)
             .map_err(|source| DistError::Optim { rank, source })?;
+        let (hooks, reducer) = match stage {
+            ZeroStage::One => (Vec::new(), None),
+            ZeroStage::Two => {
+                let reducer = Arc::new(Mutex::new(Reducer::new(
+                    group,
+                    params,
+                    padded,
+                    shard_len,
+                    bucket_cap_bytes,
+                )));
+                let mut hooks = Vec::with_capacity(params.len());
+                for (index, p) in params.iter().enumerate() {
+                    let shared = Arc::clone(&reducer);
+                    let hook = register_post_accumulate_grad_hook(
+                        p,
+                        Box::new(move |_| {
+                            let mut r = shared.lock().unwrap_or_else(|e| e.into_inner());
+                            r.mark_ready(index).map_err(|e| e.to_string())
+                        }),
+                    )
+                    .map_err(|e| DistError::Config {
+                        rank,
+                        reason: format!("parameter {index}: {e}"),
+                    })?;
+                    hooks.push(hook);
+                }
+                (hooks, Some(reducer))
+            }
+        };
         Ok(Self {
+            _hooks: hooks,
+            reducer,
             group: group.clone(),
             stage,
             params: params.iter().map(Tensor::shallow_clone).collect(),
@@ -143,15 +220,49 @@ impl<R: Rule> ZeroOptimizer<R> {
         self.inner.state_bytes()
     }
 
-    /// Bytes of gradients this rank holds now: the parameters' `.grad`s and its shard's.
+    /// Bytes of gradients this rank holds now: the parameters' `.grad`s, its shard's,
+    /// and (stage 2) the sum of its slice reduced since the last step.
     pub fn gradient_bytes(&self) -> u64 {
+        let accumulated = self.reducer().and_then(|r| r.acc.as_ref().map(nbytes));
         self.params
             .iter()
             .chain(std::iter::once(&self.shard))
             .map(Tensor::grad)
             .filter(Tensor::defined)
-            .map(|g| g.numel() as u64 * g.kind().elt_size_in_bytes() as u64)
-            .sum()
+            .map(|g| nbytes(&g))
+            .sum::<u64>()
+            + accumulated.unwrap_or(0)
+    }
+
+    /// Runs `f` (forward and backward of a micro-batch) without communication: under
+    /// stage 2 the gradients accumulate whole in the parameters' `.grad` (PyTorch's
+    /// `no_sync`), to be reduced by the next backward outside `no_sync` or by the step.
+    /// Stage 1 never communicates in backward, so there it only runs `f`.
+    pub fn no_sync<T>(&self, f: impl FnOnce() -> T) -> T {
+        if let Some(mut r) = self.reducer() {
+            r.sync = false;
+        }
+        let out = f();
+        if let Some(mut r) = self.reducer() {
+            r.sync = true;
+        }
+        out
+    }
+
+    /// Number of stage 2 bucket reductions so far (0 under stage 1).
+    pub fn reductions(&self) -> u64 {
+        self.reducer().map_or(0, |r| r.reductions)
+    }
+
+    /// Number of stage 2 buckets (0 under stage 1).
+    pub fn bucket_count(&self) -> usize {
+        self.reducer().map_or(0, |r| r.members.len())
+    }
+
+    fn reducer(&self) -> Option<MutexGuard<'_, Reducer>> {
+        self.reducer
+            .as_ref()
+            .map(|r| r.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The optimizer of this rank's shard (to change learning rates, read step counts).
@@ -165,6 +276,10 @@ impl<R: Rule> ZeroOptimizer<R> {
         let rank = self.group.rank();
         memsave_optim::zero_grad(&self.params, set_to_none)
             .map_err(|source| DistError::Optim { rank, source })?;
+        if let Some(mut r) = self.reducer() {
+            // Recreated as zeros by the next reduction.
+            r.acc = None;
+        }
         self.inner
             .f_zero_grad(set_to_none)
             .map_err(|source| DistError::Optim { rank, source })
@@ -177,14 +292,14 @@ impl<R: Rule> ZeroOptimizer<R> {
         let err = tensor_err(rank, "sharded step");
         let _no_grad = tch::no_grad_guard();
         let n = self.group.world_size();
-        let (start, len) = self.shard_range();
-        let flat_grad = flatten(&self.params, self.padded, |p| {
-            let g = p.grad();
-            g.defined().then_some(g)
-        })
-        .map_err(err)?;
         let mut shard_grad = match self.stage {
             ZeroStage::One => {
+                let (start, len) = self.shard_range();
+                let flat_grad = flatten(&self.params, self.padded, |p| {
+                    let g = p.grad();
+                    g.defined().then_some(g)
+                })
+                .map_err(err)?;
                 self.group.all_reduce(&flat_grad)?;
                 flat_grad
                     .f_narrow(0, start, len)
@@ -193,15 +308,10 @@ impl<R: Rule> ZeroOptimizer<R> {
                     .map_err(err)?
             }
             ZeroStage::Two => {
-                let out = Tensor::f_empty([len], (Kind::Float, Device::Cpu)).map_err(err)?;
-                self.group.reduce_scatter(&out, &flat_grad)?;
-                for p in &self.params {
-                    memsave_sys::tensor::set_grad_none(p)?;
-                }
-                out
+                let mut r = self.reducer().expect("stage 2 has a reducer");
+                r.finish_step()?
             }
         };
-        drop(flat_grad);
         let _ = shard_grad.f_div_scalar_(n as f64).map_err(err)?;
         if let Some(max_norm) = self.max_grad_norm {
             self.clip(&mut shard_grad, max_norm)?;
@@ -245,6 +355,209 @@ impl<R: Rule> ZeroOptimizer<R> {
         if coef < 1.0 {
             let _ = shard_grad.f_mul_scalar_(coef).map_err(err)?;
         }
+        Ok(())
+    }
+}
+
+fn nbytes(t: &Tensor) -> u64 {
+    t.numel() as u64 * t.kind().elt_size_in_bytes() as u64
+}
+
+/// Stage 2's reduction of gradients in buckets during backward.
+#[derive(Debug)]
+struct Reducer {
+    group: ProcessGroup,
+    params: Vec<Tensor>,
+    /// First value of each parameter in the flat vector.
+    offsets: Vec<i64>,
+    /// Parameter indices of each bucket (consecutive parameters, last first).
+    members: Vec<Vec<usize>>,
+    /// The flat range `[start, end)` of each bucket; the first (holding the last
+    /// parameter) runs to the end of the padding.
+    ranges: Vec<(i64, i64)>,
+    bucket_of: Vec<usize>,
+    ready: Vec<usize>,
+    next: usize,
+    sync: bool,
+    shard_len: i64,
+    /// This rank's slice of the gradients summed over the ranks since the last step.
+    acc: Option<Tensor>,
+    reductions: u64,
+}
+
+impl Reducer {
+    fn new(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        padded: i64,
+        shard_len: i64,
+        bucket_cap_bytes: u64,
+    ) -> Self {
+        let mut offsets = Vec::with_capacity(params.len());
+        let mut offset = 0;
+        for p in params {
+            offsets.push(offset);
+            offset += p.numel() as i64;
+        }
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut filled = 0u64;
+        for index in (0..params.len()).rev() {
+            let bytes = nbytes(&params[index]);
+            if members.is_empty() || filled + bytes > bucket_cap_bytes {
+                members.push(Vec::new());
+                filled = 0;
+            }
+            members
+                .last_mut()
+                .expect("a bucket was just pushed")
+                .push(index);
+            filled += bytes;
+        }
+        let ranges = members
+            .iter()
+            .enumerate()
+            .map(|(b, m)| {
+                let first = *m.last().expect("buckets are not empty");
+                let last = m[0];
+                let end = if b == 0 {
+                    padded
+                } else {
+                    offsets[last] + params[last].numel() as i64
+                };
+                (offsets[first], end)
+            })
+            .collect();
+        let mut bucket_of = vec![0; params.len()];
+        for (b, m) in members.iter().enumerate() {
+            for &i in m {
+                bucket_of[i] = b;
+            }
+        }
+        Self {
+            group: group.clone(),
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            offsets,
+            ready: vec![0; members.len()],
+            members,
+            ranges,
+            bucket_of,
+            next: 0,
+            sync: true,
+            shard_len,
+            acc: None,
+            reductions: 0,
+        }
+    }
+
+    fn mark_ready(&mut self, index: usize) -> Result<()> {
+        if !self.sync {
+            return Ok(());
+        }
+        self.ready[self.bucket_of[index]] += 1;
+        while self.next < self.members.len()
+            && self.ready[self.next] == self.members[self.next].len()
+        {
+            self.reduce(self.next)?;
+            self.next += 1;
+        }
+        if self.next == self.members.len() {
+            self.reset();
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.next = 0;
+        self.ready.iter_mut().for_each(|r| *r = 0);
+    }
+
+    /// Completes the reductions of the step: the buckets a backward left incomplete,
+    /// then, when nothing was reduced since the last step (every backward ran inside
+    /// `no_sync`, or none ran) or gradients are left in `.grad`, every bucket. Returns
+    /// the slice's gradient summed over the ranks.
+    fn finish_step(&mut self) -> Result<Tensor> {
+        if self.next > 0 || self.ready.iter().any(|&r| r > 0) {
+            while self.next < self.members.len() {
+                self.reduce(self.next)?;
+                self.next += 1;
+            }
+            self.reset();
+        }
+        if self.acc.is_none() || self.params.iter().any(|p| p.grad().defined()) {
+            for bucket in 0..self.members.len() {
+                self.reduce(bucket)?;
+            }
+        }
+        match self.acc.take() {
+            Some(acc) => Ok(acc),
+            // No parameters at all: an empty slice.
+            None => {
+                Tensor::f_zeros([self.shard_len], (Kind::Float, Device::Cpu)).map_err(|source| {
+                    DistError::Tensor {
+                        rank: self.group.rank(),
+                        context: "gradient bucket",
+                        source,
+                    }
+                })
+            }
+        }
+    }
+
+    /// Sends each rank its part of bucket `bucket`'s gradients (zeros for parameters
+    /// without one), frees the bucket's `.grad`s, and adds what this rank receives, in
+    /// rank order, into its slice's sum.
+    fn reduce(&mut self, bucket: usize) -> Result<()> {
+        let rank = self.group.rank();
+        let n = self.group.world_size();
+        let err = tensor_err(rank, "gradient bucket");
+        let _no_grad = tch::no_grad_guard();
+        let (start, end) = self.ranges[bucket];
+        let flat = Tensor::f_zeros([end - start], (Kind::Float, Device::Cpu)).map_err(err)?;
+        for &i in &self.members[bucket] {
+            let p = &self.params[i];
+            let g = p.grad();
+            if g.defined() {
+                let k = p.numel() as i64;
+                flat.f_narrow(0, self.offsets[i] - start, k)
+                    .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
+                    .map_err(err)?;
+                memsave_sys::tensor::set_grad_none(p)?;
+            }
+        }
+        let s = self.shard_len;
+        let part = |r: usize| {
+            let (lo, hi) = (r as i64 * s, (r as i64 + 1) * s);
+            (start.max(lo), end.min(hi))
+        };
+        let input_splits: Vec<i64> = (0..n)
+            .map(|r| {
+                let (a, b) = part(r);
+                (b - a).max(0)
+            })
+            .collect();
+        let mine = input_splits[rank];
+        let output_splits = vec![mine; n];
+        let received =
+            Tensor::f_empty([mine * n as i64], (Kind::Float, Device::Cpu)).map_err(err)?;
+        self.group
+            .all_to_all_single(&received, &flat, &output_splits, &input_splits)?;
+        drop(flat);
+        if mine > 0 {
+            if self.acc.is_none() {
+                self.acc = Some(Tensor::f_zeros([s], (Kind::Float, Device::Cpu)).map_err(err)?);
+            }
+            let acc = self.acc.as_ref().expect("just created");
+            let mut dst = acc
+                .f_narrow(0, part(rank).0 - rank as i64 * s, mine)
+                .map_err(err)?;
+            for r in 0..n as i64 {
+                let src = received.f_narrow(0, r * mine, mine).map_err(err)?;
+                let _ = dst.f_add_(&src).map_err(err)?;
+            }
+        } else if self.acc.is_none() {
+            self.acc = Some(Tensor::f_zeros([s], (Kind::Float, Device::Cpu)).map_err(err)?);
+        }
+        self.reductions += 1;
         Ok(())
     }
 }

@@ -59,6 +59,21 @@ fn reference() -> (Vec<f32>, u64) {
     reference_with(State::F32)
 }
 
+/// The gradient bytes one process holds after a backward on the whole batch, by the
+/// meter (run in a rank's process, where nothing else runs beside it).
+fn reference_gradient_bytes() -> u64 {
+    let (vs, net) = network();
+    let (x, y) = data();
+    let params = vs.trainable_variables();
+    let baseline = memory_allocated(Device::Cpu);
+    net.forward(&x)
+        .mse_loss(&y, tch::Reduction::Mean)
+        .backward();
+    let held = memory_allocated(Device::Cpu) - baseline;
+    drop(params);
+    held
+}
+
 /// Single-process training on the whole batch with the given state precision.
 fn reference_with(state: State) -> (Vec<f32>, u64) {
     let (vs, net) = network();
@@ -82,14 +97,23 @@ fn reference_with(state: State) -> (Vec<f32>, u64) {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Strategy {
     Ddp,
+    /// ZeRO-1, or ZeRO-2 in buckets of at most 256 bytes (4 buckets: the parameters of
+    /// 16, 256, 64 and 512 bytes each get their own), reducing every micro-batch.
     Zero(ZeroStage),
+    /// ZeRO-2 in one bucket, with the micro-batches before the last inside `no_sync`.
+    Zero2NoSync,
 }
 
-const STRATEGIES: [Strategy; 3] = [
+const STRATEGIES: [Strategy; 4] = [
     Strategy::Ddp,
     Strategy::Zero(ZeroStage::One),
     Strategy::Zero(ZeroStage::Two),
+    Strategy::Zero2NoSync,
 ];
+
+/// Stage 2's bucket cap in the parity runs, and the buckets it makes.
+const SMALL_BUCKETS: u64 = 256;
+const SMALL_BUCKET_COUNT: u64 = 4;
 
 /// The lower precisions, under ZeRO-2, with their block and how far 20 steps may end
 /// from one process with the same precision (relative to the largest parameter): bf16
@@ -191,13 +215,42 @@ fn train_rank(group: &ProcessGroup, strategy: Strategy, micro: i64, out: &Path) 
             writeln!(figures, "reductions {}", ddp.reductions()).unwrap();
             writeln!(figures, "state_bytes {}", opt.state_bytes()).unwrap();
         }
-        Strategy::Zero(stage) => {
-            let mut zero = ZeroOptimizer::new(group, &params, CONFIG, Options::default(), stage)
-                .expect("zero");
+        Strategy::Zero(_) | Strategy::Zero2NoSync => {
+            let (stage, cap) = match strategy {
+                Strategy::Zero(ZeroStage::Two) => (ZeroStage::Two, SMALL_BUCKETS),
+                Strategy::Zero(stage) => (stage, 25 << 20),
+                _ => (ZeroStage::Two, 25 << 20),
+            };
+            let mut zero = ZeroOptimizer::with_bucket_cap(
+                group,
+                &params,
+                CONFIG,
+                Options::default(),
+                stage,
+                cap,
+            )
+            .expect("zero");
             for step in 0..STEPS {
                 let before = group.bytes_sent();
+                // The gradients held after backward, by the meter: what the micro-batches
+                // leave allocated (their graphs are freed by then).
+                let baseline = memory_allocated(Device::Cpu);
                 for m in 0..micro {
-                    loss_of(m).backward();
+                    if strategy == Strategy::Zero2NoSync && m < micro - 1 {
+                        zero.no_sync(|| loss_of(m).backward());
+                    } else {
+                        loss_of(m).backward();
+                    }
+                }
+                if step == STEPS - 1 {
+                    let held = memory_allocated(Device::Cpu) - baseline;
+                    writeln!(figures, "gradient_bytes_after_backward {held}").unwrap();
+                    writeln!(
+                        figures,
+                        "reported_gradient_bytes_after_backward {}",
+                        zero.gradient_bytes()
+                    )
+                    .unwrap();
                 }
                 zero.f_step().expect("step");
                 sent.push(group.bytes_sent() - before);
@@ -215,6 +268,8 @@ fn train_rank(group: &ProcessGroup, strategy: Strategy, micro: i64, out: &Path) 
             }
             writeln!(figures, "state_bytes {}", zero.state_bytes()).unwrap();
             writeln!(figures, "padded {}", zero.padded_len()).unwrap();
+            writeln!(figures, "reductions {}", zero.reductions()).unwrap();
+            writeln!(figures, "buckets {}", zero.bucket_count()).unwrap();
             // The state by the meter: what dropping the optimizer frees, less its shard.
             let held = memory_allocated(Device::Cpu);
             drop(zero);
@@ -246,6 +301,11 @@ fn parity_worker() {
         ..Default::default()
     };
     let group = init_process_group(&options).expect("join the group");
+    std::fs::write(
+        out.join(format!("single_grads-rank{}", group.rank())),
+        reference_gradient_bytes().to_string(),
+    )
+    .expect("write the reference");
     for strategy in STRATEGIES {
         for micro in [1, 2] {
             train_rank(&group, strategy, micro, &out);
@@ -326,8 +386,15 @@ fn check_world(n: usize) {
     common::run_ranks("parity_worker", n, dir.path()).expect("every rank succeeds");
     check_low_precisions(dir.path(), n);
     let (expected, single_state) = reference();
+    // Measured in a rank's process (the meter counts the whole process, and the tests
+    // of this binary run side by side).
+    let single_grads: u64 = std::fs::read_to_string(dir.path().join("single_grads-rank0"))
+        .expect("rank 0 wrote the reference")
+        .parse()
+        .expect("a number");
     let n64 = n as u64;
     let grad_bytes = 4 * NUMEL as u64;
+    assert_eq!(single_grads, grad_bytes, "one process holds every gradient");
     for strategy in STRATEGIES {
         for micro in [1, 2] {
             for rank in 0..n {
@@ -353,7 +420,11 @@ fn check_world(n: usize) {
                         );
                         assert_eq!(f["state_bytes"], single_state);
                     }
-                    Strategy::Zero(stage) => {
+                    Strategy::Zero(_) | Strategy::Zero2NoSync => {
+                        let stage = match strategy {
+                            Strategy::Zero(stage) => stage,
+                            _ => ZeroStage::Two,
+                        };
                         let padded = f["padded"];
                         assert_eq!(padded % n64, 0);
                         assert!(
@@ -371,9 +442,19 @@ fn check_world(n: usize) {
                         // Dropping the optimizer frees the shard of parameters and the state.
                         assert_eq!(f["freed_by_drop"], 4 * shard + f["state_bytes"], "{tag}");
                         let gather = (n64 - 1) * 4 * shard;
-                        let (reduce, grads) = match stage {
-                            ZeroStage::One => (4 * padded * 2 * (n64 - 1) / n64, grad_bytes),
-                            ZeroStage::Two => (4 * padded * (n64 - 1) / n64, 4 * shard),
+                        let (reduce, grads, after_backward) = match stage {
+                            ZeroStage::One => {
+                                (4 * padded * 2 * (n64 - 1) / n64, grad_bytes, single_grads)
+                            }
+                            // One reduction of the padded gradients per synchronized
+                            // backward, each rank sending all but its own slice.
+                            ZeroStage::Two => {
+                                let backwards = match strategy {
+                                    Strategy::Zero2NoSync => 1,
+                                    _ => micro as u64,
+                                };
+                                (backwards * 4 * (padded - shard), 4 * shard, 4 * shard)
+                            }
                         };
                         assert_eq!(sent, reduce + gather, "{tag}: bytes sent per step");
                         assert_eq!(
@@ -381,6 +462,32 @@ fn check_world(n: usize) {
                             "{tag}: gradient bytes held after the step"
                         );
                         assert_eq!(f["reported_gradient_bytes"], grads, "{tag}");
+                        assert_eq!(
+                            f["gradient_bytes_after_backward"], after_backward,
+                            "{tag}: gradient bytes held after backward, by the meter"
+                        );
+                        assert_eq!(
+                            f["reported_gradient_bytes_after_backward"], after_backward,
+                            "{tag}"
+                        );
+                        if stage == ZeroStage::Two {
+                            // 1/N of one process's gradients, plus at most one value of
+                            // padding (the block of f32 state).
+                            assert!(
+                                after_backward <= single_grads / n64 + 4,
+                                "{tag}: {after_backward} against {single_grads} on one process"
+                            );
+                        }
+                        let (buckets, reductions) = match strategy {
+                            Strategy::Zero(ZeroStage::One) => (0, 0),
+                            Strategy::Zero(ZeroStage::Two) => (
+                                SMALL_BUCKET_COUNT,
+                                STEPS as u64 * micro as u64 * SMALL_BUCKET_COUNT,
+                            ),
+                            _ => (1, STEPS as u64),
+                        };
+                        assert_eq!(f["buckets"], buckets, "{tag}");
+                        assert_eq!(f["reductions"], reductions, "{tag}");
                     }
                 }
             }

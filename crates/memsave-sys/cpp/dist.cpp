@@ -165,6 +165,32 @@ int ms_dist_all_gather(void* group, at::Tensor* output, at::Tensor* input) {
   })
 }
 
+// Sends `input_counts[r]` values of `input` (in rank order) to rank r and receives
+// `output_counts[r]` values from rank r into `output` (in rank order): c10d's
+// `alltoall_base`, Gloo's alltoallv. `n` is the length of both count arrays (the world size).
+int ms_dist_all_to_all(void* group, at::Tensor* output, at::Tensor* input, const int64_t* output_counts,
+                       const int64_t* input_counts, int n) {
+  MS_TRY({
+    auto g = static_cast<GroupHandle*>(group);
+    as_rank(g->rank, "all_to_all", [&] {
+      MS_CHECK(n == g->size, "got ", n, " split sizes; expected the world size ", g->size);
+      std::vector<int64_t> out_counts(output_counts, output_counts + n);
+      std::vector<int64_t> in_counts(input_counts, input_counts + n);
+      int64_t out_total = 0, in_total = 0;
+      for (int r = 0; r < n; ++r) {
+        MS_CHECK(out_counts[r] >= 0 && in_counts[r] >= 0, "split sizes must not be negative");
+        out_total += out_counts[r];
+        in_total += in_counts[r];
+      }
+      MS_CHECK(out_total == output->numel(), "output has ", output->numel(), " values; the output split sizes add up to ",
+               out_total);
+      MS_CHECK(in_total == input->numel(), "input has ", input->numel(), " values; the input split sizes add up to ",
+               in_total);
+      finish(g, g->pg->alltoall_base(*output, *input, out_counts, in_counts, c10d::AllToAllOptions()));
+    });
+  })
+}
+
 // Copies `t` of rank `src` into `t` of every rank.
 int ms_dist_broadcast(void* group, at::Tensor* t, int src) {
   MS_TRY({

@@ -172,6 +172,38 @@ impl GlooGroup {
         })
     }
 
+    /// Sends `input_counts[r]` values of `input` (taken in rank order) to rank `r`, and
+    /// receives `output_counts[r]` values from rank `r` into `output` (in rank order):
+    /// c10d's `alltoall_base`. Both count slices have one entry per rank.
+    pub fn all_to_all(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_counts: &[i64],
+        input_counts: &[i64],
+    ) -> Result<()> {
+        if output_counts.len() != input_counts.len() {
+            return Err(crate::Error::new(format!(
+                "all_to_all: {} output split sizes but {} input split sizes",
+                output_counts.len(),
+                input_counts.len()
+            )));
+        }
+        let n = c_int_of("number of split sizes", output_counts.len())?;
+        // SAFETY: `ptr` is live; both tensors are live tch tensors; the count slices
+        // have `n` entries each and outlive the call, which only reads them.
+        check(unsafe {
+            ffi::ms_dist_all_to_all(
+                self.ptr,
+                output.as_ptr() as *mut _,
+                input.as_ptr() as *mut _,
+                output_counts.as_ptr(),
+                input_counts.as_ptr(),
+                n,
+            )
+        })
+    }
+
     /// Copies rank `src`'s `t` into `t` on every rank.
     pub fn broadcast(&self, t: &Tensor, src: usize) -> Result<()> {
         let src = c_int_of("source rank", src)?;

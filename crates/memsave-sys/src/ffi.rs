@@ -202,6 +202,14 @@ extern "C" {
         output: *mut C_tensor,
         input: *mut C_tensor,
     ) -> c_int;
+    pub fn ms_dist_all_to_all(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+        output_counts: *const i64,
+        input_counts: *const i64,
+        n: c_int,
+    ) -> c_int;
     pub fn ms_dist_broadcast(group: *mut c_void, t: *mut C_tensor, src: c_int) -> c_int;
     pub fn ms_dist_barrier(group: *mut c_void) -> c_int;
     pub fn ms_dist_set_grad(t: *mut C_tensor, grad: *const C_tensor) -> c_int;

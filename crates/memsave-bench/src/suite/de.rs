@@ -7,7 +7,7 @@
 //! entry's deserializer (a `DeserializeSeed`), so no state outlives one parse.
 use super::model::{
     DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
-    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
+    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS, MAX_WORLD_SIZE,
 };
 use super::strategy::{claim_name, deserialize_strategy, StrategySpec};
 use memsave_meter::Bytes;
@@ -370,6 +370,7 @@ struct RawSuite {
     #[serde(default = "three")]
     repeats: Positive,
     memory_limit: Option<Size>,
+    world_size: Option<Positive<MAX_WORLD_SIZE>>,
     models: UniqueList<ModelSpec>,
     strategies: UniqueList<StrategySpec>,
 }
@@ -398,6 +399,8 @@ impl<'de> Deserialize<'de> for Suite {
             memory_limit: raw.memory_limit,
             models: raw.models.0,
             strategies: raw.strategies.0,
+            world_size: raw.world_size.map(Positive::usize),
+            source: None,
         })
     }
 }

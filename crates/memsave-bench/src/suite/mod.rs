@@ -17,6 +17,7 @@
 //! warmup: 1                  # unmeasured steps per case (default 1)
 //! repeats: 3                 # measured steps per case, at least 1 (default 3)
 //! memory_limit: 8GiB         # simulated CPU capacity, positive (default: none)
+//! world_size: 2              # run every case on N ranks, 1..=64 (default: one process)
 //! models:                    # at least one; names unique
 //!   - {name: m, kind: residual_linear, layers: 10, hidden: 512, batch: [50, 100]}
 //!   - {name: mlp, kind: residual_mlp, layers: 4, hidden: 256, expansion: 4, batch: [16]}
@@ -36,6 +37,7 @@
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
 //!   - optimizer: {kind: adamw, state: int8, in_backward: true, placement: device}
+//!   - {name: zero2, with: [{zero: 2}, {optimizer: {kind: adamw}}]}  # needs world_size
 //! ```
 //!
 //! A strategy without `name:` is named canonically: `checkpoint(segments=3)`,
@@ -88,7 +90,7 @@ mod strategy;
 pub use error::SuiteError;
 pub use model::{
     DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
-    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS,
+    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS, MAX_WORLD_SIZE,
 };
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 pub use strategy::{
@@ -111,6 +113,9 @@ impl Suite {
 
     /// Parses and validates `source`; `file` names it in error messages.
     pub fn from_yaml(source: &str, file: &str) -> Result<Suite, SuiteError> {
-        serde_yaml::from_str(source).map_err(|e| SuiteError::from_yaml(file, &e))
+        let mut suite: Suite =
+            serde_yaml::from_str(source).map_err(|e| SuiteError::from_yaml(file, &e))?;
+        suite.source = Some(source.to_owned());
+        Ok(suite)
     }
 }

@@ -17,6 +17,9 @@ pub const MAX_INPUT_ELEMENTS: u64 = 1 << 32;
 /// Most libtorch threads a suite may ask for.
 pub const MAX_THREADS: u64 = 1024;
 
+/// Most ranks (`world_size`) a suite may ask for: each is a process on this machine.
+pub const MAX_WORLD_SIZE: u64 = 64;
+
 /// A benchmark suite: models, strategies, and how to run them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Suite {
@@ -38,6 +41,12 @@ pub struct Suite {
     pub models: Vec<ModelSpec>,
     /// The strategies, each run on every model.
     pub strategies: Vec<StrategySpec>,
+    /// `world_size: N`: every case runs on N ranks (processes on 127.0.0.1 started by
+    /// the launcher), data parallel or ZeRO (see [`crate::distributed`]).
+    pub world_size: Option<usize>,
+    /// The YAML text the suite was parsed from (the ranks of a distributed run read it
+    /// again); `None` for a suite built otherwise.
+    pub source: Option<String>,
 }
 
 /// `device:` in a suite.

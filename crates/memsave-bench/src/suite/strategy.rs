@@ -149,6 +149,10 @@ pub enum Technique {
     /// Saved activations kept on disk or in host memory until backward
     /// (`memsave_hooks::DiskOffload`, `memsave_hooks::SaveOnCpu`).
     Offload(OffloadSpec),
+    /// `zero: 1 | 2`: the optimizer's state (stage 1), and the gradients (stage 2),
+    /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`).
+    /// Needs `world_size` and an `optimizer`.
+    Zero(u8),
     /// HF accelerate's `find_executable_batch_size`: halve the batch on each
     /// out-of-memory error under the simulated capacity (`budget`, else the suite's
     /// `memory_limit`), without raising accumulation, so the global batch shrinks.
@@ -268,6 +272,7 @@ impl Technique {
                 format!("offload(to=disk, dir={dir})")
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
+            Technique::Zero(stage) => format!("zero(stage={stage})"),
             Technique::AutoBatch(AutoBatchSpec { budget: None }) => {
                 "auto_batch(policy=halving)".into()
             }
@@ -300,6 +305,7 @@ impl Technique {
             Technique::Compress(_) | Technique::Offload(_) => {
                 "saved-tensor hook (compress, offload)"
             }
+            Technique::Zero(_) => "zero",
             Technique::AutoBatch(_) => "auto_batch",
             Technique::Fit(_) => "fit",
         }
@@ -456,7 +462,7 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 9] = [
+const WITH_ARGS: [&str; 10] = [
     "checkpoint",
     "autocast",
     "accumulate",
@@ -464,6 +470,7 @@ const WITH_ARGS: [&str; 9] = [
     "optimizer",
     "compress",
     "offload",
+    "zero",
     "auto_batch",
     "fit",
 ];
@@ -490,6 +497,7 @@ fn example_args(name: &str) -> &'static str {
         "optimizer" => "{kind: adamw}",
         "compress" => "{dtype: int8}",
         "offload" => "{to: disk}",
+        "zero" => "2",
         "auto_batch" => "{policy: halving, budget: 40MiB}",
         "fit" => "{budget: 40MiB}",
         _ => "{micro_batches: 4}",
@@ -519,6 +527,7 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
         "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
+        "zero" => Technique::Zero(map.next_value::<ZeroStageArg>()?.0),
         "auto_batch" => Technique::AutoBatch(auto_batch_args(map.next_value::<AutoBatchArgs>()?)?),
         "fit" => Technique::Fit(fit_args(map.next_value::<FitArgs>()?)?),
         _ if PLAIN.contains(&key) => {
@@ -528,6 +537,38 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         }
         _ => return Err(unknown_strategy(key)),
     })
+}
+
+/// `zero: 1 | 2`, reported at the value's position when it is neither.
+struct ZeroStageArg(u8);
+
+impl<'de> Deserialize<'de> for ZeroStageArg {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = ZeroStageArg;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a ZeRO stage: 1 or 2")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ZeroStageArg, E> {
+                match v {
+                    1 | 2 => Ok(ZeroStageArg(v as u8)),
+                    _ => Err(E::custom(format!(
+                        "a ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients), got {v}"
+                    ))),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ZeroStageArg, E> {
+                match u64::try_from(v) {
+                    Ok(v) => self.visit_u64(v),
+                    Err(_) => Err(E::custom(format!(
+                        "a ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients), got {v}"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// A technique inside a `with:` list: a name or a one-key mapping.
