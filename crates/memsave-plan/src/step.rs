@@ -61,7 +61,7 @@ pub trait StepObserver {
     fn step_event(&self, event: StepEvent);
 }
 
-struct Unobserved;
+pub(crate) struct Unobserved;
 
 impl StepObserver for Unobserved {
     fn step_event(&self, _: StepEvent) {}

@@ -37,11 +37,27 @@
 //! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real
 //! step of it under the budget (on the CPU, the meter's `set_memory_limit`: an
 //! allocation past the budget fails at once) and reports the prediction, the
-//! measurement, and the Pareto front of peak against time.
+//! measurement, and the Pareto front of peak against time. Times predicted from small
+//! runs are off by tens of percent, more than separates close configurations, so up
+//! to four runners-up predicted within 1.5× of the choice's time are run at their
+//! real size under the budget too, and the fastest measured is the choice. On the
+//! CPU, a runner-up may be one predicted within the budget but not within the
+//! margin: the simulated capacity fails its run at once if it does not fit, and it
+//! is chosen only measured within the budget (on CUDA, where an allocation past the
+//! budget may succeed or fail for real, only those within the margin run).
 //!
-//! The budget is the peak above the parameters and the input batch, the optimizer's
-//! state counted (the first step of a fresh optimizer allocates it), the same
-//! definition as `memsave bench`'s `peak_bytes`.
+//! When the two small runs do not make the same allocations in the same order
+//! (libtorch picks kernels, and their scratch buffers, by size), the peak can only be
+//! extrapolated along a line, which undershoots when the peak moves from the end of
+//! backward to its start as the batch grows; the probes then step up towards the real
+//! size, until they line up or the real size itself is measured.
+//!
+//! The budget is for the step's peak above what persists from step to step: the
+//! parameters, the optimizer's state and the input batch. That is the definition of
+//! `memsave bench`'s `peak_bytes` (and of PyTorch's reference on the same suite),
+//! which measure after a warm-up step. Warning: the optimizer's state is not in the
+//! budget (AdamW's is twice the parameters): leave room for it (`memsave-optim`'s
+//! 8-bit state is a quarter of that).
 //!
 //! Traps: the workload's weights are put back after every run, but its checkpoint
 //! schedule is left as the choice's (that is the point) and its gradients are freed.
@@ -161,6 +177,9 @@ pub struct FitReport {
     /// Small runs (while predicting) that did not fit the budget and were retried at
     /// half the micro-batch.
     pub small_runs_over_budget: usize,
+    /// Runners-up (see the module docs) that did not fit the budget when run at their
+    /// real size; they are left out, the choice stands.
+    pub runners_up_over_budget: usize,
     /// Why this configuration, in a sentence or two.
     pub why: String,
     /// Configurations no other beats in both predicted peak and time, by peak.
@@ -277,7 +296,7 @@ pub enum FitError {
     #[error("the margin must be at least 0 and below 1 (got {0})")]
     BadMargin(f64),
     /// Nothing fits.
-    #[error("no configuration fits {budget}: the smallest peak found is {smallest} ({how}); {hint}", budget = Bytes(*budget_bytes), smallest = Bytes(*smallest_bytes))]
+    #[error("no configuration fits {budget}: the least memory found is {how}; {hint}", budget = Bytes(*budget_bytes))]
     Infeasible {
         /// The budget asked for.
         budget_bytes: u64,

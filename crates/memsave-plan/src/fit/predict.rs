@@ -45,15 +45,17 @@ pub(crate) struct Affine {
 
 impl Affine {
     /// The model of two probes at micro-batch sizes `size1 <= size2`, each with
-    /// `micro_batches` micro-batches of that size.
+    /// `micro_batches` micro-batches of that size (for a probe of uneven micro-batches,
+    /// the examples it ran over `size2`: its time per `size2` examples is its time
+    /// over that).
     pub(crate) fn fit(
         size1: i64,
         p1: &Probe,
         size2: i64,
         p2: &Probe,
-        micro_batches: usize,
+        micro_batches: f64,
     ) -> Affine {
-        let n = micro_batches.max(1) as f64;
+        let n = micro_batches.max(1.0);
         let mb = |p: &Probe| ((p.time_s - p.optimizer_time_s).max(0.0)) / n;
         let series = match (&p1.series, &p2.series) {
             (Some(a), Some(b)) if size1 < size2 && a.len() == b.len() && !a.is_empty() => {
@@ -80,7 +82,6 @@ impl Affine {
     }
 
     /// True when the peak is extrapolated moment by moment (the probes lined up).
-    #[cfg(test)]
     pub(crate) fn is_exact(&self) -> bool {
         self.series.is_some()
     }
@@ -219,10 +220,10 @@ mod tests {
     #[test]
     fn peak_extrapolates_the_line_through_two_probes() {
         // 1000 fixed bytes and 100 per example.
-        let a = Affine::fit(2, &probe(1200, 0.2), 4, &probe(1400, 0.4), 1);
+        let a = Affine::fit(2, &probe(1200, 0.2), 4, &probe(1400, 0.4), 1.0);
         assert_eq!(a.peak(10), Some(2000));
         assert_eq!(a.peak(4), Some(1400));
-        let single = Affine::fit(3, &probe(900, 0.1), 3, &probe(900, 0.1), 1);
+        let single = Affine::fit(3, &probe(900, 0.1), 3, &probe(900, 0.1), 1.0);
         assert_eq!(single.peak(3), Some(900));
         assert_eq!(single.peak(4), None);
         assert!((a.time(&[10]) - 1.0).abs() < 1e-12);
@@ -238,7 +239,7 @@ mod tests {
             series: Some(Arc::new(vec![100 * size, 1000])),
             ..probe(peak, 0.1)
         };
-        let a = Affine::fit(2, &with(2, 1000), 4, &with(4, 1000), 1);
+        let a = Affine::fit(2, &with(2, 1000), 4, &with(4, 1000), 1.0);
         assert!(a.is_exact());
         assert_eq!(a.peak(20), Some(2000));
         // Runs that did not make the same events: the line through the peaks.
@@ -246,7 +247,7 @@ mod tests {
             series: Some(Arc::new(vec![1, 2, 3])),
             ..probe(1000, 0.1)
         };
-        let b = Affine::fit(2, &with(2, 1000), 4, &unaligned, 1);
+        let b = Affine::fit(2, &with(2, 1000), 4, &unaligned, 1.0);
         assert!(!b.is_exact());
         assert_eq!(b.peak(20), Some(1000));
     }
@@ -260,7 +261,7 @@ mod tests {
             second_micro_batch: Some(1),
             ..probe(1000 + 100 * size as u64, 0.1)
         };
-        let a = Affine::fit(2, &with(2), 4, &with(4), 2);
+        let a = Affine::fit(2, &with(2), 4, &with(4), 2.0);
         assert_eq!(a.peak_split(7, 6), Some(1600));
         assert_eq!(a.peak(7), Some(1700));
     }

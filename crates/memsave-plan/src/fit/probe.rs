@@ -1,8 +1,8 @@
 //! Running one configuration for real on a batch of a given size: the peak above the
-//! parameters and input (the optimizer's state counted), and the step time.
+//! parameters, input and optimizer's state, and the step time.
 use super::choice::Choice;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
-use crate::step::{f_step_observed, StepEvent, StepObserver};
+use crate::step::{f_step_observed, StepEvent, StepObserver, Unobserved};
 use crate::workload::Workload;
 use memsave_checkpoint::Schedule;
 use std::cell::Cell;
@@ -14,7 +14,7 @@ use std::time::Instant;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Probe {
     /// Highest allocation over the runs minus the allocation before the first one
-    /// (parameters and input; a fresh optimizer's state is counted).
+    /// (parameters, input, and the optimizer's state after a warm-up step).
     pub peak_bytes: u64,
     /// The fastest run's step time, seconds.
     pub time_s: f64,
@@ -66,9 +66,11 @@ impl StepObserver for Clock {
 
 /// Runs `choice` `runs` times on `batch` examples split into `micro_batches`, with the
 /// choice's schedule on the layers and a fresh optimizer (the workload's, changed by
-/// the choice's levers); the weights are put back afterwards. With `budget`, the
+/// the choice's levers) warmed up by a step of one example per micro-batch; the
+/// weights are put back afterwards. With `budget`, the
 /// meter's simulated capacity is the allocation before the first run plus `budget`
-/// during the runs (on the CPU; on CUDA the measured peak is compared instead).
+/// during the runs (on the CPU; on CUDA the measured peak is compared instead). With
+/// `record` (on the CPU), the first run records its allocations for the prediction.
 pub(crate) fn probe(
     workload: &mut dyn Workload,
     choice: &Choice,
@@ -76,6 +78,7 @@ pub(crate) fn probe(
     micro_batches: usize,
     runs: usize,
     budget: Option<u64>,
+    record: bool,
 ) -> Result<Probe, ProbeError> {
     let device = workload.device();
     let layers = workload.layers().len();
@@ -97,6 +100,41 @@ pub(crate) fn probe(
         Some(_) => Some(SavedWeights::save(&params).map_err(ProbeError::Failed)?),
         None => None,
     };
+    let mut optimizer = config
+        .optimizer
+        .map(|spec| CaseOptimizer::build(&spec, &params))
+        .transpose()
+        .map_err(ProbeError::Failed)?;
+    if let Some(optimizer) = optimizer.as_mut() {
+        // The optimizer's state persists from step to step, like the parameters: it
+        // is there before the step (a warm-up step of one example per micro-batch,
+        // outside the budget, allocates it), and the peak is measured above it, as
+        // `memsave bench` measures it after its warm-up.
+        let size = micro_batches.max(1) as i64;
+        let warm = workload
+            .batch(size)
+            .map_err(|e| ProbeError::Failed(format!("making a batch of {size}: {e}")))?;
+        panic::catch_unwind(AssertUnwindSafe(|| {
+            f_step_observed(
+                &*workload,
+                &warm,
+                &config,
+                device,
+                false,
+                None,
+                Some(optimizer),
+                &Unobserved,
+            )
+        }))
+        .unwrap_or_else(|payload| {
+            Err(format!(
+                "panicked: {}",
+                memsave_sys::checkpoint::panic_message(&*payload)
+            ))
+        })
+        .map_err(|e| ProbeError::Failed(format!("warming up the optimizer: {e}")))?;
+        memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))?;
+    }
     let base =
         memsave_meter::f_memory_allocated(device).map_err(|e| ProbeError::Failed(e.to_string()))?;
     let previous_limit = memsave_meter::memory_limit(device);
@@ -108,17 +146,13 @@ pub(crate) fn probe(
             .map_err(|e| ProbeError::Failed(e.to_string()))?;
     }
     let outcome = (|| {
-        let mut optimizer = config
-            .optimizer
-            .map(|spec| CaseOptimizer::build(&spec, &params))
-            .transpose()
-            .map_err(ProbeError::Failed)?;
         let mut best: Option<Probe> = None;
         let mut peak = 0;
         let mut series = None;
         let mut second = None;
         for run in 0..runs.max(1) {
-            let recording = run == 0
+            let recording = record
+                && run == 0
                 && device == tch::Device::Cpu
                 && memsave_sys::alloc::start_recording().unwrap_or(false);
             let clock = Clock {

@@ -12,8 +12,20 @@ use memsave_meter::Bytes;
 use std::collections::HashMap;
 use std::time::Instant;
 
-/// Runs per small probe; the fastest gives the time, the highest the peak.
-const PROBE_RUNS: usize = 2;
+/// Runs per small probe; the fastest gives the time, the highest the peak. The first
+/// runs at a new size are slow (the allocator maps fresh pages, caches are cold) and
+/// the first records every allocation: two would leave one run for the time.
+const PROBE_RUNS: usize = 3;
+
+/// Runs of a configuration at its real size (the confirmation, runners-up).
+const REAL_RUNS: usize = 2;
+
+/// Runners-up predicted within this factor of the choice's time (the larger of its
+/// predicted and measured) are measured too.
+const RACE_WITHIN: f64 = 1.5;
+
+/// At most this many runners-up are measured.
+const RACE_MAX: usize = 4;
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
@@ -51,6 +63,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         affines: HashMap::new(),
         profiles: None,
         small_over: 0,
+        probes: HashMap::new(),
     };
     let has_optimizer = search.workload.optimizer().is_some();
     let lever_sets = lever_sets(request, has_optimizer);
@@ -62,18 +75,46 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             .filter_map(|c| c.predicted_step_time_s)
             .fold(f64::INFINITY, f64::min)
     };
+    // Per lever set, its predicted time over the plain step's, from the first split
+    // it was evaluated at: a lever costs about the same share of the step at any split.
+    let mut cost_ratio: HashMap<Levers, f64> = HashMap::new();
+    let cheap = |l: &Levers| !l.offload && !l.compress;
     for k in splits(global) {
         let m = div_ceil(global, k as i64);
-        let mut plain_fits = false;
-        let mut plain_time = None;
-        for levers in lever_sets.iter().filter(|l| k == 1 || !l.in_backward) {
-            let choice = levers.apply(Choice::new(global, k));
-            let candidate = search.evaluate(&choice, m, k, None)?;
-            if levers.is_plain() {
-                plain_fits = candidate.predicted_fits;
-                plain_time = candidate.predicted_step_time_s;
+        let usable = |l: &&Levers| k == 1 || !l.in_backward;
+        // The plain step, then the levers that cost little to probe, then recompute,
+        // and last offload and compression (slow to probe), which are skipped where
+        // their known cost over the plain step cannot beat what already fits.
+        let plain = search.evaluate(&Choice::new(global, k), m, k, None)?;
+        let plain_fits = plain.predicted_fits;
+        let plain_time = plain.predicted_step_time_s;
+        candidates.push(plain);
+        let mut evaluate = |search: &mut Search<'_>,
+                            candidates: &mut Vec<Candidate>,
+                            levers: &Levers|
+         -> Result<(), FitError> {
+            if !request.exhaustive {
+                if let (Some(r), Some(t)) = (cost_ratio.get(levers), plain_time) {
+                    if r * t >= best(candidates) {
+                        return Ok(());
+                    }
+                }
+            }
+            let candidate = search.evaluate(&levers.apply(Choice::new(global, k)), m, k, None)?;
+            if let (Some(t), Some(p)) = (candidate.predicted_step_time_s, plain_time) {
+                if p > 0.0 {
+                    cost_ratio.entry(*levers).or_insert(t / p);
+                }
             }
             candidates.push(candidate);
+            Ok(())
+        };
+        for levers in lever_sets
+            .iter()
+            .filter(usable)
+            .filter(|l| !l.is_plain() && cheap(l))
+        {
+            evaluate(&mut search, &mut candidates, levers)?;
         }
         // Every lever costs time on top of the plain step: once the plain step with
         // this many micro-batches is predicted slower than something that fits, more
@@ -83,10 +124,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             break;
         }
         if !plain_fits {
-            for levers in lever_sets
-                .iter()
-                .filter(|l| (k == 1 || !l.in_backward) && !l.offload && !l.compress)
-            {
+            for levers in lever_sets.iter().filter(usable).filter(|l| cheap(l)) {
                 let base = levers.apply(Choice::new(global, k));
                 if let Some(candidate) = search.recompute(&base, m, k)? {
                     candidates.push(candidate);
@@ -95,6 +133,9 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         }
         if plain_fits && !request.exhaustive {
             break; // more micro-batches only add per-micro-batch overhead
+        }
+        for levers in lever_sets.iter().filter(usable).filter(|l| !cheap(l)) {
+            evaluate(&mut search, &mut candidates, levers)?;
         }
     }
 
@@ -110,16 +151,20 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     }
     let mut tries = 0;
     let mut chosen = None;
+    // Candidates run at their real size already.
+    let mut run_already = std::collections::HashSet::new();
     for &i in &order {
         tries += 1;
+        run_already.insert(i);
         let c = &candidates[i].choice;
         match probe(
             search.workload,
             c,
             global,
             c.micro_batches,
-            PROBE_RUNS,
+            REAL_RUNS,
             Some(request.budget_bytes),
+            false,
         ) {
             Ok(p) => {
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
@@ -133,15 +178,80 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
         }
     }
-    let Some(chosen) = chosen else {
+    let Some(mut chosen) = chosen else {
         return Err(search.infeasible(&candidates, request)?);
     };
+
+    // Predicted times come from small runs and are off by tens of percent, more than
+    // separates close configurations: runners-up that could be faster are run at
+    // their real size under the budget too, and the fastest measured wins. On the CPU
+    // (where the simulated capacity fails an allocation past the budget at once) a
+    // runner-up predicted within the budget but not within the margin may run too:
+    // measured within the budget, it is as safe as the rest.
+    let chosen_time = candidates[chosen]
+        .predicted_step_time_s
+        .unwrap_or(0.0)
+        .max(candidates[chosen].measured_step_time_s.unwrap_or(0.0));
+    let cpu = search.workload.device() == tch::Device::Cpu;
+    let mut racers: Vec<usize> = (0..candidates.len())
+        .filter(|i| !run_already.contains(i))
+        .filter(|&i| {
+            let c = &candidates[i];
+            let within = if cpu {
+                c.predicted_peak_bytes
+                    .is_some_and(|p| p <= request.budget_bytes)
+            } else {
+                c.predicted_fits
+            };
+            within
+                && c.predicted_step_time_s
+                    .is_some_and(|t| t <= chosen_time * RACE_WITHIN)
+        })
+        .collect();
+    racers.sort_by(|&a, &b| {
+        let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
+        t(a).total_cmp(&t(b))
+    });
+    racers.truncate(RACE_MAX);
+    let mut raced = 1;
+    let mut runners_up_over_budget = 0;
+    for i in racers {
+        run_already.insert(i);
+        let c = candidates[i].choice.clone();
+        match probe(
+            search.workload,
+            &c,
+            global,
+            c.micro_batches,
+            REAL_RUNS,
+            Some(request.budget_bytes),
+            false,
+        ) {
+            Ok(p) => {
+                raced += 1;
+                candidates[i].measured_peak_bytes = Some(p.peak_bytes);
+                candidates[i].measured_step_time_s = Some(p.time_s);
+                let best = candidates[chosen]
+                    .measured_step_time_s
+                    .unwrap_or(f64::INFINITY);
+                if p.time_s < best {
+                    chosen = i;
+                }
+            }
+            Err(ProbeError::OutOfMemory(e)) => {
+                runners_up_over_budget += 1;
+                candidates[i].note = Some(format!("did not fit when run: {e}"));
+            }
+            // A runner-up that fails is left out; the choice stands.
+            Err(ProbeError::Failed(e)) => candidates[i].note = Some(e),
+        }
+    }
 
     let mut fastest_measured = None;
     if request.exhaustive {
         for (i, c) in candidates.iter_mut().enumerate() {
-            if i == chosen {
-                continue;
+            if run_already.contains(&i) {
+                continue; // the choice, a runner-up, one that did not fit
             }
             let choice = c.choice.clone();
             match probe(
@@ -149,8 +259,9 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
                 &choice,
                 global,
                 choice.micro_batches,
-                PROBE_RUNS,
+                REAL_RUNS,
                 Some(request.budget_bytes),
+                false,
             ) {
                 Ok(p) => {
                     c.measured_peak_bytes = Some(p.peak_bytes);
@@ -182,7 +293,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let _ = search.workload.layers_mut().set_schedule(schedule);
 
     let c = &candidates[chosen];
-    let why = why(c, &candidates, target, request, global);
+    let why = why(c, &candidates, target, request, global, raced);
     Ok(FitReport {
         model: search.workload.name().to_owned(),
         budget_bytes: request.budget_bytes,
@@ -196,6 +307,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         measured_step_time_s: c.measured_step_time_s.unwrap_or(0.0),
         tries,
         small_runs_over_budget: search.small_over,
+        runners_up_over_budget,
         why,
         front: front(&candidates),
         candidates,
@@ -332,6 +444,8 @@ struct Search<'w> {
     affines: HashMap<AffineKey, Option<Affine>>,
     profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
     small_over: usize,
+    /// Small runs made so far, by configuration, size and micro-batch count.
+    probes: HashMap<(String, i64, usize), Option<super::probe::Probe>>,
 }
 
 impl Search<'_> {
@@ -343,17 +457,23 @@ impl Search<'_> {
         choice: &Choice,
         accumulate: bool,
         largest: i64,
+        later: i64,
     ) -> Result<Option<Affine>, FitError> {
         // An offloading configuration with accumulation is run at its own micro-batch
-        // (and half of it): what its store keeps varies from run to run, so it is
-        // measured rather than extrapolated (a micro-batch is cheaper than the step).
+        // sizes, the first and a later one (a step of two micro-batches is cheaper than
+        // the whole step, and what follows the second adds nothing): what its store
+        // keeps does not line up from size to size to be extrapolated.
         let at_size = choice.offload && accumulate;
         let key = (
             format!(
                 "{}|{:?}|{}",
                 lever_key(choice),
                 choice.checkpoint,
-                if at_size { largest } else { 0 }
+                if at_size {
+                    format!("{largest}+{later}")
+                } else {
+                    String::new()
+                }
             ),
             accumulate,
         );
@@ -361,6 +481,14 @@ impl Search<'_> {
             return Ok(a.clone());
         }
         let n = if accumulate { 2 } else { 1 };
+        if at_size {
+            if let Some(p) = self.run_small(choice, largest + later, 2)? {
+                let runs = (largest + later) as f64 / largest as f64;
+                let a = Some(Affine::fit(largest, &p, largest, &p, runs));
+                self.affines.insert(key, a.clone());
+                return Ok(a);
+            }
+        }
         let (mut s1, mut s2) = if at_size {
             (div_ceil(largest, 2).min((largest - 1).max(1)), largest)
         } else {
@@ -368,8 +496,10 @@ impl Search<'_> {
         };
         // The smallest micro-batch known not to fit the budget.
         let mut fails_from = None;
+        // A probe already run at the size `s1` now names.
+        let mut carried: Option<(i64, super::probe::Probe)> = None;
         let affine = loop {
-            let p2 = match self.run_small(choice, s2, n)? {
+            let p2 = match self.run_small(choice, s2 * n as i64, n)? {
                 Some(p) => p,
                 None if s2 == 1 => break None,
                 None => {
@@ -385,14 +515,28 @@ impl Search<'_> {
             };
             let p1 = if s1 == s2 {
                 p2.clone()
+            } else if let Some((_, p)) = carried.take().filter(|(size, _)| *size == s1) {
+                p
             } else {
-                match self.run_small(choice, s1, n)? {
+                match self.run_small(choice, s1 * n as i64, n)? {
                     Some(p) => p,
                     // Smaller but not fitting: memory does not grow with the batch here.
                     None => break None,
                 }
             };
-            break Some(Affine::fit(s1, &p1, s2, &p2, n).failing_from(fails_from));
+            let affine = Affine::fit(s1, &p1, s2, &p2, n as f64).failing_from(fails_from);
+            if !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none() {
+                // The two runs did not make the same allocations in the same order
+                // (libtorch picks kernels, and their scratch buffers, by size: a few
+                // bytes more at one size), so the peak could only be extrapolated
+                // along a line, which a peak that moves from the end of backward to
+                // its start as the batch grows overshoots downwards. Step up towards
+                // the real size, where the runs line up or the real size is measured.
+                carried = Some((s2, p2));
+                (s1, s2) = (s2, (s2 * 2).min(largest));
+                continue;
+            }
+            break Some(affine);
         };
         self.affines.insert(key, affine.clone());
         Ok(affine)
@@ -402,24 +546,37 @@ impl Search<'_> {
     fn run_small(
         &mut self,
         choice: &Choice,
-        size: i64,
+        batch: i64,
         n: usize,
     ) -> Result<Option<super::probe::Probe>, FitError> {
-        match probe(
+        // The same configuration at the same size is run once (accumulation with
+        // offload is probed at each split's own size, and those repeat).
+        let key = (
+            format!("{}|{:?}", lever_key(choice), choice.checkpoint),
+            batch,
+            n,
+        );
+        if let Some(known) = self.probes.get(&key) {
+            return Ok(known.clone());
+        }
+        let outcome = match probe(
             self.workload,
             choice,
-            size * n as i64,
+            batch,
             n,
             PROBE_RUNS,
             Some(self.budget),
+            true,
         ) {
-            Ok(p) => Ok(Some(p)),
+            Ok(p) => Some(p),
             Err(ProbeError::OutOfMemory(_)) => {
                 self.small_over += 1;
-                Ok(None)
+                None
             }
-            Err(ProbeError::Failed(e)) => Err(FitError::Step(e)),
-        }
+            Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+        };
+        self.probes.insert(key, outcome.clone());
+        Ok(outcome)
     }
 
     /// The candidate `choice` with `k` micro-batches of at most `m` examples.
@@ -438,7 +595,8 @@ impl Search<'_> {
         } else {
             self.global
         });
-        let affine = self.affine(choice, accumulate, largest)?;
+        let later = split_sizes(self.global, k).get(1).copied().unwrap_or(m);
+        let affine = self.affine(choice, accumulate, largest, later)?;
         Ok(match affine {
             Some(a) if a.known_over(m) => Candidate {
                 choice: choice.clone(),
@@ -595,17 +753,21 @@ impl Search<'_> {
             .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
             .min_by_key(|(p, _)| *p);
         let mut best_lossy: Option<(u64, String)> = None;
-        for levers in lever_sets(&everything, has_optimizer)
-            .into_iter()
-            .filter(|l| k == 1 || !l.in_backward)
-        {
+        for levers in lever_sets(&everything, has_optimizer) {
+            // One example per micro-batch, or, for the optimizer step in backward
+            // (which frees the gradients accumulation needs), the whole batch at once.
+            let (k, n, batch) = if levers.in_backward {
+                (1, 1, self.global)
+            } else {
+                (k, n, n as i64)
+            };
             let plain = levers.apply(Choice::new(self.global, k));
             let mut choices = vec![plain.clone()];
             if let (Some(s), false) = (&least_memory, levers.offload || levers.compress) {
                 choices.push(plain.with_schedule(Some(s.clone())));
             }
             for choice in choices {
-                let peak = match probe(self.workload, &choice, n as i64, n, 1, None) {
+                let peak = match probe(self.workload, &choice, batch, n, 1, None, true) {
                     Ok(p) => p.peak_bytes,
                     Err(ProbeError::OutOfMemory(_)) => continue,
                     Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
@@ -635,12 +797,15 @@ impl Search<'_> {
                 budget_bytes: request.budget_bytes,
                 smallest_bytes: budget_for(peak, request.margin),
                 how: format!("{how}, predicted peak {}", Bytes(peak)),
-                hint: format!("{hint}give a budget of at least {}", need(peak)),
+                hint: format!(
+                    "{hint}give a budget of at least {} (the peak and the margin)",
+                    need(peak)
+                ),
             },
             None => FitError::Infeasible {
                 budget_bytes: request.budget_bytes,
                 smallest_bytes: request.budget_bytes,
-                how: "no configuration ran at all".into(),
+                how: "none: not even one example per micro-batch ran".into(),
                 hint: format!(
                     "{hint}give a larger budget (the parameters' gradients alone take {})",
                     Bytes(self.gradient_bytes())
@@ -713,6 +878,7 @@ fn why(
     target: u64,
     request: &FitRequest,
     global: i64,
+    raced: usize,
 ) -> String {
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
     let mut why = format!(
@@ -720,6 +886,19 @@ fn why(
         Bytes(target),
         request.margin * 100.0
     );
+    if raced > 1 {
+        why = format!(
+            "the fastest measured of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time",
+            Bytes(target),
+            request.margin * 100.0
+        );
+        if !chosen.predicted_fits {
+            why.push_str(&format!(
+                "; its predicted peak is above the margin, its measured peak {} within the budget",
+                Bytes(chosen.measured_peak_bytes.unwrap_or(0))
+            ));
+        }
+    }
     let t = chosen.predicted_step_time_s.unwrap_or(0.0);
     if let Some(faster) = candidates
         .iter()
