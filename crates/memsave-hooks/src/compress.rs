@@ -3,9 +3,10 @@ use crate::codec::{Codec, Encoded};
 use crate::error::HookError;
 use crate::pass_through::PassThrough;
 use crate::scope::SavedTensorHooks;
+use memsave_sys::tensor::WeakStorage;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use tch::Tensor;
+use std::sync::{Arc, Mutex, Weak};
+use tch::{Kind, Tensor};
 
 /// Saved-tensor hooks that store every saved floating-point activation with a
 /// [`Codec`] (bf16, fp16, fp8 e4m3 or int8 blockwise) and restore its dtype in
@@ -17,7 +18,14 @@ use tch::Tensor;
 /// approximate: each saved value carries the codec's error, and the gradient error
 /// grows with depth. The stored form is freed when backward has used it.
 ///
-/// Clones share their [`CompressStats`]; read them on the original after the forward.
+/// A tensor that several autograd nodes save (a ReLU saves its output, and the
+/// Linear after it saves the same tensor as its input) is stored once while its
+/// stored form is alive: same storage, place, shape, strides, dtype and version.
+/// Storing it twice would hold more than the uncompressed tensor, which the
+/// forward's nodes shared.
+///
+/// Clones share their [`CompressStats`] and what they stored; read the stats on the
+/// original after the forward.
 ///
 /// ```
 /// use memsave_hooks::{saved_tensors_hooks, Codec, Compress};
@@ -41,14 +49,39 @@ pub struct Compress {
     codec: Codec,
     pass: PassThrough,
     stats: Arc<Counters>,
+    stored: Arc<Mutex<Vec<Stored>>>,
 }
 
 #[derive(Debug, Default)]
 struct Counters {
     tensors: AtomicU64,
     passed_through: AtomicU64,
+    shared: AtomicU64,
     original_bytes: AtomicU64,
     stored_bytes: AtomicU64,
+}
+
+/// A tensor stored so far, to find it when it is saved again.
+#[derive(Debug)]
+struct Stored {
+    storage: WeakStorage,
+    data_ptr: usize,
+    size: Vec<i64>,
+    stride: Vec<i64>,
+    kind: Kind,
+    version: u64,
+    encoded: Weak<Mutex<Encoded>>,
+}
+
+impl Stored {
+    fn is(&self, t: &Tensor, version: u64) -> Result<bool, HookError> {
+        Ok(self.data_ptr == t.data_ptr() as usize
+            && self.version == version
+            && self.kind == t.kind()
+            && self.size == t.size()
+            && self.stride == t.stride()
+            && self.storage.is_storage_of(t)?)
+    }
 }
 
 /// What [`Compress`] packed so far (all packs since it was made, freed or not).
@@ -58,6 +91,9 @@ pub struct CompressStats {
     pub tensors: u64,
     /// Tensors kept as they were (parameters, excluded, not taken by the codec).
     pub passed_through: u64,
+    /// Tensors saved again while their stored form was alive, sharing it (not in
+    /// `tensors` or the byte counts).
+    pub shared: u64,
     /// Bytes of the compressed tensors as they were.
     pub original_bytes: u64,
     /// Bytes of their stored form, scales included.
@@ -76,8 +112,23 @@ impl CompressStats {
 pub enum Compressed {
     /// Passed through untouched.
     Kept(Tensor),
-    /// Stored by the codec.
-    Encoded(Encoded),
+    /// Stored by the codec (shared by the packs of one tensor saved twice).
+    Encoded(SharedEncoded),
+}
+
+/// A stored form, shared by the packs of one tensor that several nodes saved.
+#[derive(Debug, Clone)]
+pub struct SharedEncoded(Arc<Mutex<Encoded>>);
+
+impl SharedEncoded {
+    /// Bytes of the stored form, scales included.
+    pub fn stored_bytes(&self) -> u64 {
+        self.lock().stored_bytes()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Encoded> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl Compress {
@@ -87,6 +138,7 @@ impl Compress {
             codec,
             pass: PassThrough::new(),
             stats: Arc::default(),
+            stored: Arc::default(),
         }
     }
 
@@ -108,6 +160,7 @@ impl Compress {
         CompressStats {
             tensors: c.tensors.load(Ordering::Relaxed),
             passed_through: c.passed_through.load(Ordering::Relaxed),
+            shared: c.shared.load(Ordering::Relaxed),
             original_bytes: c.original_bytes.load(Ordering::Relaxed),
             stored_bytes: c.stored_bytes.load(Ordering::Relaxed),
         }
@@ -118,32 +171,50 @@ impl SavedTensorHooks for Compress {
     type Packed = Compressed;
 
     fn pack(&self, tensor: &Tensor) -> Result<Compressed, HookError> {
-        let encoded = if self.pass.contains(tensor)? {
-            None
-        } else {
-            self.codec.f_encode(tensor)?
-        };
         let c = &self.stats;
-        Ok(match encoded {
-            None => {
-                c.passed_through.fetch_add(1, Ordering::Relaxed);
-                Compressed::Kept(tensor.shallow_clone())
+        if self.pass.contains(tensor)? {
+            c.passed_through.fetch_add(1, Ordering::Relaxed);
+            return Ok(Compressed::Kept(tensor.shallow_clone()));
+        }
+        let version = memsave_sys::tensor::version(tensor)?;
+        let mut stored = self.stored.lock().unwrap_or_else(|p| p.into_inner());
+        stored.retain(|s| s.encoded.strong_count() > 0);
+        for s in stored.iter() {
+            if s.is(tensor, version)? {
+                if let Some(encoded) = s.encoded.upgrade() {
+                    c.shared.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Compressed::Encoded(SharedEncoded(encoded)));
+                }
             }
-            Some(e) => {
-                c.tensors.fetch_add(1, Ordering::Relaxed);
-                c.original_bytes
-                    .fetch_add(e.original_bytes(), Ordering::Relaxed);
-                c.stored_bytes
-                    .fetch_add(e.stored_bytes(), Ordering::Relaxed);
-                Compressed::Encoded(e)
-            }
-        })
+        }
+        let Some(e) = self.codec.f_encode(tensor)? else {
+            c.passed_through.fetch_add(1, Ordering::Relaxed);
+            return Ok(Compressed::Kept(tensor.shallow_clone()));
+        };
+        c.tensors.fetch_add(1, Ordering::Relaxed);
+        c.original_bytes
+            .fetch_add(e.original_bytes(), Ordering::Relaxed);
+        c.stored_bytes
+            .fetch_add(e.stored_bytes(), Ordering::Relaxed);
+        let e = Arc::new(Mutex::new(e));
+        if tensor.numel() > 0 {
+            stored.push(Stored {
+                storage: WeakStorage::new(tensor)?,
+                data_ptr: tensor.data_ptr() as usize,
+                size: tensor.size(),
+                stride: tensor.stride(),
+                kind: tensor.kind(),
+                version,
+                encoded: Arc::downgrade(&e),
+            });
+        }
+        Ok(Compressed::Encoded(SharedEncoded(e)))
     }
 
     fn unpack(&self, packed: &Compressed) -> Result<Tensor, HookError> {
         Ok(match packed {
             Compressed::Kept(t) => t.shallow_clone(),
-            Compressed::Encoded(e) => e.f_decode()?,
+            Compressed::Encoded(e) => e.lock().f_decode()?,
         })
     }
 }

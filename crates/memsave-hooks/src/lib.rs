@@ -48,7 +48,7 @@ mod scope;
 
 pub use accounting::{producer_of, Accounting, SavedRecord};
 pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
-pub use compress::{Compress, CompressStats, Compressed};
+pub use compress::{Compress, CompressStats, Compressed, SharedEncoded};
 pub use error::{HookError, HooksError, OffloadError};
 pub use offload::{DiskOffload, OffloadStats, Offloaded, DEFAULT_MAX_IN_FLIGHT_BYTES};
 pub use pass_through::PassThrough;

@@ -228,3 +228,38 @@ fn int8_gradients_are_close_to_exact_ones() {
     let rel_l2 = (num / den).sqrt();
     assert!(rel_l2 > 0.0 && rel_l2 < 3e-2, "relative L2 error {rel_l2}");
 }
+
+/// A ReLU saves its output and the matmul after it saves the same tensor as its
+/// input: stored once, shared by both packs. A tensor of the same shape in a fresh
+/// storage is stored anew. The gradients equal those of storing each save on its own
+/// (a copy before the matmul makes the two saves two tensors).
+#[test]
+#[serial]
+fn a_tensor_saved_by_two_nodes_is_stored_once() {
+    memsave_meter::install();
+    let run = |copy: bool| {
+        tch::manual_seed(3);
+        let w = Tensor::randn([128, 128], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::randn([32, 128], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let int8 = Compress::new(Codec::int8()).excluding(&[x.shallow_clone()]);
+        let loss = saved_tensors_hooks(int8.clone(), || {
+            let r = x.relu();
+            let r = if copy { r.copy() } else { r };
+            // A second ReLU output of the same shape: its own storage.
+            let r2 = r.matmul(&w).relu();
+            r2.matmul(&w).sum(Kind::Float)
+        })
+        .unwrap();
+        let stats = int8.stats();
+        loss.backward();
+        (stats, x.grad(), w.grad())
+    };
+    let (shared, xg, wg) = run(false);
+    assert_eq!((shared.tensors, shared.shared), (2, 2), "{shared:?}");
+    assert_eq!(shared.original_bytes, 2 * 32 * 128 * 4);
+    assert_eq!(shared.stored_bytes, 2 * (32 * 128 + 4 * 4));
+    let (apart, xg_apart, wg_apart) = run(true);
+    assert_eq!((apart.tensors, apart.shared), (3, 1), "{apart:?}");
+    assert!(xg.equal(&xg_apart));
+    assert!(wg.equal(&wg_apart));
+}

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstring>
 #include <vector>
 
 extern "C" {
@@ -28,6 +29,45 @@ int ms_tensor_version(const at::Tensor* t, int64_t* out) {
     TORCH_CHECK(t->defined(), "the tensor is undefined");
     *out = static_cast<int64_t>(t->_version());
   })
+}
+
+// Copies `len` bytes from `data` into a contiguous CPU uint8 tensor at byte `offset`,
+// with no temporary tensor (a file read back chunk by chunk into its final place).
+int ms_tensor_write_bytes(const at::Tensor* t, int64_t offset, const uint8_t* data, int64_t len) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    TORCH_CHECK(t->device().is_cpu(), "writing bytes needs a CPU tensor, got ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kByte, "writing bytes needs a uint8 tensor, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->is_contiguous(), "writing bytes needs a contiguous tensor");
+    TORCH_CHECK(offset >= 0 && len >= 0 && offset + len <= t->numel(), "writing bytes ",
+                offset, "..", offset + len, " outside a tensor of ", t->numel(), " bytes");
+    if (len > 0) {
+      std::memcpy(static_cast<uint8_t*>(t->data_ptr()) + offset, data, static_cast<size_t>(len));
+    }
+  })
+}
+
+// A weak handle to a tensor's storage: it does not keep the data alive, and says
+// whether a later tensor still uses that same storage (not a new one at the same
+// address after the first was freed).
+int ms_storage_weak_new(const at::Tensor* t, void** out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined() && t->has_storage(), "the tensor has no storage");
+    *out = new c10::weak_intrusive_ptr<c10::StorageImpl>(t->storage().getWeakStorageImpl());
+  })
+}
+
+int ms_storage_weak_is_storage_of(const void* w, const at::Tensor* t, bool* out) {
+  MS_TRY({
+    auto strong = static_cast<const c10::weak_intrusive_ptr<c10::StorageImpl>*>(w)->lock();
+    *out = strong.defined() && t->defined() && t->has_storage() &&
+           strong.get() == t->storage().unsafeGetStorageImpl();
+  })
+}
+
+void ms_storage_weak_free(void* w) noexcept {
+  delete static_cast<c10::weak_intrusive_ptr<c10::StorageImpl>*>(w);
 }
 
 int ms_tensor_is_view(const at::Tensor* t, bool* out) {

@@ -78,6 +78,19 @@ extern "C" {
     pub fn ms_tensor_storage_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_version(t: *const C_tensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_is_view(t: *const C_tensor, out: *mut bool) -> c_int;
+    pub fn ms_tensor_write_bytes(
+        t: *const C_tensor,
+        offset: i64,
+        data: *const u8,
+        len: i64,
+    ) -> c_int;
+    pub fn ms_storage_weak_new(t: *const C_tensor, out: *mut *mut c_void) -> c_int;
+    pub fn ms_storage_weak_is_storage_of(
+        w: *const c_void,
+        t: *const C_tensor,
+        out: *mut bool,
+    ) -> c_int;
+    pub fn ms_storage_weak_free(w: *mut c_void);
     pub fn ms_tensor_base_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_view_creation_meta(t: *const C_tensor, out: *mut i32) -> c_int;
     pub fn ms_tensor_is_view_of_grad_leaf(t: *const C_tensor, out: *mut bool) -> c_int;

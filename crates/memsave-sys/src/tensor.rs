@@ -29,6 +29,61 @@ pub fn version(t: &Tensor) -> Result<u64> {
     Ok(out.max(0) as u64)
 }
 
+/// Copies `data` into `t` (a contiguous CPU `Uint8` tensor) from byte `offset` on,
+/// with no temporary tensor. An `Err` if `t` is not such a tensor or the bytes would
+/// not fit in it.
+pub fn write_bytes(t: &Tensor, offset: usize, data: &[u8]) -> Result<()> {
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*; `data`
+    // is a live slice of `data.len()` bytes, and the C++ side checks that the range
+    // lies inside `t` before copying.
+    check(unsafe {
+        ffi::ms_tensor_write_bytes(t.as_ptr(), offset as i64, data.as_ptr(), data.len() as i64)
+    })
+}
+
+/// A weak handle to a tensor's storage: it does not keep the storage's data alive, and
+/// tells whether another tensor uses that very storage. An address alone cannot:
+/// once the first storage is freed, a new one may get the same address.
+#[derive(Debug)]
+pub struct WeakStorage(std::ptr::NonNull<std::ffi::c_void>);
+
+// SAFETY: the handle is a heap-allocated c10::weak_intrusive_ptr, whose reference
+// counts are atomic; `lock()` and destruction are safe from any thread.
+unsafe impl Send for WeakStorage {}
+// SAFETY: as above; `is_storage_of` only reads the handle.
+unsafe impl Sync for WeakStorage {}
+
+impl WeakStorage {
+    /// A weak handle to `t`'s storage; `Err` for a tensor without storage.
+    pub fn new(t: &Tensor) -> Result<Self> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*;
+        // `out` is written only on success.
+        check(unsafe { ffi::ms_storage_weak_new(t.as_ptr(), &mut out) })?;
+        std::ptr::NonNull::new(out)
+            .map(WeakStorage)
+            .ok_or_else(|| crate::Error::new("no storage handle was made"))
+    }
+
+    /// True when the storage is still alive and `t` uses it.
+    pub fn is_storage_of(&self, t: &Tensor) -> Result<bool> {
+        let mut out = false;
+        // SAFETY: `self.0` came from ms_storage_weak_new and is freed only on drop;
+        // `t` is a live tch tensor.
+        check(unsafe {
+            ffi::ms_storage_weak_is_storage_of(self.0.as_ptr(), t.as_ptr(), &mut out)
+        })?;
+        Ok(out)
+    }
+}
+
+impl Drop for WeakStorage {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from ms_storage_weak_new and is freed exactly once, here.
+        unsafe { ffi::ms_storage_weak_free(self.0.as_ptr()) }
+    }
+}
+
 /// True when the tensor is a view of another tensor's storage.
 pub fn is_view(t: &Tensor) -> Result<bool> {
     let mut out = false;

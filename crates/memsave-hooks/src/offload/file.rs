@@ -81,11 +81,10 @@ pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, Str
         file.read_exact(&mut buf[..n])
             .map_err(|e| fail("cannot be read", &e))?;
         hasher.update(&buf[..n]);
-        let chunk =
-            Tensor::f_from_data_size(&buf[..n], &[n as i64], Kind::Uint8).map_err(tch_err)?;
-        out.f_narrow(0, start as i64, n as i64)
-            .and_then(|mut dst| dst.f_copy_(&chunk))
-            .map_err(tch_err)?;
+        // Straight into the restored tensor: a chunk tensor in between would add its
+        // size to the peak of backward.
+        memsave_sys::tensor::write_bytes(&out, start, &buf[..n])
+            .map_err(|e| fail("cannot be restored", &e))?;
     }
     if hasher.finalize() != crc {
         return Err(format!(
