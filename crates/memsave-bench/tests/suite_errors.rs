@@ -522,7 +522,7 @@ fn parsing_keeps_no_state_between_parses() {
 #[test]
 fn compress_and_offload_parse_combine_and_reject_bad_arguments() {
     let yaml = format!(
-        "{BASE}  - compress: {{dtype: int8}}\n  - offload: {{to: disk, dir: /tmp/x}}\n  - offload: {{to: cpu}}\n  - {{name: c3, with: [{{checkpoint: {{segments: 2}}}}, {{compress: {{dtype: bf16}}}}]}}\n"
+        "{BASE}  - compress: {{dtype: int8}}\n  - offload: {{to: disk, dir: /tmp/x}}\n  - offload: {{to: cpu}}\n  - offload: {{to: disk, max_in_flight: 4MiB}}\n  - {{name: c3, with: [{{checkpoint: {{segments: 2}}}}, {{compress: {{dtype: bf16}}}}]}}\n"
     );
     let suite = Suite::from_yaml(&yaml, "t.yaml").unwrap();
     let names: Vec<&str> = suite.strategies.iter().map(|s| s.name.as_str()).collect();
@@ -533,6 +533,7 @@ fn compress_and_offload_parse_combine_and_reject_bad_arguments() {
             "compress(dtype=int8)",
             "offload(to=disk, dir=/tmp/x)",
             "offload(to=cpu)",
+            "offload(to=disk, max_in_flight=4MiB)",
             "c3"
         ]
     );
@@ -549,7 +550,17 @@ fn compress_and_offload_parse_combine_and_reject_bad_arguments() {
     assert_error(
         &with_strategy("offload: {to: cpu, dir: /tmp}"),
         "6:5",
-        "dir is for {to: disk} only",
+        "dir and max_in_flight are for {to: disk} only",
+    );
+    assert_error(
+        &with_strategy("offload: {to: cpu, max_in_flight: 1MiB}"),
+        "6:5",
+        "dir and max_in_flight are for {to: disk} only",
+    );
+    assert_error(
+        &with_strategy("offload: {to: disk, max_in_flight: lots}"),
+        "6:40",
+        "offload.max_in_flight: invalid size 'lots'",
     );
     assert_error(
         &with_strategy("{with: [{compress: {dtype: int8}}, {offload: {to: disk}}]}"),

@@ -120,6 +120,9 @@ pub enum OffloadSpec {
     Disk {
         /// `dir:` as written.
         dir: Option<String>,
+        /// `max_in_flight: SIZE`: bytes that may wait for the writer thread (the
+        /// forward waits beyond that); `None` for `DiskOffload`'s default.
+        max_in_flight: Option<(u64, String)>,
     },
     /// `{to: cpu}`: CUDA activations in pinned host memory (nothing to do on the CPU).
     Cpu,

@@ -72,12 +72,15 @@ impl StepHooks {
             SavedTensors::Compress(dtype) => {
                 StepHooks::Compress(Compress::new(codec(*dtype)).excluding(held))
             }
-            SavedTensors::Offload(OffloadSpec::Disk { dir }) => {
+            SavedTensors::Offload(OffloadSpec::Disk { dir, max_in_flight }) => {
                 let dir = match dir {
                     Some(dir) => PathBuf::from(dir),
                     None => default_dir()?,
                 };
-                let store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                let mut store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                if let Some((bytes, _)) = max_in_flight {
+                    store = store.max_in_flight_bytes(*bytes);
+                }
                 StepHooks::Disk(store.excluding(held))
             }
             SavedTensors::Offload(OffloadSpec::Cpu) => {

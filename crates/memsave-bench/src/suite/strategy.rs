@@ -92,6 +92,7 @@ struct CompressArgs {
 struct OffloadArgs {
     to: String,
     dir: Option<String>,
+    max_in_flight: Option<Size>,
 }
 
 fn compress_args<E: de::Error>(args: CompressArgs) -> Result<CompressDtype, E> {
@@ -107,11 +108,16 @@ fn compress_args<E: de::Error>(args: CompressArgs) -> Result<CompressDtype, E> {
 }
 
 fn offload_args<E: de::Error>(args: OffloadArgs) -> Result<OffloadSpec, E> {
-    match (args.to.as_str(), args.dir) {
-        ("disk", dir) => Ok(OffloadSpec::Disk { dir }),
-        ("cpu", None) => Ok(OffloadSpec::Cpu),
-        ("cpu", Some(_)) => Err(E::custom("offload: dir is for {to: disk} only")),
-        (other, _) => Err(E::custom(format!(
+    match (args.to.as_str(), args.dir, args.max_in_flight) {
+        ("disk", dir, max_in_flight) => Ok(OffloadSpec::Disk {
+            dir,
+            max_in_flight: max_in_flight.map(|s| (s.bytes, s.text)),
+        }),
+        ("cpu", None, None) => Ok(OffloadSpec::Cpu),
+        ("cpu", _, _) => Err(E::custom(
+            "offload: dir and max_in_flight are for {to: disk} only",
+        )),
+        (other, _, _) => Err(E::custom(format!(
             "offload: unknown target '{other}', expected disk or cpu"
         ))),
     }
@@ -267,9 +273,15 @@ impl Technique {
             },
             Technique::Optimizer(spec) => format!("optimizer({})", spec.args().join(", ")),
             Technique::Compress(dtype) => format!("compress(dtype={})", dtype.as_str()),
-            Technique::Offload(OffloadSpec::Disk { dir: None }) => "offload(to=disk)".into(),
-            Technique::Offload(OffloadSpec::Disk { dir: Some(dir) }) => {
-                format!("offload(to=disk, dir={dir})")
+            Technique::Offload(OffloadSpec::Disk { dir, max_in_flight }) => {
+                let mut args = vec!["to=disk".to_owned()];
+                if let Some(dir) = dir {
+                    args.push(format!("dir={dir}"));
+                }
+                if let Some((_, text)) = max_in_flight {
+                    args.push(format!("max_in_flight={text}"));
+                }
+                format!("offload({})", args.join(", "))
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
             Technique::Zero(stage) => format!("zero(stage={stage})"),
