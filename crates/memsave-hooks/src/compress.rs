@@ -22,7 +22,9 @@ use tch::{Kind, Tensor};
 /// Linear after it saves the same tensor as its input) is stored once while its
 /// stored form is alive: same storage, place, shape, strides, dtype and version.
 /// Storing it twice would hold more than the uncompressed tensor, which the
-/// forward's nodes shared.
+/// forward's nodes shared. Trap: a write through `Tensor::data()` between the two
+/// saves does not bump the version autograd checks, so the second save shares the
+/// first's stored form (without hooks autograd would not notice such a write either).
 ///
 /// Clones share their [`CompressStats`] and what they stored; read the stats on the
 /// original after the forward.

@@ -40,8 +40,9 @@ int ms_tensor_write_bytes(const at::Tensor* t, int64_t offset, const uint8_t* da
     TORCH_CHECK(t->scalar_type() == at::kByte, "writing bytes needs a uint8 tensor, got ",
                 t->scalar_type());
     TORCH_CHECK(t->is_contiguous(), "writing bytes needs a contiguous tensor");
-    TORCH_CHECK(offset >= 0 && len >= 0 && offset + len <= t->numel(), "writing bytes ",
-                offset, "..", offset + len, " outside a tensor of ", t->numel(), " bytes");
+    TORCH_CHECK(offset >= 0 && len >= 0 && offset <= t->numel() && len <= t->numel() - offset,
+                "writing ", len, " bytes at ", offset, " outside a tensor of ", t->numel(),
+                " bytes");
     if (len > 0) {
       std::memcpy(static_cast<uint8_t*>(t->data_ptr()) + offset, data, static_cast<size_t>(len));
     }

@@ -31,14 +31,16 @@ pub fn version(t: &Tensor) -> Result<u64> {
 
 /// Copies `data` into `t` (a contiguous CPU `Uint8` tensor) from byte `offset` on,
 /// with no temporary tensor. An `Err` if `t` is not such a tensor or the bytes would
-/// not fit in it.
+/// not fit in it. Trap: autograd's version counter is not bumped; fill a tensor you
+/// just made, not one autograd may have saved.
 pub fn write_bytes(t: &Tensor, offset: usize, data: &[u8]) -> Result<()> {
+    let too_far = || crate::Error::new(format!("writing bytes at {offset}: out of range"));
+    let offset = i64::try_from(offset).map_err(|_| too_far())?;
+    let len = i64::try_from(data.len()).map_err(|_| too_far())?;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*; `data`
-    // is a live slice of `data.len()` bytes, and the C++ side checks that the range
-    // lies inside `t` before copying.
-    check(unsafe {
-        ffi::ms_tensor_write_bytes(t.as_ptr(), offset as i64, data.as_ptr(), data.len() as i64)
-    })
+    // is a live slice of `len` bytes, and the C++ side checks, without overflow, that
+    // the range lies inside `t` before copying.
+    check(unsafe { ffi::ms_tensor_write_bytes(t.as_ptr(), offset, data.as_ptr(), len) })
 }
 
 /// A weak handle to a tensor's storage: it does not keep the storage's data alive, and

@@ -12,6 +12,16 @@ fn bytes_land_where_asked_and_out_of_range_is_an_error() {
     );
     let e = write_bytes(&t, 6, &[1, 2, 3]).unwrap_err().to_string();
     assert!(e.contains("outside a tensor of 8 bytes"), "{e}");
+    // Offsets whose sum with the length overflows are refused, not wrapped.
+    let e = write_bytes(&t, i64::MAX as usize, &[1, 2])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside a tensor of 8 bytes"), "{e}");
+    assert!(write_bytes(&t, usize::MAX, &[1]).is_err());
+    assert_eq!(
+        Vec::<u8>::try_from(&t).unwrap(),
+        vec![0, 0, 7, 8, 9, 0, 0, 0]
+    );
     let f = Tensor::zeros([8], (Kind::Float, Device::Cpu));
     let e = write_bytes(&f, 0, &[1]).unwrap_err().to_string();
     assert!(e.contains("uint8"), "{e}");

@@ -105,35 +105,58 @@ pub(crate) fn probe(
         .map(|spec| CaseOptimizer::build(&spec, &params))
         .transpose()
         .map_err(ProbeError::Failed)?;
-    if let Some(optimizer) = optimizer.as_mut() {
-        // The optimizer's state persists from step to step, like the parameters: it
-        // is there before the step (a warm-up step of one example per micro-batch,
-        // outside the budget, allocates it), and the peak is measured above it, as
-        // `memsave bench` measures it after its warm-up.
-        let size = micro_batches.max(1) as i64;
-        let warm = workload
-            .batch(size)
-            .map_err(|e| ProbeError::Failed(format!("making a batch of {size}: {e}")))?;
-        panic::catch_unwind(AssertUnwindSafe(|| {
-            f_step_observed(
-                &*workload,
-                &warm,
-                &config,
-                device,
-                false,
-                None,
-                Some(optimizer),
-                &Unobserved,
-            )
-        }))
-        .unwrap_or_else(|payload| {
-            Err(format!(
-                "panicked: {}",
-                memsave_sys::checkpoint::panic_message(&*payload)
-            ))
-        })
-        .map_err(|e| ProbeError::Failed(format!("warming up the optimizer: {e}")))?;
-        memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))?;
+    // The optimizer's state persists from step to step, like the parameters: it is
+    // there before the step (a warm-up step of one example per micro-batch, outside
+    // the budget, allocates it), and the peak is measured above it, as `memsave bench`
+    // measures it after its warm-up.
+    let warmed = match optimizer.as_mut() {
+        Some(optimizer) => {
+            let size = micro_batches.max(1) as i64;
+            workload
+                .batch(size)
+                .map_err(|e| format!("making a batch of {size}: {e}"))
+                .and_then(|warm| {
+                    panic::catch_unwind(AssertUnwindSafe(|| {
+                        f_step_observed(
+                            &*workload,
+                            &warm,
+                            &config,
+                            device,
+                            false,
+                            None,
+                            Some(optimizer),
+                            &Unobserved,
+                        )
+                    }))
+                    .unwrap_or_else(|payload| {
+                        Err(format!(
+                            "panicked: {}",
+                            memsave_sys::checkpoint::panic_message(&*payload)
+                        ))
+                    })
+                })
+                .map(|_| ())
+                .map_err(|e| {
+                    let e = format!("warming up the optimizer: {e}");
+                    if is_oom(&e) {
+                        ProbeError::OutOfMemory(e)
+                    } else {
+                        ProbeError::Failed(e)
+                    }
+                })
+        }
+        None => Ok(()),
+    };
+    let warmed = warmed.and_then(|()| {
+        memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))
+    });
+    if let Err(e) = warmed {
+        // Put the weights back (a step in backward may have moved some) before failing.
+        let _ = memsave_accum::free_grads(&params);
+        if let Some(weights) = weights {
+            weights.restore().map_err(ProbeError::Failed)?;
+        }
+        return Err(e);
     }
     let base =
         memsave_meter::f_memory_allocated(device).map_err(|e| ProbeError::Failed(e.to_string()))?;

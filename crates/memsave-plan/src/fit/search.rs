@@ -525,8 +525,10 @@ impl Search<'_> {
                 }
             };
             let affine = Affine::fit(s1, &p1, s2, &p2, n as f64).failing_from(fails_from);
-            if !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none() {
-                // The two runs did not make the same allocations in the same order
+            let recorded = p1.series.is_some() && p2.series.is_some();
+            if recorded && !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none() {
+                // The two runs (both recorded: on the CPU, with no other recording on)
+                // did not make the same allocations in the same order
                 // (libtorch picks kernels, and their scratch buffers, by size: a few
                 // bytes more at one size), so the peak could only be extrapolated
                 // along a line, which a peak that moves from the end of backward to
@@ -767,7 +769,15 @@ impl Search<'_> {
                 choices.push(plain.with_schedule(Some(s.clone())));
             }
             for choice in choices {
-                let peak = match probe(self.workload, &choice, batch, n, 1, None, true) {
+                // The whole batch at once is worth running only below the least peak
+                // found so far: under it as the simulated capacity, a run that cannot
+                // beat it stops at once instead of taking the batch's full memory.
+                let cap = if levers.in_backward {
+                    best_allowed.as_ref().map(|(p, _)| *p)
+                } else {
+                    None
+                };
+                let peak = match probe(self.workload, &choice, batch, n, 1, cap, true) {
                     Ok(p) => p.peak_bytes,
                     Err(ProbeError::OutOfMemory(_)) => continue,
                     Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
