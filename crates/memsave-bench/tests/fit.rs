@@ -124,6 +124,23 @@ fn memsave(args: &[&str], dir: &Path) -> Output {
         .expect("the memsave binary runs")
 }
 
+/// `memsave fit ARGS --json fit.json` in `dir`, which must succeed; its JSON.
+fn fit_json(args: &[&str], dir: &Path) -> serde_json::Value {
+    let args: Vec<&str> = ["fit"]
+        .iter()
+        .chain(args)
+        .chain(&["--json", "fit.json"])
+        .copied()
+        .collect();
+    let out = memsave(&args, dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(dir.join("fit.json")).unwrap()).unwrap()
+}
+
 #[test]
 #[serial]
 fn the_cli_writes_the_choice_and_its_measurement() {
@@ -240,28 +257,17 @@ fn peaks_are_predicted_within_5_percent_where_small_runs_allocate_differently() 
         "suite: chain\nthreads: 2\nmodels:\n  - {name: chain, kind: residual_linear, layers: 4, hidden: 256, batch: [16, 40]}\nstrategies:\n  - baseline\n",
     )
     .unwrap();
-    let out = memsave(
+    let json = fit_json(
         &[
-            "fit",
             "chain.yaml",
             "--model",
             "chain",
             "--budget",
             "64MiB",
             "--exhaustive",
-            "--json",
-            "fit.json",
         ],
         dir.path(),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
-            .unwrap();
     assert_eq!(json["tries"], 1);
     let mut checked = 0;
     for c in json["candidates"].as_array().unwrap() {
@@ -315,27 +321,16 @@ fn fit_measures_the_peak_above_the_optimizer_state_as_the_harness_does() {
         budget < peak + state,
         "the state is too small for this test"
     );
-    let out = memsave(
+    let json = fit_json(
         &[
-            "fit",
             "opt.yaml",
             "--model",
             "mlp",
             "--budget",
             &format!("{budget}B"),
-            "--json",
-            "fit.json",
         ],
         dir.path(),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
-            .unwrap();
     let plain = json["candidates"]
         .as_array()
         .unwrap()

@@ -3,12 +3,13 @@
 //! backward is still running (PyTorch's `DistributedDataParallel`).
 use std::sync::{Arc, Mutex};
 
-use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
+use memsave_sys::grad_hooks::GradHookHandle;
 use tch::Tensor;
 
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
+use crate::ready::ready_hooks;
 
 /// Options of [`DistributedDataParallel`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,22 +112,7 @@ impl DistributedDataParallel {
             sync: true,
             reductions: 0,
         }));
-        let mut hooks = Vec::with_capacity(params.len());
-        for (index, p) in params.iter().enumerate() {
-            let shared = Arc::clone(&state);
-            let hook = register_post_accumulate_grad_hook(
-                p,
-                Box::new(move |_| {
-                    let mut b = shared.lock().unwrap_or_else(|e| e.into_inner());
-                    b.mark_ready(index).map_err(|e| e.to_string())
-                }),
-            )
-            .map_err(|e| DistError::Config {
-                rank,
-                reason: format!("parameter {index}: {e}"),
-            })?;
-            hooks.push(hook);
-        }
+        let hooks = ready_hooks(params, &state, rank, Buckets::mark_ready)?;
         Ok(Self {
             _hooks: hooks,
             state,

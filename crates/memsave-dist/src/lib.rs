@@ -42,6 +42,7 @@ mod ddp;
 mod error;
 mod group;
 pub mod launch;
+mod ready;
 mod zero;
 
 pub use ddp::{DdpConfig, DistributedDataParallel};

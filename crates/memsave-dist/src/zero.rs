@@ -4,12 +4,13 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use memsave_optim::{Optimizer, Options, Rule, State};
-use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
+use memsave_sys::grad_hooks::GradHookHandle;
 use tch::{Device, Kind, Tensor};
 
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
+use crate::ready::ready_hooks;
 
 /// How much of the training state is sharded (DeepSpeed's ZeRO stages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,22 +167,7 @@ impl<R: Rule> ZeroOptimizer<R> {
                     shard_len,
                     bucket_cap_bytes,
                 )));
-                let mut hooks = Vec::with_capacity(params.len());
-                for (index, p) in params.iter().enumerate() {
-                    let shared = Arc::clone(&reducer);
-                    let hook = register_post_accumulate_grad_hook(
-                        p,
-                        Box::new(move |_| {
-                            let mut r = shared.lock().unwrap_or_else(|e| e.into_inner());
-                            r.mark_ready(index).map_err(|e| e.to_string())
-                        }),
-                    )
-                    .map_err(|e| DistError::Config {
-                        rank,
-                        reason: format!("parameter {index}: {e}"),
-                    })?;
-                    hooks.push(hook);
-                }
+                let hooks = ready_hooks(params, &reducer, rank, Reducer::mark_ready)?;
                 (hooks, Some(reducer))
             }
         };

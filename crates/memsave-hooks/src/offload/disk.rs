@@ -266,13 +266,7 @@ impl DiskOffload {
     /// naming the directory if a write failed since the last `Err`, said once.
     pub fn flush(&self) -> Result<(), OffloadError> {
         let shared = &self.store.shared;
-        let mut state = lock(&shared.state);
-        while state.in_flight_bytes > 0 {
-            state = shared
-                .changed
-                .wait(state)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
+        let mut state = shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0);
         match (&state.failure, state.failure_reported) {
             (Some((count, reason)), false) => {
                 let err = OffloadError::KeptInMemory {
@@ -324,6 +318,17 @@ impl DiskOffload {
 }
 
 impl Shared {
+    /// Waits, on `state`, while `busy` holds for it.
+    fn wait_while<'a>(
+        &self,
+        state: MutexGuard<'a, State>,
+        busy: impl FnMut(&mut State) -> bool,
+    ) -> MutexGuard<'a, State> {
+        self.changed
+            .wait_while(state, busy)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Writes a queued entry (the lock held throughout), then lets the next pack go.
     fn write(&self, entry: Arc<Entry>) {
         let bytes = entry.layout.bytes;
@@ -447,15 +452,10 @@ impl SavedTensorHooks for DiskOffload {
             shared: Arc::clone(shared),
         });
         {
-            let mut state = lock(&shared.state);
-            while state.in_flight_bytes > 0
-                && state.in_flight_bytes + entry.layout.bytes > self.max_in_flight_bytes
-            {
-                state = shared
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-            }
+            let max = self.max_in_flight_bytes;
+            let mut state = shared.wait_while(lock(&shared.state), |s| {
+                s.in_flight_bytes > 0 && s.in_flight_bytes + entry.layout.bytes > max
+            });
             state.in_flight_bytes += entry.layout.bytes;
             state.live.insert(id, Arc::downgrade(&entry));
         }
@@ -464,13 +464,7 @@ impl SavedTensorHooks for DiskOffload {
             shared.release(entry.layout.bytes);
         } else if self.synchronous {
             // Only this tensor can be in flight: wait until the writer is done with it.
-            let mut state = lock(&shared.state);
-            while state.in_flight_bytes > 0 {
-                state = shared
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-            }
+            drop(shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0));
         }
         Ok(Offloaded(Packed::Stored(entry)))
     }

@@ -142,10 +142,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let mut order: Vec<usize> = (0..candidates.len())
         .filter(|&i| candidates[i].predicted_fits)
         .collect();
-    order.sort_by(|&a, &b| {
-        let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
-        t(a).total_cmp(&t(b))
-    });
+    sort_by_predicted_time(&mut order, &candidates);
     if order.is_empty() {
         return Err(search.infeasible(&candidates, request)?);
     }
@@ -156,16 +153,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     for &i in &order {
         tries += 1;
         run_already.insert(i);
-        let c = &candidates[i].choice;
-        match probe(
-            search.workload,
-            c,
-            global,
-            c.micro_batches,
-            REAL_RUNS,
-            Some(request.budget_bytes),
-            false,
-        ) {
+        match search.run_real(&candidates[i].choice) {
             Ok(p) => {
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
                 candidates[i].measured_step_time_s = Some(p.time_s);
@@ -208,25 +196,13 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
                     .is_some_and(|t| t <= chosen_time * RACE_WITHIN)
         })
         .collect();
-    racers.sort_by(|&a, &b| {
-        let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
-        t(a).total_cmp(&t(b))
-    });
+    sort_by_predicted_time(&mut racers, &candidates);
     racers.truncate(RACE_MAX);
     let mut raced = 1;
     let mut runners_up_over_budget = 0;
     for i in racers {
         run_already.insert(i);
-        let c = candidates[i].choice.clone();
-        match probe(
-            search.workload,
-            &c,
-            global,
-            c.micro_batches,
-            REAL_RUNS,
-            Some(request.budget_bytes),
-            false,
-        ) {
+        match search.run_real(&candidates[i].choice) {
             Ok(p) => {
                 raced += 1;
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
@@ -253,16 +229,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             if run_already.contains(&i) {
                 continue; // the choice, a runner-up, one that did not fit
             }
-            let choice = c.choice.clone();
-            match probe(
-                search.workload,
-                &choice,
-                global,
-                choice.micro_batches,
-                REAL_RUNS,
-                Some(request.budget_bytes),
-                false,
-            ) {
+            match search.run_real(&c.choice) {
                 Ok(p) => {
                     c.measured_peak_bytes = Some(p.peak_bytes);
                     c.measured_step_time_s = Some(p.time_s);
@@ -344,6 +311,12 @@ impl Levers {
 
 /// The lever sets to consider: plain and offload, each also with the optimizer step in
 /// backward when there is an optimizer; then the allowed lossy ones.
+/// Sorts candidate indices by predicted step time, fastest first (unknown last).
+fn sort_by_predicted_time(indices: &mut [usize], candidates: &[Candidate]) {
+    let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
+    indices.sort_by(|&a, &b| t(a).total_cmp(&t(b)));
+}
+
 fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
     let mut sets = Vec::new();
     let mut push = |l: Levers| {
@@ -579,6 +552,20 @@ impl Search<'_> {
         };
         self.probes.insert(key, outcome.clone());
         Ok(outcome)
+    }
+
+    /// `choice` run at its real size, the global batch, under the budget (a
+    /// confirmation, a runner-up, an exhaustive measurement).
+    fn run_real(&mut self, choice: &Choice) -> Result<super::probe::Probe, ProbeError> {
+        probe(
+            self.workload,
+            choice,
+            self.global,
+            choice.micro_batches,
+            REAL_RUNS,
+            Some(self.budget),
+            false,
+        )
     }
 
     /// The candidate `choice` with `k` micro-batches of at most `m` examples.
