@@ -40,7 +40,13 @@
 //! measurement, and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
 //! to four runners-up predicted within 1.5× of the choice's time are run at their
-//! real size under the budget too, and the fastest measured is the choice. On the
+//! real size under the budget too (first one per family of levers and recompute
+//! schedule, then more splits of each; for a couple of seconds, or a quarter of the
+//! time spent before), those measured within 1.25× of the fastest are run once more,
+//! and the choice is the one with the least geometric mean of predicted and measured
+//! time (a real-size step measures tens of percent slower at one moment than the
+//! next on a busy machine: the two together swap close configurations less often
+//! than either alone). On the
 //! CPU, a runner-up may be one predicted within the budget but not within the
 //! margin: the simulated capacity fails its run at once if it does not fit, and it
 //! is chosen only measured within the budget (on CUDA, where an allocation past the
@@ -86,8 +92,9 @@ pub struct FitRequest {
     /// chosen only if its predicted peak is within `budget · (1 − margin)`.
     pub margin: f64,
     /// Also run every candidate at its real size (under the budget) and report the
-    /// fastest that really fits, to check the choice. Slow: one real step per
-    /// candidate.
+    /// fastest that really fits, to check the choice; those within 1.3× of the
+    /// fastest, and the choice, are run twice more, interleaved, and keep their
+    /// fastest time. Slow: a few real steps per candidate.
     pub exhaustive: bool,
 }
 

@@ -36,6 +36,15 @@ pub(crate) enum ProbeError {
     Failed(String),
 }
 
+impl ProbeError {
+    /// What went wrong, in one line.
+    pub(crate) fn message(&self) -> &str {
+        match self {
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) => e,
+        }
+    }
+}
+
 fn is_oom(text: &str) -> bool {
     text.contains("out of memory")
 }
@@ -64,7 +73,12 @@ impl StepObserver for Clock {
     }
 }
 
-/// Runs `choice` `runs` times on `batch` examples split into `micro_batches`, with the
+/// Runs past this many seconds in all end a probe after its second run: the first run
+/// at a size is the slow one, and a long run's time varies less.
+const LONG_RUNS_S: f64 = 0.5;
+
+/// Runs `choice` `runs` times (at least two of them, or fewer past [`LONG_RUNS_S`])
+/// on `batch` examples split into `micro_batches`, with the
 /// choice's schedule on the layers and a fresh optimizer (the workload's, changed by
 /// the choice's levers) warmed up by a step of one example per micro-batch; the
 /// weights are put back afterwards. With `budget`, the
@@ -173,7 +187,11 @@ pub(crate) fn probe(
         let mut peak = 0;
         let mut series = None;
         let mut second = None;
+        let runs_started = Instant::now();
         for run in 0..runs.max(1) {
+            if run >= 2 && runs_started.elapsed().as_secs_f64() > LONG_RUNS_S {
+                break;
+            }
             let recording = record
                 && run == 0
                 && device == tch::Device::Cpu

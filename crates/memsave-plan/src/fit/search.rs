@@ -24,8 +24,25 @@ const REAL_RUNS: usize = 2;
 /// predicted and measured) are measured too.
 const RACE_WITHIN: f64 = 1.5;
 
-/// At most this many runners-up are measured.
-const RACE_MAX: usize = 4;
+/// At most this many runners-up are measured...
+const RACE_MAX: usize = 8;
+
+/// ...and one (or a second run of a close one) starts only if, by its predicted or
+/// measured time, it ends within this many seconds of the race's start, or this
+/// share of the time `fit` took before the race if more: `fit` stays quick on large
+/// steps.
+const RACE_S: f64 = 2.0;
+const RACE_SHARE: f64 = 0.25;
+
+/// Configurations measured within this factor of the fastest are run again...
+const RECHECK_WITHIN: f64 = 1.25;
+
+/// ...this many more times each, interleaved.
+const RECHECK_ROUNDS: usize = 1;
+
+/// With `exhaustive`, the same for the whole grid.
+const EXHAUSTIVE_RECHECK_WITHIN: f64 = 1.3;
+const EXHAUSTIVE_RECHECK_ROUNDS: usize = 2;
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
@@ -197,20 +214,24 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         })
         .collect();
     sort_by_predicted_time(&mut racers, &candidates);
+    let mut racers = race_order(&candidates, chosen, racers);
     racers.truncate(RACE_MAX);
     let mut raced = 1;
     let mut runners_up_over_budget = 0;
+    let race_s = RACE_S.max(RACE_SHARE * started.elapsed().as_secs_f64());
+    let deadline = Instant::now() + std::time::Duration::from_secs_f64(race_s);
     for i in racers {
+        let runs = candidates[i].predicted_step_time_s.unwrap_or(0.0) * REAL_RUNS as f64;
+        if !ends_before(runs, deadline) {
+            continue;
+        }
         run_already.insert(i);
         match search.run_real(&candidates[i].choice) {
             Ok(p) => {
                 raced += 1;
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
                 candidates[i].measured_step_time_s = Some(p.time_s);
-                let best = candidates[chosen]
-                    .measured_step_time_s
-                    .unwrap_or(f64::INFINITY);
-                if p.time_s < best {
+                if score(&candidates[i]) < score(&candidates[chosen]) {
                     chosen = i;
                 }
             }
@@ -221,6 +242,17 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             // A runner-up that fails is left out; the choice stands.
             Err(ProbeError::Failed(e)) => candidates[i].note = Some(e),
         }
+    }
+
+    // Steps a few percent apart swap places from one run to the next: the close ones
+    // are run again, interleaved, and each keeps its fastest time.
+    let close = close_to_fastest(&candidates, RECHECK_WITHIN);
+    if close.len() > 1 {
+        search.remeasure(&mut candidates, &close, RECHECK_ROUNDS, Some(deadline));
+        let all: Vec<usize> = (0..candidates.len()).collect();
+        chosen = best_scored(&candidates, &close)
+            .or_else(|| best_scored(&candidates, &all))
+            .unwrap_or(chosen);
     }
 
     let mut fastest_measured = None;
@@ -240,15 +272,15 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
                 Err(ProbeError::Failed(e)) => c.note = Some(e),
             }
         }
-        fastest_measured = candidates
-            .iter()
-            .filter(|c| c.measured_step_time_s.is_some())
-            .min_by(|a, b| {
-                a.measured_step_time_s
-                    .unwrap_or(f64::INFINITY)
-                    .total_cmp(&b.measured_step_time_s.unwrap_or(f64::INFINITY))
-            })
-            .cloned();
+        // The check compares the choice with the fastest of the grid: every close one
+        // (the choice too) gets the same extra runs.
+        let mut close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN);
+        if !close.contains(&chosen) {
+            close.push(chosen);
+        }
+        search.remeasure(&mut candidates, &close, EXHAUSTIVE_RECHECK_ROUNDS, None);
+        let all: Vec<usize> = (0..candidates.len()).collect();
+        fastest_measured = fastest_of(&candidates, &all).map(|i| candidates[i].clone());
     }
 
     // Leave the workload on the chosen schedule.
@@ -311,10 +343,108 @@ impl Levers {
 
 /// The lever sets to consider: plain and offload, each also with the optimizer step in
 /// backward when there is an optimizer; then the allowed lossy ones.
-/// Sorts candidate indices by predicted step time, fastest first (unknown last).
+/// Sorts candidate indices by predicted step time, fastest first (unknown last); equal
+/// times (to a tenth of a microsecond) put fewer micro-batches first. Small probes
+/// often cannot tell a micro-batch's fixed cost from noise and predict it as zero, so
+/// splits of the same configuration come out equal, but each micro-batch costs a
+/// launch of every operation.
 fn sort_by_predicted_time(indices: &mut [usize], candidates: &[Candidate]) {
-    let t = |i: usize| candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
-    indices.sort_by(|&a, &b| t(a).total_cmp(&t(b)));
+    let key = |i: usize| {
+        let t = candidates[i].predicted_step_time_s.unwrap_or(f64::INFINITY);
+        let t = if t.is_finite() {
+            (t * 1e7).round()
+        } else {
+            f64::INFINITY
+        };
+        (t, candidates[i].choice.micro_batches)
+    };
+    indices.sort_by(|&a, &b| {
+        let (ta, ka) = key(a);
+        let (tb, kb) = key(b);
+        ta.total_cmp(&tb).then(ka.cmp(&kb))
+    });
+}
+
+/// Whether something that takes `seconds` from now ends before `deadline`.
+fn ends_before(seconds: f64, deadline: Instant) -> bool {
+    let now = Instant::now();
+    now <= deadline && seconds <= (deadline - now).as_secs_f64()
+}
+
+/// The measured candidates whose time is within `factor` of the fastest measured.
+fn close_to_fastest(candidates: &[Candidate], factor: f64) -> Vec<usize> {
+    let all: Vec<usize> = (0..candidates.len()).collect();
+    let Some(best) = fastest_of(candidates, &all).and_then(|i| candidates[i].measured_step_time_s)
+    else {
+        return Vec::new();
+    };
+    all.into_iter()
+        .filter(|&i| {
+            candidates[i]
+                .measured_step_time_s
+                .is_some_and(|t| t <= best * factor)
+        })
+        .collect()
+}
+
+/// What the choice among measured candidates goes by: the geometric mean of the
+/// predicted and the measured time (the measured one alone without a prediction).
+/// A real-size step of a few hundredths of a second measures tens of percent slower
+/// at one moment than at the next on a busy machine, about as far off as the
+/// prediction from small runs at times; the two together swap close configurations
+/// less often than either alone.
+fn score(c: &Candidate) -> f64 {
+    match (c.measured_step_time_s, c.predicted_step_time_s) {
+        (Some(m), Some(p)) if p > 0.0 => (m * p).sqrt(),
+        (Some(m), _) => m,
+        (None, _) => f64::INFINITY,
+    }
+}
+
+/// The one of `indices` with the least [`score`], if any was measured.
+fn best_scored(candidates: &[Candidate], indices: &[usize]) -> Option<usize> {
+    indices
+        .iter()
+        .copied()
+        .filter(|&i| candidates[i].measured_step_time_s.is_some())
+        .min_by(|&a, &b| score(&candidates[a]).total_cmp(&score(&candidates[b])))
+}
+
+/// The one of `indices` with the least measured time, if any was measured.
+fn fastest_of(candidates: &[Candidate], indices: &[usize]) -> Option<usize> {
+    indices
+        .iter()
+        .copied()
+        .filter(|&i| candidates[i].measured_step_time_s.is_some())
+        .min_by(|&a, &b| {
+            let t = |i: usize| candidates[i].measured_step_time_s.unwrap_or(f64::INFINITY);
+            t(a).total_cmp(&t(b))
+        })
+}
+
+/// `racers` (sorted fastest predicted first) in the order to race them: the first of
+/// each family, then the second of each, and so on (the choice counts as its family's
+/// first). Predictions within a family are alike, yet on the CPU a split into more,
+/// smaller micro-batches is sometimes measured faster (the allocator reuses smaller
+/// blocks instead of mapping fresh pages), so splits are raced, after the other ways
+/// to fit.
+fn race_order(candidates: &[Candidate], chosen: usize, racers: Vec<usize>) -> Vec<usize> {
+    let mut seen = HashMap::from([(family(&candidates[chosen].choice), 1usize)]);
+    let mut ranked: Vec<(usize, usize)> = racers
+        .into_iter()
+        .map(|i| {
+            let n = seen.entry(family(&candidates[i].choice)).or_insert(0);
+            *n += 1;
+            (*n, i)
+        })
+        .collect();
+    ranked.sort_by_key(|&(rank, _)| rank); // stable: fastest predicted first in a rank
+    ranked.into_iter().map(|(_, i)| i).collect()
+}
+
+/// The configuration `c` is one split of: its levers and recompute schedule.
+fn family(c: &Choice) -> (String, Option<String>) {
+    (lever_key(c), c.checkpoint.clone())
 }
 
 fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
@@ -552,6 +682,41 @@ impl Search<'_> {
         };
         self.probes.insert(key, outcome.clone());
         Ok(outcome)
+    }
+
+    /// Runs each of `indices` `rounds` more times at its real size, one after the other
+    /// in each round, starting none after `deadline`; a candidate keeps its fastest
+    /// time and its highest peak. One that fails a run (it did before, so this is
+    /// what varies from run to run) loses its measurement, with a note, and is out of
+    /// the choice.
+    fn remeasure(
+        &mut self,
+        candidates: &mut [Candidate],
+        indices: &[usize],
+        rounds: usize,
+        deadline: Option<Instant>,
+    ) {
+        for _ in 0..rounds {
+            for &i in indices {
+                let c = &mut candidates[i];
+                let Some(time) = c.measured_step_time_s else {
+                    continue;
+                };
+                if deadline.is_some_and(|d| !ends_before(time * REAL_RUNS as f64, d)) {
+                    continue;
+                }
+                match self.run_real(&c.choice) {
+                    Ok(p) => {
+                        c.measured_step_time_s = c.measured_step_time_s.map(|t| t.min(p.time_s));
+                        c.measured_peak_bytes = c.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
+                    }
+                    Err(e) => {
+                        c.measured_step_time_s = None;
+                        c.note = Some(format!("failed when run again: {}", e.message()));
+                    }
+                }
+            }
+        }
     }
 
     /// `choice` run at its real size, the global batch, under the budget (a
@@ -885,7 +1050,7 @@ fn why(
     );
     if raced > 1 {
         why = format!(
-            "the fastest measured of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time",
+            "the best by predicted and measured time of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time",
             Bytes(target),
             request.margin * 100.0
         );
@@ -922,4 +1087,53 @@ fn why(
         ));
     }
     why
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(k: usize, offload: bool, time: f64) -> Candidate {
+        Candidate {
+            choice: Choice::new(64, k).with(|c| c.offload = offload),
+            predicted_peak_bytes: Some(1),
+            predicted_step_time_s: Some(time),
+            predicted_fits: true,
+            measured_peak_bytes: None,
+            measured_step_time_s: None,
+            note: None,
+        }
+    }
+
+    #[test]
+    fn equal_predicted_times_put_fewer_micro_batches_first() {
+        // Sums of per-micro-batch times differ in their last bits from split to split.
+        let cs = vec![
+            candidate(8, false, 0.1 + 1e-15),
+            candidate(2, false, 0.1),
+            candidate(4, false, 0.1 - 1e-15),
+            candidate(1, false, 0.2),
+        ];
+        let mut order = vec![0, 1, 2, 3];
+        sort_by_predicted_time(&mut order, &cs);
+        assert_eq!(order, vec![1, 2, 0, 3]);
+    }
+
+    #[test]
+    fn the_race_takes_each_family_s_best_before_more_splits() {
+        let cs = vec![
+            candidate(4, false, 0.1), // chosen
+            candidate(8, false, 0.1),
+            candidate(2, false, 0.1),
+            candidate(2, true, 0.12),
+            candidate(4, true, 0.12),
+            candidate(1, true, 0.13),
+        ];
+        let mut racers = vec![1, 2, 3, 4, 5];
+        sort_by_predicted_time(&mut racers, &cs);
+        assert_eq!(racers, vec![2, 1, 3, 4, 5]);
+        // Offload's best first (the plain family has the choice), then the second of
+        // each family by predicted time, then the third.
+        assert_eq!(race_order(&cs, 0, racers), vec![3, 2, 4, 1, 5]);
+    }
 }
