@@ -103,6 +103,19 @@ impl StepHooks {
         .map_err(|e| e.to_string())
     }
 
+    /// At the end of a forward: waits for a disk store's writer to finish what the
+    /// forward handed it, so what the forward keeps does not depend on the writer's
+    /// pace (as one synchronizes a CUDA stream before reading its memory). Backward
+    /// would wait for these writes or take the tensors back anyway. A failed write
+    /// (the tensor stayed in memory) comes back as `Err` once, here or in
+    /// [`finish`](Self::finish).
+    pub fn settle(&self) -> Result<(), String> {
+        match self {
+            StepHooks::Disk(h) => h.flush().map_err(|e| e.to_string()),
+            StepHooks::Compress(_) | StepHooks::Cpu(_) => Ok(()),
+        }
+    }
+
     /// After the step: the bytes moved or shrunk; `Err` (naming the directory) when an
     /// offload write failed and tensors stayed in memory.
     pub fn finish(&self) -> Result<SavedBytes, String> {

@@ -4,8 +4,9 @@
 //! - start: allocated when the step begins, gradients set to none (parameters, input);
 //! - peak: the highest allocation during the step minus start;
 //! - retained after forward: allocated right after the forward (output alive, autocast
-//!   weight cache alive) minus start; with micro-batches the largest over them, which
-//!   from the second on includes the gradients accumulated so far;
+//!   weight cache alive, a disk offload store's writes finished) minus start; with
+//!   micro-batches the largest over them, which from the second on includes the
+//!   gradients accumulated so far;
 //! - the output is held until its backward has finished, as a Python variable would be.
 use crate::config::StepConfig;
 use crate::measure::{PeakPhase, TraceEntry};
@@ -166,6 +167,9 @@ pub fn f_step_observed(
             synchronize(device);
             let t0 = Instant::now();
             let mut retained = 0;
+            // A failed offload write seen at the end of a forward, returned after the
+            // step as `finish` would have (backward still runs on the kept tensor).
+            let mut write_failure: Option<String> = None;
             let phases = PhaseTracker::new(device);
             // The forward and the loss of one pass; the output is returned so the caller
             // holds it until its backward has finished, as a Python variable would be.
@@ -183,6 +187,9 @@ pub fn f_step_observed(
                 let out = model.layers().f_forward(&xin.input);
                 if let Some(guard) = hooks_guard {
                     guard.exit().map_err(|e| e.to_string())?;
+                }
+                if let Some(Err(e)) = hooks.as_ref().map(StepHooks::settle) {
+                    write_failure.get_or_insert(e);
                 }
                 if trace_this {
                     trace = model.stop_trace();
@@ -256,7 +263,13 @@ pub fn f_step_observed(
             synchronize(device);
             let time_s = t0.elapsed().as_secs_f64();
             let saved = match &hooks {
-                Some(hooks) => hooks.finish()?,
+                Some(hooks) => {
+                    let saved = hooks.finish();
+                    if let Some(e) = write_failure {
+                        return Err(e);
+                    }
+                    saved?
+                }
                 None => SavedBytes::default(),
             };
             Ok((retained, time_s, phases.peak_phase.get(), saved))
