@@ -107,12 +107,11 @@ impl StepHooks {
     /// forward handed it, so what the forward keeps does not depend on the writer's
     /// pace (as one synchronizes a CUDA stream before reading its memory). Backward
     /// would wait for these writes or take the tensors back anyway. A failed write
-    /// (the tensor stayed in memory) comes back as `Err` once, here or in
-    /// [`finish`](Self::finish).
-    pub fn settle(&self) -> Result<(), String> {
-        match self {
-            StepHooks::Disk(h) => h.flush().map_err(|e| e.to_string()),
-            StepHooks::Compress(_) | StepHooks::Cpu(_) => Ok(()),
+    /// (the tensor stayed in memory) is left for [`finish`](Self::finish), which
+    /// reports the step's total.
+    pub fn settle(&self) {
+        if let StepHooks::Disk(h) = self {
+            h.wait_written();
         }
     }
 

@@ -167,9 +167,6 @@ pub fn f_step_observed(
             synchronize(device);
             let t0 = Instant::now();
             let mut retained = 0;
-            // A failed offload write seen at the end of a forward, returned after the
-            // step as `finish` would have (backward still runs on the kept tensor).
-            let mut write_failure: Option<String> = None;
             let phases = PhaseTracker::new(device);
             // The forward and the loss of one pass; the output is returned so the caller
             // holds it until its backward has finished, as a Python variable would be.
@@ -188,8 +185,8 @@ pub fn f_step_observed(
                 if let Some(guard) = hooks_guard {
                     guard.exit().map_err(|e| e.to_string())?;
                 }
-                if let Some(Err(e)) = hooks.as_ref().map(StepHooks::settle) {
-                    write_failure.get_or_insert(e);
+                if let Some(hooks) = &hooks {
+                    hooks.settle();
                 }
                 if trace_this {
                     trace = model.stop_trace();
@@ -263,13 +260,7 @@ pub fn f_step_observed(
             synchronize(device);
             let time_s = t0.elapsed().as_secs_f64();
             let saved = match &hooks {
-                Some(hooks) => {
-                    let saved = hooks.finish();
-                    if let Some(e) = write_failure {
-                        return Err(e);
-                    }
-                    saved?
-                }
+                Some(hooks) => hooks.finish()?,
                 None => SavedBytes::default(),
             };
             Ok((retained, time_s, phases.peak_phase.get(), saved))

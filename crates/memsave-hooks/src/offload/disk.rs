@@ -264,6 +264,14 @@ impl DiskOffload {
         lock(&self.store.shared.state).stats
     }
 
+    /// Waits until every tensor packed so far is written (or kept in memory), leaving
+    /// a failed write for [`flush`](Self::flush) to report: a point to read memory
+    /// at that does not depend on the writer's pace.
+    pub fn wait_written(&self) {
+        let shared = &self.store.shared;
+        drop(shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0));
+    }
+
     /// Waits until every tensor packed so far is written (or kept in memory); `Err`
     /// naming the directory if a write failed since the last `Err`, said once.
     pub fn flush(&self) -> Result<(), OffloadError> {

@@ -39,7 +39,7 @@
 //! allocation past the budget fails at once) and reports the prediction, the
 //! measurement, and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
-//! to four runners-up predicted within 1.5× of the choice's time are run at their
+//! to eight runners-up predicted within 1.5× of the choice's time are run at their
 //! real size under the budget too (first one per family of levers and recompute
 //! schedule, then more splits of each; for a couple of seconds, or a quarter of the
 //! time spent before), those measured within 1.25× of the fastest are run once more,

@@ -77,8 +77,8 @@ impl StepObserver for Clock {
 /// at a size is the slow one, and a long run's time varies less.
 const LONG_RUNS_S: f64 = 0.5;
 
-/// Runs `choice` `runs` times (at least two of them, or fewer past [`LONG_RUNS_S`])
-/// on `batch` examples split into `micro_batches`, with the
+/// Runs `choice` at most `runs` times, only two once they have taken more than
+/// [`LONG_RUNS_S`], on `batch` examples split into `micro_batches`, with the
 /// choice's schedule on the layers and a fresh optimizer (the workload's, changed by
 /// the choice's levers) warmed up by a step of one example per micro-batch; the
 /// weights are put back afterwards. With `budget`, the

@@ -14,7 +14,8 @@ use std::time::Instant;
 
 /// Runs per small probe; the fastest gives the time, the highest the peak. The first
 /// runs at a new size are slow (the allocator maps fresh pages, caches are cold) and
-/// the first records every allocation: two would leave one run for the time.
+/// the first records every allocation: two would leave one run for the time, which
+/// is all a probe whose runs take long keeps (see `probe`).
 const PROBE_RUNS: usize = 3;
 
 /// Runs of a configuration at its real size (the confirmation, runners-up).
@@ -189,7 +190,8 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
 
     // Predicted times come from small runs and are off by tens of percent, more than
     // separates close configurations: runners-up that could be faster are run at
-    // their real size under the budget too, and the fastest measured wins. On the CPU
+    // their real size under the budget too, and the choice goes by predicted and
+    // measured time together (`score`). On the CPU
     // (where the simulated capacity fails an allocation past the budget at once) a
     // runner-up predicted within the budget but not within the margin may run too:
     // measured within the budget, it is as safe as the rest.
@@ -249,10 +251,13 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let close = close_to_fastest(&candidates, RECHECK_WITHIN);
     if close.len() > 1 {
         search.remeasure(&mut candidates, &close, RECHECK_ROUNDS, Some(deadline));
-        let all: Vec<usize> = (0..candidates.len()).collect();
-        chosen = best_scored(&candidates, &close)
-            .or_else(|| best_scored(&candidates, &all))
-            .unwrap_or(chosen);
+        let mut measured: Vec<usize> = run_already.iter().copied().collect();
+        measured.sort_unstable();
+        match best_scored(&candidates, &measured) {
+            Some(best) => chosen = best,
+            // Every one failed when run again: nothing is known to fit.
+            None => return Err(search.infeasible(&candidates, request)?),
+        }
     }
 
     let mut fastest_measured = None;
@@ -279,6 +284,16 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             close.push(chosen);
         }
         search.remeasure(&mut candidates, &close, EXHAUSTIVE_RECHECK_ROUNDS, None);
+        if candidates[chosen].measured_step_time_s.is_none() {
+            // The choice failed when run again: the next best of those fit measured
+            // before the check (the check's own measurements do not choose).
+            let mut measured: Vec<usize> = run_already.iter().copied().collect();
+            measured.sort_unstable();
+            match best_scored(&candidates, &measured) {
+                Some(best) => chosen = best,
+                None => return Err(search.infeasible(&candidates, request)?),
+            }
+        }
         let all: Vec<usize> = (0..candidates.len()).collect();
         fastest_measured = fastest_of(&candidates, &all).map(|i| candidates[i].clone());
     }
@@ -341,8 +356,6 @@ impl Levers {
     }
 }
 
-/// The lever sets to consider: plain and offload, each also with the optimizer step in
-/// backward when there is an optimizer; then the allowed lossy ones.
 /// Sorts candidate indices by predicted step time, fastest first (unknown last); equal
 /// times (to a tenth of a microsecond) put fewer micro-batches first. Small probes
 /// often cannot tell a micro-batch's fixed cost from noise and predict it as zero, so
@@ -447,6 +460,8 @@ fn family(c: &Choice) -> (String, Option<String>) {
     (lever_key(c), c.checkpoint.clone())
 }
 
+/// The lever sets to consider: plain and offload, each also with the optimizer step in
+/// backward when there is an optimizer; then the allowed lossy ones.
 fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
     let mut sets = Vec::new();
     let mut push = |l: Levers| {
@@ -712,6 +727,7 @@ impl Search<'_> {
                     }
                     Err(e) => {
                         c.measured_step_time_s = None;
+                        c.measured_peak_bytes = None;
                         c.note = Some(format!("failed when run again: {}", e.message()));
                     }
                 }
@@ -1117,6 +1133,24 @@ mod tests {
         let mut order = vec![0, 1, 2, 3];
         sort_by_predicted_time(&mut order, &cs);
         assert_eq!(order, vec![1, 2, 0, 3]);
+    }
+
+    #[test]
+    fn the_choice_goes_by_predicted_and_measured_time_together() {
+        let measured = |k: usize, predicted: f64, measured: Option<f64>| Candidate {
+            measured_step_time_s: measured,
+            ..candidate(k, false, predicted)
+        };
+        let cs = vec![
+            measured(2, 2.0, Some(1.0)), // fastest measured, predicted slow: 1.41
+            measured(3, 2.0, Some(1.1)), // 1.48
+            measured(4, 1.0, Some(1.3)), // 1.14
+            measured(5, 0.5, None),      // failed when run again: out
+        ];
+        assert_eq!(best_scored(&cs, &[0, 1, 2, 3]), Some(2));
+        assert_eq!(fastest_of(&cs, &[0, 1, 2, 3]), Some(0));
+        assert_eq!(close_to_fastest(&cs, 1.25), vec![0, 1]);
+        assert_eq!(best_scored(&cs, &[3]), None);
     }
 
     #[test]
