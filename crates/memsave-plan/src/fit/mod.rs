@@ -42,11 +42,10 @@
 //! to eight runners-up predicted within 1.5× of the choice's time are run at their
 //! real size under the budget too (first one per family of levers and recompute
 //! schedule, then more splits of each; for a couple of seconds, or a quarter of the
-//! time spent before), those measured within 1.25× of the fastest are run once more,
-//! and the choice is the one with the least geometric mean of predicted and measured
-//! time (a real-size step measures tens of percent slower at one moment than the
-//! next on a busy machine: the two together swap close configurations less often
-//! than either alone). On the
+//! time spent before), those measured within 1.25× of the fastest and the fastest
+//! predicted are run twice more, one after the other (a real-size step measures tens
+//! of percent slower at one moment than the next on a busy machine), and the fastest
+//! measured is the choice. On the
 //! CPU, a runner-up may be one predicted within the budget but not within the
 //! margin: the simulated capacity fails its run at once if it does not fit, and it
 //! is chosen only measured within the budget (on CUDA, where an allocation past the

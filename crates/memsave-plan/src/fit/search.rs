@@ -38,8 +38,12 @@ const RACE_SHARE: f64 = 0.25;
 /// Configurations measured within this factor of the fastest are run again...
 const RECHECK_WITHIN: f64 = 1.25;
 
-/// ...this many more times each, interleaved.
-const RECHECK_ROUNDS: usize = 1;
+/// ...this many more times each, interleaved...
+const RECHECK_ROUNDS: usize = 2;
+
+/// ...each run starting only if it ends within the race's time or this many seconds
+/// from the recheck's start, whichever is later.
+const RECHECK_S: f64 = 1.0;
 
 /// With `exhaustive`, the same for the whole grid.
 const EXHAUSTIVE_RECHECK_WITHIN: f64 = 1.3;
@@ -187,11 +191,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let Some(mut chosen) = chosen else {
         return Err(search.infeasible(&candidates, request)?);
     };
+    let first_choice = chosen;
 
     // Predicted times come from small runs and are off by tens of percent, more than
     // separates close configurations: runners-up that could be faster are run at
-    // their real size under the budget too, and the choice goes by predicted and
-    // measured time together (`score`). On the CPU
+    // their real size under the budget too, and the fastest measured wins. On the CPU
     // (where the simulated capacity fails an allocation past the budget at once) a
     // runner-up predicted within the budget but not within the margin may run too:
     // measured within the budget, it is as safe as the rest.
@@ -233,7 +237,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
                 raced += 1;
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
                 candidates[i].measured_step_time_s = Some(p.time_s);
-                if score(&candidates[i]) < score(&candidates[chosen]) {
+                if p.time_s
+                    < candidates[chosen]
+                        .measured_step_time_s
+                        .unwrap_or(f64::INFINITY)
+                {
                     chosen = i;
                 }
             }
@@ -246,14 +254,26 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         }
     }
 
-    // Steps a few percent apart swap places from one run to the next: the close ones
-    // are run again, interleaved, and each keeps its fastest time.
-    let close = close_to_fastest(&candidates, RECHECK_WITHIN);
+    // Steps a few percent apart swap places from one run to the next, and a run
+    // can be slow for a moment on a busy machine: the close ones and the fastest
+    // predicted (measured first, while the machine may still have been busy with the
+    // probes) are run again, one after the other, for at least `RECHECK_S`, and
+    // each keeps its fastest time.
+    let mut close = close_to_fastest(&candidates, RECHECK_WITHIN);
+    if !close.contains(&first_choice) && candidates[first_choice].measured_step_time_s.is_some() {
+        close.push(first_choice);
+    }
     if close.len() > 1 {
-        search.remeasure(&mut candidates, &close, RECHECK_ROUNDS, Some(deadline));
+        let at_least = Instant::now() + std::time::Duration::from_secs_f64(RECHECK_S);
+        search.remeasure(
+            &mut candidates,
+            &close,
+            RECHECK_ROUNDS,
+            Some(deadline.max(at_least)),
+        );
         let mut measured: Vec<usize> = run_already.iter().copied().collect();
         measured.sort_unstable();
-        match best_scored(&candidates, &measured) {
+        match fastest_of(&candidates, &measured) {
             Some(best) => chosen = best,
             // Every one failed when run again: nothing is known to fit.
             None => return Err(search.infeasible(&candidates, request)?),
@@ -289,7 +309,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             // before the check (the check's own measurements do not choose).
             let mut measured: Vec<usize> = run_already.iter().copied().collect();
             measured.sort_unstable();
-            match best_scored(&candidates, &measured) {
+            match fastest_of(&candidates, &measured) {
                 Some(best) => chosen = best,
                 None => return Err(search.infeasible(&candidates, request)?),
             }
@@ -398,29 +418,6 @@ fn close_to_fastest(candidates: &[Candidate], factor: f64) -> Vec<usize> {
                 .is_some_and(|t| t <= best * factor)
         })
         .collect()
-}
-
-/// What the choice among measured candidates goes by: the geometric mean of the
-/// predicted and the measured time (the measured one alone without a prediction).
-/// A real-size step of a few hundredths of a second measures tens of percent slower
-/// at one moment than at the next on a busy machine, about as far off as the
-/// prediction from small runs at times; the two together swap close configurations
-/// less often than either alone.
-fn score(c: &Candidate) -> f64 {
-    match (c.measured_step_time_s, c.predicted_step_time_s) {
-        (Some(m), Some(p)) if p > 0.0 => (m * p).sqrt(),
-        (Some(m), _) => m,
-        (None, _) => f64::INFINITY,
-    }
-}
-
-/// The one of `indices` with the least [`score`], if any was measured.
-fn best_scored(candidates: &[Candidate], indices: &[usize]) -> Option<usize> {
-    indices
-        .iter()
-        .copied()
-        .filter(|&i| candidates[i].measured_step_time_s.is_some())
-        .min_by(|&a, &b| score(&candidates[a]).total_cmp(&score(&candidates[b])))
 }
 
 /// The one of `indices` with the least measured time, if any was measured.
@@ -1066,7 +1063,7 @@ fn why(
     );
     if raced > 1 {
         why = format!(
-            "the best by predicted and measured time of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time",
+            "the fastest measured of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time",
             Bytes(target),
             request.margin * 100.0
         );
@@ -1136,21 +1133,20 @@ mod tests {
     }
 
     #[test]
-    fn the_choice_goes_by_predicted_and_measured_time_together() {
+    fn the_fastest_measured_is_found_and_failed_runs_are_out() {
         let measured = |k: usize, predicted: f64, measured: Option<f64>| Candidate {
             measured_step_time_s: measured,
             ..candidate(k, false, predicted)
         };
         let cs = vec![
-            measured(2, 2.0, Some(1.0)), // fastest measured, predicted slow: 1.41
-            measured(3, 2.0, Some(1.1)), // 1.48
-            measured(4, 1.0, Some(1.3)), // 1.14
-            measured(5, 0.5, None),      // failed when run again: out
+            measured(2, 2.0, Some(1.1)),
+            measured(3, 2.0, Some(1.0)),
+            measured(4, 1.0, Some(1.3)),
+            measured(5, 0.5, None), // failed when run again
         ];
-        assert_eq!(best_scored(&cs, &[0, 1, 2, 3]), Some(2));
-        assert_eq!(fastest_of(&cs, &[0, 1, 2, 3]), Some(0));
+        assert_eq!(fastest_of(&cs, &[0, 1, 2, 3]), Some(1));
         assert_eq!(close_to_fastest(&cs, 1.25), vec![0, 1]);
-        assert_eq!(best_scored(&cs, &[3]), None);
+        assert_eq!(fastest_of(&cs, &[3]), None);
     }
 
     #[test]
