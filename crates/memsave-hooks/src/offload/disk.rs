@@ -268,15 +268,14 @@ impl DiskOffload {
     /// a failed write for [`flush`](Self::flush) to report: a point to read memory
     /// at that does not depend on the writer's pace.
     pub fn wait_written(&self) {
-        let shared = &self.store.shared;
-        drop(shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0));
+        drop(self.store.shared.wait_written());
     }
 
     /// Waits until every tensor packed so far is written (or kept in memory); `Err`
     /// naming the directory if a write failed since the last `Err`, said once.
     pub fn flush(&self) -> Result<(), OffloadError> {
         let shared = &self.store.shared;
-        let mut state = shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0);
+        let mut state = shared.wait_written();
         match (&state.failure, state.failure_reported) {
             (Some((count, reason)), false) => {
                 let err = OffloadError::KeptInMemory {
@@ -328,6 +327,11 @@ impl DiskOffload {
 }
 
 impl Shared {
+    /// Waits until nothing is in flight; the state, locked.
+    fn wait_written(&self) -> MutexGuard<'_, State> {
+        self.wait_while(lock(&self.state), |s| s.in_flight_bytes > 0)
+    }
+
     /// Waits, on `state`, while `busy` holds for it.
     fn wait_while<'a>(
         &self,
@@ -474,7 +478,7 @@ impl SavedTensorHooks for DiskOffload {
             shared.release(entry.layout.bytes);
         } else if self.synchronous {
             // Only this tensor can be in flight: wait until the writer is done with it.
-            drop(shared.wait_while(lock(&shared.state), |s| s.in_flight_bytes > 0));
+            drop(shared.wait_written());
         }
         Ok(Offloaded(Packed::Stored(entry)))
     }

@@ -191,7 +191,6 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let Some(mut chosen) = chosen else {
         return Err(search.infeasible(&candidates, request)?);
     };
-    let first_choice = chosen;
 
     // Predicted times come from small runs and are off by tens of percent, more than
     // separates close configurations: runners-up that could be faster are run at
@@ -237,13 +236,6 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
                 raced += 1;
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
                 candidates[i].measured_step_time_s = Some(p.time_s);
-                if p.time_s
-                    < candidates[chosen]
-                        .measured_step_time_s
-                        .unwrap_or(f64::INFINITY)
-                {
-                    chosen = i;
-                }
             }
             Err(ProbeError::OutOfMemory(e)) => {
                 runners_up_over_budget += 1;
@@ -258,11 +250,8 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     // can be slow for a moment on a busy machine: the close ones and the fastest
     // predicted (measured first, while the machine may still have been busy with the
     // probes) are run again, one after the other, for at least `RECHECK_S`, and
-    // each keeps its fastest time.
-    let mut close = close_to_fastest(&candidates, RECHECK_WITHIN);
-    if !close.contains(&first_choice) && candidates[first_choice].measured_step_time_s.is_some() {
-        close.push(first_choice);
-    }
+    // each keeps its fastest time. The fastest measured is the choice.
+    let close = close_to_fastest(&candidates, RECHECK_WITHIN, chosen);
     if close.len() > 1 {
         let at_least = Instant::now() + std::time::Duration::from_secs_f64(RECHECK_S);
         search.remeasure(
@@ -271,13 +260,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             RECHECK_ROUNDS,
             Some(deadline.max(at_least)),
         );
-        let mut measured: Vec<usize> = run_already.iter().copied().collect();
-        measured.sort_unstable();
-        match fastest_of(&candidates, &measured) {
-            Some(best) => chosen = best,
-            // Every one failed when run again: nothing is known to fit.
-            None => return Err(search.infeasible(&candidates, request)?),
-        }
+    }
+    match fastest_of_run(&candidates, &run_already) {
+        Some(best) => chosen = best,
+        // Every one failed when run again: nothing is known to fit.
+        None => return Err(search.infeasible(&candidates, request)?),
     }
 
     let mut fastest_measured = None;
@@ -299,17 +286,12 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         }
         // The check compares the choice with the fastest of the grid: every close one
         // (the choice too) gets the same extra runs.
-        let mut close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN);
-        if !close.contains(&chosen) {
-            close.push(chosen);
-        }
+        let close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN, chosen);
         search.remeasure(&mut candidates, &close, EXHAUSTIVE_RECHECK_ROUNDS, None);
         if candidates[chosen].measured_step_time_s.is_none() {
             // The choice failed when run again: the next best of those fit measured
             // before the check (the check's own measurements do not choose).
-            let mut measured: Vec<usize> = run_already.iter().copied().collect();
-            measured.sort_unstable();
-            match fastest_of(&candidates, &measured) {
+            match fastest_of_run(&candidates, &run_already) {
                 Some(best) => chosen = best,
                 None => return Err(search.infeasible(&candidates, request)?),
             }
@@ -404,8 +386,9 @@ fn ends_before(seconds: f64, deadline: Instant) -> bool {
     now <= deadline && seconds <= (deadline - now).as_secs_f64()
 }
 
-/// The measured candidates whose time is within `factor` of the fastest measured.
-fn close_to_fastest(candidates: &[Candidate], factor: f64) -> Vec<usize> {
+/// The measured candidates whose time is within `factor` of the fastest measured,
+/// and `also` if it was measured.
+fn close_to_fastest(candidates: &[Candidate], factor: f64, also: usize) -> Vec<usize> {
     let all: Vec<usize> = (0..candidates.len()).collect();
     let Some(best) = fastest_of(candidates, &all).and_then(|i| candidates[i].measured_step_time_s)
     else {
@@ -415,9 +398,20 @@ fn close_to_fastest(candidates: &[Candidate], factor: f64) -> Vec<usize> {
         .filter(|&i| {
             candidates[i]
                 .measured_step_time_s
-                .is_some_and(|t| t <= best * factor)
+                .is_some_and(|t| t <= best * factor || i == also)
         })
         .collect()
+}
+
+/// The fastest measured of the candidates in `run` (those run at their real size
+/// before any check), if any still has a measurement.
+fn fastest_of_run(
+    candidates: &[Candidate],
+    run: &std::collections::HashSet<usize>,
+) -> Option<usize> {
+    let mut run: Vec<usize> = run.iter().copied().collect();
+    run.sort_unstable();
+    fastest_of(candidates, &run)
 }
 
 /// The one of `indices` with the least measured time, if any was measured.
@@ -719,7 +713,7 @@ impl Search<'_> {
                 }
                 match self.run_real(&c.choice) {
                     Ok(p) => {
-                        c.measured_step_time_s = c.measured_step_time_s.map(|t| t.min(p.time_s));
+                        c.measured_step_time_s = Some(time.min(p.time_s));
                         c.measured_peak_bytes = c.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
                     }
                     Err(e) => {
@@ -1145,7 +1139,9 @@ mod tests {
             measured(5, 0.5, None), // failed when run again
         ];
         assert_eq!(fastest_of(&cs, &[0, 1, 2, 3]), Some(1));
-        assert_eq!(close_to_fastest(&cs, 1.25), vec![0, 1]);
+        assert_eq!(close_to_fastest(&cs, 1.25, 0), vec![0, 1]);
+        assert_eq!(close_to_fastest(&cs, 1.25, 2), vec![0, 1, 2]);
+        assert_eq!(close_to_fastest(&cs, 1.25, 3), vec![0, 1]); // not measured: out
         assert_eq!(fastest_of(&cs, &[3]), None);
     }
 
