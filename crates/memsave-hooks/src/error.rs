@@ -37,13 +37,24 @@ pub enum OffloadError {
         reason: String,
     },
     /// Writes failed during the forward; those tensors were kept in memory.
-    #[error("offload directory {}: {count} saved tensor(s) could not be written and were kept in memory ({reason})", dir.display())]
+    #[error("offload directory {}: {count} tensor(s) could not be written and were kept in memory ({reason})", dir.display())]
     KeptInMemory {
         /// The store's directory.
         dir: std::path::PathBuf,
         /// Tensors kept in memory.
         count: u64,
         /// The first failure (the system's message, naming the file).
+        reason: String,
+    },
+    /// A parameter's gradient cannot be offloaded (e.g. it already has a
+    /// post-accumulate-grad hook, or does not require grad).
+    #[error("parameter {index} (shape {shape:?}): {reason}")]
+    Param {
+        /// Its index among the parameters given.
+        index: usize,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// libtorch's or the check's message.
         reason: String,
     },
 }

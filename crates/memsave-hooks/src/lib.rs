@@ -50,7 +50,10 @@ pub use accounting::{producer_of, Accounting, SavedRecord};
 pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
 pub use compress::{Compress, CompressStats, Compressed, SharedEncoded};
 pub use error::{HookError, HooksError, OffloadError};
-pub use offload::{DiskOffload, OffloadStats, Offloaded, DEFAULT_MAX_IN_FLIGHT_BYTES};
+pub use offload::{
+    DiskOffload, GradOffload, GradOffloadStats, OffloadStats, Offloaded, OnComplete,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+};
 pub use pass_through::PassThrough;
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
 pub use scope::{hooks_from_fn, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks};

@@ -286,6 +286,24 @@ impl<R: Rule> Optimizer<R> {
         Ok(())
     }
 
+    /// Updates parameter `index` (in the order the parameters were given) if it has a
+    /// gradient, under `no_grad`; returns whether it did. Its gradient is left as it
+    /// is. For stepping parameters one at a time from your own hook (e.g.
+    /// `memsave_hooks::GradOffload::on_complete`); [`Optimizer::f_step`] steps them all.
+    ///
+    /// Global gradient-norm clipping ([`Options::max_grad_norm`]) is not applied here.
+    /// After an error the parameter and its state may be partly updated.
+    pub fn f_step_param(&mut self, index: usize) -> Result<bool> {
+        if index >= self.params.len() {
+            return Err(OptimError::Config(format!(
+                "parameter {index} does not exist: the optimizer has {}",
+                self.params.len()
+            )));
+        }
+        let _no_grad = tch::no_grad_guard();
+        self.step_param(index)
+    }
+
     /// Updates parameter `index` if it has a gradient; returns whether it did.
     ///
     /// After an error the parameter and its state may be partly updated.

@@ -122,6 +122,17 @@ int ms_tensor_set_grad_none(at::Tensor* t) {
   })
 }
 
+// `t.grad = g` (PyTorch's setter): same dtype, device and shape, checked here.
+int ms_tensor_set_grad(at::Tensor* t, const at::Tensor* g) {
+  MS_TRY({
+    TORCH_CHECK(t->defined() && g->defined(), "the tensor or the gradient is undefined");
+    TORCH_CHECK(t->scalar_type() == g->scalar_type() && t->device() == g->device() &&
+                    t->sizes() == g->sizes(),
+                "the gradient's dtype, device and shape must be the tensor's");
+    t->mutable_grad() = *g;
+  })
+}
+
 // torch::autograd::backward(tensors, grads): back-propagates given output gradients.
 int ms_backward_with_grads(at::Tensor* const* tensors, at::Tensor* const* grads, size_t n, bool keep_graph) {
   MS_TRY({

@@ -95,6 +95,7 @@ extern "C" {
     pub fn ms_tensor_view_creation_meta(t: *const C_tensor, out: *mut i32) -> c_int;
     pub fn ms_tensor_is_view_of_grad_leaf(t: *const C_tensor, out: *mut bool) -> c_int;
     pub fn ms_tensor_set_grad_none(t: *mut C_tensor) -> c_int;
+    pub fn ms_tensor_set_grad(t: *mut C_tensor, g: *const C_tensor) -> c_int;
     pub fn ms_set_detect_anomaly(enabled: bool) -> c_int;
     pub fn ms_is_anomaly_enabled(out: *mut bool) -> c_int;
     pub fn ms_backward_with_grads(

@@ -160,6 +160,14 @@ pub fn set_grad_none(t: &Tensor) -> Result<()> {
     check(unsafe { ffi::ms_tensor_set_grad_none(t.as_ptr() as *mut _) })
 }
 
+/// Sets the tensor's gradient to `grad` (PyTorch's `p.grad = g`), which must have the
+/// tensor's dtype, device and shape; the gradient shares `grad`'s memory.
+pub fn set_grad(t: &Tensor, grad: &Tensor) -> Result<()> {
+    // SAFETY: both are live tch tensors; mutable_grad() is changed through the shared
+    // TensorImpl, as in `set_grad_none`.
+    check(unsafe { ffi::ms_tensor_set_grad(t.as_ptr() as *mut _, grad.as_ptr()) })
+}
+
 /// Back-propagates `grads` from `tensors` (PyTorch's `torch.autograd.backward(tensors,
 /// grads)`), accumulating into every leaf that requires grad. tch's `backward` only
 /// starts from a scalar with an implicit gradient of one.

@@ -1,0 +1,184 @@
+//! Gradient offload: bitwise the gradients of plain accumulation, no gradient held
+//! between backward passes (exact bytes), the last micro-batch's whole gradients
+//! handed over, damaged files and bad setups as errors.
+use memsave_hooks::{GradOffload, OffloadError};
+use memsave_meter::f_memory_allocated;
+use proptest::prelude::*;
+use serial_test::serial;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+struct Net {
+    vs: nn::VarStore,
+    layers: Vec<nn::Linear>,
+}
+
+/// `depth` layers of `h = h + Linear(width, width)(h)`.
+fn net(depth: usize, width: i64) -> Net {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layers = (0..depth)
+        .map(|i| nn::linear(vs.root() / i, width, width, Default::default()))
+        .collect();
+    Net { vs, layers }
+}
+
+impl Net {
+    fn params(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+
+    fn loss(&self, x: &Tensor) -> Tensor {
+        self.layers
+            .iter()
+            .fold(x.shallow_clone(), |h, l| &h + l.forward(&h).relu())
+            .square()
+            .sum(Kind::Float)
+    }
+
+    fn clear_grads(&self) {
+        for p in self.params() {
+            memsave_sys::tensor::set_grad_none(&p).unwrap();
+        }
+    }
+
+    fn param_bytes(&self) -> u64 {
+        self.params().iter().map(|p| p.numel() as u64 * 4).sum()
+    }
+
+    /// The gradients of plain accumulation over `splits` micro-batches of `x`,
+    /// copied out of libtorch.
+    fn accumulated(&self, x: &Tensor, splits: i64) -> Vec<Vec<f32>> {
+        self.clear_grads();
+        for mb in x.chunk(splits, 0) {
+            self.loss(&mb).backward();
+        }
+        let g = host(&self.params().iter().map(Tensor::grad).collect::<Vec<_>>());
+        self.clear_grads();
+        g
+    }
+}
+
+fn host(ts: &[Tensor]) -> Vec<Vec<f32>> {
+    ts.iter()
+        .map(|t| Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+        .collect()
+}
+
+fn files_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir).unwrap().count()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    #[test]
+    #[serial]
+    fn accumulation_in_files_is_bitwise_and_holds_no_gradient_between_backwards(
+        depth in 1usize..4, width in 3i64..24, rows in 4i64..13, splits in 1i64..4, seed in 0i64..1000,
+    ) {
+        tch::manual_seed(seed);
+        let n = net(depth, width);
+        let x = Tensor::randn([rows, width], (Kind::Float, Device::Cpu));
+        let expected = n.accumulated(&x, splits);
+        let dir = tempfile::tempdir().unwrap();
+        let offload = GradOffload::new(&n.params(), dir.path()).unwrap();
+        let start = f_memory_allocated(Device::Cpu).unwrap();
+        for mb in x.chunk(splits, 0) {
+            n.loss(&mb).backward();
+            // Every gradient is in its file: nothing above the start is allocated.
+            prop_assert_eq!(f_memory_allocated(Device::Cpu).unwrap(), start);
+        }
+        prop_assert_eq!(offload.stats().stored_bytes, n.param_bytes());
+        prop_assert_eq!(files_in(dir.path()), n.params().len());
+        offload.check().unwrap();
+        offload.restore().unwrap();
+        prop_assert_eq!(f_memory_allocated(Device::Cpu).unwrap(), start + n.param_bytes());
+        let got = host(&n.params().iter().map(Tensor::grad).collect::<Vec<_>>());
+        prop_assert_eq!(got, expected);
+        prop_assert_eq!(files_in(dir.path()), 0);
+        prop_assert_eq!(offload.stats().stored_bytes, 0);
+        n.clear_grads();
+    }
+}
+
+#[test]
+#[serial]
+fn the_last_micro_batch_hands_each_whole_gradient_over() {
+    tch::manual_seed(7);
+    let n = net(3, 16);
+    let x = Tensor::randn([12, 16], (Kind::Float, Device::Cpu));
+    let expected = n.accumulated(&x, 3);
+    let dir = tempfile::tempdir().unwrap();
+    let seen: Arc<Mutex<Vec<(usize, Vec<f32>)>>> = Arc::default();
+    let sink = Arc::clone(&seen);
+    let offload = GradOffload::new(&n.params(), dir.path())
+        .unwrap()
+        .on_complete(Box::new(move |index, p| {
+            let g = Vec::<f32>::try_from(&p.grad().reshape([-1])).map_err(|e| e.to_string())?;
+            sink.lock().unwrap().push((index, g));
+            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+        }));
+    let start = f_memory_allocated(Device::Cpu).unwrap();
+    let chunks = x.chunk(3, 0);
+    for (i, mb) in chunks.iter().enumerate() {
+        offload.set_last_micro_batch(i + 1 == chunks.len());
+        n.loss(mb).backward();
+        assert_eq!(f_memory_allocated(Device::Cpu).unwrap(), start);
+    }
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_by_key(|(i, _)| *i);
+    assert_eq!(
+        seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..n.params().len()).collect::<Vec<_>>()
+    );
+    let got: Vec<Vec<f32>> = seen.into_iter().map(|(_, g)| g).collect();
+    assert_eq!(got, expected);
+    assert_eq!(offload.stats().stored_bytes, 0);
+    assert_eq!(files_in(dir.path()), 0);
+}
+
+#[test]
+#[serial]
+fn a_file_changed_between_backwards_fails_the_next_backward_naming_it() {
+    tch::manual_seed(3);
+    let n = net(1, 8);
+    let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let _offload = GradOffload::new(&n.params(), dir.path()).unwrap();
+    n.loss(&x).backward();
+    let file = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap();
+    let len = std::fs::metadata(&file).unwrap().len() as usize;
+    std::fs::write(&file, vec![7u8; len]).unwrap();
+    let err = n.loss(&x).f_backward().unwrap_err().to_string();
+    assert!(err.contains(&file.display().to_string()), "{err}");
+    assert!(err.contains("changed"), "{err}");
+    n.clear_grads();
+}
+
+#[test]
+#[serial]
+fn a_bad_directory_or_a_taken_hook_slot_is_an_err() {
+    let n = net(1, 4);
+    let missing = std::env::temp_dir().join("memsave-no-such-dir-for-grads");
+    match GradOffload::new(&n.params(), &missing) {
+        Err(OffloadError::Dir { dir, .. }) => assert_eq!(dir, missing),
+        other => panic!("expected a directory error, got {other:?}"),
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let first = GradOffload::new(&n.params(), dir.path()).unwrap();
+    match GradOffload::new(&n.params(), dir.path()) {
+        Err(OffloadError::Param { index, reason, .. }) => {
+            assert_eq!(index, 0);
+            assert!(reason.contains("post-accumulate-grad hook"), "{reason}");
+        }
+        other => panic!("expected a parameter error, got {other:?}"),
+    }
+    drop(first);
+    // The slot is free again once the first is dropped.
+    GradOffload::new(&n.params(), dir.path()).unwrap();
+}
