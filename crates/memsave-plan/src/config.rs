@@ -81,6 +81,22 @@ pub struct StepConfig {
     pub optimizer: Option<OptimizerSpec>,
     /// Saved-tensor hooks around the forward, if any.
     pub saved: Option<SavedTensors>,
+    /// Gradients kept in files between backward passes (`memsave_hooks::GradOffload`
+    /// in the default offload directory), if any: the optimizer in backward steps each
+    /// whole gradient during the last micro-batch's backward.
+    pub offload_grads: Option<GradsAfter>,
+}
+
+/// What becomes of offloaded gradients that no optimizer in backward consumed, once
+/// the measured step is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradsAfter {
+    /// Put back into `.grad` after the measurement, for the caller to read (the
+    /// harness compares them with the baseline's).
+    Restored,
+    /// Dropped with their files (`fit`'s runs, which only measure: putting them back
+    /// could exceed the simulated capacity the run is under).
+    Dropped,
 }
 
 impl StepConfig {
@@ -94,6 +110,7 @@ impl StepConfig {
             scaler: None,
             optimizer: None,
             saved: None,
+            offload_grads: None,
         }
     }
 }

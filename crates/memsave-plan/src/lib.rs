@@ -22,7 +22,7 @@ mod saved;
 pub mod step;
 pub mod workload;
 
-pub use config::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use config::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use fit::{fit, Allow, Candidate, Choice, FitError, FitReport, FitRequest};
 
 pub use levers::{

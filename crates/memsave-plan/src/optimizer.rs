@@ -2,17 +2,27 @@
 //! after backward or from inside it, and its state bytes reported.
 use crate::levers::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 use memsave_amp::GradScaler;
+use memsave_hooks::OnComplete;
 use memsave_optim::{
     AdamW, AdamWConfig, InBackward, Observer, Optimizer, Options, Placement, Rule, Sgd, SgdConfig,
     State,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
 /// The optimizer, stepping after backward or from hooks inside it.
 enum Stepper<R: Rule> {
     After(Optimizer<R>),
     InBackward(InBackward<R>),
+    /// Stepped in backward one parameter at a time by a `GradOffload`'s
+    /// `on_complete`, which holds the parameters' hook slots.
+    Offloaded(Arc<Mutex<Optimizer<R>>>),
+    /// Only while switching to `Offloaded`.
+    Switching,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl<R: Rule> Stepper<R> {
@@ -24,6 +34,45 @@ impl<R: Rule> Stepper<R> {
         } else {
             Ok(Stepper::After(opt))
         }
+    }
+
+    /// For an optimizer in backward whose gradients a `GradOffload` keeps: its hooks
+    /// move to the offload (which gets the returned function as `on_complete`) and it
+    /// stays stepped that way. `None` for an optimizer stepping after backward.
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+        if let Stepper::InBackward(_) = self {
+            let Stepper::InBackward(hooked) = std::mem::replace(self, Stepper::Switching) else {
+                unreachable!("matched above")
+            };
+            let opt = hooked.into_inner().map_err(|e| e.to_string())?;
+            *self = Stepper::Offloaded(Arc::new(Mutex::new(opt)));
+        }
+        let Stepper::Offloaded(shared) = self else {
+            return Ok(None);
+        };
+        // The offload numbers the step's parameters; the optimizer, its own.
+        let index: Vec<usize> = {
+            let opt = lock(shared);
+            params
+                .iter()
+                .map(|p| {
+                    opt.params()
+                        .iter()
+                        .position(|q| q.data_ptr() == p.data_ptr() && q.size() == p.size())
+                        .ok_or_else(|| {
+                            format!("a parameter of shape {:?} is not the optimizer's", p.size())
+                        })
+                })
+                .collect::<Result<_, String>>()?
+        };
+        let shared = Arc::clone(shared);
+        Ok(Some(Box::new(move |i: usize, p: &Tensor| {
+            let mut opt = shared
+                .try_lock()
+                .map_err(|_| "the optimizer is in use during backward".to_owned())?;
+            opt.f_step_param(index[i]).map_err(|e| e.to_string())?;
+            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+        })))
     }
 
     fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
@@ -44,6 +93,8 @@ impl<R: Rule> Stepper<R> {
         match self {
             Stepper::After(opt) => opt.state_bytes(),
             Stepper::InBackward(hooked) => hooked.optimizer().state_bytes(),
+            Stepper::Offloaded(shared) => lock(shared).state_bytes(),
+            Stepper::Switching => 0,
         }
     }
 
@@ -51,6 +102,8 @@ impl<R: Rule> Stepper<R> {
         match self {
             Stepper::After(opt) => opt.state_tensors(),
             Stepper::InBackward(hooked) => hooked.optimizer().state_tensors(),
+            Stepper::Offloaded(shared) => lock(shared).state_tensors(),
+            Stepper::Switching => Vec::new(),
         }
     }
 
@@ -58,6 +111,8 @@ impl<R: Rule> Stepper<R> {
         match self {
             Stepper::After(opt) => opt.set_observer(observer),
             Stepper::InBackward(hooked) => hooked.optimizer().set_observer(observer),
+            Stepper::Offloaded(shared) => lock(shared).set_observer(observer),
+            Stepper::Switching => {}
         }
     }
 }
@@ -75,6 +130,7 @@ trait Step {
     fn state_bytes(&self) -> u64;
     fn state_tensors(&self) -> Vec<Tensor>;
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>);
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String>;
 }
 
 impl<R: Rule> Step for Stepper<R> {
@@ -89,6 +145,9 @@ impl<R: Rule> Step for Stepper<R> {
     }
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
         Stepper::set_observer(self, observer);
+    }
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+        Stepper::param_stepper(self, params)
     }
 }
 
@@ -137,6 +196,15 @@ impl CaseOptimizer {
     /// the scaler when there is one, then the gradients freed.
     pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
         self.stepper.step(scaler)
+    }
+
+    /// For an optimizer built `in_backward`, when the step's gradients are offloaded
+    /// (`memsave_hooks::GradOffload`, which takes the parameters' hook slots): the
+    /// function to give the offload as `on_complete`, stepping one parameter of
+    /// `params` and freeing its gradient. From then on the optimizer is stepped only
+    /// that way. `None` for one stepping after backward.
+    pub fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+        self.stepper.param_stepper(params)
     }
 
     /// Bytes of optimizer state held in memory now.

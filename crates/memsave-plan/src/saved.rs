@@ -58,7 +58,7 @@ pub(crate) fn codec(dtype: CompressDtype) -> Codec {
 }
 
 /// The default store: `memsave-offload` in the system's temporary directory.
-fn default_dir() -> Result<PathBuf, String> {
+pub(crate) fn default_dir() -> Result<PathBuf, String> {
     let dir = std::env::temp_dir().join("memsave-offload");
     std::fs::create_dir_all(&dir)
         .map_err(|e| format!("offload directory {}: {e}", dir.display()))?;

@@ -8,13 +8,14 @@
 //!   micro-batches the largest over them, which from the second on includes the
 //!   gradients accumulated so far;
 //! - the output is held until its backward has finished, as a Python variable would be.
-use crate::config::StepConfig;
+use crate::config::{GradsAfter, StepConfig};
 use crate::measure::{PeakPhase, TraceEntry};
 use crate::optimizer::CaseOptimizer;
 use crate::saved::{SavedBytes, StepHooks};
 use crate::workload::{Batch, Workload};
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
+use memsave_hooks::GradOffload;
 use memsave_meter::{f_max_memory_allocated, f_memory_allocated, measure};
 use std::cell::Cell;
 use std::time::Instant;
@@ -132,11 +133,28 @@ pub fn f_step_observed(
     device: Device,
     record_trace: bool,
     mut scaler: Option<&mut GradScaler>,
-    optimizer: Option<&mut CaseOptimizer>,
+    mut optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
     let params = model.parameters();
     free_grads(&params).map_err(|e| e.to_string())?;
+    let grad_offload = if config.offload_grads.is_some() {
+        if config.scaler.is_some() || scaler.is_some() {
+            return Err("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once".into());
+        }
+        let dir = crate::saved::default_dir()?;
+        let offload = GradOffload::new(&params, &dir).map_err(|e| e.to_string())?;
+        let stepper = match optimizer.as_deref_mut() {
+            Some(o) => o.param_stepper(&params)?,
+            None => None,
+        };
+        Some(match stepper {
+            Some(f) => offload.on_complete(f),
+            None => offload,
+        })
+    } else {
+        None
+    };
     let input = if config.residual.writes_input() {
         let mut copy = x.input.f_empty_like().map_err(|e| e.to_string())?;
         copy.f_copy_(&x.input).map_err(|e| e.to_string())?;
@@ -205,6 +223,9 @@ pub fn f_step_observed(
             match config.micro_batches {
                 None => {
                     let (out, loss) = forward(&input, record_trace)?;
+                    if let Some(g) = &grad_offload {
+                        g.set_last_micro_batch(true);
+                    }
                     match scaler.as_deref_mut() {
                         Some(scaler) => {
                             let scaled = scaler.f_scale(&loss).map_err(|e| e.to_string())?;
@@ -234,6 +255,9 @@ pub fn f_step_observed(
                                 .f_narrow(mb.start, mb.len)
                                 .map_err(|e| e.to_string())?;
                             let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
+                            if let Some(g) = &grad_offload {
+                                g.set_last_micro_batch(mb.end() == batch);
+                            }
                             held = Some(out);
                             Ok::<_, String>(loss)
                         })
@@ -242,9 +266,16 @@ pub fn f_step_observed(
                     phases.ended(PeakPhase::Backward)?;
                 }
             }
+            if let Some(g) = &grad_offload {
+                g.check().map_err(|e| e.to_string())?;
+            }
             match (optimizer, scaler) {
                 (Some(optimizer), scaler) => {
                     observer.step_event(StepEvent::Optimizer);
+                    // An optimizer stepping after backward needs the gradients back.
+                    if let Some(g) = &grad_offload {
+                        g.restore().map_err(|e| e.to_string())?;
+                    }
                     optimizer.step(scaler)?;
                     phases.ended(PeakPhase::Optimizer)?;
                 }
@@ -268,6 +299,11 @@ pub fn f_step_observed(
     );
     release_step_leftovers(&input.input, config);
     let (retained, time_s, peak_phase, saved) = result?;
+    // Without an optimizer the gradients are the step's result: back into `.grad`,
+    // after the measurement, as a caller reading them afterwards would do.
+    if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
+        g.restore().map_err(|e| e.to_string())?;
+    }
     let saved = saved.with_levers(&levers_before, &model.layers().lever_stats());
     Ok(StepMeasurement {
         start_bytes: m.start_bytes,

@@ -1,6 +1,6 @@
 //! A candidate configuration of `fit`: how the global batch is split and which levers
 //! are pulled, and the step configuration it runs as.
-use crate::config::{PlanChoice, SavedTensors, StepConfig};
+use crate::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
 use crate::levers::{CompressDtype, OptimizerSpec, StatePrecision};
 use memsave_checkpoint::{Block, Plan, Schedule};
 use serde::Serialize;
@@ -21,6 +21,10 @@ pub struct Choice {
     pub checkpoint: Option<String>,
     /// Saved activations offloaded to a file-backed store (lossless).
     pub offload: bool,
+    /// Gradients kept in files between backward passes (`memsave_hooks::GradOffload`,
+    /// lossless): with the optimizer step in backward, each whole gradient is stepped
+    /// during the last micro-batch's backward, so no step holds every gradient.
+    pub offload_grads: bool,
     /// The optimizer steps each parameter from inside backward and frees its gradient.
     pub in_backward: bool,
     /// Forward under bf16 autocast (lossy; only when allowed).
@@ -42,6 +46,7 @@ impl Choice {
             micro_batch: (global_batch + k - 1) / k,
             checkpoint: None,
             offload: false,
+            offload_grads: false,
             in_backward: false,
             autocast_bf16: false,
             compress_int8: false,
@@ -87,6 +92,9 @@ impl Choice {
         if self.offload {
             parts.push("offload(to=disk)".to_owned());
         }
+        if self.offload_grads {
+            parts.push("offload_grads(to=disk)".to_owned());
+        }
         if self.compress_int8 {
             parts.push("compress(dtype=int8)".to_owned());
         }
@@ -109,8 +117,14 @@ impl Choice {
     /// The step configuration of this choice, with `optimizer` (the workload's)
     /// changed by the choice's optimizer levers. The checkpoint schedule is not in it:
     /// set [`schedule`](Self::schedule) on the layers (`fit` leaves it set).
+    /// Offloaded gradients that no optimizer consumed are put back into `.grad` after
+    /// the step.
     pub fn step_config(&self, optimizer: Option<OptimizerSpec>) -> StepConfig {
-        self.probe_config(optimizer, self.micro_batches)
+        let mut config = self.probe_config(optimizer, self.micro_batches);
+        if self.offload_grads {
+            config.offload_grads = Some(GradsAfter::Restored);
+        }
+        config
     }
 
     /// [`step_config`](Self::step_config) for a batch split into `micro_batches` (2
@@ -132,6 +146,7 @@ impl Choice {
         } else if self.compress_int8 {
             config.saved = Some(SavedTensors::Compress(CompressDtype::Int8));
         }
+        config.offload_grads = self.offload_grads.then_some(GradsAfter::Dropped);
         config.optimizer = optimizer.map(|mut o| {
             o.in_backward = self.in_backward;
             if self.int8_state {

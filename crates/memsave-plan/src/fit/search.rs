@@ -88,12 +88,16 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         probes: HashMap::new(),
     };
     let has_optimizer = search.workload.optimizer().is_some();
-    let lever_sets = lever_sets(request, has_optimizer);
+    let passes = [
+        lever_sets(request, has_optimizer),
+        grad_lever_sets(request, has_optimizer),
+    ];
     let mut candidates: Vec<Candidate> = Vec::new();
-    // The fastest predicted time of a configuration that fits, so far.
+    // The fastest predicted time of a configuration that fits, so far (and, if it
+    // was run, did: a predicted fit with a note is one that failed its run).
     let best = |cs: &[Candidate]| {
         cs.iter()
-            .filter(|c| c.predicted_fits)
+            .filter(|c| c.predicted_fits && c.note.is_none())
             .filter_map(|c| c.predicted_step_time_s)
             .fold(f64::INFINITY, f64::min)
     };
@@ -101,91 +105,100 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     // it was evaluated at: a lever costs about the same share of the step at any split.
     let mut cost_ratio: HashMap<Levers, f64> = HashMap::new();
     let cheap = |l: &Levers| !l.offload && !l.compress;
-    for k in splits(global) {
-        let m = div_ceil(global, k as i64);
-        let usable = |l: &&Levers| k == 1 || !l.in_backward;
-        // The plain step, then the levers that cost little to probe, then recompute,
-        // and last offload and compression (slow to probe), which are skipped where
-        // their known cost over the plain step cannot beat what already fits.
-        let plain = search.evaluate(&Choice::new(global, k), m, k, None)?;
-        let plain_fits = plain.predicted_fits;
-        let plain_time = plain.predicted_step_time_s;
-        candidates.push(plain);
-        let mut evaluate = |search: &mut Search<'_>,
-                            candidates: &mut Vec<Candidate>,
-                            levers: &Levers|
-         -> Result<(), FitError> {
-            if !request.exhaustive {
-                if let (Some(r), Some(t)) = (cost_ratio.get(levers), plain_time) {
-                    if r * t >= best(candidates) {
-                        return Ok(());
-                    }
-                }
-            }
-            let candidate = search.evaluate(&levers.apply(Choice::new(global, k)), m, k, None)?;
-            if let (Some(t), Some(p)) = (candidate.predicted_step_time_s, plain_time) {
-                if p > 0.0 {
-                    cost_ratio.entry(*levers).or_insert(t / p);
-                }
-            }
-            candidates.push(candidate);
-            Ok(())
-        };
-        for levers in lever_sets
-            .iter()
-            .filter(usable)
-            .filter(|l| !l.is_plain() && cheap(l))
-        {
-            evaluate(&mut search, &mut candidates, levers)?;
-        }
-        // Every lever costs time on top of the plain step: once the plain step with
-        // this many micro-batches is predicted slower than something that fits, more
-        // recompute (or more micro-batches) cannot win.
-        let hopeless = plain_time.is_some_and(|t| t > best(&candidates)) && !request.exhaustive;
-        if hopeless {
-            break;
-        }
-        if !plain_fits {
-            for levers in lever_sets.iter().filter(usable).filter(|l| cheap(l)) {
-                let base = levers.apply(Choice::new(global, k));
-                if let Some(candidate) = search.recompute(&base, m, k)? {
-                    candidates.push(candidate);
-                }
-            }
-        }
-        if plain_fits && !request.exhaustive {
-            break; // more micro-batches only add per-micro-batch overhead
-        }
-        for levers in lever_sets.iter().filter(usable).filter(|l| !cheap(l)) {
-            evaluate(&mut search, &mut candidates, levers)?;
-        }
-    }
-
-    let mut order: Vec<usize> = (0..candidates.len())
-        .filter(|&i| candidates[i].predicted_fits)
-        .collect();
-    sort_by_predicted_time(&mut order, &candidates);
-    if order.is_empty() {
-        return Err(search.infeasible(&candidates, request)?);
-    }
     let mut tries = 0;
     let mut chosen = None;
     // Candidates run at their real size already.
     let mut run_already = std::collections::HashSet::new();
-    for &i in &order {
-        tries += 1;
-        run_already.insert(i);
-        match search.run_real(&candidates[i].choice) {
-            Ok(p) => {
-                candidates[i].measured_peak_bytes = Some(p.peak_bytes);
-                candidates[i].measured_step_time_s = Some(p.time_s);
-                chosen = Some(i);
+    // Gradients in files cost a write and a read of every gradient per micro-batch:
+    // they are considered only when nothing fits without (predicted, then confirmed).
+    for lever_sets in &passes {
+        if chosen.is_some() {
+            break;
+        }
+        for k in splits(global) {
+            let m = div_ceil(global, k as i64);
+            // The step in backward frees each gradient as soon as it is complete, which
+            // accumulation over micro-batches needs kept, unless it is kept in files.
+            let usable = |l: &&Levers| k == 1 || !l.in_backward || l.offload_grads;
+            // The plain step (of the pass: with the gradients in files in the second),
+            // then the levers that cost little to probe, then recompute, and last
+            // offload and compression (slow to probe), which are skipped where their
+            // known cost over the plain step cannot beat what already fits.
+            let base = lever_sets[0];
+            let plain = search.evaluate(&base.apply(Choice::new(global, k)), m, k, None)?;
+            let plain_fits = plain.predicted_fits;
+            let plain_time = plain.predicted_step_time_s;
+            candidates.push(plain);
+            let mut evaluate = |search: &mut Search<'_>,
+                                candidates: &mut Vec<Candidate>,
+                                levers: &Levers|
+             -> Result<(), FitError> {
+                if !request.exhaustive {
+                    if let (Some(r), Some(t)) = (cost_ratio.get(levers), plain_time) {
+                        if r * t >= best(candidates) {
+                            return Ok(());
+                        }
+                    }
+                }
+                let candidate =
+                    search.evaluate(&levers.apply(Choice::new(global, k)), m, k, None)?;
+                if let (Some(t), Some(p)) = (candidate.predicted_step_time_s, plain_time) {
+                    if p > 0.0 {
+                        cost_ratio.entry(*levers).or_insert(t / p);
+                    }
+                }
+                candidates.push(candidate);
+                Ok(())
+            };
+            for levers in lever_sets
+                .iter()
+                .filter(usable)
+                .filter(|l| **l != base && cheap(l))
+            {
+                evaluate(&mut search, &mut candidates, levers)?;
+            }
+            // Every lever costs time on top of the plain step: once the plain step with
+            // this many micro-batches is predicted slower than something that fits, more
+            // recompute (or more micro-batches) cannot win.
+            let hopeless = plain_time.is_some_and(|t| t > best(&candidates)) && !request.exhaustive;
+            if hopeless {
                 break;
             }
-            Err(ProbeError::OutOfMemory(e)) => {
-                candidates[i].note = Some(format!("did not fit when run: {e}"));
+            if !plain_fits {
+                for levers in lever_sets.iter().filter(usable).filter(|l| cheap(l)) {
+                    let base = levers.apply(Choice::new(global, k));
+                    if let Some(candidate) = search.recompute(&base, m, k)? {
+                        candidates.push(candidate);
+                    }
+                }
             }
-            Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+            if plain_fits && !request.exhaustive {
+                break; // more micro-batches only add per-micro-batch overhead
+            }
+            for levers in lever_sets.iter().filter(usable).filter(|l| !cheap(l)) {
+                evaluate(&mut search, &mut candidates, levers)?;
+            }
+        }
+
+        let mut order: Vec<usize> = (0..candidates.len())
+            .filter(|&i| candidates[i].predicted_fits && !run_already.contains(&i))
+            .collect();
+        sort_by_predicted_time(&mut order, &candidates);
+        for &i in &order {
+            tries += 1;
+            run_already.insert(i);
+            match search.run_real(&candidates[i].choice) {
+                Ok(p) => {
+                    candidates[i].measured_peak_bytes = Some(p.peak_bytes);
+                    candidates[i].measured_step_time_s = Some(p.time_s);
+                    chosen = Some(i);
+                    break;
+                }
+                Err(ProbeError::OutOfMemory(e)) => {
+                    candidates[i].note = Some(format!("did not fit when run: {e}"));
+                }
+                Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+            }
         }
     }
     let Some(mut chosen) = chosen else {
@@ -336,6 +349,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 struct Levers {
     offload: bool,
+    offload_grads: bool,
     in_backward: bool,
     bf16: bool,
     compress: bool,
@@ -343,13 +357,11 @@ struct Levers {
 }
 
 impl Levers {
-    fn is_plain(&self) -> bool {
-        *self == Levers::default()
-    }
 
     fn apply(&self, choice: Choice) -> Choice {
         choice.with(|c| {
             c.offload = self.offload;
+            c.offload_grads = self.offload_grads;
             c.in_backward = self.in_backward;
             c.autocast_bf16 = self.bf16;
             c.compress_int8 = self.compress;
@@ -492,6 +504,23 @@ fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
             in_backward: true,
             ..Levers::default()
         });
+    }
+    sets
+}
+
+/// The lever sets with the gradients in files (see [`lever_sets`]); with an
+/// optimizer only with its step in backward (stepping after backward needs every
+/// gradient back in memory at once).
+fn grad_lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
+    let mut sets: Vec<Levers> = Vec::new();
+    for l in lever_sets(request, has_optimizer) {
+        let l = Levers {
+            offload_grads: true,
+            ..l
+        };
+        if (l.in_backward || !has_optimizer) && !sets.contains(&l) {
+            sets.push(l);
+        }
     }
     sets
 }
@@ -837,7 +866,13 @@ impl Search<'_> {
         m: i64,
         k: usize,
     ) -> Result<Option<Candidate>, FitError> {
-        let profile = self.profile(m)?;
+        let mut profile = self.profile(m)?;
+        if base.offload_grads {
+            // The gradients do not stay: the solver's model must not keep them.
+            for e in &mut profile.elements {
+                e.param_grad_bytes = 0;
+            }
+        }
         let layers = self.workload.layers().len();
         let plain = Schedule::plain(layers);
         let model_plain = predict(&profile, &plain).peak_bytes;
@@ -914,10 +949,14 @@ impl Search<'_> {
             .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
             .min_by_key(|(p, _)| *p);
         let mut best_lossy: Option<(u64, String)> = None;
-        for levers in lever_sets(&everything, has_optimizer) {
+        let sets = lever_sets(&everything, has_optimizer)
+            .into_iter()
+            .chain(grad_lever_sets(&everything, has_optimizer));
+        for levers in sets {
             // One example per micro-batch, or, for the optimizer step in backward
-            // (which frees the gradients accumulation needs), the whole batch at once.
-            let (k, n, batch) = if levers.in_backward {
+            // (which frees the gradients accumulation needs, unless they are in
+            // files), the whole batch at once.
+            let (k, n, batch) = if levers.in_backward && !levers.offload_grads {
                 (1, 1, self.global)
             } else {
                 (k, n, n as i64)
@@ -1005,8 +1044,9 @@ fn budget_for(peak: u64, margin: f64) -> u64 {
 
 fn lever_key(c: &Choice) -> String {
     format!(
-        "{}{}{}{}{}",
+        "{}{}{}{}{}{}",
         u8::from(c.offload),
+        u8::from(c.offload_grads),
         u8::from(c.in_backward),
         u8::from(c.autocast_bf16),
         u8::from(c.compress_int8),
