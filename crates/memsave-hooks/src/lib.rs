@@ -12,6 +12,11 @@
 //! in files until backward. The packing built-ins leave parameters and the tensors you
 //! name alone ([`PassThrough`]): packing what stays alive anyway only adds bytes.
 //!
+//! Gradients are not saved tensors, but they are the other half of what training keeps:
+//! [`GradOffload`] (post-accumulate-grad hooks) keeps the gradients accumulated over
+//! micro-batches in files instead of memory, and hands each whole one to your
+//! `on_complete` (an optimizer step) in the last micro-batch's backward.
+//!
 //! [`DiskOffload`] and [`Compress`] are also levers of `memsave-checkpoint`'s budget
 //! planner (they implement its `BoundaryStore`): given to
 //! `CheckpointedSequential::with_levers`, they may keep the inputs of checkpoints

@@ -143,11 +143,13 @@ pub fn f_step_observed(
             return Err("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once".into());
         }
         let dir = crate::saved::default_dir()?;
-        let offload = GradOffload::new(&params, &dir).map_err(|e| e.to_string())?;
+        // First: an optimizer in backward gives up its hooks, whose slots the offload
+        // takes.
         let stepper = match optimizer.as_deref_mut() {
             Some(o) => o.param_stepper(&params)?,
             None => None,
         };
+        let offload = GradOffload::new(&params, &dir).map_err(|e| e.to_string())?;
         Some(match stepper {
             Some(f) => offload.on_complete(f),
             None => offload,

@@ -2,8 +2,11 @@
 //! prediction within 5% of the measurement, no configuration that fails to fit run,
 //! the global batch kept, and clear errors for impossible requests.
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_plan::step::f_step;
-use memsave_plan::{fit, Batch, FitError, FitRequest, StepConfig, Workload};
+use memsave_plan::optimizer::CaseOptimizer;
+use memsave_plan::step::{f_step, f_step_with};
+use memsave_plan::{
+    fit, Batch, FitError, FitRequest, GradsAfter, OptimizerSpec, StepConfig, Workload,
+};
 use serial_test::serial;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -14,6 +17,7 @@ struct Mlp {
     layers: CheckpointedSequential,
     data: Tensor,
     fail: bool,
+    optimizer: Option<OptimizerSpec>,
 }
 
 impl Mlp {
@@ -33,6 +37,7 @@ impl Mlp {
             layers: seq,
             data,
             fail: false,
+            optimizer: None,
         }
     }
 }
@@ -58,6 +63,9 @@ impl Workload for Mlp {
     }
     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    }
+    fn optimizer(&self) -> Option<OptimizerSpec> {
+        self.optimizer
     }
     fn loss(&self, output: &Tensor, _target: Option<&Tensor>) -> Result<Tensor, tch::TchError> {
         if self.fail {
@@ -192,4 +200,126 @@ fn bad_requests_are_errors() {
         Err(FitError::Step(e)) => assert!(e.contains("this loss always fails"), "{e}"),
         other => panic!("expected a step error, got {other:?}"),
     }
+}
+
+fn gradient_bytes(model: &Mlp) -> u64 {
+    model
+        .parameters()
+        .iter()
+        .map(|p| p.numel() as u64 * 4)
+        .sum()
+}
+
+fn host(ts: &[Tensor]) -> Vec<Vec<f32>> {
+    ts.iter()
+        .map(|t| Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+        .collect()
+}
+
+#[test]
+#[serial]
+fn a_budget_below_the_gradients_is_met_with_gradients_in_files() {
+    // Wide layers, few examples: the gradients are most of the step.
+    let mut model = Mlp::new(3, 96, 4, 2);
+    let grads = gradient_bytes(&model);
+    let budget = grads * 3 / 4;
+    let report = fit(&mut model, &FitRequest::new(budget))
+        .unwrap_or_else(|e| panic!("below the gradients' {grads} bytes: {e}"));
+    check_report(&report, budget, 4);
+    assert!(report.choice.offload_grads, "{}", report.to_text());
+    assert!(report.measured_peak_bytes < grads);
+}
+
+#[test]
+#[serial]
+fn gradients_in_files_give_the_plain_step_s_gradients_and_adamw_update_bitwise() {
+    memsave_meter::install();
+    let mut model = Mlp::new(3, 16, 6, 4);
+    let x = model.batch(6).unwrap();
+    let accumulate = |config: &mut StepConfig| config.micro_batches = Some(3);
+    // Without an optimizer: the gradients, put back after the step.
+    let mut plain = StepConfig::baseline();
+    accumulate(&mut plain);
+    let p = f_step(&model, &x, &plain, Device::Cpu, false, None).unwrap();
+    let expected = host(
+        &model
+            .parameters()
+            .iter()
+            .map(Tensor::grad)
+            .collect::<Vec<_>>(),
+    );
+    let mut offloaded = plain.clone();
+    offloaded.offload_grads = Some(GradsAfter::Restored);
+    let o = f_step(&model, &x, &offloaded, Device::Cpu, false, None).unwrap();
+    let got = host(
+        &model
+            .parameters()
+            .iter()
+            .map(Tensor::grad)
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(got, expected);
+    // Plain accumulation holds every gradient from the first micro-batch's backward
+    // on; in files, none is held between micro-batches.
+    assert!(
+        o.peak_bytes + gradient_bytes(&model) / 2 <= p.peak_bytes,
+        "offloaded {} vs plain {}",
+        o.peak_bytes,
+        p.peak_bytes
+    );
+    memsave_accum::free_grads(&model.parameters()).unwrap();
+
+    // AdamW: stepped after accumulation, against stepped in the last micro-batch's
+    // backward from the files.
+    let spec = OptimizerSpec::default(); // AdamW, f32 state, stepped after backward
+    model.optimizer = Some(spec);
+    let params = model.parameters();
+    let before = host(&params);
+    let mut after_step = plain.clone();
+    after_step.optimizer = Some(spec);
+    let mut opt = CaseOptimizer::build(&spec, &params).unwrap();
+    for _ in 0..2 {
+        f_step_with(
+            &model,
+            &x,
+            &after_step,
+            Device::Cpu,
+            false,
+            None,
+            Some(&mut opt),
+        )
+        .unwrap();
+    }
+    let expected = host(&params);
+    assert_ne!(expected, before);
+    {
+        let _no_grad = tch::no_grad_guard();
+        for (p, v) in params.iter().zip(&before) {
+            p.shallow_clone()
+                .copy_(&Tensor::from_slice(v).view(p.size().as_slice()));
+        }
+    }
+    let mut in_backward = offloaded.clone();
+    let spec_ib = OptimizerSpec {
+        in_backward: true,
+        ..spec
+    };
+    in_backward.optimizer = Some(spec_ib);
+    let mut opt = CaseOptimizer::build(&spec_ib, &params).unwrap();
+    for _ in 0..2 {
+        f_step_with(
+            &model,
+            &x,
+            &in_backward,
+            Device::Cpu,
+            false,
+            None,
+            Some(&mut opt),
+        )
+        .unwrap();
+        for p in &params {
+            assert!(!p.grad().defined(), "every gradient was stepped and freed");
+        }
+    }
+    assert_eq!(host(&params), expected);
 }

@@ -13,9 +13,15 @@
 //! - **recompute**: the checkpoint schedule of `memsave-checkpoint`'s budget solver
 //!   for that micro-batch size, with the least recomputation that fits;
 //! - **offload**: saved activations in a file-backed store (`memsave-hooks`);
-//! - **optimizer step in backward** (for a workload with an optimizer, without
-//!   accumulation): each parameter is updated and its gradient freed as soon as it is
-//!   complete;
+//! - **optimizer step in backward** (for a workload with an optimizer): each parameter
+//!   is updated and its gradient freed as soon as it is complete;
+//! - **gradients in files** (`memsave-hooks`' `GradOffload`), only when nothing fits
+//!   without them (a second pass, after the first found nothing that fits when run):
+//!   the gradients accumulated over micro-batches wait in files instead of memory; with
+//!   an optimizer, only together with its step in backward (which then steps each
+//!   whole gradient during the last micro-batch's backward), since a step after
+//!   backward needs them all back at once. They cost a write and a read of every
+//!   gradient per micro-batch, and reach budgets below the gradients' own size;
 //! - only when allowed ([`Allow`]), the lossy ones: bf16 autocast, int8 compression of
 //!   saved activations, 8-bit optimizer state.
 //!
@@ -112,7 +118,7 @@ impl FitRequest {
 }
 
 /// The lossy levers `fit` may use besides the lossless ones (recompute, offload,
-/// micro-batches, optimizer step in backward). All off by default.
+/// micro-batches, optimizer step in backward, gradients in files). All off by default.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Allow {
     /// Forward under bf16 autocast.

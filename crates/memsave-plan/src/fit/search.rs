@@ -357,7 +357,6 @@ struct Levers {
 }
 
 impl Levers {
-
     fn apply(&self, choice: Choice) -> Choice {
         choice.with(|c| {
             c.offload = self.offload;
@@ -1201,5 +1200,19 @@ mod tests {
         // Offload's best first (the plain family has the choice), then the second of
         // each family by predicted time, then the third.
         assert_eq!(race_order(&cs, 0, racers), vec![3, 2, 4, 1, 5]);
+    }
+
+    #[test]
+    fn gradients_in_files_come_with_the_step_in_backward_when_there_is_an_optimizer() {
+        let request = FitRequest::new(1 << 20);
+        let without = grad_lever_sets(&request, false);
+        assert_eq!(without.len(), 2, "{without:?}");
+        assert!(without.iter().all(|l| l.offload_grads && !l.in_backward));
+        assert_eq!(without.iter().filter(|l| l.offload).count(), 1);
+        let with = grad_lever_sets(&request, true);
+        assert_eq!(with.len(), 2, "{with:?}");
+        assert!(with.iter().all(|l| l.offload_grads && l.in_backward));
+        // The first pass never keeps gradients in files.
+        assert!(lever_sets(&request, true).iter().all(|l| !l.offload_grads));
     }
 }
