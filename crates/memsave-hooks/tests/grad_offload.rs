@@ -110,7 +110,9 @@ fn the_last_micro_batch_hands_each_whole_gradient_over() {
     let x = Tensor::randn([12, 16], (Kind::Float, Device::Cpu));
     let expected = n.accumulated(&x, 3);
     let dir = tempfile::tempdir().unwrap();
-    let seen: Arc<Mutex<Vec<(usize, Vec<f32>)>>> = Arc::default();
+    // (parameter index, its whole gradient) as handed over.
+    type Seen = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+    let seen: Seen = Arc::default();
     let sink = Arc::clone(&seen);
     let offload = GradOffload::new(&n.params(), dir.path())
         .unwrap()
