@@ -45,9 +45,11 @@
 //! allocation past the budget fails at once) and reports the prediction, the
 //! measurement, and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
-//! to eight runners-up predicted within 1.5× of the choice's time are run at their
-//! real size under the budget too (first one per family of levers and recompute
-//! schedule, then more splits of each; for a couple of seconds, or a quarter of the
+//! to eight runners-up predicted within 1.5× of the choice's time (and the best
+//! predicted of each other family within 3×: on steps of a few hundredths of a second
+//! small runs can be off by that much) are run at their real size under the budget too
+//! (first one per family of levers and recompute schedule, then more splits of each;
+//! for a couple of seconds, or a quarter of the
 //! time spent before), those measured within 1.25× of the fastest and the fastest
 //! predicted are run twice more, one after the other (a real-size step measures tens
 //! of percent slower at one moment than the next on a busy machine), and the fastest
