@@ -236,19 +236,27 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         })
         .collect();
     sort_by_predicted_time(&mut racers, &candidates);
-    // Beyond `RACE_WITHIN`, only the best predicted of a family not raced yet: a
-    // prediction from small runs of a step of a few hundredths of a second can be off
-    // by 3x (a lever that costs nothing predicted at 0.065 s, measured 0.017 s).
-    let mut families = std::collections::HashSet::from([family(&candidates[chosen].choice)]);
-    racers.retain(|&i| {
-        let new_family = families.insert(family(&candidates[i].choice));
-        new_family
-            || candidates[i]
-                .predicted_step_time_s
-                .is_some_and(|t| t <= chosen_time * RACE_WITHIN)
-    });
-    let mut racers = race_order(&candidates, chosen, racers);
+    let near = |i: usize| {
+        candidates[i]
+            .predicted_step_time_s
+            .is_some_and(|t| t <= chosen_time * RACE_WITHIN)
+    };
+    let (near_ones, far): (Vec<usize>, Vec<usize>) = racers.into_iter().partition(|&i| near(i));
+    let mut racers = race_order(&candidates, chosen, near_ones);
     racers.truncate(RACE_MAX);
+    // Then, while the race's time lasts, the best predicted of each family not raced
+    // yet up to `RACE_FAMILY_WITHIN`: a prediction from small runs of a step of a few
+    // hundredths of a second can be off by 3x (a lever that costs nothing predicted at
+    // 0.065 s, measured 0.017 s).
+    let mut families: std::collections::HashSet<_> = racers
+        .iter()
+        .chain([&chosen])
+        .map(|&i| family(&candidates[i].choice))
+        .collect();
+    racers.extend(
+        far.into_iter()
+            .filter(|&i| families.insert(family(&candidates[i].choice))),
+    );
     let mut raced = 1;
     let mut runners_up_over_budget = 0;
     let race_s = RACE_S.max(RACE_SHARE * started.elapsed().as_secs_f64());
