@@ -314,6 +314,7 @@ fn unsupported(technique: &Technique) -> Option<&'static str> {
         Technique::GradScaler(_) => Some("grad_scaler"),
         Technique::Compress(_) => Some("compress"),
         Technique::Offload(_) => Some("offload"),
+        Technique::OffloadGrads => Some("offload_grads"),
         Technique::AutoBatch(_) => Some("auto_batch"),
         Technique::Fit(_) => Some("fit"),
         _ => None,

@@ -2,7 +2,7 @@
 //! into `memsave_plan`'s [`StepConfig`].
 use crate::suite::{CheckpointSpec, StrategySpec, Technique};
 use memsave_checkpoint::Plan;
-pub use memsave_plan::{PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use memsave_plan::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 
 /// The step of `strategy`, or why it cannot run in this build.
 pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
@@ -36,6 +36,7 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
+            Technique::OffloadGrads => config.offload_grads = Some(GradsAfter::Restored),
             Technique::Zero(_) => {
                 return Err("zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)".into())
             }
@@ -43,9 +44,12 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::AutoBatch(_) | Technique::Fit(_) => {}
         }
     }
+    if config.offload_grads.is_some() && config.scaler.is_some() {
+        return Err("offload_grads keeps gradients in files, but grad_scaler must check every gradient for inf/NaN at once; drop one".into());
+    }
     if config.optimizer.is_some_and(|o| o.in_backward) {
-        if config.micro_batches.is_some() {
-            return Err("optimizer in_backward steps at every backward, so it cannot accumulate over micro-batches; drop accumulate or in_backward".into());
+        if config.micro_batches.is_some() && config.offload_grads.is_none() {
+            return Err("optimizer in_backward steps at every backward, so it cannot accumulate over micro-batches in memory; drop accumulate or in_backward, or add offload_grads: {to: disk}".into());
         }
         if config.scaler.is_some() {
             return Err("optimizer in_backward cannot check every gradient for inf/NaN before the first update, so it cannot run with grad_scaler; drop one".into());

@@ -135,3 +135,53 @@ fn adamw_state_bytes_are_two_f32_moments_per_parameter_and_the_weights_come_back
         refused.error
     );
 }
+
+#[test]
+#[serial]
+fn gradients_in_files_keep_the_accumulated_gradients_and_let_the_step_in_backward_accumulate() {
+    let report = run("  - baseline
+  - {name: acc, with: [{accumulate: {micro_batches: 4}}]}
+  - {name: acc+files, with: [{accumulate: {micro_batches: 4}}, {offload_grads: {to: disk}}]}
+  - {name: acc+files+adamw-in-backward, with: [{accumulate: {micro_batches: 2}}, {offload_grads: {to: disk}}, {optimizer: {kind: adamw, in_backward: true}}]}
+  - {name: files+scaler, with: [{offload_grads: {to: disk}}, grad_scaler]}
+");
+    let case = |name: &str| report.cases.iter().find(|c| c.strategy == name).unwrap();
+    for name in ["acc", "acc+files", "acc+files+adamw-in-backward"] {
+        assert_eq!(
+            case(name).status,
+            Status::Ok,
+            "{name}: {:?}",
+            case(name).error
+        );
+    }
+    // Bitwise the gradients plain accumulation makes: the same difference from the
+    // whole batch's.
+    assert!(case("acc+files").grad_max_abs_diff.is_some());
+    assert_eq!(
+        case("acc+files").grad_max_abs_diff,
+        case("acc").grad_max_abs_diff
+    );
+    assert_eq!(case("acc+files").grad_rel_l2, case("acc").grad_rel_l2);
+    // From the second micro-batch on, plain accumulation holds every gradient; in
+    // files, at most one parameter's gradient and its stored sum are in memory.
+    let (h, e, l) = (16u64, 4u64, 4u64);
+    let grads = 4 * l * (h * e * h + e * h + e * h * h + h);
+    let largest = 4 * h * e * h;
+    let plain = case("acc").peak_bytes.unwrap();
+    let files = case("acc+files").peak_bytes.unwrap();
+    assert!(
+        files + grads <= plain + 2 * largest,
+        "in files {files} vs in memory {plain} (gradients {grads})"
+    );
+    assert_eq!(
+        case("acc+files+adamw-in-backward").optimizer_state_bytes,
+        Some(2 * grads)
+    );
+    let refused = case("files+scaler");
+    assert_eq!(refused.status, Status::Unavailable);
+    assert!(
+        refused.error.as_deref().unwrap().contains("grad_scaler"),
+        "{:?}",
+        refused.error
+    );
+}

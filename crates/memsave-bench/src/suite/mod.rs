@@ -34,6 +34,7 @@
 //!   - accumulate: {micro_batches: 4}   # memsave-accum's GradAccumulator
 //!   - compress: {dtype: int8}          # or bf16, fp16, fp8: memsave-hooks' Compress
 //!   - offload: {to: disk}              # or {to: disk, dir: PATH}, {to: cpu}
+//!   - offload_grads: {to: disk}        # gradients in files between micro-batches
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
 //!   - optimizer: {kind: adamw, state: int8, in_backward: true, placement: device}
@@ -63,7 +64,8 @@
 //! model's weights and they are restored after it, so every case sees the same model.
 //! Its gradients are not compared with the baseline's (they are freed by the step).
 //! `in_backward: true` cannot be combined with `accumulate` (every backward would
-//! step) or `grad_scaler` (the inf check needs every gradient before the first
+//! step) unless `offload_grads` keeps the gradients in files until the last
+//! micro-batch's backward steps them, nor with `grad_scaler` (the inf check needs every gradient before the first
 //! update); such a strategy is reported unavailable with the reason.
 //!
 //! `compress` and `offload` wrap the forward in memsave-hooks' saved-tensor hooks

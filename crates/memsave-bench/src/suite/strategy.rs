@@ -95,6 +95,12 @@ struct OffloadArgs {
     max_in_flight: Option<Size>,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OffloadGradsArgs {
+    to: String,
+}
+
 fn compress_args<E: de::Error>(args: CompressArgs) -> Result<CompressDtype, E> {
     match args.dtype.as_str() {
         "bf16" => Ok(CompressDtype::Bf16),
@@ -155,6 +161,10 @@ pub enum Technique {
     /// Saved activations kept on disk or in host memory until backward
     /// (`memsave_hooks::DiskOffload`, `memsave_hooks::SaveOnCpu`).
     Offload(OffloadSpec),
+    /// `offload_grads: {to: disk}`: gradients accumulated in files between backward
+    /// passes (`memsave_hooks::GradOffload`); an `optimizer` with `in_backward: true`
+    /// steps each whole gradient in the last micro-batch's backward.
+    OffloadGrads,
     /// `zero: 1 | 2`: the optimizer's state (stage 1), and the gradients (stage 2),
     /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`).
     /// Needs `world_size` and an `optimizer`.
@@ -284,6 +294,7 @@ impl Technique {
                 format!("offload({})", args.join(", "))
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
+            Technique::OffloadGrads => "offload_grads(to=disk)".into(),
             Technique::Zero(stage) => format!("zero(stage={stage})"),
             Technique::AutoBatch(AutoBatchSpec { budget: None }) => {
                 "auto_batch(policy=halving)".into()
@@ -317,6 +328,7 @@ impl Technique {
             Technique::Compress(_) | Technique::Offload(_) => {
                 "saved-tensor hook (compress, offload)"
             }
+            Technique::OffloadGrads => "offload_grads",
             Technique::Zero(_) => "zero",
             Technique::AutoBatch(_) => "auto_batch",
             Technique::Fit(_) => "fit",
@@ -474,7 +486,7 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 10] = [
+const WITH_ARGS: [&str; 11] = [
     "checkpoint",
     "autocast",
     "accumulate",
@@ -482,6 +494,7 @@ const WITH_ARGS: [&str; 10] = [
     "optimizer",
     "compress",
     "offload",
+    "offload_grads",
     "zero",
     "auto_batch",
     "fit",
@@ -508,7 +521,7 @@ fn example_args(name: &str) -> &'static str {
         "autocast" => "{dtype: bf16}",
         "optimizer" => "{kind: adamw}",
         "compress" => "{dtype: int8}",
-        "offload" => "{to: disk}",
+        "offload" | "offload_grads" => "{to: disk}",
         "zero" => "2",
         "auto_batch" => "{policy: halving, budget: 40MiB}",
         "fit" => "{budget: 40MiB}",
@@ -539,6 +552,14 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
         "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
+        "offload_grads" => match map.next_value::<OffloadGradsArgs>()?.to.as_str() {
+            "disk" => Technique::OffloadGrads,
+            other => {
+                return Err(de::Error::custom(format!(
+                    "offload_grads: unknown target '{other}', expected disk"
+                )))
+            }
+        },
         "zero" => Technique::Zero(map.next_value::<ZeroStageArg>()?.0),
         "auto_batch" => Technique::AutoBatch(auto_batch_args(map.next_value::<AutoBatchArgs>()?)?),
         "fit" => Technique::Fit(fit_args(map.next_value::<FitArgs>()?)?),
