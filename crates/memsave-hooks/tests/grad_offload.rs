@@ -184,3 +184,31 @@ fn a_bad_directory_or_a_taken_hook_slot_is_an_err() {
     // The slot is free again once the first is dropped.
     GradOffload::new(&n.params(), dir.path()).unwrap();
 }
+
+#[test]
+#[serial]
+fn a_parameter_unused_by_the_last_micro_batch_is_handed_over_after_it() {
+    tch::manual_seed(5);
+    let used = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let skipped = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let seen: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let sink = Arc::clone(&seen);
+    let offload = GradOffload::new(&[used.shallow_clone(), skipped.shallow_clone()], dir.path())
+        .unwrap()
+        .on_complete(Box::new(move |index, p| {
+            assert!(p.grad().defined());
+            sink.lock().unwrap().push(index);
+            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+        }));
+    // The first micro-batch uses both, the last only the first.
+    (x.mm(&used).sum(Kind::Float) + x.mm(&skipped).sum(Kind::Float)).backward();
+    offload.set_last_micro_batch(true);
+    x.mm(&used).sum(Kind::Float).backward();
+    assert_eq!(*seen.lock().unwrap(), vec![0]);
+    offload.complete_remaining().unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![0, 1]);
+    assert_eq!(offload.stats().stored_bytes, 0);
+    assert_eq!(files_in(dir.path()), 0);
+}

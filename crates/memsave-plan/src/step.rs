@@ -269,6 +269,7 @@ pub fn f_step_observed(
                 }
             }
             if let Some(g) = &grad_offload {
+                g.complete_remaining().map_err(|e| e.to_string())?;
                 g.check().map_err(|e| e.to_string())?;
             }
             match (optimizer, scaler) {

@@ -27,7 +27,10 @@ pub type OnComplete = Box<dyn FnMut(usize, &Tensor) -> Result<(), String> + Send
 ///   instead (typically one optimizer step of that parameter, freeing its gradient):
 ///   gradient accumulation and the optimizer step in backward together.
 /// - **After.** [`restore`](Self::restore) puts the stored gradients back into `.grad`;
-///   [`f_grad`](Self::f_grad) reads one.
+///   [`f_grad`](Self::f_grad) reads one. With `on_complete`, call
+///   [`complete_remaining`](Self::complete_remaining) after the last backward: a
+///   parameter that got no gradient in it (unused by that micro-batch) has its hook
+///   not fire, and its stored sum is handed over there.
 /// - **Exact.** The sum is the one plain accumulation makes: the new gradient plus the
 ///   stored sum, and floating-point addition of two numbers does not depend on their
 ///   order, so gradients are bitwise equal. Each file carries a CRC-32: a file changed
@@ -243,6 +246,37 @@ impl GradOffload {
     /// when there is one (without one, they are stored as in any backward).
     pub fn set_last_micro_batch(&self, last: bool) {
         self.shared.last.store(last, Ordering::Relaxed);
+    }
+
+    /// Hands over the sums still stored for parameters that received no gradient in
+    /// the last micro-batch's backward (their hook did not fire): each is put back
+    /// into `.grad` and given to [`on_complete`](Self::on_complete), as plain
+    /// accumulation followed by a step would step it. Call it after that backward;
+    /// without `on_complete` it does nothing.
+    pub fn complete_remaining(&self) -> Result<(), OffloadError> {
+        let mut f = lock(&self.shared.on_complete);
+        let Some(f) = f.as_mut() else {
+            return Ok(());
+        };
+        let _no_grad = tch::no_grad_guard();
+        for (index, p) in self.params.iter().enumerate() {
+            let Some(stored) = self
+                .shared
+                .take(index)
+                .map_err(|reason| self.read_error(reason))?
+            else {
+                continue;
+            };
+            memsave_sys::tensor::set_grad(p, &stored)
+                .map_err(|e| self.read_error(e.to_string()))?;
+            drop(stored);
+            f(index, p).map_err(|reason| OffloadError::Param {
+                index,
+                shape: p.size(),
+                reason,
+            })?;
+        }
+        Ok(())
     }
 
     /// The stored gradient of parameter `index` (not removed), `None` when none is
