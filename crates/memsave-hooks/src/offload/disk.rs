@@ -175,21 +175,7 @@ impl DiskOffload {
     /// and removing a probe file); the error names the directory.
     pub fn new(dir: impl AsRef<Path>) -> Result<Self, OffloadError> {
         let dir = dir.as_ref().to_path_buf();
-        let bad = |reason: String| OffloadError::Dir {
-            dir: dir.clone(),
-            reason,
-        };
-        let meta = std::fs::metadata(&dir).map_err(|e| bad(format!("cannot be used: {e}")))?;
-        if !meta.is_dir() {
-            return Err(bad("is not a directory".into()));
-        }
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let prefix = format!("memsave-{}-{nanos:x}", std::process::id());
-        let probe = dir.join(format!("{prefix}-probe"));
-        std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
-        std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
+        let prefix = file::store_prefix(&dir)?;
         let shared = Arc::new(Shared {
             dir: dir.clone(),
             prefix,
@@ -210,7 +196,10 @@ impl DiskOffload {
                     }
                 }
             })
-            .map_err(|e| bad(format!("cannot start its writer thread: {e}")))?;
+            .map_err(|e| OffloadError::Dir {
+                dir: dir.clone(),
+                reason: format!("cannot start its writer thread: {e}"),
+            })?;
         Ok(Self {
             store: Arc::new(Store {
                 shared,

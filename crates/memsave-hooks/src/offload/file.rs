@@ -1,5 +1,6 @@
 //! One saved tensor as a store file: raw bytes written and read in chunks, with a
 //! CRC-32 so that a file changed between forward and backward is caught.
+use crate::error::OffloadError;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::Path;
@@ -8,6 +9,28 @@ use tch::{Device, Kind, Tensor};
 /// Bytes copied per chunk: the only memory outside libtorch's allocator that a write
 /// or a read uses.
 const CHUNK: usize = 1 << 20;
+
+/// Checks that `dir` exists and takes new files (by writing and removing a probe
+/// file) and returns a name prefix for a new store's files there, unique to this
+/// process and moment; the error names the directory.
+pub(crate) fn store_prefix(dir: &Path) -> Result<String, OffloadError> {
+    let bad = |reason: String| OffloadError::Dir {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    let meta = std::fs::metadata(dir).map_err(|e| bad(format!("cannot be used: {e}")))?;
+    if !meta.is_dir() {
+        return Err(bad("is not a directory".into()));
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let prefix = format!("memsave-{}-{nanos:x}", std::process::id());
+    let probe = dir.join(format!("{prefix}-probe"));
+    std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
+    std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
+    Ok(prefix)
+}
 
 /// What a file must hold to be read back.
 #[derive(Debug, Clone)]

@@ -124,6 +124,21 @@ impl Shared {
         Ok(Some(t))
     }
 
+    /// Puts parameter `index`'s stored sum, if any, back into `p`'s `.grad`: added to
+    /// what is there (the new gradient plus the sum, as plain accumulation adds), or
+    /// as the gradient when there is none; its file is removed.
+    fn put_back(&self, index: usize, p: &Tensor) -> Result<(), String> {
+        let Some(stored) = self.take(index)? else {
+            return Ok(());
+        };
+        let mut grad = p.grad();
+        if grad.defined() {
+            grad.f_add_(&stored).map(|_| ()).map_err(|e| e.to_string())
+        } else {
+            memsave_sys::tensor::set_grad(p, &stored).map_err(|e| e.to_string())
+        }
+    }
+
     /// Writes `grad` as parameter `index`'s stored sum; false (the failure recorded)
     /// when it could not be written.
     fn store(&self, index: usize, grad: &Tensor) -> bool {
@@ -151,13 +166,11 @@ impl Shared {
     /// The hook of parameter `index`, `p` with its `.grad` just accumulated.
     fn on_grad(&self, index: usize, p: &Tensor) -> Result<(), String> {
         let _no_grad = tch::no_grad_guard();
-        let mut grad = p.grad();
-        if !grad.defined() {
+        if !p.grad().defined() {
             return Ok(());
         }
-        if let Some(stored) = self.take(index)? {
-            let _ = grad.f_add_(&stored).map_err(|e| e.to_string())?;
-        }
+        self.put_back(index, p)?;
+        let grad = p.grad();
         if self.last.load(Ordering::Relaxed) {
             if let Some(f) = lock(&self.on_complete).as_mut() {
                 drop(grad);
@@ -186,21 +199,7 @@ impl GradOffload {
     /// files (checked now); the error names the directory or the parameter.
     pub fn new(params: &[Tensor], dir: impl AsRef<Path>) -> Result<Self, OffloadError> {
         let dir = dir.as_ref().to_path_buf();
-        let bad = |reason: String| OffloadError::Dir {
-            dir: dir.clone(),
-            reason,
-        };
-        let meta = std::fs::metadata(&dir).map_err(|e| bad(format!("cannot be used: {e}")))?;
-        if !meta.is_dir() {
-            return Err(bad("is not a directory".into()));
-        }
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let prefix = format!("memsave-{}-{nanos:x}", std::process::id());
-        let probe = dir.join(format!("{prefix}-probe"));
-        std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
-        std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
+        let prefix = file::store_prefix(&dir)?;
         let shared = Arc::new(Shared {
             dir: dir.clone(),
             prefix,
@@ -260,16 +259,12 @@ impl GradOffload {
         };
         let _no_grad = tch::no_grad_guard();
         for (index, p) in self.params.iter().enumerate() {
-            let Some(stored) = self
-                .shared
-                .take(index)
-                .map_err(|reason| self.read_error(reason))?
-            else {
+            if lock(&self.shared.slots)[index].is_none() {
                 continue;
-            };
-            memsave_sys::tensor::set_grad(p, &stored)
-                .map_err(|e| self.read_error(e.to_string()))?;
-            drop(stored);
+            }
+            self.shared
+                .put_back(index, p)
+                .map_err(|reason| self.read_error(reason))?;
             f(index, p).map_err(|reason| OffloadError::Param {
                 index,
                 shape: p.size(),
@@ -295,20 +290,9 @@ impl GradOffload {
     pub fn restore(&self) -> Result<(), OffloadError> {
         let _no_grad = tch::no_grad_guard();
         for (index, p) in self.params.iter().enumerate() {
-            let Some(stored) = self
-                .shared
-                .take(index)
-                .map_err(|reason| self.read_error(reason))?
-            else {
-                continue;
-            };
-            let mut grad = p.grad();
-            let done = if grad.defined() {
-                grad.f_add_(&stored).map(|_| ()).map_err(|e| e.to_string())
-            } else {
-                memsave_sys::tensor::set_grad(p, &stored).map_err(|e| e.to_string())
-            };
-            done.map_err(|reason| self.read_error(reason))?;
+            self.shared
+                .put_back(index, p)
+                .map_err(|reason| self.read_error(reason))?;
         }
         Ok(())
     }
