@@ -45,15 +45,21 @@
 //! allocation past the budget fails at once) and reports the prediction, the
 //! measurement, and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
-//! to eight runners-up predicted within 1.5× of the choice's time (and the best
+//! to sixteen runners-up predicted within 1.5× of the choice's time (and the best
 //! predicted of each other family within 3×: on steps of a few hundredths of a second
 //! small runs can be off by that much) are run at their real size under the budget too
 //! (first one per family of levers and recompute schedule, then more splits of each;
-//! for a couple of seconds, or a quarter of the
-//! time spent before), those measured within 1.25× of the fastest and the fastest
-//! predicted are run twice more, one after the other (a real-size step measures tens
-//! of percent slower at one moment than the next on a busy machine), and the fastest
-//! measured is the choice. On the
+//! for a couple of seconds, or a quarter of the time spent before). Then up to five
+//! measured within 1.25× of the fastest (always the one confirmed first, measured
+//! right after the small runs) are compared in rounds (at least three, at
+//! most twelve, for a couple of seconds or a quarter of the time spent before; none if
+//! three rounds of the two fastest would take longer): each round runs each once,
+//! forwards and backwards in turn, and each one's time is its median over the rounds
+//! after every round's times are scaled by how fast the machine ran in that round (the
+//! geometric mean of the round's times against that of all rounds). A real-size step
+//! measures a third slower one second than the next on a busy machine, so the fastest
+//! of a few runs at different moments says more about the moment than about the
+//! configuration. The fastest so compared is the choice. On the
 //! CPU, a runner-up may be one predicted within the budget but not within the
 //! margin: the simulated capacity fails its run at once if it does not fit, and it
 //! is chosen only measured within the budget (on CUDA, where an allocation past the
@@ -100,8 +106,10 @@ pub struct FitRequest {
     pub margin: f64,
     /// Also run every candidate at its real size (under the budget) and report the
     /// fastest that really fits, to check the choice; those within 1.3× of the
-    /// fastest, and the choice, are run twice more, interleaved, and keep their
-    /// fastest time. Slow: a few real steps per candidate.
+    /// fastest, and the choice, are then compared in rounds (as the close ones are
+    /// before the choice, see the [module](self) docs; at least five, up to fifteen
+    /// while ten seconds last), and the fastest so compared is the fastest reported.
+    /// Slow: a few real steps per candidate.
     pub exhaustive: bool,
 }
 
@@ -156,7 +164,10 @@ pub struct Candidate {
     pub predicted_fits: bool,
     /// Measured peak at the real size, if run.
     pub measured_peak_bytes: Option<u64>,
-    /// Measured step time at the real size, if run (the faster of two steps).
+    /// Measured step time at the real size, if run: the faster of two steps, or for
+    /// the configurations compared in rounds (the close ones; with `exhaustive`, those
+    /// within 1.3× of the fastest), the median over the rounds corrected for the
+    /// machine's speed in each (see the [module](self) docs).
     pub measured_step_time_s: Option<f64>,
     /// Why it has no prediction or measurement, if so.
     pub note: Option<String>,

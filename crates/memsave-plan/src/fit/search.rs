@@ -30,7 +30,7 @@ const RACE_WITHIN: f64 = 1.5;
 const RACE_FAMILY_WITHIN: f64 = 3.0;
 
 /// At most this many runners-up are measured...
-const RACE_MAX: usize = 8;
+const RACE_MAX: usize = 16;
 
 /// ...and one (or a second run of a close one) starts only if, by its predicted or
 /// measured time, it ends within this many seconds of the race's start, or this
@@ -39,22 +39,43 @@ const RACE_MAX: usize = 8;
 const RACE_S: f64 = 2.0;
 const RACE_SHARE: f64 = 0.25;
 
-/// Configurations measured within this factor of the fastest are run again...
+/// Configurations measured within this factor of the fastest (at most
+/// `RECHECK_MAX` of them, fastest first) are run again in rounds...
 const RECHECK_WITHIN: f64 = 1.25;
+const RECHECK_MAX: usize = 5;
 
-/// ...this many more times each, interleaved...
-const RECHECK_ROUNDS: usize = 2;
+/// ...at least this many (the slowest left out until they fit, none if even two do
+/// not: fewer rounds say little more than the race did)...
+const RECHECK_MIN_ROUNDS: usize = 3;
 
-/// ...each run starting only if it ends within the race's time or this many seconds
-/// from the recheck's start, whichever is later.
-const RECHECK_S: f64 = 1.0;
+/// ...at most this many...
+const RECHECK_MAX_ROUNDS: usize = 12;
 
-/// Rounds of reruns at most: more than `RECHECK_ROUNDS` while `RECHECK_S` lasts.
-const RECHECK_MAX_ROUNDS: usize = 8;
+/// ...each round starting only if it ends within this many seconds of the recheck's
+/// start, or this share of the time `fit` took before it if more.
+const RECHECK_S: f64 = 2.0;
+const RECHECK_SHARE: f64 = 0.25;
 
-/// With `exhaustive`, the same for the whole grid.
+/// With `exhaustive`, the same for the whole grid: those within 1.3x, the choice too,
+/// in at least five rounds, more (up to fifteen) while `EXHAUSTIVE_ROUNDS_S` lasts.
 const EXHAUSTIVE_RECHECK_WITHIN: f64 = 1.3;
-const EXHAUSTIVE_RECHECK_ROUNDS: usize = 2;
+const EXHAUSTIVE_MIN_ROUNDS: usize = 5;
+const EXHAUSTIVE_MAX_ROUNDS: usize = 15;
+const EXHAUSTIVE_ROUNDS_S: f64 = 10.0;
+
+/// How many rounds [`Search::rounds`] runs.
+struct Rounds {
+    /// At least this many...
+    least: usize,
+    /// ...and at most this many, each beyond `least` starting only if, by the times
+    /// measured so far, it ends before `until`.
+    most: usize,
+    until: Instant,
+    /// The `least` rounds too must end before `until`: the slowest are left out (down
+    /// to two) until they would, and there are no rounds if even then they would not.
+    /// Otherwise they run whatever they take.
+    least_within: bool,
+}
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
@@ -285,30 +306,36 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         }
     }
 
-    // Steps a few percent apart swap places from one run to the next, and a run
-    // can be slow for a moment on a busy machine: the close ones and the fastest
-    // predicted (measured first, while the machine may still have been busy with the
-    // probes) are run again, one after the other, for at least `RECHECK_S`, and
-    // each keeps its fastest time. The fastest measured is the choice.
-    let close = close_to_fastest(&candidates, RECHECK_WITHIN, chosen);
-    if close.len() > 1 {
-        let at_least = Instant::now() + std::time::Duration::from_secs_f64(RECHECK_S);
-        search.remeasure(
-            &mut candidates,
-            &close,
-            RECHECK_ROUNDS,
-            Some(deadline.max(at_least)),
-        );
-        // Steps of a few hundredths of a second are done with that in a fraction of
-        // `RECHECK_S`: more rounds in the rest of it, where one slow moment of the
-        // machine weighs most.
-        let mut rounds = RECHECK_ROUNDS;
-        while rounds < RECHECK_MAX_ROUNDS && Instant::now() < at_least {
-            search.remeasure(&mut candidates, &close, 1, Some(at_least));
-            rounds += 1;
-        }
+    // Steps a few percent apart swap places from one run to the next, and a busy
+    // machine runs a step a third slower one second than the next: the close ones
+    // (the fastest predicted among them, measured first, while the machine may still
+    // have been busy with the probes) are compared in rounds, over the same moments of
+    // the machine, each by its median over the rounds corrected for the machine's
+    // speed in each round.
+    let mut close = close_to_fastest(&candidates, RECHECK_WITHIN, chosen);
+    sort_by_measured_time(&mut close, &candidates);
+    // The one confirmed first stays in (first, so never left out for time): its one
+    // measurement came right after the probes, on a machine perhaps still busy.
+    if let Some(at) = close.iter().position(|&i| i == chosen) {
+        close.remove(at);
+        close.insert(0, chosen);
     }
-    match fastest_of_run(&candidates, &run_already) {
+    close.truncate(RECHECK_MAX);
+    let recheck_s = RECHECK_S.max(RECHECK_SHARE * started.elapsed().as_secs_f64());
+    let rechecked = search.rounds(
+        &mut candidates,
+        close,
+        Rounds {
+            least: RECHECK_MIN_ROUNDS,
+            most: RECHECK_MAX_ROUNDS,
+            until: Instant::now() + std::time::Duration::from_secs_f64(recheck_s),
+            least_within: true,
+        },
+    );
+    // The fastest of those compared in the same rounds (their times are medians, the
+    // others' the fastest of a few runs: not comparable), else of all run.
+    match fastest_of(&candidates, &rechecked).or_else(|| fastest_of_run(&candidates, &run_already))
+    {
         Some(best) => chosen = best,
         // Every one failed when run again: nothing is known to fit.
         None => return Err(search.infeasible(&candidates, request)?),
@@ -333,8 +360,18 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         }
         // The check compares the choice with the fastest of the grid: every close one
         // (the choice too) gets the same extra runs.
-        let close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN, chosen);
-        search.remeasure(&mut candidates, &close, EXHAUSTIVE_RECHECK_ROUNDS, None);
+        let mut close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN, chosen);
+        sort_by_measured_time(&mut close, &candidates);
+        let compared = search.rounds(
+            &mut candidates,
+            close,
+            Rounds {
+                least: EXHAUSTIVE_MIN_ROUNDS,
+                most: EXHAUSTIVE_MAX_ROUNDS,
+                until: Instant::now() + std::time::Duration::from_secs_f64(EXHAUSTIVE_ROUNDS_S),
+                least_within: false,
+            },
+        );
         if candidates[chosen].measured_step_time_s.is_none() {
             // The choice failed when run again: the next best of those fit measured
             // before the check (the check's own measurements do not choose).
@@ -344,7 +381,9 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             }
         }
         let all: Vec<usize> = (0..candidates.len()).collect();
-        fastest_measured = fastest_of(&candidates, &all).map(|i| candidates[i].clone());
+        fastest_measured = fastest_of(&candidates, &compared)
+            .or_else(|| fastest_of(&candidates, &all))
+            .map(|i| candidates[i].clone());
     }
 
     // Leave the workload on the chosen schedule.
@@ -422,6 +461,48 @@ fn sort_by_predicted_time(indices: &mut [usize], candidates: &[Candidate]) {
         let (ta, ka) = key(a);
         let (tb, kb) = key(b);
         ta.total_cmp(&tb).then(ka.cmp(&kb))
+    });
+}
+
+/// Each configuration's median time over rounds run on a machine whose speed changes
+/// from round to round: `samples[c][r]` is configuration `c`'s time in round `r`. Each
+/// round's times are first scaled by the round's speed: the geometric mean of the
+/// rounds' levels (the geometric mean of a round's times) over the round's own level,
+/// so a round the machine ran slowly in counts as fast as the others. Rounds are those
+/// all configurations ran in (the shortest list).
+fn speed_corrected_medians(samples: &[Vec<f64>]) -> Vec<f64> {
+    let rounds = samples.iter().map(Vec::len).min().unwrap_or(0);
+    let level = |r: usize| samples.iter().map(|s| s[r].ln()).sum::<f64>() / samples.len() as f64;
+    let levels: Vec<f64> = (0..rounds).map(level).collect();
+    let overall = levels.iter().sum::<f64>() / rounds.max(1) as f64;
+    samples
+        .iter()
+        .map(|s| {
+            let corrected: Vec<f64> = (0..rounds)
+                .map(|r| s[r] * (overall - levels[r]).exp())
+                .collect();
+            median(&corrected).unwrap_or(f64::INFINITY)
+        })
+        .collect()
+}
+
+/// The median of `times` (the mean of the middle two for an even count), if any.
+fn median(times: &[f64]) -> Option<f64> {
+    let mut t = times.to_vec();
+    t.sort_by(f64::total_cmp);
+    let n = t.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(t[n / 2]),
+        _ => Some((t[n / 2 - 1] + t[n / 2]) / 2.0),
+    }
+}
+
+/// Sorts measured candidate indices by measured step time, fastest first.
+fn sort_by_measured_time(indices: &mut [usize], candidates: &[Candidate]) {
+    indices.sort_by(|&a, &b| {
+        let t = |i: usize| candidates[i].measured_step_time_s.unwrap_or(f64::INFINITY);
+        t(a).total_cmp(&t(b))
     });
 }
 
@@ -752,30 +833,57 @@ impl Search<'_> {
         Ok(outcome)
     }
 
-    /// Runs each of `indices` `rounds` more times at its real size, one after the other
-    /// in each round, starting none after `deadline`; a candidate keeps its fastest
-    /// time and its highest peak. One that fails a run (it did before, so this is
-    /// what varies from run to run) loses its measurement, with a note, and is out of
-    /// the choice.
-    fn remeasure(
+    /// Rounds in which each of `indices` (fastest measured first) is run again once,
+    /// in turn; a round runs forwards, the next backwards, so no one always runs right
+    /// after another. How many: see [`Rounds`]. Each that took part then has as its
+    /// measured time the median of its times in the rounds, after every round's times
+    /// are scaled by how fast the machine ran in it ([`speed_corrected_medians`]): this
+    /// machine's speed swings by a third from one second to the next, and the fastest
+    /// of a few runs says more about the moment one ran in than about the
+    /// configuration. One that fails when run again loses its measurement. Returns
+    /// those that took part and still have a measurement (none if no round ran).
+    fn rounds(
         &mut self,
         candidates: &mut [Candidate],
-        indices: &[usize],
-        rounds: usize,
-        deadline: Option<Instant>,
-    ) {
-        for _ in 0..rounds {
-            for &i in indices {
+        mut indices: Vec<usize>,
+        rounds: Rounds,
+    ) -> Vec<usize> {
+        let round_s = |indices: &[usize], candidates: &[Candidate]| {
+            indices
+                .iter()
+                .filter_map(|&i| candidates[i].measured_step_time_s)
+                .sum::<f64>()
+                * REAL_RUNS as f64
+        };
+        if rounds.least_within {
+            let least = rounds.least as f64;
+            while indices.len() > 2
+                && !ends_before(least * round_s(&indices, candidates), rounds.until)
+            {
+                indices.pop();
+            }
+            if !ends_before(least * round_s(&indices, candidates), rounds.until) {
+                return Vec::new();
+            }
+        }
+        let mut times: HashMap<usize, Vec<f64>> = HashMap::new();
+        for round in 0..rounds.most {
+            indices.retain(|&i| candidates[i].measured_step_time_s.is_some());
+            if indices.len() < 2
+                || (round >= rounds.least
+                    && !ends_before(round_s(&indices, candidates), rounds.until))
+            {
+                break;
+            }
+            let mut order = indices.clone();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
                 let c = &mut candidates[i];
-                let Some(time) = c.measured_step_time_s else {
-                    continue;
-                };
-                if deadline.is_some_and(|d| !ends_before(time * REAL_RUNS as f64, d)) {
-                    continue;
-                }
                 match self.run_real(&c.choice) {
                     Ok(p) => {
-                        c.measured_step_time_s = Some(time.min(p.time_s));
+                        times.entry(i).or_default().push(p.time_s);
                         c.measured_peak_bytes = c.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
                     }
                     Err(e) => {
@@ -786,6 +894,12 @@ impl Search<'_> {
                 }
             }
         }
+        indices.retain(|i| times.contains_key(i) && candidates[*i].measured_step_time_s.is_some());
+        let samples: Vec<Vec<f64>> = indices.iter().map(|i| times[i].clone()).collect();
+        for (&i, time) in indices.iter().zip(speed_corrected_medians(&samples)) {
+            candidates[i].measured_step_time_s = Some(time);
+        }
+        indices
     }
 
     /// `choice` run at its real size, the global batch, under the budget (a
@@ -1216,6 +1330,30 @@ mod tests {
         assert_eq!(close_to_fastest(&cs, 1.25, 2), vec![0, 1, 2]);
         assert_eq!(close_to_fastest(&cs, 1.25, 3), vec![0, 1]); // not measured: out
         assert_eq!(fastest_of(&cs, &[3]), None);
+    }
+
+    #[test]
+    fn a_round_the_whole_machine_ran_slowly_in_counts_as_the_others() {
+        // Round 1 ran at half speed for both; B is 1.1x A in every round.
+        let t = speed_corrected_medians(&[vec![1.0, 2.0, 1.0], vec![1.1, 2.2, 1.1]]);
+        let cube_root_2 = 2f64.powf(1.0 / 3.0);
+        assert!((t[0] - cube_root_2).abs() < 1e-12, "{t:?}");
+        assert!((t[1] - 1.1 * cube_root_2).abs() < 1e-12, "{t:?}");
+    }
+
+    #[test]
+    fn one_slow_run_of_one_configuration_does_not_change_the_ratio() {
+        // B is 1.05x A, but its run in round 1 was slow (1.6): the median of the
+        // corrected times keeps the 1.05 (the fastest of each would too, but not a
+        // mean, and the fastest would be moved by one fast moment instead).
+        let t = speed_corrected_medians(&[vec![1.0, 1.0, 1.0], vec![1.05, 1.6, 1.05]]);
+        assert!((t[1] / t[0] - 1.05).abs() < 1e-12, "{t:?}");
+        // A ragged list: rounds are those all ran in.
+        let t = speed_corrected_medians(&[vec![1.0, 1.0], vec![2.0, 2.0, 9.0]]);
+        assert!((t[1] / t[0] - 2.0).abs() < 1e-12, "{t:?}");
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(&[]), None);
     }
 
     #[test]
