@@ -52,8 +52,8 @@
 //! for a couple of seconds, or a quarter of the time spent before). Then up to five
 //! measured within 1.25× of the fastest (always the one confirmed first, measured
 //! right after the small runs) are compared in rounds (at least three, at
-//! most twelve, for a couple of seconds or a quarter of the time spent before; none if
-//! three rounds of the two fastest would take longer): each round runs each once,
+//! most twelve, for a couple of seconds or a quarter of the time spent before; two if three
+//! would take longer, none if two rounds of two would): each round runs each once,
 //! forwards and backwards in turn, and each one's time is its median over the rounds
 //! after every round's times are scaled by how fast the machine ran in that round (the
 //! geometric mean of the round's times against that of all rounds). A real-size step

@@ -44,8 +44,9 @@ const RACE_SHARE: f64 = 0.25;
 const RECHECK_WITHIN: f64 = 1.25;
 const RECHECK_MAX: usize = 5;
 
-/// ...at least this many (the slowest left out until they fit, none if even two do
-/// not: fewer rounds say little more than the race did)...
+/// ...at least this many (the slowest left out until they fit, then down to two
+/// rounds, none if even two rounds of two do not: one says little more than the race
+/// did)...
 const RECHECK_MIN_ROUNDS: usize = 3;
 
 /// ...at most this many...
@@ -63,6 +64,21 @@ const EXHAUSTIVE_MIN_ROUNDS: usize = 5;
 const EXHAUSTIVE_MAX_ROUNDS: usize = 15;
 const EXHAUSTIVE_ROUNDS_S: f64 = 10.0;
 
+/// A configuration's time in a round is the fastest of `REAL_RUNS` steps when its step
+/// takes less than this many seconds, one step's otherwise: the first step after
+/// another configuration pays for fresh allocations, a few milliseconds that only a
+/// short step notices, and a long step's rounds cost the most.
+const ONE_RUN_FROM_S: f64 = 0.1;
+
+/// Steps per configuration per round (see `ONE_RUN_FROM_S`).
+fn round_runs(step_s: f64) -> usize {
+    if step_s < ONE_RUN_FROM_S {
+        REAL_RUNS
+    } else {
+        1
+    }
+}
+
 /// How many rounds [`Search::rounds`] runs.
 struct Rounds {
     /// At least this many...
@@ -72,8 +88,8 @@ struct Rounds {
     most: usize,
     until: Instant,
     /// The `least` rounds too must end before `until`: the slowest are left out (down
-    /// to two) until they would, and there are no rounds if even then they would not.
-    /// Otherwise they run whatever they take.
+    /// to two) until they would, then fewer rounds (down to two), and there are no
+    /// rounds if even then they would not. Otherwise they run whatever they take.
     least_within: bool,
 }
 
@@ -852,26 +868,27 @@ impl Search<'_> {
             indices
                 .iter()
                 .filter_map(|&i| candidates[i].measured_step_time_s)
+                .map(|t| t * round_runs(t) as f64)
                 .sum::<f64>()
-                * REAL_RUNS as f64
         };
+        let mut least = rounds.least;
         if rounds.least_within {
-            let least = rounds.least as f64;
-            while indices.len() > 2
-                && !ends_before(least * round_s(&indices, candidates), rounds.until)
-            {
-                indices.pop();
-            }
-            if !ends_before(least * round_s(&indices, candidates), rounds.until) {
-                return Vec::new();
+            // Fewer contenders first, then fewer rounds (down to two), then none.
+            while !ends_before(least as f64 * round_s(&indices, candidates), rounds.until) {
+                if indices.len() > 2 {
+                    indices.pop();
+                } else if least > 2 {
+                    least -= 1;
+                } else {
+                    return Vec::new();
+                }
             }
         }
         let mut times: HashMap<usize, Vec<f64>> = HashMap::new();
         for round in 0..rounds.most {
             indices.retain(|&i| candidates[i].measured_step_time_s.is_some());
             if indices.len() < 2
-                || (round >= rounds.least
-                    && !ends_before(round_s(&indices, candidates), rounds.until))
+                || (round >= least && !ends_before(round_s(&indices, candidates), rounds.until))
             {
                 break;
             }
@@ -881,7 +898,8 @@ impl Search<'_> {
             }
             for i in order {
                 let c = &mut candidates[i];
-                match self.run_real(&c.choice) {
+                let runs = round_runs(c.measured_step_time_s.unwrap_or(0.0));
+                match self.run_real_times(&c.choice, runs) {
                     Ok(p) => {
                         times.entry(i).or_default().push(p.time_s);
                         c.measured_peak_bytes = c.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
@@ -905,12 +923,21 @@ impl Search<'_> {
     /// `choice` run at its real size, the global batch, under the budget (a
     /// confirmation, a runner-up, an exhaustive measurement).
     fn run_real(&mut self, choice: &Choice) -> Result<super::probe::Probe, ProbeError> {
+        self.run_real_times(choice, REAL_RUNS)
+    }
+
+    /// `run_real` with `runs` steps (the fastest gives the time).
+    fn run_real_times(
+        &mut self,
+        choice: &Choice,
+        runs: usize,
+    ) -> Result<super::probe::Probe, ProbeError> {
         probe(
             self.workload,
             choice,
             self.global,
             choice.micro_batches,
-            REAL_RUNS,
+            runs,
             Some(self.budget),
             false,
         )
