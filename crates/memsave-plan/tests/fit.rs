@@ -241,23 +241,20 @@ fn gradients_in_files_give_the_plain_step_s_gradients_and_adamw_update_bitwise()
     let mut plain = StepConfig::baseline();
     accumulate(&mut plain);
     let p = f_step(&model, &x, &plain, Device::Cpu, false, None).unwrap();
-    let expected = host(
-        &model
-            .parameters()
-            .iter()
-            .map(Tensor::grad)
-            .collect::<Vec<_>>(),
-    );
+    let grads = |model: &Mlp| {
+        host(
+            &model
+                .parameters()
+                .iter()
+                .map(Tensor::grad)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let expected = grads(&model);
     let mut offloaded = plain.clone();
     offloaded.offload_grads = Some(GradsAfter::Restored);
     let o = f_step(&model, &x, &offloaded, Device::Cpu, false, None).unwrap();
-    let got = host(
-        &model
-            .parameters()
-            .iter()
-            .map(Tensor::grad)
-            .collect::<Vec<_>>(),
-    );
+    let got = grads(&model);
     assert_eq!(got, expected);
     // Plain accumulation holds every gradient from the first micro-batch's backward
     // on; in files, none is held between micro-batches.

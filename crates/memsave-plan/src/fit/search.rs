@@ -32,8 +32,7 @@ const RACE_FAMILY_WITHIN: f64 = 3.0;
 /// At most this many runners-up are measured...
 const RACE_MAX: usize = 16;
 
-/// ...and one (or a second run of a close one) starts only if, by its predicted or
-/// measured time, it ends within this many seconds of the race's start, or this
+/// ...and one starts only if, by its predicted time, it ends within this many seconds of the race's start, or this
 /// share of the time `fit` took before the race if more: `fit` stays quick on large
 /// steps.
 const RACE_S: f64 = 2.0;
