@@ -10,6 +10,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -130,6 +132,15 @@ struct CountingAllocator final : c10::Allocator {
     default_copy_data(dest, src, count);
   }
 };
+
+// See ms_c_mapped_blocks (outside MS_TRY: no preprocessor lines in a macro's arguments).
+int64_t c_mapped_blocks() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  return static_cast<int64_t>(mallinfo2().hblks);
+#else
+  return -1;
+#endif
+}
 
 }  // namespace
 
@@ -276,6 +287,12 @@ int ms_cpu_trace_read(MsAllocEvent* out, size_t cap, size_t* written) {
     *written = n;
     if (!c.recording) std::vector<MsAllocEvent>().swap(c.events);
   })
+}
+
+// Blocks the C library's malloc serves from mappings of their own (glibc's
+// mallinfo2().hblks), or -1 where the C library does not say.
+int ms_c_mapped_blocks(int64_t* out) {
+  MS_TRY({ *out = c_mapped_blocks(); })
 }
 
 }  // extern "C"

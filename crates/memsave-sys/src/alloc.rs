@@ -116,6 +116,17 @@ pub fn recording_position() -> usize {
     out
 }
 
+/// How many blocks the C library's `malloc` serves from mappings of their own (glibc:
+/// blocks above its mmap threshold), or `None` where the C library does not say. A
+/// block served so is faulted in page by page each time it is allocated; one below the
+/// threshold reuses the heap's pages.
+pub fn c_mapped_blocks() -> Option<u64> {
+    let mut out = -1i64;
+    // SAFETY: `out` is a valid, writable i64 for the duration of the call.
+    check(unsafe { ffi::ms_c_mapped_blocks(&mut out) }).ok()?;
+    u64::try_from(out).ok()
+}
+
 /// Stops the recording and returns its events, in the order the counter saw them
 /// (empty when none was on).
 pub fn stop_recording() -> Vec<AllocEvent> {
