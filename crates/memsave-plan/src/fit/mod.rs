@@ -51,15 +51,18 @@
 //! (first one per family of levers and recompute schedule, then more splits of each;
 //! for a couple of seconds, or a quarter of the time spent before). Then up to five
 //! measured within 1.25× of the fastest (always the one confirmed first, measured
-//! right after the small runs) are compared in rounds (at least three, at
-//! most twelve, for a couple of seconds or a quarter of the time spent before; two if three
-//! would take longer, none if two rounds of two would): each round runs each once,
-//! forwards and backwards in turn, and each one's time is its median over the rounds
-//! after every round's times are scaled by how fast the machine ran in that round (the
-//! geometric mean of the round's times against that of all rounds). A real-size step
-//! measures a third slower one second than the next on a busy machine, so the fastest
-//! of a few runs at different moments says more about the moment than about the
-//! configuration. The fastest so compared is the choice. On the
+//! right after the small runs) are compared in rounds (at least three, at most
+//! twenty-four, for a couple of seconds or a quarter of the time spent before, and
+//! while rounds take under 0.3 s, up to half the time spent before; two if three would
+//! take longer, none if two rounds of two would): each round runs each once, forwards
+//! and backwards in turn, and each one's time is its median over the rounds after every
+//! round's times are scaled by how fast the machine ran in that round (the geometric
+//! mean of the round's times against that of all rounds). From the fourth round on, one
+//! more than 1.15× the fastest so far drops out, so the close ones get the rounds
+//! left. A real-size step measures a third slower one second than the next on a busy
+//! machine, so the fastest of a few runs at different moments says more about the
+//! moment than about the configuration, and three rounds still now and then pick one
+//! more than 10% slower. The fastest so compared is the choice. On the
 //! CPU, a runner-up may be one predicted within the budget but not within the
 //! margin: the simulated capacity fails its run at once if it does not fit, and it
 //! is chosen only measured within the budget (on CUDA, where an allocation past the
@@ -80,6 +83,14 @@
 //!
 //! Traps: the workload's weights are put back after every run, but its checkpoint
 //! schedule is left as the choice's (that is the point) and its gradients are freed.
+//! And on glibc, `fit` first allocates and frees one block of just under 32 MiB, which
+//! raises `malloc`'s mmap threshold to its cap for the rest of the process, as the
+//! first free of a tensor that large would: every configuration is then timed with
+//! its tensors' pages reused from the heap, whatever ran before it in the process
+//! (how a configuration measured depended on that: two could swap places between fit's
+//! rounds and `exhaustive`'s). The process keeps up to 64 MiB of freed heap instead of
+//! giving it back.
+mod allocator;
 mod choice;
 mod predict;
 mod probe;
@@ -107,8 +118,9 @@ pub struct FitRequest {
     /// Also run every candidate at its real size (under the budget) and report the
     /// fastest that really fits, to check the choice; those within 1.3× of the
     /// fastest, and the choice, are then compared in rounds (as the close ones are
-    /// before the choice, see the [module](self) docs; at least five, up to fifteen
-    /// while ten seconds last), and the fastest so compared is the fastest reported.
+    /// before the choice, see the [module](self) docs; at least five, up to thirty
+    /// while ten seconds last, those over 1.2× the fastest out from the sixth on, never
+    /// the choice), and the fastest so compared is the fastest reported.
     /// Slow: a few real steps per candidate.
     pub exhaustive: bool,
 }

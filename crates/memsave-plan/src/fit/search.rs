@@ -18,7 +18,9 @@ use std::time::Instant;
 /// is all a probe whose runs take long keeps (see `probe`).
 const PROBE_RUNS: usize = 3;
 
-/// Runs of a configuration at its real size (the confirmation, runners-up).
+/// Runs of a configuration at its real size (the confirmation, runners-up whose step is
+/// predicted under twice `ONE_RUN_FROM_S`: predictions are off by up to 3x, and the
+/// first step of a short one pays for fresh allocations).
 const REAL_RUNS: usize = 2;
 
 /// Runners-up predicted within this factor of the choice's time (the larger of its
@@ -49,19 +51,33 @@ const RECHECK_MAX: usize = 5;
 const RECHECK_MIN_ROUNDS: usize = 3;
 
 /// ...at most this many...
-const RECHECK_MAX_ROUNDS: usize = 12;
+const RECHECK_MAX_ROUNDS: usize = 24;
 
 /// ...each round starting only if it ends within this many seconds of the recheck's
-/// start, or this share of the time `fit` took before it if more.
+/// start, or this share of the time `fit` took before it if more...
 const RECHECK_S: f64 = 2.0;
 const RECHECK_SHARE: f64 = 0.25;
 
+/// ...or, for a round that takes at most `CHEAP_ROUND_S`, within this share of the time
+/// `fit` took before the recheck: three or four rounds still now and then choose one
+/// over another more than 10% faster, eight or more far less often, and rounds of a
+/// few short steps cost little next to the small runs before them...
+const CHEAP_ROUND_S: f64 = 0.3;
+const CHEAP_SHARE: f64 = 0.5;
+
+/// ...and from round `RECHECK_MIN_ROUNDS + 1` on, one whose median so far is over this
+/// factor of the fastest's runs no more rounds: the rounds left go to those still
+/// close.
+const RECHECK_OUT_OVER: f64 = 1.15;
+
 /// With `exhaustive`, the same for the whole grid: those within 1.3x, the choice too,
-/// in at least five rounds, more (up to fifteen) while `EXHAUSTIVE_ROUNDS_S` lasts.
+/// in at least five rounds, more (up to thirty) while `EXHAUSTIVE_ROUNDS_S` lasts,
+/// those over 1.2x of the fastest from the sixth round on out (never the choice).
 const EXHAUSTIVE_RECHECK_WITHIN: f64 = 1.3;
 const EXHAUSTIVE_MIN_ROUNDS: usize = 5;
-const EXHAUSTIVE_MAX_ROUNDS: usize = 15;
+const EXHAUSTIVE_MAX_ROUNDS: usize = 30;
 const EXHAUSTIVE_ROUNDS_S: f64 = 10.0;
+const EXHAUSTIVE_OUT_OVER: f64 = 1.2;
 
 /// A configuration's time in a round is the fastest of `REAL_RUNS` steps when its step
 /// takes less than this many seconds, one step's otherwise: the first step after
@@ -83,17 +99,27 @@ struct Rounds {
     /// At least this many...
     least: usize,
     /// ...and at most this many, each beyond `least` starting only if, by the times
-    /// measured so far, it ends before `until`.
+    /// measured so far, it ends before `until`, or before `until_cheap` if it takes
+    /// at most [`CHEAP_ROUND_S`].
     most: usize,
     until: Instant,
+    until_cheap: Instant,
     /// The `least` rounds too must end before `until`: the slowest are left out (down
     /// to two) until they would, then fewer rounds (down to two), and there are no
     /// rounds if even then they would not. Otherwise they run whatever they take.
     least_within: bool,
+    /// From round `least + 1` on, one whose median so far is over this factor of the
+    /// fastest's is out: it keeps that median and runs no more rounds...
+    out_over: f64,
+    /// ...unless it is this one.
+    keep: Option<usize>,
 }
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
+///
+/// Warning: on glibc it leaves `malloc`'s mmap threshold at its 32 MiB cap for the
+/// rest of the process (see the module docs' traps).
 ///
 /// ```no_run
 /// # fn run(model: &mut dyn memsave_plan::Workload) -> Result<(), memsave_plan::FitError> {
@@ -119,6 +145,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         return Err(FitError::BadGlobalBatch(global));
     }
     memsave_meter::install();
+    super::allocator::settle();
     let target = (request.budget_bytes as f64 * (1.0 - request.margin)).floor() as u64;
     let mut search = Search {
         workload,
@@ -301,12 +328,17 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let race_s = RACE_S.max(RACE_SHARE * started.elapsed().as_secs_f64());
     let deadline = Instant::now() + std::time::Duration::from_secs_f64(race_s);
     for i in racers {
-        let runs = candidates[i].predicted_step_time_s.unwrap_or(0.0) * REAL_RUNS as f64;
-        if !ends_before(runs, deadline) {
+        let predicted = candidates[i].predicted_step_time_s.unwrap_or(0.0);
+        let runs = if predicted < 2.0 * ONE_RUN_FROM_S {
+            REAL_RUNS
+        } else {
+            1
+        };
+        if !ends_before(predicted * runs as f64, deadline) {
             continue;
         }
         run_already.insert(i);
-        match search.run_real(&candidates[i].choice) {
+        match search.run_real_times(&candidates[i].choice, runs) {
             Ok(p) => {
                 raced += 1;
                 candidates[i].measured_peak_bytes = Some(p.peak_bytes);
@@ -336,7 +368,9 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         close.insert(0, chosen);
     }
     close.truncate(RECHECK_MAX);
-    let recheck_s = RECHECK_S.max(RECHECK_SHARE * started.elapsed().as_secs_f64());
+    let before = started.elapsed().as_secs_f64();
+    let recheck_s = RECHECK_S.max(RECHECK_SHARE * before);
+    let cheap_s = recheck_s.max(CHEAP_SHARE * before);
     let rechecked = search.rounds(
         &mut candidates,
         close,
@@ -344,7 +378,10 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             least: RECHECK_MIN_ROUNDS,
             most: RECHECK_MAX_ROUNDS,
             until: Instant::now() + std::time::Duration::from_secs_f64(recheck_s),
+            until_cheap: Instant::now() + std::time::Duration::from_secs_f64(cheap_s),
             least_within: true,
+            out_over: RECHECK_OUT_OVER,
+            keep: None,
         },
     );
     // The fastest of those compared in the same rounds (their times are medians, the
@@ -377,14 +414,18 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         // (the choice too) gets the same extra runs.
         let mut close = close_to_fastest(&candidates, EXHAUSTIVE_RECHECK_WITHIN, chosen);
         sort_by_measured_time(&mut close, &candidates);
+        let until = Instant::now() + std::time::Duration::from_secs_f64(EXHAUSTIVE_ROUNDS_S);
         let compared = search.rounds(
             &mut candidates,
             close,
             Rounds {
                 least: EXHAUSTIVE_MIN_ROUNDS,
                 most: EXHAUSTIVE_MAX_ROUNDS,
-                until: Instant::now() + std::time::Duration::from_secs_f64(EXHAUSTIVE_ROUNDS_S),
+                until,
+                until_cheap: until,
                 least_within: false,
+                out_over: EXHAUSTIVE_OUT_OVER,
+                keep: Some(chosen),
             },
         );
         if candidates[chosen].measured_step_time_s.is_none() {
@@ -498,6 +539,15 @@ fn speed_corrected_medians(samples: &[Vec<f64>]) -> Vec<f64> {
                 .collect();
             median(&corrected).unwrap_or(f64::INFINITY)
         })
+        .collect()
+}
+
+/// The positions in `medians` over `factor` times the least, ascending, save those
+/// `keep` marks.
+fn out_of_contention(medians: &[f64], keep: &[bool], factor: f64) -> Vec<usize> {
+    let least = medians.iter().copied().fold(f64::INFINITY, f64::min);
+    (0..medians.len())
+        .filter(|&at| !keep[at] && medians[at] > least * factor)
         .collect()
 }
 
@@ -850,13 +900,14 @@ impl Search<'_> {
 
     /// Rounds in which each of `indices` (fastest measured first) is run again once,
     /// in turn; a round runs forwards, the next backwards, so no one always runs right
-    /// after another. How many: see [`Rounds`]. Each that took part then has as its
-    /// measured time the median of its times in the rounds, after every round's times
-    /// are scaled by how fast the machine ran in it ([`speed_corrected_medians`]): this
-    /// machine's speed swings by a third from one second to the next, and the fastest
-    /// of a few runs says more about the moment one ran in than about the
-    /// configuration. One that fails when run again loses its measurement. Returns
-    /// those that took part and still have a measurement (none if no round ran).
+    /// after another. How many, and who drops out: see [`Rounds`]. Each that took part
+    /// then has as its measured time the median of its times in the rounds, after
+    /// every round's times are scaled by how fast the machine ran in it
+    /// ([`speed_corrected_medians`]): this machine's speed swings by a third from one
+    /// second to the next, and the fastest of a few runs says more about the moment
+    /// one ran in than about the configuration. One that fails when run again loses
+    /// its measurement. Returns those still in the rounds at the end with a
+    /// measurement (none if no round ran).
     fn rounds(
         &mut self,
         candidates: &mut [Candidate],
@@ -884,11 +935,25 @@ impl Search<'_> {
             }
         }
         let mut times: HashMap<usize, Vec<f64>> = HashMap::new();
+        // Those out of the rounds, with their medians when they went out.
+        let mut out: Vec<(usize, f64)> = Vec::new();
         for round in 0..rounds.most {
             indices.retain(|&i| candidates[i].measured_step_time_s.is_some());
-            if indices.len() < 2
-                || (round >= least && !ends_before(round_s(&indices, candidates), rounds.until))
-            {
+            if round > least && indices.len() > 1 {
+                let samples: Vec<Vec<f64>> = indices.iter().map(|i| times[i].clone()).collect();
+                let medians = speed_corrected_medians(&samples);
+                let keep: Vec<bool> = indices.iter().map(|&i| Some(i) == rounds.keep).collect();
+                for at in out_of_contention(&medians, &keep, rounds.out_over)
+                    .into_iter()
+                    .rev()
+                {
+                    out.push((indices.remove(at), medians[at]));
+                }
+            }
+            let this_round_s = round_s(&indices, candidates);
+            let in_time = ends_before(this_round_s, rounds.until)
+                || (this_round_s <= CHEAP_ROUND_S && ends_before(this_round_s, rounds.until_cheap));
+            if indices.len() < 2 || (round >= least && !in_time) {
                 break;
             }
             let mut order = indices.clone();
@@ -913,7 +978,15 @@ impl Search<'_> {
         }
         indices.retain(|i| times.contains_key(i) && candidates[*i].measured_step_time_s.is_some());
         let samples: Vec<Vec<f64>> = indices.iter().map(|i| times[i].clone()).collect();
-        for (&i, time) in indices.iter().zip(speed_corrected_medians(&samples)) {
+        // Those out keep the median they went out with (reported, never chosen: each
+        // was scaled among the contenders of its time, not of the end).
+        out.extend(
+            indices
+                .iter()
+                .copied()
+                .zip(speed_corrected_medians(&samples)),
+        );
+        for &(i, time) in &out {
             candidates[i].measured_step_time_s = Some(time);
         }
         indices
@@ -1380,6 +1453,17 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
         assert_eq!(median(&[]), None);
+    }
+
+    #[test]
+    fn those_far_behind_go_out_of_the_rounds_but_never_the_kept_one() {
+        // Least 1.0: over 1.15 are 1.2 (position 1) and 1.3 (position 3, kept);
+        // 1.15 itself is not over.
+        let out = out_of_contention(&[1.0, 1.2, 1.15, 1.3], &[false, false, false, true], 1.15);
+        assert_eq!(out, vec![1]);
+        let out = out_of_contention(&[2.0, 1.0, 3.0], &[false; 3], 1.15);
+        assert_eq!(out, vec![0, 2]);
+        assert!(out_of_contention(&[], &[], 1.15).is_empty());
     }
 
     #[test]
