@@ -122,25 +122,6 @@ fn check_report(report: &memsave_plan::FitReport, budget: u64, global: i64) {
     assert!(!report.front.is_empty());
 }
 
-/// `fit` times every configuration with glibc's allocator settled: afterwards a block
-/// of 24 MiB comes from the heap, where the thresholds that steps of this size leave
-/// behind (their largest block, well under 1 MiB) would give it a mapping of its own.
-#[test]
-#[serial]
-fn fit_times_with_glibc_serving_large_blocks_from_the_heap() {
-    let mut model = Mlp::new(2, 16, 4, 2);
-    let peak = baseline_peak(&mut model);
-    fit(&mut model, &FitRequest::new(peak * 2)).unwrap();
-    let before = memsave_sys::alloc::c_mapped_blocks().expect("glibc says how many blocks it maps");
-    let block = std::hint::black_box(Vec::<u8>::with_capacity(24 << 20));
-    let during = memsave_sys::alloc::c_mapped_blocks().unwrap();
-    drop(block);
-    assert_eq!(
-        during, before,
-        "a 24 MiB block was given a mapping of its own"
-    );
-}
-
 #[test]
 #[serial]
 fn a_budget_above_the_plain_step_keeps_the_plain_step() {

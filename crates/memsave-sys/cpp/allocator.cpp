@@ -10,7 +10,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#if __has_include(<malloc.h>)
 #include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>

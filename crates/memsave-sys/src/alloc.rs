@@ -123,7 +123,7 @@ pub fn recording_position() -> usize {
 pub fn c_mapped_blocks() -> Option<u64> {
     let mut out = -1i64;
     // SAFETY: `out` is a valid, writable i64 for the duration of the call.
-    check(unsafe { ffi::ms_c_mapped_blocks(&mut out) }).ok()?;
+    expect_ok(unsafe { ffi::ms_c_mapped_blocks(&mut out) });
     u64::try_from(out).ok()
 }
 

@@ -18,8 +18,10 @@ const SETTLE_BYTES: usize = (32 << 20) - (64 << 10);
 /// Allocates and frees one block of [`SETTLE_BYTES`], as any step with a tensor that
 /// large does, so that glibc's thresholds are at their final values before the first
 /// timed run and stay there. The cost: a process keeps up to 64 MiB of freed heap
-/// instead of giving it back, as it would after its first large tensor anyway. With
-/// another C library or allocator, one allocation that changes nothing.
+/// instead of giving it back (per malloc arena), as it would after its first large
+/// tensor anyway. With another C library or allocator, or with glibc's threshold set
+/// by hand (`MALLOC_MMAP_THRESHOLD_`, which turns the raising off), one allocation that
+/// changes nothing.
 pub(crate) fn settle() {
     let block: Vec<u8> = Vec::with_capacity(SETTLE_BYTES);
     // Not elided: the allocation and the free are the point.

@@ -53,13 +53,13 @@
 //! measured within 1.25× of the fastest (always the one confirmed first, measured
 //! right after the small runs) are compared in rounds (at least three, at most
 //! twenty-four, for a couple of seconds or a quarter of the time spent before, and
-//! while rounds take under 0.3 s, up to half the time spent before; two if three would
+//! while a round takes at most 0.3 s, up to half the time spent before; two if three would
 //! take longer, none if two rounds of two would): each round runs each once, forwards
 //! and backwards in turn, and each one's time is its median over the rounds after every
 //! round's times are scaled by how fast the machine ran in that round (the geometric
-//! mean of the round's times against that of all rounds). From the fourth round on, one
-//! more than 1.15× the fastest so far drops out, so the close ones get the rounds
-//! left. A real-size step measures a third slower one second than the next on a busy
+//! mean of the round's times against that of all rounds). After four rounds, and after
+//! each one from then on, one more than 1.15× the fastest so far drops out, so the close
+//! ones get the rounds left. A real-size step measures a third slower one second than the next on a busy
 //! machine, so the fastest of a few runs at different moments says more about the
 //! moment than about the configuration, and three rounds still now and then pick one
 //! more than 10% slower. The fastest so compared is the choice. On the
@@ -119,8 +119,8 @@ pub struct FitRequest {
     /// fastest that really fits, to check the choice; those within 1.3× of the
     /// fastest, and the choice, are then compared in rounds (as the close ones are
     /// before the choice, see the [module](self) docs; at least five, up to thirty
-    /// while ten seconds last, those over 1.2× the fastest out from the sixth on, never
-    /// the choice), and the fastest so compared is the fastest reported.
+    /// while ten seconds last, those over 1.2× the fastest out after six or more,
+    /// never the choice), and the fastest so compared is the fastest reported.
     /// Slow: a few real steps per candidate.
     pub exhaustive: bool,
 }

@@ -65,14 +65,14 @@ const RECHECK_SHARE: f64 = 0.25;
 const CHEAP_ROUND_S: f64 = 0.3;
 const CHEAP_SHARE: f64 = 0.5;
 
-/// ...and from round `RECHECK_MIN_ROUNDS + 1` on, one whose median so far is over this
-/// factor of the fastest's runs no more rounds: the rounds left go to those still
+/// ...and once `RECHECK_MIN_ROUNDS + 1` rounds have run, one whose median so far is over
+/// this factor of the fastest's runs no more rounds: the rounds left go to those still
 /// close.
 const RECHECK_OUT_OVER: f64 = 1.15;
 
 /// With `exhaustive`, the same for the whole grid: those within 1.3x, the choice too,
 /// in at least five rounds, more (up to thirty) while `EXHAUSTIVE_ROUNDS_S` lasts,
-/// those over 1.2x of the fastest from the sixth round on out (never the choice).
+/// those over 1.2x of the fastest out once six rounds have run (never the choice).
 const EXHAUSTIVE_RECHECK_WITHIN: f64 = 1.3;
 const EXHAUSTIVE_MIN_ROUNDS: usize = 5;
 const EXHAUSTIVE_MAX_ROUNDS: usize = 30;
@@ -108,8 +108,9 @@ struct Rounds {
     /// to two) until they would, then fewer rounds (down to two), and there are no
     /// rounds if even then they would not. Otherwise they run whatever they take.
     least_within: bool,
-    /// From round `least + 1` on, one whose median so far is over this factor of the
-    /// fastest's is out: it keeps that median and runs no more rounds...
+    /// Once `least + 1` rounds have run, one whose median so far is over this factor of
+    /// the fastest's is out: it keeps that median and runs no more rounds (and is not
+    /// returned: its median was scaled among the contenders of its time)...
     out_over: f64,
     /// ...unless it is this one.
     keep: Option<usize>,
@@ -384,8 +385,10 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
             keep: None,
         },
     );
-    // The fastest of those compared in the same rounds (their times are medians, the
-    // others' the fastest of a few runs: not comparable), else of all run.
+    // The fastest of those still in the rounds at their end (their times are medians
+    // over the same rounds; the others' the fastest of a few runs, or a median over
+    // fewer rounds: not comparable), else, if every one of them failed when run again,
+    // the fastest of all run, however measured.
     match fastest_of(&candidates, &rechecked).or_else(|| fastest_of_run(&candidates, &run_already))
     {
         Some(best) => chosen = best,
