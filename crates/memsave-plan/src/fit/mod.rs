@@ -58,8 +58,8 @@
 //! and backwards in turn, and each one's time is its median over the rounds after every
 //! round's times are scaled by how fast the machine ran in that round (the geometric
 //! mean of the round's times against that of all rounds). After four rounds, and after
-//! each one from then on, one more than 1.15× the fastest so far drops out, so the close
-//! ones get the rounds left. A real-size step measures a third slower one second than the next on a busy
+//! each one from then on, those more than 1.15× the fastest so far drop out, so the
+//! close ones get the rounds left. A real-size step measures a third slower one second than the next on a busy
 //! machine, so the fastest of a few runs at different moments says more about the
 //! moment than about the configuration, and three rounds still now and then pick one
 //! more than 10% slower. The fastest so compared is the choice. On the

@@ -85,9 +85,11 @@ const EXHAUSTIVE_OUT_OVER: f64 = 1.2;
 /// short step notices, and a long step's rounds cost the most.
 const ONE_RUN_FROM_S: f64 = 0.1;
 
-/// Steps per configuration per round (see `ONE_RUN_FROM_S`).
-fn round_runs(step_s: f64) -> usize {
-    if step_s < ONE_RUN_FROM_S {
+/// Steps of a configuration whose step takes `step_s`: `REAL_RUNS` under
+/// `one_run_from_s` seconds, else one (in a round: see `ONE_RUN_FROM_S`; in the race:
+/// see `REAL_RUNS`).
+fn runs_for(step_s: f64, one_run_from_s: f64) -> usize {
+    if step_s < one_run_from_s {
         REAL_RUNS
     } else {
         1
@@ -330,11 +332,7 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let deadline = Instant::now() + std::time::Duration::from_secs_f64(race_s);
     for i in racers {
         let predicted = candidates[i].predicted_step_time_s.unwrap_or(0.0);
-        let runs = if predicted < 2.0 * ONE_RUN_FROM_S {
-            REAL_RUNS
-        } else {
-            1
-        };
+        let runs = runs_for(predicted, 2.0 * ONE_RUN_FROM_S);
         if !ends_before(predicted * runs as f64, deadline) {
             continue;
         }
@@ -921,7 +919,7 @@ impl Search<'_> {
             indices
                 .iter()
                 .filter_map(|&i| candidates[i].measured_step_time_s)
-                .map(|t| t * round_runs(t) as f64)
+                .map(|t| t * runs_for(t, ONE_RUN_FROM_S) as f64)
                 .sum::<f64>()
         };
         let mut least = rounds.least;
@@ -965,7 +963,7 @@ impl Search<'_> {
             }
             for i in order {
                 let c = &mut candidates[i];
-                let runs = round_runs(c.measured_step_time_s.unwrap_or(0.0));
+                let runs = runs_for(c.measured_step_time_s.unwrap_or(0.0), ONE_RUN_FROM_S);
                 match self.run_real_times(&c.choice, runs) {
                     Ok(p) => {
                         times.entry(i).or_default().push(p.time_s);
