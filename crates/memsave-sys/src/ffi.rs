@@ -230,7 +230,7 @@ extern "C" {
 
     pub fn ms_cpu_trace_start(started: *mut bool) -> c_int;
     pub fn ms_cpu_trace_position(out: *mut usize) -> c_int;
-    pub fn ms_c_mapped_blocks(out: *mut i64) -> c_int;
     pub fn ms_cpu_trace_stop(count: *mut usize) -> c_int;
     pub fn ms_cpu_trace_read(out: *mut MsAllocEvent, cap: usize, written: *mut usize) -> c_int;
+    pub fn ms_c_mapped_blocks(out: *mut i64) -> c_int;
 }
