@@ -125,8 +125,12 @@ where
 ///   saved inside a checkpointed function go to the checkpoint, not to outer hooks.
 /// - **Only new saves.** Tensors saved before the guard was made keep their plain
 ///   storage; what matters is when the op runs, not when backward runs.
-/// - **Drop order.** Drop guards in reverse order of creation; [`HooksGuard::exit`]
-///   reports a guard left out of order.
+/// - **Drop order.** A guard covers exactly its own lifetime, in whatever order guards
+///   are dropped: dropping an outer guard while an inner one lives removes the outer
+///   hooks at once and leaves the inner ones in force until that guard goes (guards
+///   held as struct fields drop in declaration order, outer first). Nothing is left on
+///   the thread once every guard is gone. [`HooksGuard::exit`] reports a guard left
+///   while a newer one was still alive, as a hint that the scopes overlap.
 ///
 /// The first guard (or checkpoint) installs memsave's autograd engine as libtorch's
 /// default, for the rest of the process: libtorch's own engine plus the hook lookup.
@@ -141,7 +145,8 @@ impl HooksGuard {
         Ok(Self { frame })
     }
 
-    /// Leaves the scope; `Err` when an inner guard is still alive (left out of order).
+    /// Leaves the scope; `Err` ([`HooksError::OutOfOrder`]) when a guard made after it
+    /// is still alive. The scope's hooks are removed in either case.
     pub fn exit(self) -> Result<(), HooksError> {
         Ok(self.frame.exit()?)
     }

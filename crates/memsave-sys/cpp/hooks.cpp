@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <algorithm>
+#include <iterator>
 #include <mutex>
 #include <sstream>
 
@@ -16,10 +18,12 @@ namespace {
 struct Entry {
   std::shared_ptr<Frame> frame;
   at::CallbackHandle op_callback = at::INVALID_CALLBACK_HANDLE;
+  uint64_t id = 0;
 };
 
 struct ThreadState {
   std::vector<Entry> stack;
+  uint64_t last_id = 0;
   int disabled = 0;
   // Names of the aten ops running, innermost last (schema names live as long as the process).
   std::vector<const char*> ops;
@@ -110,9 +114,10 @@ void on_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
 
 }  // namespace
 
-size_t push(std::shared_ptr<Frame> frame, bool record_ops) {
+uint64_t push(std::shared_ptr<Frame> frame, bool record_ops) {
   auto& state = tls();
   Entry entry{std::move(frame)};
+  entry.id = ++state.last_id;
   if (record_ops) {
     entry.op_callback = at::addThreadLocalCallback(
         at::RecordFunctionCallback(&on_op_start, &on_op_end).scopes({at::RecordScope::FUNCTION}));
@@ -127,22 +132,24 @@ size_t push(std::shared_ptr<Frame> frame, bool record_ops) {
     }
     throw;
   }
-  return state.stack.size();
+  return state.stack.back().id;
 }
 
-bool pop(size_t depth) {
+Popped pop(uint64_t id) {
   auto& state = tls();
   auto& stack = state.stack;
-  if (stack.size() != depth || depth == 0) return false;
+  auto it = std::find_if(stack.rbegin(), stack.rend(), [id](const Entry& e) { return e.id == id; });
+  if (id == 0 || it == stack.rend()) return Popped::kNotFound;
+  const auto result = it == stack.rbegin() ? Popped::kInnermost : Popped::kOutOfOrder;
   // Move out first: the frame's destructor may run Rust code that pushes or pops.
-  auto entry = std::move(stack.back());
-  stack.pop_back();
+  auto entry = std::move(*it);
+  stack.erase(std::next(it).base());
   if (entry.op_callback != at::INVALID_CALLBACK_HANDLE) {
     at::removeCallback(entry.op_callback);
     if (--state.op_recorders == 0) state.ops.clear();
   }
   entry.frame.reset();
-  return true;
+  return result;
 }
 
 std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks() {
@@ -156,7 +163,7 @@ const char* current_op() {
 
 FrameScope::~FrameScope() {
   try {
-    pop(depth_);
+    pop(id_);
   } catch (...) {
     // Destructors must not throw; a frame that cannot be popped stays until the thread ends.
   }
@@ -259,7 +266,7 @@ int ms_hooks_install_engine() {
 // Takes ownership of `ctx` in every case: `drop(ctx)` runs exactly once, when the
 // frame and every tensor packed by it are gone (or before this returns on error).
 int ms_hooks_push(void* ctx, ms_hook_pack_fn pack, ms_hook_unpack_fn unpack, ms_hook_free_fn free_packed,
-                  ms_hook_drop_fn drop, bool record_ops, size_t* depth) {
+                  ms_hook_drop_fn drop, bool record_ops, uint64_t* id) {
   std::shared_ptr<RustHookFrame> frame;
   try {
     frame = std::make_shared<RustHookFrame>(ctx, pack, unpack, free_packed, drop);
@@ -270,7 +277,7 @@ int ms_hooks_push(void* ctx, ms_hook_pack_fn pack, ms_hook_unpack_fn unpack, ms_
   }
   MS_TRY({
     memsave::hooks::install_engine();
-    *depth = memsave::hooks::push(std::move(frame), record_ops);
+    *id = memsave::hooks::push(std::move(frame), record_ops);
   })
 }
 
@@ -304,8 +311,10 @@ const char* ms_string_data(const void* s) noexcept { return static_cast<const st
 
 void ms_string_free(void* s) noexcept { delete static_cast<std::string*>(s); }
 
-int ms_hooks_pop(size_t depth, bool* popped) {
-  MS_TRY({ *popped = memsave::hooks::pop(depth); })
+// `*popped`: 0 no such frame on this thread, 1 it was the innermost, 2 it was removed
+// from under newer frames (left out of order).
+int ms_hooks_pop(uint64_t id, int* popped) {
+  MS_TRY({ *popped = static_cast<int>(memsave::hooks::pop(id)); })
 }
 
 }  // extern "C"

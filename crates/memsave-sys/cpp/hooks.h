@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,10 +51,10 @@ class Frame {
 // Installs memsave's engine as libtorch's default (once per process; idempotent).
 void install_engine();
 
-// Pushes `frame` on the calling thread's stack; returns the new depth. With
-// `record_ops`, the thread tracks the op running (a RecordFunction callback) until the
-// frame is popped, for `current_op()`.
-size_t push(std::shared_ptr<Frame> frame, bool record_ops = false);
+// Pushes `frame` on the calling thread's stack; returns the frame's id (unique on this
+// thread, never 0). With `record_ops`, the thread tracks the op running (a
+// RecordFunction callback) until the frame is popped, for `current_op()`.
+uint64_t push(std::shared_ptr<Frame> frame, bool record_ops = false);
 
 // Hooks for one tensor from the calling thread's innermost frame, as the engine asks
 // for them; nullptr when no frame is pushed or hooks are disabled.
@@ -62,20 +63,31 @@ std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks();
 // The innermost aten op running on this thread ("aten::addmm"), or nullptr when no
 // frame with `record_ops` is pushed.
 const char* current_op();
-// Pops the innermost frame if the depth matches; false when it does not (a scope left
-// out of order or on another thread).
-bool pop(size_t depth);
+// What `pop` found.
+enum class Popped : int {
+  // No frame with that id on this thread (popped already, or pushed on another thread).
+  kNotFound = 0,
+  // It was the innermost frame.
+  kInnermost = 1,
+  // It was removed from under frames pushed after it (a scope left out of order); the
+  // frames after it stay, in their order.
+  kOutOfOrder = 2,
+};
+
+// Removes the frame with id `id` from the calling thread's stack, wherever it is: a
+// scope left out of order never leaves its hooks behind.
+Popped pop(uint64_t id);
 
 // A frame pushed for the guard's lifetime, popped even when the scope unwinds.
 class FrameScope {
  public:
-  explicit FrameScope(std::shared_ptr<Frame> frame) : depth_(push(std::move(frame))) {}
+  explicit FrameScope(std::shared_ptr<Frame> frame) : id_(push(std::move(frame))) {}
   ~FrameScope();
   FrameScope(const FrameScope&) = delete;
   FrameScope& operator=(const FrameScope&) = delete;
 
  private:
-  size_t depth_;
+  uint64_t id_;
 };
 
 // Hooks are off on this thread while a guard lives (inside pack hooks, as PyTorch does).

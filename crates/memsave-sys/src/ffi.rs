@@ -146,9 +146,9 @@ extern "C" {
         free_packed: HookFreeFn,
         drop: DropFn,
         record_ops: bool,
-        depth: *mut usize,
+        id: *mut u64,
     ) -> c_int;
-    pub fn ms_hooks_pop(depth: usize, popped: *mut bool) -> c_int;
+    pub fn ms_hooks_pop(id: u64, popped: *mut c_int) -> c_int;
     pub fn ms_tensor_grad_fn_name(t: *const C_tensor, sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_current_autograd_node_name(sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_string_new(out: *mut *mut c_void) -> c_int;

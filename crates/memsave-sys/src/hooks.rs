@@ -119,14 +119,15 @@ unsafe extern "C" fn drop_ctx(ctx: *mut c_void) {
     }));
 }
 
-/// A frame pushed on the calling thread's hook stack; popped when dropped.
+/// A frame pushed on the calling thread's hook stack; removed when dropped.
 ///
 /// Not `Send`: the stack is per thread, so a frame must be left on the thread that
-/// entered it. Frames must be left in reverse order of entry; [`HookFrame::exit`] says
-/// when they are not.
+/// entered it. A frame is removed from wherever it is on the stack when it is dropped
+/// or exited, so frames left out of order never leave hooks behind; the frames pushed
+/// after it stay in force. [`HookFrame::exit`] says when it was not the innermost.
 #[derive(Debug)]
 pub struct HookFrame {
-    depth: usize,
+    id: u64,
     exited: bool,
     _not_send: PhantomData<*const ()>,
 }
@@ -135,9 +136,9 @@ pub struct HookFrame {
 pub fn push(hooks: Arc<dyn RawHooks>) -> Result<HookFrame> {
     let record_ops = hooks.records_ops();
     let ctx = Box::into_raw(Box::new(hooks)) as *mut c_void;
-    let mut depth = 0usize;
+    let mut id = 0u64;
     // SAFETY: ownership of `ctx` passes to the bridge, which calls `drop_ctx` exactly
-    // once; the callbacks match the bridge's signatures; `depth` is writable.
+    // once; the callbacks match the bridge's signatures; `id` is writable.
     check(unsafe {
         ffi::ms_hooks_push(
             ctx,
@@ -146,42 +147,48 @@ pub fn push(hooks: Arc<dyn RawHooks>) -> Result<HookFrame> {
             free_packed,
             drop_ctx,
             record_ops,
-            &mut depth,
+            &mut id,
         )
     })?;
     Ok(HookFrame {
-        depth,
+        id,
         exited: false,
         _not_send: PhantomData,
     })
 }
 
 impl HookFrame {
-    /// Pops this frame; `Err` when it is not the innermost one (frames left out of order).
+    /// Removes this frame; `Err` when it was not the innermost one (frames left out of
+    /// order). The frame is removed in either case.
     pub fn exit(mut self) -> Result<()> {
         self.exited = true;
-        pop(self.depth)
+        match pop(self.id)? {
+            1 => Ok(()),
+            2 => Err(Error::new(
+                "saved_tensors_hooks: a hook scope was left while a scope entered after it was still \
+                 open (left out of order); its hooks are removed, the newer scope's stay until it is \
+                 left; leave scopes in reverse order of entry",
+            )),
+            _ => Err(Error::new(
+                "saved_tensors_hooks: the hook scope was already gone from this thread's stack",
+            )),
+        }
     }
 }
 
-fn pop(depth: usize) -> Result<()> {
-    let mut popped = false;
-    // SAFETY: plain values and a writable bool; the bridge catches every exception.
-    check(unsafe { ffi::ms_hooks_pop(depth, &mut popped) })?;
-    if popped {
-        Ok(())
-    } else {
-        Err(Error::new(
-            "saved_tensors_hooks: a hook scope was left out of order (an inner scope is still open); \
-             leave scopes in reverse order of entry",
-        ))
-    }
+/// Removes frame `id` from the calling thread's stack: 0 not found, 1 it was the
+/// innermost, 2 it was under newer frames.
+fn pop(id: u64) -> Result<i32> {
+    let mut popped = 0;
+    // SAFETY: plain values and a writable int; the bridge catches every exception.
+    check(unsafe { ffi::ms_hooks_pop(id, &mut popped) })?;
+    Ok(popped)
 }
 
 impl Drop for HookFrame {
     fn drop(&mut self) {
         if !self.exited {
-            let _ = pop(self.depth);
+            let _ = pop(self.id);
         }
     }
 }
