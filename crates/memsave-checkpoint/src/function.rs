@@ -28,6 +28,16 @@ impl Checkpoint {
     /// for the recompute, so dropout draws the same masks (default `true`). Turning it
     /// off saves a state copy per call (5,056 bytes for the CPU generator, plus one per
     /// CUDA device of the inputs) but makes random functions recompute differently.
+    ///
+    /// Trap: the generators are process-wide. Checkpointed calls on different threads
+    /// take turns, each waiting at most half a second for the others (a call may run a
+    /// checkpointed branch on a worker thread and wait for it, which would otherwise
+    /// deadlock); when random numbers are drawn while calls of two threads overlap, the
+    /// draws may be interleaved and could not be replayed: each overlapping call
+    /// during which the generators' state moved (by its draws or the other thread's)
+    /// fails with an error saying so, where PyTorch would replay the wrong numbers
+    /// without a word. Overlapping calls during which nothing is drawn are never
+    /// refused.
     pub fn preserve_rng(mut self, preserve: bool) -> Self {
         self.preserve_rng = preserve;
         self

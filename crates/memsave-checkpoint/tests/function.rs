@@ -222,3 +222,98 @@ fn the_recompute_replays_autocast_and_clears_its_cast_cache() {
     assert_eq!(w.grad().kind(), Kind::Float);
     assert_eq!(memory_allocated(CPU), start + 16 * 16 * 4);
 }
+
+/// Early stop (Trust II, item 13; PyTorch's `set_checkpoint_early_stop`, on by default):
+/// the recomputation ends at the last tensor backward needs, so ops after it that save
+/// nothing (the clone here) run once, in the forward, as in PyTorch.
+#[test]
+#[serial]
+fn the_recomputation_stops_at_the_last_tensor_backward_needs() {
+    for n in [1i64, 7, 64] {
+        let x = param(&[n]);
+        let after_last_save = Arc::new(AtomicUsize::new(0));
+        let counter = after_last_save.clone();
+        // sin saves x, cos saves sin(x); the clone after them saves nothing.
+        let y = checkpoint1(&x, move |x| {
+            let h = x.sin().cos();
+            counter.fetch_add(1, Ordering::SeqCst);
+            h.copy()
+        })
+        .unwrap();
+        assert_eq!(after_last_save.load(Ordering::SeqCst), 1);
+        y.sum(Kind::Float).backward();
+        assert_eq!(after_last_save.load(Ordering::SeqCst), 1, "n = {n}");
+        let expected = -x.detach().sin().sin() * x.detach().cos();
+        assert!(x.grad().allclose(&expected, 1e-6, 1e-6, false), "n = {n}");
+    }
+}
+
+/// An undefined output (PyTorch's `None`) passes through a checkpoint (Trust II, item
+/// 15; PyTorch's TestCheckpoint cases with `None` outputs).
+#[test]
+#[serial]
+fn an_undefined_output_passes_through() {
+    let x = param(&[3]);
+    let out = checkpoint(&[&x], |xs| vec![Tensor::new(), xs[0].exp(), Tensor::new()]).unwrap();
+    assert_eq!(out.len(), 3);
+    assert!(!out[0].defined() && !out[2].defined());
+    out[1].sum(Kind::Float).backward();
+    assert!(x.grad().allclose(&x.detach().exp(), 1e-6, 1e-6, false));
+}
+
+/// A checkpointed function that runs a checkpointed branch on a worker thread and waits
+/// for it (Trust II, item 9): with the default `preserve_rng` it ran into a process-wide
+/// lock held by its own caller, stalled 120 s and failed, at the forward and again at
+/// the recomputation.
+#[test]
+#[serial]
+fn a_checkpointed_branch_on_a_worker_thread_inside_a_checkpoint_works() {
+    let x = param(&[6]);
+    let expected = {
+        let x = x.detach().set_requires_grad(true);
+        (x.sin().exp() + x.cos()).sum(Kind::Float).backward();
+        x.grad()
+    };
+    let y = checkpoint1(&x, |x| {
+        let branch_in = x.shallow_clone();
+        let branch = std::thread::spawn(move || checkpoint1(&branch_in, |b| b.sin().exp()))
+            .join()
+            .unwrap()
+            .unwrap();
+        branch + x.cos()
+    })
+    .unwrap();
+    y.sum(Kind::Float).backward();
+    assert!(x.grad().allclose(&expected, 1e-6, 1e-6, false));
+}
+
+/// Random draws while two threads' checkpointed regions overlap cannot be replayed: the
+/// regions fail with an error, never replay other numbers.
+#[test]
+#[serial]
+fn random_draws_while_another_thread_checkpoints_are_refused_not_replayed_wrong() {
+    let x = param(&[64]);
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let (b1, b2) = (barrier.clone(), barrier.clone());
+    let x1 = x.detach();
+    let other = std::thread::spawn(move || {
+        checkpoint1(&x1, move |x| {
+            b1.wait(); // both regions are running now
+            b1.wait();
+            x.exp()
+        })
+        .map(|_| ())
+    });
+    let result = checkpoint1(&x, move |x| {
+        b2.wait();
+        let y = x.dropout(0.5, true);
+        b2.wait();
+        y
+    });
+    let err = result.unwrap_err().to_string();
+    assert!(err.contains("another thread"), "{err}");
+    // The other region saw the generator move during it too: it cannot tell whose
+    // draws those were, so it is refused as well rather than trusted.
+    let other = other.join().unwrap().unwrap_err().to_string();
+    assert!(other.contains("another thread"), "{other}");
+}

@@ -97,35 +97,56 @@ fn the_innermost_scope_wins_and_scopes_left_out_of_order_are_reported() {
     g2.exit().unwrap();
 }
 
+/// As in PyTorch, a pack hook that fails makes the op that saved the tensor fail, so the
+/// forward stops there (Trust II, item 14; PyTorch's test_saved_tensors_hook_raises...
+/// cases in test/test_autograd.py raise at the op too).
 #[test]
 #[serial]
-fn a_pack_hook_that_fails_or_panics_gives_an_err_at_backward_naming_the_tensor() {
+fn a_pack_hook_that_fails_or_panics_fails_the_op_that_saved_naming_the_tensor() {
     let x = leaf(&[2, 5]);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
     let failing = hooks_from_fn(
-        |_t: &Tensor| Err::<Tensor, _>("disk full".into()),
+        move |_t: &Tensor| {
+            c.fetch_add(1, Ordering::SeqCst);
+            Err::<Tensor, _>("disk full".into())
+        },
         |t: &Tensor| Ok(t.shallow_clone()),
     );
-    let y = saved_tensors_hooks(failing, || x.exp().sum(Kind::Float)).unwrap();
-    let err = y.f_backward().unwrap_err().to_string();
+    let result = saved_tensors_hooks(failing, || -> Result<Tensor, tch::TchError> {
+        let y = x.f_exp()?;
+        // Never reached: the forward stops at the first failing save.
+        let z = y.f_sin()?;
+        z.f_sum(Kind::Float)
+    })
+    .unwrap();
+    let err = result.unwrap_err().to_string();
     assert!(
-        err.contains("disk full")
-            && err.contains("[2, 5]")
-            && err.contains("Float")
-            && err.contains("ExpBackward0"),
+        err.contains("disk full") && err.contains("[2, 5]") && err.contains("Float"),
         "{err}"
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "pack ran after the failing save"
     );
 
     let panicking = hooks_from_fn(
         |_t: &Tensor| -> Result<Tensor, _> { panic!("pack exploded") },
         |t: &Tensor| Ok(t.shallow_clone()),
     );
-    let y = saved_tensors_hooks(panicking, || x.exp().sum(Kind::Float)).unwrap();
-    let err = y.f_backward().unwrap_err().to_string();
+    let err = saved_tensors_hooks(panicking, || x.f_exp())
+        .unwrap()
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("pack exploded"), "{err}");
     assert!(
         !err.contains("Exception raised from"),
         "backtrace leaked: {err}"
     );
+    // The scope is gone: later saves are plain and backward works.
+    x.exp().sum(Kind::Float).backward();
+    assert!(x.grad().allclose(&x.detach().exp(), 1e-6, 1e-6, false));
 }
 
 #[test]

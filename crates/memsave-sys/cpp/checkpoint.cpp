@@ -21,11 +21,13 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -65,25 +67,66 @@ struct Closure {
 };
 
 // With preserve_rng, a checkpointed forward and its recomputation must draw the same
-// numbers from the process-wide generators; no other checkpointed region may draw in
-// between. Regions therefore hold this lock while they run (recursive: nesting).
-std::recursive_timed_mutex& rng_region_mutex() {
-  static auto* m = new std::recursive_timed_mutex();
-  return *m;
-}
+// numbers from the process-wide generators, so regions on different threads take turns
+// (a process-wide lock, recursive for nesting on one thread). But a region may wait for
+// a worker thread that runs a checkpointed branch: waiting for the lock would deadlock
+// there. So a region waits at most kRngWait, then runs without the lock, and each region
+// learns whether a region of another thread ran while it did. Only when that happened
+// and the generators' state moved during the region can its draws be mixed with another
+// thread's, and then the region fails with an error instead of replaying other numbers.
+constexpr auto kRngWait = std::chrono::milliseconds(500);
 
-constexpr auto kRngWait = std::chrono::seconds(120);
-
-std::unique_lock<std::recursive_timed_mutex> lock_rng_region(bool preserve_rng) {
-  std::unique_lock<std::recursive_timed_mutex> lock(rng_region_mutex(), std::defer_lock);
-  if (preserve_rng) {
-    MS_CHECK(lock.try_lock_for(kRngWait),
-                "checkpoint: waited 120 s for another thread's checkpointed region to finish with the random "
-                "number generator (preserve_rng); a checkpointed function that waits for another thread's "
-                "backward deadlocks this way: pass preserve_rng = false if it draws no random numbers");
+class RngRegion {
+ public:
+  explicit RngRegion(bool preserve_rng) : lock_(mutex(), std::defer_lock) {
+    if (!preserve_rng) return;
+    (void)lock_.try_lock_for(kRngWait);
+    overlapped_ = std::make_shared<std::atomic<bool>>(false);
+    auto& r = registry();
+    std::lock_guard<std::mutex> guard(r.mu);
+    const auto me = std::this_thread::get_id();
+    for (auto& entry : r.active) {
+      if (entry.first == me) continue;
+      entry.second->store(true);
+      overlapped_->store(true);
+    }
+    r.active.emplace_back(me, overlapped_);
   }
-  return lock;
-}
+  RngRegion(const RngRegion&) = delete;
+  RngRegion& operator=(const RngRegion&) = delete;
+  ~RngRegion() {
+    if (!overlapped_) return;
+    auto& r = registry();
+    std::lock_guard<std::mutex> guard(r.mu);
+    auto& active = r.active;
+    active.erase(std::remove_if(active.begin(), active.end(), [this](const auto& e) { return e.second == overlapped_; }),
+                 active.end());
+  }
+
+  // Whether a checkpointed region of another thread ran at some time during this one.
+  bool overlapped() const { return overlapped_ && overlapped_->load(); }
+
+ private:
+  struct Registry {
+    std::mutex mu;
+    std::vector<std::pair<std::thread::id, std::shared_ptr<std::atomic<bool>>>> active;
+  };
+  static Registry& registry() {
+    static auto* r = new Registry();
+    return *r;
+  }
+  static std::recursive_timed_mutex& mutex() {
+    static auto* m = new std::recursive_timed_mutex();
+    return *m;
+  }
+  std::unique_lock<std::recursive_timed_mutex> lock_;
+  std::shared_ptr<std::atomic<bool>> overlapped_;
+};
+
+constexpr const char* kRngOverlap =
+    " drew random numbers while a checkpointed region ran on another thread (preserve_rng): the draws of the "
+    "two may be interleaved, so the recomputation could not replay this region's numbers. Run the checkpointed "
+    "regions that draw random numbers on one thread, or pass preserve_rng = false where a function draws none";
 
 using RngStates = std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>>;
 
@@ -241,7 +284,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
 
   // Runs the forward under this frame; returns the closure's outputs.
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs) {
-    auto rng_lock = lock_rng_region(preserve_rng_);
+    RngRegion region(preserve_rng_);
     state_ = ForwardState::capture(inputs, preserve_rng_);
     std::vector<uint32_t> versions;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -259,6 +302,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     }
     MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
     drop_unused_rng_states();
+    MS_CHECK(!region.overlapped() || state_.rng.empty(), "checkpoint: the function", kRngOverlap);
     versions_ = versions;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& t = inputs[i];
@@ -268,13 +312,11 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
                   ") in place; the recomputation in backward would modify it again. Clone the input inside "
                   "the function before modifying it.");
     }
-    for (size_t i = 0; i < out.tensors.size(); ++i) {
-      MS_CHECK(out.tensors[i].defined(), "checkpoint: output ", i, " of the function is undefined");
-    }
     forward_done_ = true;
     std::vector<const torch::autograd::Node*> hooked;
     for (const auto& t : out.tensors) {
-      if (!t.requires_grad()) continue;
+      // An undefined output (PyTorch's None) passes through as it is.
+      if (!t.defined() || !t.requires_grad()) continue;
       const auto fn = memsave::hooks::stored_grad_fn(t);
       if (!fn || std::find(hooked.begin(), hooked.end(), fn.get()) != hooked.end()) continue;
       fn->add_pre_hook(std::make_unique<RecomputePreHook>(weak_from_this()));
@@ -283,9 +325,8 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
     return std::move(out.tensors);
   }
 
-  // A generator whose state the forward left unchanged was not drawn from (the region
-  // lock keeps other checkpointed regions out): nothing to replay, so its 5 KiB copy
-  // need not be kept.
+  // A generator whose state the forward left unchanged was not drawn from: nothing to
+  // replay, so its 5 KiB copy need not be kept.
   void drop_unused_rng_states() {
     auto& rng = state_.rng;
     rng.erase(std::remove_if(rng.begin(), rng.end(),
@@ -321,11 +362,15 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   }
 
   // Called by the capturing frame for each tensor the recomputation saves: stores the
-  // k-th at index k, and ends the recomputation (by throwing kStopMessage) at the first
-  // save after every live handle has its tensor back.
+  // k-th at index k, and ends the recomputation (by throwing kStopMessage) as soon as
+  // every live handle has its tensor back, so nothing after the last tensor needed is
+  // recomputed (PyTorch's early stop).
   void on_recompute_save(const at::Tensor& t) {
     MS_CHECK(!stopped_, kStopMessage);
-    if (!capture(t)) stopped_ = true;
+    if (!capture(t)) {
+      stopped_ = true;
+      MS_CHECK(false, kStopMessage);
+    }
   }
 
   // Backward has reached an output of the checkpoint: refill every live handle now,
@@ -465,14 +510,17 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
   }
   stopped_ = missing_ == 0;
   Outputs out;
+  bool overlapped = false;
   {
-    auto rng_lock = lock_rng_region(preserve_rng_);
+    RngRegion region(!state_.rng.empty());
     at::AutoGradMode enable_grad(true);
     ReplayGuard replay(state_);
     RecomputeScope recomputing;
     memsave::hooks::FrameScope scope(std::make_shared<CaptureFrame>(this));
     out = closure_->call(replay_inputs);
+    overlapped = region.overlapped();
   }
+  MS_CHECK(!overlapped, "checkpoint: the recomputation in backward (needed for ", needed_for, ")", kRngOverlap);
   out.tensors.clear();  // the recomputation's own outputs are not needed
   const bool stopped = stopped_;
   stopped_ = false;

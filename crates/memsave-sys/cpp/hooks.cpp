@@ -206,7 +206,6 @@ struct RustSavedHooks final : torch::autograd::SavedVariableHooks {
   std::shared_ptr<RustHookFrame> frame;
   void* packed = nullptr;
   SavedMeta meta;
-  std::string pack_error;  // non-empty: the pack hook failed; reported at unpack
 
   explicit RustSavedHooks(std::shared_ptr<RustHookFrame> f) : frame(std::move(f)) {}
   RustSavedHooks(const RustSavedHooks&) = delete;
@@ -221,14 +220,14 @@ struct RustSavedHooks final : torch::autograd::SavedVariableHooks {
     memsave::hooks::DisableGuard no_hooks;
     std::string error;
     if (frame->pack(frame->ctx, &tensor, saved_by, &packed, &error) != 0) {
+      // As in PyTorch, the op that saved the tensor fails: the forward stops there.
       packed = nullptr;
-      pack_error = error.empty() ? std::string("unknown error") : error;
+      MS_CHECK(false, "saved_tensors_hooks: the pack hook failed for the ", meta.describe(), ": ",
+               error.empty() ? std::string("unknown error") : error);
     }
   }
 
   at::Tensor call_unpack_hook() override {
-    MS_CHECK(pack_error.empty(), "saved_tensors_hooks: the pack hook failed for the ", meta.describe(), ": ",
-                pack_error);
     meta.check_version();
     at::Tensor out;
     std::string error;

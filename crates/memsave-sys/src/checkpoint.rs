@@ -125,7 +125,11 @@ fn quiet_early_stop_panics() {
 /// is off, `f` simply runs.
 ///
 /// With `preserve_rng`, checkpointed regions on different threads take turns (a
-/// process-wide lock held while `f` runs), so that each one's random draws are its own.
+/// process-wide lock), so that each one's random draws are its own. A region waits at
+/// most half a second for the lock, then runs anyway (a region may wait for a worker
+/// thread that runs a checkpointed branch); a region whose generators' state moved
+/// while a region of another thread ran fails (at the forward, or at the recomputation)
+/// instead of replaying numbers that may be another thread's.
 pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Result<Vec<Tensor>> {
     run_checkpoint(inputs, preserve_rng, false, f)
 }
