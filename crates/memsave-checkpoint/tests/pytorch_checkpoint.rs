@@ -15,6 +15,9 @@ use tch::{Device, Kind, Tensor};
 
 type F = Arc<dyn Fn(&Tensor) -> Tensor + Send + Sync>;
 
+/// A reference function and the checkpointed variants that must agree with it.
+type Case = (&'static str, F, Vec<(&'static str, F)>);
+
 fn f(g: impl Fn(&Tensor) -> Tensor + Send + Sync + 'static) -> F {
     Arc::new(g)
 }
@@ -62,7 +65,7 @@ fn assert_close(expected: &Tensor, actual: &Tensor, what: &str) {
 fn nested_checkpoint() {
     let fun = sin_exp_sin();
     let g = grad;
-    let cases: Vec<(&str, F, Vec<(&str, F)>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "fn",
             fun.clone(),
