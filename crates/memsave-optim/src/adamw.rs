@@ -53,14 +53,14 @@ impl Rule for AdamWConfig {
     fn validate(&self) -> Result<()> {
         let (b1, b2) = self.betas;
         let problem = if !non_negative(self.lr) {
-            Some(format!("lr must be >= 0, got {}", self.lr))
+            Some(format!("lr must be finite and >= 0, got {}", self.lr))
         } else if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
             Some(format!("betas must be in [0, 1), got ({b1}, {b2})"))
         } else if !non_negative(self.eps) {
-            Some(format!("eps must be >= 0, got {}", self.eps))
+            Some(format!("eps must be finite and >= 0, got {}", self.eps))
         } else if !non_negative(self.weight_decay) {
             Some(format!(
-                "weight_decay must be >= 0, got {}",
+                "weight_decay must be finite and >= 0, got {}",
                 self.weight_decay
             ))
         } else {

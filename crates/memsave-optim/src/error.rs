@@ -40,6 +40,16 @@ pub enum OptimError {
         /// What the operating system said.
         source: std::io::Error,
     },
+    /// A state file of [`crate::Placement::Disk`] is not what the optimizer wrote: it
+    /// is shorter or longer, or its CRC-32 differs (a byte changed on disk). The step
+    /// that read it did not update the parameter.
+    #[error("{}: {reason}", path.display())]
+    StateFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A state file is not valid JSON of a saved state.
     #[error("{}: not a saved optimizer state: {source}", path.display())]
     Format {

@@ -37,16 +37,32 @@ impl<R: Rule> Optimizer<R> {
     /// - global gradient-norm clipping ([`crate::Options::max_grad_norm`]): the norm
     ///   needs every gradient before the first update;
     /// - a parameter that already has a gradient: gradient accumulation over
-    ///   micro-batches cannot be combined with it, because every backward steps. (The
-    ///   same holds for a GradScaler, which needs all gradients checked for inf/NaN
-    ///   before any update; it is not supported.)
+    ///   micro-batches cannot be combined with it, because every backward steps;
+    /// - an optimizer that has stepped under an enabled GradScaler
+    ///   ([`Optimizer::f_step_scaled`]): a GradScaler needs every gradient unscaled and
+    ///   checked for inf/NaN before any update, which cannot happen inside backward,
+    ///   and the gradients of a scaled loss stepped as they are make steps `scale` times
+    ///   too large (65,536x with the default scale) with SGD. To switch such training
+    ///   to stepping in backward without a scaler, load its state into a new optimizer.
+    ///   [`Optimizer::f_step_scaled`] is refused, in turn, while the steps run in
+    ///   backward.
+    ///
+    /// Not detected: a loss scaled by a GradScaler that this optimizer never saw
+    /// (`scaler.scale(&loss).backward()` with the hooks installed). The hook only sees
+    /// a gradient, and a scaled gradient looks like any other; whoever builds the
+    /// training loop must not combine the two (`memsave-bench` refuses the strategy).
     ///
     /// Traps: a parameter used twice in a graph gets its gradient accumulated once per
     /// backward, after all its uses, so it is still stepped once. Holding
     /// [`InBackward::optimizer`]'s guard during backward makes the backward fail (it
     /// does not deadlock). A parameter can carry only one such hook (libtorch keeps one
     /// per tensor); a second registration fails.
-    pub fn step_in_backward(self, params: &[Tensor]) -> Result<InBackward<R>> {
+    pub fn step_in_backward(mut self, params: &[Tensor]) -> Result<InBackward<R>> {
+        if self.scaled {
+            return Err(OptimError::InBackward(
+                "this optimizer has stepped under a GradScaler (f_step_scaled); inside backward each parameter would be updated from the scaled gradient before any unscaling or inf/NaN check (an SGD step 65,536x too large with the default scale); keep stepping after backward with f_step_scaled, or load the state into a new optimizer to step in backward without a scaler".into(),
+            ));
+        }
         if let Some(norm) = self.options.max_grad_norm {
             return Err(OptimError::InBackward(format!(
                 "max_grad_norm = {norm} clips with the norm of all gradients together, which is not known until backward ends; clip per parameter yourself or step after backward"
@@ -69,6 +85,7 @@ impl<R: Rule> Optimizer<R> {
             }
             indices.push(index);
         }
+        self.in_backward = true;
         let optimizer = Arc::new(Mutex::new(self));
         let mut hooks = Vec::with_capacity(params.len());
         for (p, index) in params.iter().zip(indices) {
@@ -113,8 +130,11 @@ impl<R: Rule> InBackward<R> {
         Arc::try_unwrap(optimizer)
             .map_err(|_| OptimError::InBackward("a hook still holds the optimizer".into()))
             .map(|m| {
-                m.into_inner()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                let mut opt = m
+                    .into_inner()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                opt.in_backward = false;
+                opt
             })
     }
 }

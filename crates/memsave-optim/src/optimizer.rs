@@ -20,9 +20,13 @@ pub trait Rule: Clone + Debug + Send + Serialize + DeserializeOwned + 'static {
     const NAME: &'static str;
     /// The learning rate.
     fn lr(&self) -> f64;
-    /// Changes the learning rate.
+    /// Changes the learning rate, unchecked: [`Optimizer::set_lr`] checks the result
+    /// with [`Rule::validate`] before it keeps it.
     fn set_lr(&mut self, lr: f64);
-    /// Refuses hyper-parameters out of range.
+    /// Refuses hyper-parameters out of range (negative, infinite or NaN ones among
+    /// them). Every way of giving an optimizer hyper-parameters goes through it: the
+    /// constructors, [`Optimizer::add_param_group`], [`Optimizer::set_lr`],
+    /// [`Optimizer::set_group`] and [`Optimizer::load_state_dict`].
     fn validate(&self) -> Result<()>;
     /// The state buffers each parameter needs, with whether they can be negative.
     fn buffers(&self) -> &'static [(&'static str, Sign)];
@@ -59,6 +63,9 @@ pub(crate) struct ParamState {
     /// The buffers in the rule's order; empty before the first step, and between steps
     /// when they are kept on disk.
     pub(crate) buffers: Vec<Buffer>,
+    /// With [`Placement::Disk`], the CRC-32 of the file as last written, checked when
+    /// it is read back.
+    pub(crate) disk_crc: Option<u32>,
 }
 
 /// An optimizer: an update rule applied to groups of parameters, with state kept at
@@ -74,6 +81,12 @@ pub struct Optimizer<R: Rule> {
     pub(crate) options: Options,
     pub(crate) store: StateStore,
     pub(crate) observer: ObserverSlot,
+    /// Set by [`Optimizer::step_in_backward`] (cleared by `InBackward::into_inner`):
+    /// the steps run inside backward, where no GradScaler can unscale them.
+    pub(crate) in_backward: bool,
+    /// Set by [`Optimizer::f_step_scaled`] with an enabled scaler: the training loop
+    /// scales its loss, so stepping inside backward would step scaled gradients.
+    pub(crate) scaled: bool,
 }
 
 impl<R: Rule> Optimizer<R> {
@@ -103,6 +116,8 @@ impl<R: Rule> Optimizer<R> {
             options,
             store,
             observer: ObserverSlot::default(),
+            in_backward: false,
+            scaled: false,
         };
         opt.add_param_group(params, config)?;
         Ok(opt)
@@ -160,19 +175,31 @@ impl<R: Rule> Optimizer<R> {
         &self.groups
     }
 
-    /// The hyper-parameters of group `group`, to change them between steps.
-    ///
-    /// # Panics
-    /// When there is no such group.
-    pub fn group_mut(&mut self, group: usize) -> &mut R {
-        &mut self.groups[group]
+    /// Replaces the hyper-parameters of group `group` (between steps), checked as the
+    /// constructor checks them; on error nothing changes.
+    pub fn set_group(&mut self, group: usize, config: R) -> Result<()> {
+        if group >= self.groups.len() {
+            return Err(OptimError::Config(format!(
+                "parameter group {group} does not exist: the optimizer has {}",
+                self.groups.len()
+            )));
+        }
+        config.validate()?;
+        self.groups[group] = config;
+        Ok(())
     }
 
-    /// Sets the learning rate of every group (a scheduler's job).
-    pub fn set_lr(&mut self, lr: f64) {
-        for g in &mut self.groups {
+    /// Sets the learning rate of every group (a scheduler's job), checked as the
+    /// constructor checks it: a negative, infinite or NaN rate is an error, and then
+    /// no group changes.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        let mut groups = self.groups.clone();
+        for g in &mut groups {
             g.set_lr(lr);
+            g.validate()?;
         }
+        self.groups = groups;
+        Ok(())
     }
 
     /// The options the optimizer was built with.
@@ -235,11 +262,22 @@ impl<R: Rule> Optimizer<R> {
     /// `scaler.f_update()` after it, once per iteration, as with tch's optimizers.
     ///
     /// Not available with [`Optimizer::step_in_backward`]: the inf check needs every
-    /// gradient before the first update.
+    /// gradient before the first update. On an optimizer that steps in backward (through
+    /// [`crate::InBackward::optimizer`]) it is refused with [`OptimError::InBackward`]
+    /// and the scaler is left untouched; and once an optimizer has stepped under an
+    /// enabled scaler, [`Optimizer::step_in_backward`] refuses it.
     pub fn f_step_scaled(
         &mut self,
         scaler: &mut memsave_amp::GradScaler,
     ) -> Result<memsave_amp::StepOutcome> {
+        if self.in_backward {
+            return Err(OptimError::InBackward(
+                "a GradScaler cannot step an optimizer that steps inside backward: every backward already updated its parameters from the gradients as they came, a scaled loss's without unscaling or an inf/NaN check; drop the scaler, or call InBackward::into_inner and step after backward".into(),
+            ));
+        }
+        if scaler.is_enabled() {
+            self.scaled = true;
+        }
         let params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
         scaler.f_step_params(&params, || self.f_step())
     }
@@ -436,7 +474,11 @@ pub(crate) fn added_scaled(x: &Tensor, y: &Tensor, alpha: f64) -> Result<Tensor,
     x.f_addcmul(y, &alpha)
 }
 
-/// True for a number >= 0; false for a negative one and for NaN.
+/// True for a finite number >= 0; false for a negative one, an infinite one and NaN.
+///
+/// Infinite hyper-parameters are refused as well: they make no sensible step, and a
+/// saved state could not hold them (JSON has no infinity; it would be written as
+/// `null` and refused on load).
 pub(crate) fn non_negative(x: f64) -> bool {
-    x >= 0.0
+    x >= 0.0 && x.is_finite()
 }

@@ -25,6 +25,11 @@ pub enum Placement {
     /// In files under this directory (created if needed), one per parameter, named
     /// `param-<index>.state`: raw bytes of the buffers at the state's precision. The
     /// files belong to the optimizer; two optimizers must not share a directory.
+    ///
+    /// Each file is checked when it is read back: its length must be exactly what the
+    /// state needs and its CRC-32 the one computed when it was written (kept in
+    /// memory). A changed, truncated or extended file makes the step fail with
+    /// [`OptimError::StateFile`] naming it, before the parameter is touched.
     Disk(PathBuf),
 }
 
@@ -83,7 +88,7 @@ impl StateStore {
             }
             StateStore::Disk(dir) => {
                 if st.buffers.is_empty() {
-                    st.buffers = read_buffers(&Self::file(dir, index), layout)?;
+                    st.buffers = read_buffers(&Self::file(dir, index), layout, st.disk_crc)?;
                 }
             }
         }
@@ -102,7 +107,7 @@ impl StateStore {
                     .collect::<Result<_>>()?;
             }
             StateStore::Disk(dir) => {
-                write_buffers(&Self::file(dir, index), &st.buffers)?;
+                st.disk_crc = Some(write_buffers(&Self::file(dir, index), &st.buffers)?);
                 st.buffers.clear();
             }
         }
@@ -110,41 +115,76 @@ impl StateStore {
     }
 }
 
-fn write_buffers(path: &Path, buffers: &[Buffer]) -> Result<()> {
+/// Writes the buffers' bytes to `path`; returns their CRC-32.
+fn write_buffers(path: &Path, buffers: &[Buffer]) -> Result<u32> {
     let mut bytes = Vec::new();
     for b in buffers {
         for (_, t) in b.parts() {
             bytes.extend_from_slice(&tensor_bytes(t)?);
         }
     }
+    let crc = crc32fast::hash(&bytes);
     std::fs::write(path, bytes).map_err(|source| OptimError::Io {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    Ok(crc)
 }
 
-fn read_buffers(path: &Path, layout: &BufferLayout) -> Result<Vec<Buffer>> {
+/// Reads back what [`write_buffers`] wrote, refusing a file whose length is not
+/// exactly the layout's or whose CRC-32 is not `crc`.
+fn read_buffers(path: &Path, layout: &BufferLayout, crc: Option<u32>) -> Result<Vec<Buffer>> {
+    let damaged = |reason: String| OptimError::StateFile {
+        path: path.to_owned(),
+        reason,
+    };
     let bytes = std::fs::read(path).map_err(|source| OptimError::Io {
         path: path.to_owned(),
         source,
     })?;
+    let parts: Vec<Vec<(&'static str, tch::Kind, Vec<i64>)>> = layout
+        .signs
+        .iter()
+        .map(|(_, sign)| Buffer::layout(layout.state, layout.numel, *sign))
+        .collect();
+    let size = |kind: tch::Kind, shape: &[i64]| {
+        shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes()
+    };
+    let expected: usize = parts
+        .iter()
+        .flatten()
+        .map(|(_, kind, shape)| size(*kind, shape))
+        .sum();
+    if bytes.len() != expected {
+        return Err(damaged(format!(
+            "optimizer state file holds {} bytes, {expected} expected: it was truncated or appended to after the optimizer wrote it",
+            bytes.len()
+        )));
+    }
+    let Some(crc) = crc else {
+        return Err(damaged(
+            "no checksum was recorded for this optimizer state file, so it cannot be trusted"
+                .into(),
+        ));
+    };
+    let found = crc32fast::hash(&bytes);
+    if found != crc {
+        return Err(damaged(format!(
+            "optimizer state file changed after the optimizer wrote it (CRC-32 {found:08x}, {crc:08x} written); refusing to step from it"
+        )));
+    }
     let mut offset = 0usize;
     let mut buffers = Vec::new();
-    for (_, sign) in layout.signs {
-        let mut parts = Vec::new();
-        for (_, kind, shape) in Buffer::layout(layout.state, layout.numel, *sign) {
-            let len = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
-            let Some(slice) = bytes.get(offset..offset + len) else {
-                return Err(OptimError::StateMismatch(format!(
-                    "{} holds {} bytes, fewer than the state needs",
-                    path.display(),
-                    bytes.len()
-                )));
-            };
-            parts.push(Tensor::f_from_data_size(slice, &shape, kind)?.f_to_device(layout.device)?);
+    for ((_, sign), buffer_parts) in layout.signs.iter().zip(parts) {
+        let mut tensors = Vec::new();
+        for (_, kind, shape) in buffer_parts {
+            let len = size(kind, &shape);
+            let slice = &bytes[offset..offset + len];
+            tensors
+                .push(Tensor::f_from_data_size(slice, &shape, kind)?.f_to_device(layout.device)?);
             offset += len;
         }
-        buffers.push(Buffer::from_parts(layout.state, *sign, parts));
+        buffers.push(Buffer::from_parts(layout.state, *sign, tensors));
     }
     Ok(buffers)
 }

@@ -202,6 +202,7 @@ impl<R: Rule> Optimizer<R> {
             states.push(ParamState {
                 step: sp.step,
                 buffers,
+                disk_crc: None,
             });
         }
         for (index, st) in states.iter_mut().enumerate() {
@@ -283,6 +284,7 @@ impl<R: Rule> Optimizer<R> {
         let mut copy = ParamState {
             step: st.step,
             buffers: Vec::new(),
+            disk_crc: st.disk_crc,
         };
         self.store.fetch(index, &mut copy, &layout)?;
         Ok(copy.buffers)

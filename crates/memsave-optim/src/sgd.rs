@@ -53,14 +53,19 @@ impl Rule for SgdConfig {
 
     fn validate(&self) -> Result<()> {
         let problem = if !non_negative(self.lr) {
-            Some(format!("lr must be >= 0, got {}", self.lr))
+            Some(format!("lr must be finite and >= 0, got {}", self.lr))
         } else if !non_negative(self.momentum) {
-            Some(format!("momentum must be >= 0, got {}", self.momentum))
+            Some(format!(
+                "momentum must be finite and >= 0, got {}",
+                self.momentum
+            ))
         } else if !non_negative(self.weight_decay) {
             Some(format!(
-                "weight_decay must be >= 0, got {}",
+                "weight_decay must be finite and >= 0, got {}",
                 self.weight_decay
             ))
+        } else if !self.dampening.is_finite() {
+            Some(format!("dampening must be finite, got {}", self.dampening))
         } else if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             Some("nesterov needs momentum > 0 and dampening 0".to_owned())
         } else {

@@ -87,3 +87,71 @@ fn finite_gradients_step_as_without_a_scaler() {
     }
     assert_bitwise(&scaled_net.params(), &plain_net.params(), "scaled vs plain");
 }
+
+/// Under a GradScaler the gradients of the scaled loss are `scale` times too large; a
+/// step inside backward would take them as they are (Trust II, finding 5).
+#[test]
+fn an_optimizer_stepped_under_a_scaler_refuses_to_step_in_backward_before_any_step() {
+    for state in [State::F32, State::Int8Blockwise { block: 64 }] {
+        let net = net(7);
+        let params = net.params();
+        let options = Options {
+            state,
+            ..Default::default()
+        };
+        let mut opt = AdamW::with_options(&params, AdamWConfig::default(), options).unwrap();
+        let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+        opt.zero_grad(true);
+        scaler.scale(&net.loss(0)).backward();
+        assert_eq!(
+            opt.f_step_scaled(&mut scaler).unwrap(),
+            StepOutcome::Stepped
+        );
+        scaler.update();
+        opt.zero_grad(true);
+        let before = snapshot(&params);
+        let err = opt
+            .step_in_backward(&params)
+            .expect_err("step_in_backward after f_step_scaled was accepted");
+        assert!(
+            matches!(err, memsave_optim::OptimError::InBackward(_)),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("GradScaler"), "{err}");
+        // No hook was left behind: a scaled backward moves nothing.
+        scaler.scale(&net.loss(1)).backward();
+        assert_bitwise(&params, &before, "params after a refused step_in_backward");
+    }
+}
+
+#[test]
+fn the_step_under_a_scaler_is_refused_while_the_optimizer_steps_in_backward() {
+    let net = net(8);
+    let params = net.params();
+    let opt = AdamW::new(&params, AdamWConfig::default()).unwrap();
+    let hooked = opt.step_in_backward(&params).unwrap();
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+    let scaler_before = serde_json::to_string(&scaler.state_dict().unwrap()).unwrap();
+    let err = hooked
+        .optimizer()
+        .f_step_scaled(&mut scaler)
+        .expect_err("f_step_scaled on an optimizer stepping in backward was accepted");
+    assert!(
+        matches!(err, memsave_optim::OptimError::InBackward(_)),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("GradScaler"), "{err}");
+    assert_eq!(
+        serde_json::to_string(&scaler.state_dict().unwrap()).unwrap(),
+        scaler_before,
+        "the scaler was touched"
+    );
+    // Given back, the optimizer steps under the scaler again.
+    let mut opt = hooked.into_inner().unwrap();
+    opt.zero_grad(true);
+    scaler.scale(&net.loss(0)).backward();
+    assert_eq!(
+        opt.f_step_scaled(&mut scaler).unwrap(),
+        StepOutcome::Stepped
+    );
+}

@@ -135,7 +135,7 @@ fn learning_rate_changes_match_tch() {
     for step in 0..10 {
         let lr = 1e-2 * 0.8f64.powi(step as i32);
         reference.set_lr(lr);
-        opt.set_lr(lr);
+        opt.set_lr(lr).unwrap();
         reference.zero_grad();
         theirs.backward(step);
         reference.step();
