@@ -3,7 +3,7 @@
 //! then the updated parameters are gathered.
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use memsave_optim::{Optimizer, Options, Rule, State};
+use memsave_optim::{Optimizer, Options, Placement, Rule, State};
 use memsave_sys::grad_hooks::GradHookHandle;
 use tch::{Device, Kind, Tensor};
 
@@ -54,6 +54,10 @@ pub enum ZeroStage {
 /// buckets (communication per micro-batch, gradients stay at 1/N), unless it runs
 /// inside [`ZeroOptimizer::no_sync`]: then the gradients add up whole in `.grad`, and
 /// the next backward outside `no_sync` (or the step) reduces the sum.
+///
+/// With `Placement::Disk(dir)` each rank keeps its shard's state files in
+/// `dir/rank-R` (R its rank), so ranks on one machine (or a shared file system) can be
+/// given the same directory.
 ///
 /// Traps: a parameter without a gradient is updated with a zero gradient (weight decay
 /// and momentum still apply), where a single-process optimizer skips it. Under stage 2
@@ -151,8 +155,15 @@ impl<R: Rule> ZeroOptimizer<R> {
             .set_requires_grad(true);
         drop(flat);
         let max_grad_norm = options.max_grad_norm;
+        // Every rank gets the same options, but each shard's state is its own: on disk,
+        // ranks sharing a directory would overwrite each other's `param-0.state`.
+        let placement = match options.placement {
+            Placement::Disk(dir) => Placement::Disk(dir.join(format!("rank-{rank}"))),
+            other => other,
+        };
         let inner_options = Options {
             max_grad_norm: None,
+            placement,
             ..options
         };
         let inner = Optimizer::with_options(&[shard.shallow_clone()], config, inner_options)
@@ -204,6 +215,12 @@ impl<R: Rule> ZeroOptimizer<R> {
     /// Bytes of optimizer state this rank holds (its shard's).
     pub fn state_bytes(&self) -> u64 {
         self.inner.state_bytes()
+    }
+
+    /// The state tensors this rank holds in memory now (its shard's; see
+    /// `memsave_optim::Optimizer::state_tensors`), to register with a memory tool.
+    pub fn state_tensors(&self) -> Vec<Tensor> {
+        self.inner.state_tensors()
     }
 
     /// Bytes of gradients this rank holds now: the parameters' `.grad`s, its shard's,
