@@ -85,7 +85,8 @@ struct RankCli {
 
 #[derive(clap::Args)]
 struct LaunchArgs {
-    /// Processes on this node.
+    /// Processes on this node (at most 1024, and no more than the limits on open
+    /// files and processes allow).
     #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
     nproc_per_node: usize,
     /// Number of nodes; run the same command on each, with its --node-rank.
@@ -97,12 +98,12 @@ struct LaunchArgs {
     /// Address of node 0, reachable from every node.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store on node 0 (default: a free port; required with
-    /// several nodes).
+    /// Port of the rendezvous store on node 0 (default, or 0: a free port; required,
+    /// and not 0, with several nodes).
     #[arg(long)]
     master_port: Option<u16>,
-    /// End every rank and fail after this many seconds.
-    #[arg(long, value_name = "SECONDS")]
+    /// End every rank and fail after this many seconds (at least 1).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
     timeout: Option<u64>,
     /// The program and its arguments.
     #[arg(required = true, last = true)]
@@ -659,8 +660,9 @@ impl Observer for Progress {
 }
 
 /// `memsave launch`: exits 0 when every rank succeeded, with the failed rank's own exit
-/// code (128 + signal when killed) when one failed, 124 when `--timeout` ended the ranks,
-/// 127 when the program cannot be started, 2 on bad options, 1 otherwise.
+/// code (128 + signal when killed) when one failed, 128 + signal when SIGINT, SIGTERM or
+/// SIGHUP to the launcher ended the ranks, 124 when `--timeout` ended them, 127 when the
+/// program cannot be started, 2 on bad options (nothing started), 1 otherwise.
 fn launch(args: LaunchArgs) -> ExitCode {
     use memsave_dist::DistError;
     let config = memsave_dist::LaunchConfig {
@@ -681,7 +683,10 @@ fn launch(args: LaunchArgs) -> ExitCode {
                 DistError::RankFailed { exit_code, .. } => {
                     ExitCode::from(u8::try_from(exit_code).unwrap_or(1).max(1))
                 }
-                DistError::Config { .. } => ExitCode::from(2),
+                DistError::InvalidLaunch { .. } => ExitCode::from(2),
+                DistError::Interrupted { signal, .. } => {
+                    ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
+                }
                 // As timeout(1) and the shells: 124 for a timeout, 127 for a program
                 // that cannot be started.
                 DistError::LaunchTimeout { .. } => ExitCode::from(124),

@@ -72,7 +72,33 @@ pub enum DistError {
         /// The timeout.
         timeout: Duration,
     },
-    /// A rank could not be started.
+    /// A launch refused before anything started: options that cannot work together,
+    /// or more ranks than this machine lets the launcher start. The message names the
+    /// option (as `memsave launch` spells it) and no rank: nothing ran.
+    #[error("{reason}")]
+    InvalidLaunch {
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// The launcher got SIGINT, SIGTERM or SIGHUP: it sent the signal on to every rank
+    /// and ended them. Exit with 128 + `signal`, as shells do.
+    #[error("interrupted by {name}; sent it on to every rank and ended them")]
+    Interrupted {
+        /// The signal's number.
+        signal: i32,
+        /// Its name ("SIGTERM").
+        name: &'static str,
+    },
+    /// The launcher could not start something of its own (a thread) or install its
+    /// signal handlers; it ended the ranks it had started.
+    #[error("launch: {what}: {source}; ended the ranks already started")]
+    LaunchResource {
+        /// What could not be done.
+        what: String,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A rank could not be started; the launcher ended the ranks it had started.
     #[error("rank {rank}: could not start {program}: {source}")]
     Spawn {
         /// The rank.

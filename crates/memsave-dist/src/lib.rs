@@ -48,5 +48,5 @@ mod zero;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
 pub use group::{init_process_group, Backend, InitOptions, ProcessGroup};
-pub use launch::{free_port, launch, LaunchConfig};
+pub use launch::{free_port, launch, LaunchConfig, MAX_NPROC_PER_NODE, OUTPUT_DRAIN};
 pub use zero::{ZeroOptimizer, ZeroStage};
