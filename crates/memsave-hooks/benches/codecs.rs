@@ -52,7 +52,7 @@ fn disk(c: &mut Criterion) {
         b.iter(|| black_box(store.unpack(&packed).unwrap()))
     });
     group.finish();
-    drop(packed);
+    drop((packed, store));
     let _ = std::fs::remove_dir(&dir);
 }
 

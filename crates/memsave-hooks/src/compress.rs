@@ -6,7 +6,50 @@ use crate::scope::SavedTensorHooks;
 use memsave_sys::tensor::WeakStorage;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use tch::{Kind, Tensor};
+use tch::{Kind, TchError, Tensor};
+
+/// What a packing hook keeps of a saved tensor: its distinct elements.
+///
+/// A tensor expanded from a smaller one (stride 0 in a dimension, as `expand` and
+/// broadcasting make) shares one element among all the positions of that dimension.
+/// Copying it (`contiguous`, a codec, a copy to another device) would store every
+/// repeat: a `[1, 1024]` row expanded to `[256, 1024]` would take 256 times its bytes.
+/// So the hooks keep the tensor narrowed to size 1 in each such dimension and
+/// [`Expanded::restore`] expands it back at unpack: the shape and dtype autograd
+/// checks are those of the saved tensor; only the strides differ from a copy's.
+pub(crate) fn distinct(t: &Tensor) -> Result<(Tensor, Option<Expanded>), TchError> {
+    let size = t.size();
+    let repeated = |(d, (&n, &s)): (usize, (&i64, &i64))| (s == 0 && n > 1).then_some(d);
+    let dims: Vec<usize> = size
+        .iter()
+        .zip(&t.stride())
+        .enumerate()
+        .filter_map(repeated)
+        .collect();
+    if dims.is_empty() {
+        return Ok((t.shallow_clone(), None));
+    }
+    let mut base = t.shallow_clone();
+    for d in dims {
+        base = base.f_narrow(d as i64, 0, 1)?;
+    }
+    Ok((base, Some(Expanded(size))))
+}
+
+/// The sizes of a saved tensor that [`distinct`] narrowed.
+#[derive(Debug, Clone)]
+pub(crate) struct Expanded(Vec<i64>);
+
+impl Expanded {
+    /// `base`, as [`distinct`] kept it (or a copy of it), expanded back to the saved
+    /// tensor's sizes; `base` as it is with `None`.
+    pub fn restore(expanded: Option<&Expanded>, base: Tensor) -> Result<Tensor, TchError> {
+        match expanded {
+            None => Ok(base),
+            Some(Expanded(size)) => base.f_expand(size, false),
+        }
+    }
+}
 
 /// Saved-tensor hooks that store every saved floating-point activation with a
 /// [`Codec`] (bf16, fp16, fp8 e4m3 or int8 blockwise) and restore its dtype in
@@ -17,6 +60,10 @@ use tch::{Kind, Tensor};
 /// as do the tensors the codec does not take (see [`Codec`]). Gradients are
 /// approximate: each saved value carries the codec's error, and the gradient error
 /// grows with depth. The stored form is freed when backward has used it.
+///
+/// A saved tensor expanded from a smaller one (stride 0 in a dimension: `expand`,
+/// broadcasting) is stored as the smaller one and expanded back in backward: a
+/// `[1, 1024]` row expanded to `[256, 1024]` stores 1,024 values, not 262,144.
 ///
 /// A tensor that several autograd nodes save (a ReLU saves its output, and the
 /// Linear after it saves the same tensor as its input) is stored once while its
@@ -72,7 +119,7 @@ struct Stored {
     stride: Vec<i64>,
     kind: Kind,
     version: u64,
-    encoded: Weak<Mutex<Encoded>>,
+    encoded: Weak<Inner>,
 }
 
 impl Stored {
@@ -96,7 +143,8 @@ pub struct CompressStats {
     /// Tensors saved again while their stored form was alive, sharing it (not in
     /// `tensors` or the byte counts).
     pub shared: u64,
-    /// Bytes of the compressed tensors as they were.
+    /// Bytes of the compressed tensors as they were: of their distinct elements,
+    /// so a tensor expanded from a smaller one counts the smaller one's bytes.
     pub original_bytes: u64,
     /// Bytes of their stored form, scales included.
     pub stored_bytes: u64,
@@ -120,7 +168,14 @@ pub enum Compressed {
 
 /// A stored form, shared by the packs of one tensor that several nodes saved.
 #[derive(Debug, Clone)]
-pub struct SharedEncoded(Arc<Mutex<Encoded>>);
+pub struct SharedEncoded(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    encoded: Mutex<Encoded>,
+    /// The saved tensor's sizes when only its distinct elements were encoded.
+    expanded: Option<Expanded>,
+}
 
 impl SharedEncoded {
     /// Bytes of the stored form, scales included.
@@ -129,7 +184,13 @@ impl SharedEncoded {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Encoded> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.encoded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The saved tensor rebuilt: decoded, and expanded back if it was expanded.
+    fn f_decode(&self) -> Result<Tensor, TchError> {
+        let decoded = self.lock().f_decode()?;
+        Expanded::restore(self.0.expanded.as_ref(), decoded)
     }
 }
 
@@ -189,7 +250,8 @@ impl SavedTensorHooks for Compress {
                 }
             }
         }
-        let Some(e) = self.codec.f_encode(tensor)? else {
+        let (base, expanded) = distinct(tensor)?;
+        let Some(e) = self.codec.f_encode(&base)? else {
             c.passed_through.fetch_add(1, Ordering::Relaxed);
             return Ok(Compressed::Kept(tensor.shallow_clone()));
         };
@@ -198,7 +260,10 @@ impl SavedTensorHooks for Compress {
             .fetch_add(e.original_bytes(), Ordering::Relaxed);
         c.stored_bytes
             .fetch_add(e.stored_bytes(), Ordering::Relaxed);
-        let e = Arc::new(Mutex::new(e));
+        let e = Arc::new(Inner {
+            encoded: Mutex::new(e),
+            expanded,
+        });
         if tensor.numel() > 0 {
             stored.push(Stored {
                 storage: WeakStorage::new(tensor)?,
@@ -216,7 +281,7 @@ impl SavedTensorHooks for Compress {
     fn unpack(&self, packed: &Compressed) -> Result<Tensor, HookError> {
         Ok(match packed {
             Compressed::Kept(t) => t.shallow_clone(),
-            Compressed::Encoded(e) => e.lock().f_decode()?,
+            Compressed::Encoded(e) => e.f_decode()?,
         })
     }
 }

@@ -47,7 +47,8 @@ pub enum OffloadError {
         reason: String,
     },
     /// A parameter's gradient cannot be offloaded (e.g. it already has a
-    /// post-accumulate-grad hook, or does not require grad).
+    /// post-accumulate-grad hook, or does not require grad), its offloaded sum was
+    /// lost (its file damaged), or `on_complete` failed on it.
     #[error("parameter {index} (shape {shape:?}): {reason}")]
     Param {
         /// Its index among the parameters given.

@@ -1,4 +1,5 @@
 //! `SaveOnCpu`: keep saved CUDA activations in host memory until backward.
+use crate::compress::{distinct, Expanded};
 use crate::error::HookError;
 use crate::pass_through::PassThrough;
 use crate::scope::SavedTensorHooks;
@@ -14,8 +15,10 @@ use tch::{Device, Tensor};
 /// is exact. The device memory is freed only when nothing else holds the tensor, so
 /// parameters (and their views) and the tensors given to
 /// [`excluding`](Self::excluding) stay on the device uncopied (see [`PassThrough`]),
-/// where PyTorch's `save_on_cpu` copies the weights too. Clones share
-/// [`offloaded_bytes`](Self::offloaded_bytes).
+/// where PyTorch's `save_on_cpu` copies the weights too. A saved tensor expanded from a
+/// smaller one (stride 0 in a dimension: `expand`, broadcasting) is copied as the
+/// smaller one and expanded back in backward, where a plain copy would hold every
+/// repeat. Clones share [`offloaded_bytes`](Self::offloaded_bytes).
 #[derive(Debug, Clone)]
 pub struct SaveOnCpu {
     pin_memory: bool,
@@ -52,7 +55,7 @@ impl SaveOnCpu {
         self
     }
 
-    /// Bytes copied to host memory so far.
+    /// Bytes copied to host memory so far (of expanded tensors, their base's).
     pub fn offloaded_bytes(&self) -> u64 {
         self.offloaded_bytes.load(Ordering::Relaxed)
     }
@@ -63,6 +66,8 @@ impl SaveOnCpu {
 pub struct OnCpu {
     device: Device,
     tensor: Tensor,
+    /// The saved tensor's sizes when only its distinct elements were copied.
+    expanded: Option<Expanded>,
 }
 
 impl SavedTensorHooks for SaveOnCpu {
@@ -74,11 +79,13 @@ impl SavedTensorHooks for SaveOnCpu {
             return Ok(OnCpu {
                 device,
                 tensor: tensor.shallow_clone(),
+                expanded: None,
             });
         }
-        let host = tensor.f_to_device(Device::Cpu)?;
+        let (base, expanded) = distinct(tensor)?;
+        let host = base.f_to_device(Device::Cpu)?;
         self.offloaded_bytes.fetch_add(
-            (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64,
+            (base.numel() * base.kind().elt_size_in_bytes()) as u64,
             Ordering::Relaxed,
         );
         let host = if self.pin_memory {
@@ -89,6 +96,7 @@ impl SavedTensorHooks for SaveOnCpu {
         Ok(OnCpu {
             device,
             tensor: host,
+            expanded,
         })
     }
 
@@ -96,6 +104,7 @@ impl SavedTensorHooks for SaveOnCpu {
         if packed.tensor.device() == packed.device {
             return Ok(packed.tensor.shallow_clone());
         }
-        Ok(packed.tensor.f_to_device(packed.device)?)
+        let base = packed.tensor.f_to_device(packed.device)?;
+        Ok(Expanded::restore(packed.expanded.as_ref(), base)?)
     }
 }

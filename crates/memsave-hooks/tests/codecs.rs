@@ -263,3 +263,80 @@ fn a_tensor_saved_by_two_nodes_is_stored_once() {
     assert!(xg.equal(&xg_apart));
     assert!(wg.equal(&wg_apart));
 }
+
+/// A saved tensor expanded from a smaller one (stride 0) is stored as the smaller one:
+/// the forward holds its output plus the codec's form of the base alone, and the
+/// gradients are those of the base restored by the codec, expanded. Several shapes.
+#[test]
+#[serial]
+fn an_expanded_saved_tensor_is_stored_as_its_base() {
+    memsave_meter::install();
+    let cases: [(&[i64], &[i64]); 4] = [
+        (&[1, 1024], &[256, 1024]),
+        (&[1, 300], &[64, 300]),
+        (&[3, 1, 5], &[3, 7, 5]),
+        (&[1, 1], &[9, 13]),
+    ];
+    for (base_shape, shape) in cases {
+        let base = Tensor::randn(base_shape, (Kind::Float, Device::Cpu));
+        let w = Tensor::randn(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        // mul saves the expanded base, for w's gradient (and not w: the base does not
+        // require grad).
+        let step = |hooks: Option<&Compress>| {
+            let f = || (base.expand(shape, false) * &w).sum(Kind::Float);
+            let start = f_memory_allocated(Device::Cpu).unwrap();
+            let loss = match hooks {
+                Some(h) => saved_tensors_hooks(h.clone(), f).unwrap(),
+                None => f(),
+            };
+            let held = f_memory_allocated(Device::Cpu).unwrap() - start;
+            loss.backward();
+            drop(loss);
+            let grad = w.grad().copy();
+            memsave_sys::tensor::set_grad_none(&w).unwrap();
+            // Nothing left but the copy of the gradient.
+            let left = f_memory_allocated(Device::Cpu).unwrap() - start;
+            assert_eq!(left, grad.numel() as u64 * 4);
+            (held, grad)
+        };
+        let (plain_held, plain) = step(None);
+        assert_eq!(plain_held, 4, "{shape:?}: the loss");
+        let n = base.numel() as u64;
+        let m = base.abs().max().double_value(&[]);
+        for codec in [Codec::Bf16, Codec::Fp16, Codec::fp8(), Codec::int8()] {
+            let hooks = Compress::new(codec);
+            let (held, grad) = step(Some(&hooks));
+            let stored = match codec {
+                Codec::Bf16 | Codec::Fp16 => 2 * n,
+                // One byte per value of whole (zero-padded) blocks, an f32 scale each.
+                _ => n.div_ceil(1024) * (1024 + 4),
+            };
+            let stats = hooks.stats();
+            assert_eq!(
+                (stats.tensors, stats.passed_through),
+                (1, 0),
+                "{codec:?} {shape:?}"
+            );
+            assert_eq!(stats.original_bytes, 4 * n, "{codec:?} {shape:?}");
+            assert_eq!(stats.stored_bytes, stored, "{codec:?} {shape:?}");
+            assert_eq!(held, 4 + stored, "{codec:?} {shape:?}");
+            assert_eq!(grad.size(), plain.size());
+            match codec {
+                Codec::Bf16 | Codec::Fp16 => {
+                    let kind = if codec == Codec::Bf16 {
+                        Kind::BFloat16
+                    } else {
+                        Kind::Half
+                    };
+                    let restored = base.to_kind(kind).to_kind(Kind::Float).expand(shape, false);
+                    assert!(grad.equal(&restored), "{codec:?} {shape:?}");
+                }
+                _ => {
+                    // fp8: |x - x'| <= 2^-4 |x| + 2^-10 m / 448; int8: m / 254.
+                    let err = (&grad - &plain).abs().max().double_value(&[]);
+                    assert!(err <= m / 15.0, "{codec:?} {shape:?}: {err} of {m}");
+                }
+            }
+        }
+    }
+}

@@ -5,7 +5,7 @@ use memsave_hooks::{GradOffload, OffloadError};
 use memsave_meter::f_memory_allocated;
 use proptest::prelude::*;
 use serial_test::serial;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -66,8 +66,22 @@ fn host(ts: &[Tensor]) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// The files under `dir`, in its subdirectories too.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(files_under(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
 fn files_in(dir: &Path) -> usize {
-    std::fs::read_dir(dir).unwrap().count()
+    files_under(dir).len()
 }
 
 proptest! {
@@ -149,9 +163,8 @@ fn a_file_changed_between_backwards_fails_the_next_backward_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let _offload = GradOffload::new(&n.params(), dir.path()).unwrap();
     n.loss(&x).backward();
-    let file = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
+    let file = files_under(dir.path())
+        .into_iter()
         .max_by_key(|p| std::fs::metadata(p).unwrap().len())
         .unwrap();
     let len = std::fs::metadata(&file).unwrap().len() as usize;
@@ -211,4 +224,133 @@ fn a_parameter_unused_by_the_last_micro_batch_is_handed_over_after_it() {
     assert_eq!(*seen.lock().unwrap(), vec![0, 1]);
     assert_eq!(offload.stats().stored_bytes, 0);
     assert_eq!(files_in(dir.path()), 0);
+}
+
+/// How a test damages a gradient file.
+#[derive(Debug, Clone, Copy)]
+enum Damage {
+    /// One bit flipped: same length, another checksum.
+    Flip,
+    /// Cut to 3 bytes.
+    Truncate,
+    /// Removed.
+    Remove,
+}
+
+fn damage(file: &Path, how: Damage) {
+    match how {
+        Damage::Flip => {
+            let mut bytes = std::fs::read(file).unwrap();
+            let middle = bytes.len() / 2;
+            bytes[middle] ^= 0x10;
+            std::fs::write(file, bytes).unwrap();
+        }
+        Damage::Truncate => {
+            let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+            f.set_len(3).unwrap();
+        }
+        Damage::Remove => std::fs::remove_file(file).unwrap(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    /// A gradient file damaged after micro-batch `damaged_after` (of `splits`; equal:
+    /// after the last) loses that parameter's sum: the next backward, if any, fails
+    /// naming the file, and `check`, `restore` and `f_grad` then fail naming it too,
+    /// again when asked again; the lost parameter has no gradient, the others (when
+    /// every backward before the damage ran whole) their plain sums.
+    #[test]
+    #[serial]
+    fn a_gradient_file_damaged_between_micro_batches_is_an_err_naming_it_never_a_wrong_gradient(
+        depth in 1usize..4, width in 2i64..24, splits in 1i64..5, after in 1i64..5,
+        pick in any::<prop::sample::Index>(),
+        how in prop::sample::select(vec![Damage::Flip, Damage::Truncate, Damage::Remove]),
+        f_grad_first in any::<bool>(), seed in 0i64..1000,
+    ) {
+        tch::manual_seed(seed);
+        let damaged_after = after.min(splits);
+        let n = net(depth, width);
+        let x = Tensor::randn([2 * splits, width], (Kind::Float, Device::Cpu));
+        let expected = n.accumulated(&x, splits);
+        let params = n.params();
+        let lost = pick.index(params.len());
+        let dir = tempfile::tempdir().unwrap();
+        let offload = GradOffload::new(&params, dir.path()).unwrap();
+        let suffix = format!("grad-{lost}");
+        let mut file = None;
+        for (i, mb) in x.chunk(splits, 0).iter().enumerate() {
+            let result = n.loss(mb).f_backward();
+            if (i as i64) < damaged_after {
+                prop_assert!(result.is_ok(), "{:?}", result);
+            } else {
+                let err = result.unwrap_err().to_string();
+                let path = file.as_ref().map(|p: &PathBuf| p.display().to_string()).unwrap();
+                prop_assert!(err.contains(&path), "{}", err);
+                prop_assert!(err.contains(&format!("gradient sum of parameter {lost}")), "{}", err);
+            }
+            if i as i64 + 1 == damaged_after {
+                let f = files_under(dir.path())
+                    .into_iter()
+                    .find(|p| p.to_string_lossy().ends_with(&suffix))
+                    .unwrap();
+                damage(&f, how);
+                file = Some(f);
+            }
+        }
+        let path = file.unwrap().display().to_string();
+        // Whichever reads the file first (restore or f_grad, when no backward came
+        // after the damage) finds it; from then on each of them says so.
+        for round in 0..2 {
+            if f_grad_first || round > 0 {
+                let err = offload.f_grad(lost).unwrap_err().to_string();
+                prop_assert!(err.contains(&path), "{}", err);
+            }
+            match offload.restore() {
+                Err(OffloadError::Param { index, reason, .. }) => {
+                    prop_assert_eq!(index, lost);
+                    prop_assert!(reason.contains(&path), "{}", reason);
+                }
+                other => prop_assert!(false, "restore gave {:?}", other),
+            }
+            let err = offload.check().unwrap_err().to_string();
+            prop_assert!(err.contains(&path) && err.contains("the accumulated gradient is lost"), "{}", err);
+        }
+        prop_assert!(!params[lost].grad().defined());
+        if damaged_after == splits {
+            // Every backward ran whole: the other sums are restored, bitwise.
+            for (i, p) in params.iter().enumerate().filter(|(i, _)| *i != lost) {
+                prop_assert_eq!(&host(&[p.grad()])[0], &expected[i]);
+            }
+        }
+        n.clear_grads();
+    }
+}
+
+/// The offload's files live in a directory of its own inside the one given, named
+/// after this process and removed with the offload.
+#[test]
+#[serial]
+fn the_files_live_in_a_directory_of_the_offloads_own_removed_when_it_is_dropped() {
+    let n = net(2, 8);
+    let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let offload = GradOffload::new(&n.params(), dir.path()).unwrap();
+    n.loss(&x).backward();
+    let entries: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let own = &entries[0];
+    assert!(own.is_dir());
+    let name = own.file_name().unwrap().to_str().unwrap();
+    assert!(
+        name.starts_with(&format!("memsave-{}-", std::process::id())),
+        "{name}"
+    );
+    assert_eq!(files_in(own), n.params().len());
+    drop(offload);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    n.clear_grads();
 }

@@ -97,7 +97,7 @@ fn disk_offload_keeps_gradients_bitwise_fits_its_prediction_and_leaves_the_store
     assert_eq!(disk.stats().written_bytes - written, 11 * 32 * 64 * 4);
     assert!(baseline.iter().zip(&grads).all(|(a, b)| a.equal(b)));
     drop(grads);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(disk.dir()).unwrap().count(), 0);
     assert_eq!(memory_allocated(CPU), start);
 
     // The solver, at the budget of that schedule, finds a plan that fits it.
@@ -105,7 +105,7 @@ fn disk_offload_keeps_gradients_bitwise_fits_its_prediction_and_leaves_the_store
     let (grads, peak) = step(&seq, &vs, &x);
     assert!(peak <= predicted + LOSS_GRAD_BYTES, "{}", seq.explain());
     assert!(baseline.iter().zip(&grads).all(|(a, b)| a.equal(b)));
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(disk.dir()).unwrap().count(), 0);
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! `DiskOffload`: saved activations written to files by a background thread and read
 //! back, ahead of need, in backward.
-use super::file::{self, Layout};
+use super::file::{self, Layout, ReadError, StoreDir};
+use super::lock;
+use crate::compress::{distinct, Expanded};
 use crate::error::{HookError, OffloadError};
 use crate::pass_through::PassThrough;
 use crate::scope::SavedTensorHooks;
@@ -21,6 +23,14 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 /// Saved-tensor hooks that keep saved activations in files of a directory you choose,
 /// on any device (torchtune's activation offloading, to disk).
 ///
+/// - **Its own directory.** [`new`](Self::new) makes a directory for the store inside
+///   the one you choose, named `memsave-<pid>-<start>-<boot>-<n>-<host>` after the
+///   process that owns it ([`dir`](Self::dir)), and removes it with whatever is left
+///   in it when the store and every tensor it packed are dropped. A run killed before
+///   that (Ctrl-C) leaves its directory behind: the next store made in the same
+///   directory (by [`DiskOffload`] or [`GradOffload`](crate::GradOffload)) removes the
+///   directories of stores whose process is gone (on this host, and yours), never
+///   those of a live process.
 /// - **Forward.** `pack` hands the tensor to a background writer thread and returns;
 ///   the tensor's memory is freed as soon as it is written and nothing else holds it.
 ///   At most [`max_in_flight_bytes`](Self::max_in_flight_bytes) wait for the writer:
@@ -34,8 +44,12 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 ///   the baseline's. Each file carries a CRC-32; a file truncated or changed before
 ///   backward makes backward return `Err` naming it, never a wrong gradient.
 /// - **Cleanup.** A file is removed when autograd frees the saved tensor (after its
-///   backward, or when the graph is dropped): after backward the directory holds
-///   nothing of this store.
+///   backward, or when the graph is dropped): after backward the store's directory
+///   is empty.
+/// - **Expanded tensors.** A saved tensor expanded from a smaller one (stride 0 in a
+///   dimension: `expand`, broadcasting) is written as the smaller one and expanded
+///   back in backward: a `[1, 1024]` row expanded to `[256, 1024]` writes 4 KiB of
+///   f32, not 1 MiB.
 /// - **Bad directory.** [`new`](Self::new) checks that the directory exists and takes
 ///   files. A write that fails later (disk full, directory removed) keeps that tensor
 ///   in memory instead, so nothing is lost, and [`flush`](Self::flush) returns the
@@ -49,17 +63,18 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 /// use memsave_hooks::{saved_tensors_hooks, DiskOffload};
 /// use tch::{Device, Kind, Tensor};
 ///
-/// let dir = std::env::temp_dir().join(format!("memsave-doc-{}", std::process::id()));
-/// std::fs::create_dir_all(&dir).unwrap();
+/// let dir = tempfile::tempdir().unwrap();
 /// let w = Tensor::randn([64, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
 /// let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu));
-/// let store = DiskOffload::new(&dir).unwrap().excluding(&[x.shallow_clone()]);
+/// let store = DiskOffload::new(dir.path()).unwrap().excluding(&[x.shallow_clone()]);
+/// assert!(store.dir().starts_with(dir.path())); // its own directory in there
 /// let loss = saved_tensors_hooks(store.clone(), || x.mm(&w).tanh().sum(Kind::Float)).unwrap();
 /// store.flush().unwrap();
 /// assert_eq!(store.stats().written_bytes, 32 * 64 * 4); // tanh's output
 /// loss.backward();
-/// assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-/// std::fs::remove_dir(&dir).unwrap();
+/// assert_eq!(std::fs::read_dir(store.dir()).unwrap().count(), 0);
+/// drop((loss, store));
+/// assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 /// ```
 #[derive(Clone)]
 pub struct DiskOffload {
@@ -90,10 +105,10 @@ struct Store {
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// What the store's files and the worker thread share.
+/// What the store's files and the worker thread share; the last of them to go
+/// removes the store's directory.
 struct Shared {
-    dir: PathBuf,
-    prefix: String,
+    dir: StoreDir,
     next_id: AtomicU64,
     state: Mutex<State>,
     changed: Condvar,
@@ -117,7 +132,10 @@ enum Job {
 struct Entry {
     id: u64,
     path: PathBuf,
+    /// The file's tensor: the saved tensor's distinct elements, contiguous.
     layout: Layout,
+    /// The saved tensor's sizes when only its distinct elements were kept.
+    expanded: Option<Expanded>,
     slot: Mutex<Slot>,
     shared: Arc<Shared>,
 }
@@ -159,26 +177,22 @@ impl std::fmt::Debug for Offloaded {
 impl std::fmt::Debug for DiskOffload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DiskOffload")
-            .field("dir", &self.store.shared.dir)
+            .field("dir", &self.dir())
             .field("prefetch", &self.prefetch)
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .finish_non_exhaustive()
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl DiskOffload {
-    /// A store in `dir`, which must exist and take new files (checked now by writing
-    /// and removing a probe file); the error names the directory.
+    /// A store in a directory of its own inside `dir`, which must exist and take new
+    /// files (checked now by writing and removing a probe file); the error names
+    /// `dir`. Removes the directories that stores of processes now gone left in
+    /// `dir` (see the type's docs).
     pub fn new(dir: impl AsRef<Path>) -> Result<Self, OffloadError> {
-        let dir = dir.as_ref().to_path_buf();
-        let prefix = file::store_prefix(&dir)?;
+        let dir = dir.as_ref();
         let shared = Arc::new(Shared {
-            dir: dir.clone(),
-            prefix,
+            dir: StoreDir::create(dir)?,
             next_id: AtomicU64::new(0),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -197,7 +211,7 @@ impl DiskOffload {
                 }
             })
             .map_err(|e| OffloadError::Dir {
-                dir: dir.clone(),
+                dir: dir.to_path_buf(),
                 reason: format!("cannot start its writer thread: {e}"),
             })?;
         Ok(Self {
@@ -243,9 +257,9 @@ impl DiskOffload {
         self
     }
 
-    /// The store's directory.
+    /// The store's own directory, inside the one given to [`new`](Self::new).
     pub fn dir(&self) -> &Path {
-        &self.store.shared.dir
+        self.store.shared.dir.path()
     }
 
     /// What the store did so far.
@@ -268,7 +282,7 @@ impl DiskOffload {
         match (&state.failure, state.failure_reported) {
             (Some((count, reason)), false) => {
                 let err = OffloadError::KeptInMemory {
-                    dir: shared.dir.clone(),
+                    dir: shared.dir.path().to_path_buf(),
                     count: *count,
                     reason: reason.clone(),
                 };
@@ -439,18 +453,20 @@ impl SavedTensorHooks for DiskOffload {
         if self.pass.contains(tensor)? {
             return Ok(Offloaded(Packed::Kept(tensor.shallow_clone())));
         }
-        let tensor = if tensor.is_contiguous() {
-            tensor.detach()
+        let (base, expanded) = distinct(tensor)?;
+        let tensor = if base.is_contiguous() {
+            base.detach()
         } else {
-            tensor.f_contiguous()?.detach()
+            base.f_contiguous()?.detach()
         };
         let layout = Layout::of(&tensor);
         let shared = &self.store.shared;
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(Entry {
             id,
-            path: shared.dir.join(format!("{}-{id}.bin", shared.prefix)),
+            path: shared.dir.path().join(format!("{id}.bin")),
             layout,
+            expanded,
             slot: Mutex::new(Slot::Queued(tensor.shallow_clone())),
             shared: Arc::clone(shared),
         });
@@ -473,10 +489,19 @@ impl SavedTensorHooks for DiskOffload {
     }
 
     fn unpack(&self, packed: &Offloaded) -> Result<Tensor, HookError> {
-        let entry = match &packed.0 {
-            Packed::Kept(t) => return Ok(t.shallow_clone()),
-            Packed::Stored(entry) => entry,
-        };
+        match &packed.0 {
+            Packed::Kept(t) => Ok(t.shallow_clone()),
+            Packed::Stored(entry) => {
+                let base = self.unpack_stored(entry)?;
+                Ok(Expanded::restore(entry.expanded.as_ref(), base)?)
+            }
+        }
+    }
+}
+
+impl DiskOffload {
+    /// The file's tensor of `entry`: taken from memory or the read-ahead, or read.
+    fn unpack_stored(&self, entry: &Arc<Entry>) -> Result<Tensor, HookError> {
         let crc = {
             let mut slot = lock(&entry.slot);
             match &*slot {
@@ -501,8 +526,25 @@ impl SavedTensorHooks for DiskOffload {
             }
         };
         self.read_ahead_of(entry.id);
-        let tensor = file::read(&entry.path, &entry.layout, crc)?;
+        let tensor = file::read(&entry.path, &entry.layout, crc).map_err(|e| entry.damaged(e))?;
         lock(&self.store.shared.state).stats.read_bytes += entry.layout.bytes;
         Ok(tensor)
+    }
+}
+
+impl Entry {
+    /// Why this entry's file could not be read back, naming it.
+    fn damaged(&self, e: ReadError) -> String {
+        let path = self.path.display();
+        match e {
+            ReadError::Io(e) => format!("offload store file {path} {e}"),
+            ReadError::Length { found } => format!(
+                "offload store file {path} was truncated or changed between forward and backward: {found} bytes, expected {}",
+                self.layout.bytes
+            ),
+            ReadError::Checksum => format!(
+                "offload store file {path} was changed between forward and backward (checksum mismatch); refusing to compute gradients from it"
+            ),
+        }
     }
 }

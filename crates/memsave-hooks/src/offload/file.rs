@@ -1,35 +1,215 @@
-//! One saved tensor as a store file: raw bytes written and read in chunks, with a
-//! CRC-32 so that a file changed between forward and backward is caught.
+//! A store's own directory, and one tensor as a file in it: raw bytes written and
+//! read in chunks, with a CRC-32 so that a file changed after it was written is caught.
 use crate::error::OffloadError;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, Kind, Tensor};
 
 /// Bytes copied per chunk: the only memory outside libtorch's allocator that a write
 /// or a read uses.
 const CHUNK: usize = 1 << 20;
 
-/// Checks that `dir` exists and takes new files (by writing and removing a probe
-/// file) and returns a name prefix for a new store's files there, unique to this
-/// process and moment; the error names the directory.
-pub(crate) fn store_prefix(dir: &Path) -> Result<String, OffloadError> {
-    let bad = |reason: String| OffloadError::Dir {
-        dir: dir.to_path_buf(),
-        reason,
-    };
-    let meta = std::fs::metadata(dir).map_err(|e| bad(format!("cannot be used: {e}")))?;
-    if !meta.is_dir() {
-        return Err(bad("is not a directory".into()));
+/// A store's own directory inside the one the user chose, removed (with whatever is
+/// left in it) when dropped.
+///
+/// Its name, `memsave-<pid>-<start>-<boot>-<n>-<host>`, says who owns it: the process
+/// id, the process's start time (clock ticks after boot, `/proc/<pid>/stat`), the
+/// first 8 hex digits of the boot id, a counter of this process's stores and the host
+/// name. A process killed before dropping its store (Ctrl-C) leaves its directory
+/// behind; the next store made in the same directory removes it once its owner is
+/// gone, on the same host: another boot, or on this boot no process with that pid and
+/// start time (a pid reused by a later process does not keep it). Directories of live
+/// processes, of other hosts (a shared file system), of other users, and anything not
+/// named so are left alone.
+#[derive(Debug)]
+pub(crate) struct StoreDir {
+    path: PathBuf,
+}
+
+/// Stores made by this process so far: the `<n>` of their directories' names.
+static STORES: AtomicU64 = AtomicU64::new(0);
+
+impl StoreDir {
+    /// Creates a new store directory in `parent`, which must exist and take files
+    /// (checked by writing and removing a probe file), after removing the directories
+    /// of stores whose owner is gone; the error names `parent`.
+    pub fn create(parent: &Path) -> Result<StoreDir, OffloadError> {
+        let bad = |reason: String| OffloadError::Dir {
+            dir: parent.to_path_buf(),
+            reason,
+        };
+        let meta = std::fs::metadata(parent).map_err(|e| bad(format!("cannot be used: {e}")))?;
+        if !meta.is_dir() {
+            return Err(bad("is not a directory".into()));
+        }
+        let me = Owner::me();
+        let path = loop {
+            let n = STORES.fetch_add(1, Ordering::Relaxed);
+            let name = match &me {
+                Some(me) => me.name(n),
+                // No procfs: a name that no later run takes for a stale store.
+                None => format!("memsave-{}-unknown-{n}", std::process::id()),
+            };
+            let path = parent.join(name);
+            match std::fs::create_dir(&path) {
+                Ok(()) => break path,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(bad(format!("does not take files: {e}"))),
+            }
+        };
+        // From here on, dropping `dir` removes what was made.
+        let dir = StoreDir { path };
+        let probe = dir.path.join("probe");
+        std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
+        std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
+        if let Some(me) = &me {
+            dir.remove_stale(parent, me);
+        }
+        Ok(dir)
     }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let prefix = format!("memsave-{}-{nanos:x}", std::process::id());
-    let probe = dir.join(format!("{prefix}-probe"));
-    std::fs::write(&probe, b"probe").map_err(|e| bad(format!("does not take files: {e}")))?;
-    std::fs::remove_file(&probe).map_err(|e| bad(format!("does not remove files: {e}")))?;
-    Ok(prefix)
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes the store directories in `parent` whose owner is gone and whose owner
+    /// (user) is the owner of this one; failures are ignored (another store may be
+    /// removing the same one).
+    fn remove_stale(&self, parent: &Path, me: &Owner) {
+        let (Ok(entries), Ok(mine)) = (std::fs::read_dir(parent), std::fs::metadata(&self.path))
+        else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(owner) = name.to_str().and_then(Owner::parse) else {
+                continue;
+            };
+            // `DirEntry::metadata` does not follow a symbolic link.
+            let same_user = entry
+                .metadata()
+                .is_ok_and(|m| m.is_dir() && same_user(&m, &mine));
+            if same_user && owner.is_gone(me) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
+impl Drop for StoreDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The process that owns a store directory, as its name says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Owner {
+    pid: u32,
+    /// Start time in clock ticks after boot.
+    start: u64,
+    /// The first 8 hex digits of the boot id.
+    boot: String,
+    /// The host name, characters other than ASCII letters, digits, `.` and `-` as `_`.
+    host: String,
+}
+
+impl Owner {
+    /// This process (read anew each time: a forked child is another owner); `None`
+    /// without procfs.
+    fn me() -> Option<Owner> {
+        let pid = std::process::id();
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let boot: String = boot
+            .chars()
+            .filter(char::is_ascii_hexdigit)
+            .take(8)
+            .collect();
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+        let host: String = host
+            .trim()
+            .chars()
+            .take(64)
+            .map(|c| match c {
+                'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '-' => c,
+                _ => '_',
+            })
+            .collect();
+        (boot.len() == 8 && !host.is_empty()).then_some(())?;
+        Some(Owner {
+            pid,
+            start: start_time(pid)?,
+            boot,
+            host,
+        })
+    }
+
+    /// The name of this owner's store directory number `n`.
+    fn name(&self, n: u64) -> String {
+        let Owner {
+            pid,
+            start,
+            boot,
+            host,
+        } = self;
+        format!("memsave-{pid}-{start}-{boot}-{n}-{host}")
+    }
+
+    /// The owner a directory's name gives; `None` when it is not a store's name.
+    fn parse(name: &str) -> Option<Owner> {
+        let mut parts = name.strip_prefix("memsave-")?.splitn(5, '-');
+        let mut field = || parts.next().filter(|s| !s.is_empty());
+        let pid = field()?.parse().ok()?;
+        let start = field()?.parse().ok()?;
+        let boot = field()?;
+        let _n: u64 = field()?.parse().ok()?;
+        let host = field()?;
+        let boot_ok = boot.len() == 8 && boot.chars().all(|c| c.is_ascii_hexdigit());
+        boot_ok.then(|| Owner {
+            pid,
+            start,
+            boot: boot.to_owned(),
+            host: host.to_owned(),
+        })
+    }
+
+    /// Whether this owner is gone, as seen by `me`: the same host, and another boot or
+    /// no process `pid` started at `start` now. Unsure means not gone.
+    fn is_gone(&self, me: &Owner) -> bool {
+        if self.host != me.host {
+            return false;
+        }
+        if self.boot != me.boot {
+            return true;
+        }
+        match std::fs::metadata(format!("/proc/{}", self.pid)) {
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            Ok(_) => start_time(self.pid).is_some_and(|start| start != self.start),
+        }
+    }
+}
+
+#[cfg(unix)]
+fn same_user(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.uid() == b.uid()
+}
+
+#[cfg(not(unix))]
+fn same_user(_: &std::fs::Metadata, _: &std::fs::Metadata) -> bool {
+    false
+}
+
+/// When process `pid` started, in clock ticks after boot (field 22 of
+/// `/proc/<pid>/stat`, counted after the parenthesized command name, which may hold
+/// spaces).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = &stat[stat.rfind(')')? + 1..];
+    fields.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// What a file must hold to be read back.
@@ -55,8 +235,13 @@ impl Layout {
 /// Writes the bytes of `t` (contiguous, any device) to `path`; returns their CRC-32.
 pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
-    let bytes = t
-        .f_reshape([-1])
+    // One element may carry any stride (0 after an `expand`); viewing it as bytes
+    // needs stride 1.
+    let flat = |t: &Tensor| match t.numel() {
+        1 => t.f_as_strided([1], [1], None::<i64>),
+        _ => t.f_reshape([-1]),
+    };
+    let bytes = flat(t)
         .and_then(|flat| flat.f_view_dtype(Kind::Uint8))
         .map_err(|e| fail("cannot view the tensor for", &e))?;
     let total = bytes.numel();
@@ -76,44 +261,44 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, String> {
     Ok(crc.finalize())
 }
 
+/// Why a file could not be read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ReadError {
+    /// It cannot be opened or read, or the tensor rebuilt ("cannot be opened: ...",
+    /// with the system's or libtorch's message).
+    Io(String),
+    /// It holds `found` bytes instead of the tensor's.
+    Length { found: u64 },
+    /// Its bytes differ from those written (CRC-32 mismatch).
+    Checksum,
+}
+
 /// Reads the tensor `layout` describes back from `path`, checking its length and its
-/// CRC-32 against `crc`; any difference is an `Err` naming the file.
-pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, String> {
-    let fail = |what: &str, e: &dyn std::fmt::Display| {
-        format!("offload store file {} {what}: {e}", path.display())
-    };
-    let mut file = File::open(path).map_err(|e| fail("cannot be opened", &e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| fail("cannot be read", &e))?
-        .len();
-    if len != layout.bytes {
-        return Err(format!(
-            "offload store file {} was truncated or changed between forward and backward: {len} bytes, expected {}",
-            path.display(),
-            layout.bytes
-        ));
+/// CRC-32 against `crc`.
+pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, ReadError> {
+    let io = |what: &str, e: &dyn std::fmt::Display| ReadError::Io(format!("{what}: {e}"));
+    let mut file = File::open(path).map_err(|e| io("cannot be opened", &e))?;
+    let found = file.metadata().map_err(|e| io("cannot be read", &e))?.len();
+    if found != layout.bytes {
+        return Err(ReadError::Length { found });
     }
     let total = layout.bytes as usize;
-    let tch_err = |e: tch::TchError| fail("cannot be restored", &e);
+    let tch_err = |e: tch::TchError| io("cannot be restored", &e);
     let out = Tensor::f_empty([total as i64], (Kind::Uint8, Device::Cpu)).map_err(tch_err)?;
     let mut hasher = crc32fast::Hasher::new();
     let mut buf = vec![0u8; CHUNK.min(total)];
     for start in (0..total).step_by(CHUNK) {
         let n = CHUNK.min(total - start);
         file.read_exact(&mut buf[..n])
-            .map_err(|e| fail("cannot be read", &e))?;
+            .map_err(|e| io("cannot be read", &e))?;
         hasher.update(&buf[..n]);
         // Straight into the restored tensor: a chunk tensor in between would add its
         // size to the peak of backward.
         memsave_sys::tensor::write_bytes(&out, start, &buf[..n])
-            .map_err(|e| fail("cannot be restored", &e))?;
+            .map_err(|e| io("cannot be restored", &e))?;
     }
     if hasher.finalize() != crc {
-        return Err(format!(
-            "offload store file {} was changed between forward and backward (checksum mismatch); refusing to compute gradients from it",
-            path.display()
-        ));
+        return Err(ReadError::Checksum);
     }
     let t = out
         .f_view_dtype(layout.kind)

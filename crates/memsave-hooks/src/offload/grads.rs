@@ -1,11 +1,12 @@
 //! `GradOffload`: parameters' gradients kept in files between backward passes, so that
 //! accumulating them over micro-batches does not hold them all in memory.
-use super::file::{self, Layout};
+use super::file::{self, Layout, ReadError, StoreDir};
+use super::lock;
 use crate::error::OffloadError;
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
 /// What [`GradOffload::on_complete`] runs on a parameter whose gradient is whole: its
@@ -33,10 +34,22 @@ pub type OnComplete = Box<dyn FnMut(usize, &Tensor) -> Result<(), String> + Send
 ///   not fire, and its stored sum is handed over there.
 /// - **Exact.** The sum is the one plain accumulation makes: the new gradient plus the
 ///   stored sum, and floating-point addition of two numbers does not depend on their
-///   order, so gradients are bitwise equal. Each file carries a CRC-32: a file changed
-///   between two backward passes fails the backward with an error naming it.
-/// - **Never lost.** A gradient that cannot be written stays in `.grad` (so the next
-///   backward adds into it, as without offload); [`check`](Self::check) reports it.
+///   order, so gradients are bitwise equal.
+/// - **Damaged files.** Each file carries a CRC-32. A file changed, truncated or
+///   removed after it was written loses that parameter's sum: the backward that reads
+///   it fails naming the file (and frees that parameter's `.grad`, a part of the
+///   sum), and from then on [`check`](Self::check), [`restore`](Self::restore),
+///   [`f_grad`](Self::f_grad), [`complete_remaining`](Self::complete_remaining) and
+///   every later backward that reaches the parameter return that error: never a
+///   gradient short of the lost sum. To rerun the accumulation, drop this offload,
+///   clear the parameters' gradients and make a new one.
+/// - **Write failures.** A gradient that cannot be written stays in `.grad` (so the
+///   next backward adds into it, as without offload); nothing is lost, and
+///   [`check`](Self::check) reports it once.
+/// - **Its own directory.** The files go to a directory of the offload's own inside
+///   the one given to [`new`](Self::new) ([`dir`](Self::dir)), named and cleaned up
+///   as [`DiskOffload`](crate::DiskOffload)'s: removed when the offload is dropped,
+///   and, left behind by a killed run, by the next store made in the same directory.
 ///
 /// Traps: the hooks take the parameters' post-accumulate-grad hook slot, of which
 /// libtorch keeps one per tensor, so a parameter stepped by
@@ -52,6 +65,7 @@ pub type OnComplete = Box<dyn FnMut(usize, &Tensor) -> Result<(), String> + Send
 /// let dir = tempfile::tempdir().unwrap();
 /// let w = Tensor::randn([64, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
 /// let offload = GradOffload::new(&[w.shallow_clone()], dir.path()).unwrap();
+/// assert!(offload.dir().starts_with(dir.path()));
 /// for _ in 0..2 {
 ///     let x = Tensor::randn([8, 64], (Kind::Float, Device::Cpu));
 ///     x.mm(&w).sum(Kind::Float).backward();
@@ -60,6 +74,8 @@ pub type OnComplete = Box<dyn FnMut(usize, &Tensor) -> Result<(), String> + Send
 /// assert_eq!(offload.stats().stored_bytes, 64 * 64 * 4);
 /// offload.restore().unwrap(); // the sum of both backward passes
 /// assert!(w.grad().defined());
+/// drop(offload);
+/// assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 /// ```
 pub struct GradOffload {
     shared: Arc<Shared>,
@@ -70,7 +86,7 @@ pub struct GradOffload {
 impl std::fmt::Debug for GradOffload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradOffload")
-            .field("dir", &self.shared.dir)
+            .field("dir", &self.dir())
             .field("params", &self.params.len())
             .field("stats", &self.stats())
             .finish()
@@ -90,11 +106,22 @@ pub struct GradOffloadStats {
     pub kept_in_memory: u64,
 }
 
+/// A parameter's gradient sum of the backward passes so far, outside `.grad`.
+#[derive(Debug, Clone)]
+enum Sum {
+    /// None stored.
+    Empty,
+    /// In its file, with the file's tensor and checksum.
+    Stored { layout: Layout, crc: u32 },
+    /// Its file was damaged: the sum is gone. Why, naming the file.
+    Lost(String),
+}
+
 struct Shared {
-    dir: PathBuf,
-    prefix: String,
-    /// Per parameter, the stored sum's layout and checksum.
-    slots: Mutex<Vec<Option<(Layout, u32)>>>,
+    /// The offload's directory; the hooks hold `Shared`, and removing them drops it.
+    dir: StoreDir,
+    /// Per parameter.
+    sums: Mutex<Vec<Sum>>,
     last: AtomicBool,
     on_complete: Mutex<Option<OnComplete>>,
     written: AtomicU64,
@@ -103,33 +130,55 @@ struct Shared {
     failure: Mutex<Option<(u64, String)>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl Shared {
     fn path(&self, index: usize) -> PathBuf {
-        self.dir.join(format!("{}-grad-{index}", self.prefix))
+        self.dir.path().join(format!("grad-{index}"))
     }
 
-    /// The stored sum of parameter `index`, read back and its file removed.
-    fn take(&self, index: usize) -> Result<Option<Tensor>, String> {
-        let Some((layout, crc)) = lock(&self.slots)[index].take() else {
-            return Ok(None);
+    /// The stored sum of parameter `index` read back (`None` when none is stored),
+    /// its file removed when `remove`. A file that cannot be read back makes the sum
+    /// lost, for good: `Err` now and at every later call.
+    fn read(&self, index: usize, remove: bool) -> Result<Option<Tensor>, String> {
+        let (layout, crc) = match &lock(&self.sums)[index] {
+            Sum::Empty => return Ok(None),
+            Sum::Lost(reason) => return Err(reason.clone()),
+            Sum::Stored { layout, crc } => (layout.clone(), *crc),
         };
+        // Read without the lock: the hooks of parameters on other devices run on
+        // other threads at the same time.
         let path = self.path(index);
-        let t = file::read(&path, &layout, crc)?;
-        let _ = std::fs::remove_file(&path);
-        self.read.fetch_add(layout.bytes, Ordering::Relaxed);
-        Ok(Some(t))
+        let read = file::read(&path, &layout, crc);
+        let mut sums = lock(&self.sums);
+        match read {
+            Ok(t) => {
+                if remove {
+                    sums[index] = Sum::Empty;
+                    let _ = std::fs::remove_file(&path);
+                }
+                self.read.fetch_add(layout.bytes, Ordering::Relaxed);
+                Ok(Some(t))
+            }
+            Err(e) => {
+                let reason = lost(index, &path, &layout, e);
+                sums[index] = Sum::Lost(reason.clone());
+                let _ = std::fs::remove_file(&path);
+                Err(reason)
+            }
+        }
     }
 
     /// Puts parameter `index`'s stored sum, if any, back into `p`'s `.grad`: added to
     /// what is there (the new gradient plus the sum, as plain accumulation adds), or
-    /// as the gradient when there is none; its file is removed.
+    /// as the gradient when there is none; its file is removed. A lost sum frees
+    /// `.grad` (a part of the sum) and is an `Err`.
     fn put_back(&self, index: usize, p: &Tensor) -> Result<(), String> {
-        let Some(stored) = self.take(index)? else {
-            return Ok(());
+        let stored = match self.read(index, true) {
+            Ok(Some(stored)) => stored,
+            Ok(None) => return Ok(()),
+            Err(reason) => {
+                let _ = memsave_sys::tensor::set_grad_none(p);
+                return Err(reason);
+            }
         };
         let mut grad = p.grad();
         if grad.defined() {
@@ -148,7 +197,7 @@ impl Shared {
             Ok(crc) => {
                 let layout = Layout::of(&grad);
                 self.written.fetch_add(layout.bytes, Ordering::Relaxed);
-                lock(&self.slots)[index] = Some((layout, crc));
+                lock(&self.sums)[index] = Sum::Stored { layout, crc };
                 true
             }
             Err(e) => {
@@ -185,25 +234,34 @@ impl Shared {
     }
 }
 
-impl Drop for Shared {
-    fn drop(&mut self) {
-        for index in 0..lock(&self.slots).len() {
-            let _ = std::fs::remove_file(self.path(index));
+/// Why parameter `index`'s sum in `path` is lost, with what to do.
+fn lost(index: usize, path: &Path, layout: &Layout, e: ReadError) -> String {
+    let path = path.display();
+    let what = match e {
+        ReadError::Io(e) => e,
+        ReadError::Length { found } => format!(
+            "was truncated or changed after it was written ({found} bytes, expected {})",
+            layout.bytes
+        ),
+        ReadError::Checksum => {
+            "failed its checksum (the file changed after it was written)".to_owned()
         }
-    }
+    };
+    format!(
+        "gradient sum of parameter {index} in {path} {what}; the accumulated gradient is lost: rerun the accumulation with a new GradOffload"
+    )
 }
 
 impl GradOffload {
     /// Offloads the gradients of `params` (leaves that require grad, without a
-    /// post-accumulate-grad hook) to files in `dir`, which must exist and take new
-    /// files (checked now); the error names the directory or the parameter.
+    /// post-accumulate-grad hook) to files in a directory of its own inside `dir`,
+    /// which must exist and take new files (checked now); the error names the
+    /// directory or the parameter. Removes the directories that stores of processes
+    /// now gone left in `dir` (see [`DiskOffload`](crate::DiskOffload)).
     pub fn new(params: &[Tensor], dir: impl AsRef<Path>) -> Result<Self, OffloadError> {
-        let dir = dir.as_ref().to_path_buf();
-        let prefix = file::store_prefix(&dir)?;
         let shared = Arc::new(Shared {
-            dir: dir.clone(),
-            prefix,
-            slots: Mutex::new(vec![None; params.len()]),
+            dir: StoreDir::create(dir.as_ref())?,
+            sums: Mutex::new(vec![Sum::Empty; params.len()]),
             last: AtomicBool::new(false),
             on_complete: Mutex::new(None),
             written: AtomicU64::new(0),
@@ -247,11 +305,17 @@ impl GradOffload {
         self.shared.last.store(last, Ordering::Relaxed);
     }
 
+    /// The offload's own directory, inside the one given to [`new`](Self::new).
+    pub fn dir(&self) -> &Path {
+        self.shared.dir.path()
+    }
+
     /// Hands over the sums still stored for parameters that received no gradient in
     /// the last micro-batch's backward (their hook did not fire): each is put back
     /// into `.grad` and given to [`on_complete`](Self::on_complete), as plain
     /// accumulation followed by a step would step it. Call it after that backward;
-    /// without `on_complete` it does nothing.
+    /// without `on_complete` it does nothing. `Err` at the first parameter whose sum
+    /// is lost (see the type's docs) or whose `on_complete` fails.
     pub fn complete_remaining(&self) -> Result<(), OffloadError> {
         let mut f = lock(&self.shared.on_complete);
         let Some(f) = f.as_mut() else {
@@ -259,50 +323,61 @@ impl GradOffload {
         };
         let _no_grad = tch::no_grad_guard();
         for (index, p) in self.params.iter().enumerate() {
-            if lock(&self.shared.slots)[index].is_none() {
+            if matches!(lock(&self.shared.sums)[index], Sum::Empty) {
                 continue;
             }
             self.shared
                 .put_back(index, p)
-                .map_err(|reason| self.read_error(reason))?;
-            f(index, p).map_err(|reason| OffloadError::Param {
-                index,
-                shape: p.size(),
-                reason,
-            })?;
+                .map_err(|reason| self.param_error(index, reason))?;
+            f(index, p).map_err(|reason| self.param_error(index, reason))?;
         }
         Ok(())
     }
 
     /// The stored gradient of parameter `index` (not removed), `None` when none is
-    /// stored.
+    /// stored (or `index` is out of range); `Err` when its sum is lost.
     pub fn f_grad(&self, index: usize) -> Result<Option<Tensor>, OffloadError> {
-        let Some((layout, crc)) = lock(&self.shared.slots).get(index).cloned().flatten() else {
+        if index >= self.params.len() {
             return Ok(None);
-        };
-        file::read(&self.shared.path(index), &layout, crc)
-            .map(Some)
-            .map_err(|reason| self.read_error(reason))
+        }
+        self.shared
+            .read(index, false)
+            .map_err(|reason| self.param_error(index, reason))
     }
 
     /// Puts every stored gradient back: into `.grad`, added to what is there (the sum
-    /// plain accumulation would hold), and removes its file.
+    /// plain accumulation would hold), and removes its file. `Err` naming the first
+    /// parameter whose sum is lost (see the type's docs), after putting back the
+    /// others; again at every later call.
     pub fn restore(&self) -> Result<(), OffloadError> {
         let _no_grad = tch::no_grad_guard();
+        let mut first = None;
         for (index, p) in self.params.iter().enumerate() {
-            self.shared
-                .put_back(index, p)
-                .map_err(|reason| self.read_error(reason))?;
+            if let Err(reason) = self.shared.put_back(index, p) {
+                first.get_or_insert(self.param_error(index, reason));
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
-    /// Reports, once, the gradients that could not be written and were kept in memory.
+    /// `Err` naming the first parameter whose sum is lost (at every call, see the
+    /// type's docs); else reports, once, the gradients that could not be written and
+    /// were kept in memory.
     pub fn check(&self) -> Result<(), OffloadError> {
+        let lost = lock(&self.shared.sums)
+            .iter()
+            .enumerate()
+            .find_map(|(index, sum)| match sum {
+                Sum::Lost(reason) => Some((index, reason.clone())),
+                _ => None,
+            });
+        if let Some((index, reason)) = lost {
+            return Err(self.param_error(index, reason));
+        }
         match lock(&self.shared.failure).take() {
             None => Ok(()),
             Some((count, reason)) => Err(OffloadError::KeptInMemory {
-                dir: self.shared.dir.clone(),
+                dir: self.dir().to_path_buf(),
                 count,
                 reason,
             }),
@@ -311,10 +386,12 @@ impl GradOffload {
 
     /// What was written and read, and what is stored now.
     pub fn stats(&self) -> GradOffloadStats {
-        let stored_bytes = lock(&self.shared.slots)
+        let stored_bytes = lock(&self.shared.sums)
             .iter()
-            .flatten()
-            .map(|(layout, _)| layout.bytes)
+            .map(|sum| match sum {
+                Sum::Stored { layout, .. } => layout.bytes,
+                _ => 0,
+            })
             .sum();
         GradOffloadStats {
             written_bytes: self.shared.written.load(Ordering::Relaxed),
@@ -324,9 +401,10 @@ impl GradOffload {
         }
     }
 
-    fn read_error(&self, reason: String) -> OffloadError {
-        OffloadError::Dir {
-            dir: self.shared.dir.clone(),
+    fn param_error(&self, index: usize, reason: String) -> OffloadError {
+        OffloadError::Param {
+            index,
+            shape: self.params[index].size(),
             reason,
         }
     }
