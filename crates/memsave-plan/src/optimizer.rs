@@ -10,6 +10,9 @@ use memsave_optim::{
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
+/// Why an optimizer stepping in backward cannot run under an enabled `GradScaler`.
+pub(crate) const SCALER_IN_BACKWARD: &str = "a GradScaler cannot be combined with an optimizer stepping in backward (in_backward): each parameter's step would see its gradient multiplied by the loss scale; drop the scaler or step the optimizer after backward";
+
 /// The optimizer, stepping after backward or from hooks inside it.
 enum Stepper<R: Rule> {
     After(Optimizer<R>),
@@ -77,7 +80,12 @@ impl<R: Rule> Stepper<R> {
 
     fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
         let Stepper::After(opt) = self else {
-            return Ok(()); // stepped by the hooks during backward
+            // Stepped by the hooks during backward, from gradients a scaler would have
+            // scaled: refused rather than passed over, so the mistake is not silent.
+            if self.steps_in_backward() && scaler.is_some_and(|s| s.is_enabled()) {
+                return Err(SCALER_IN_BACKWARD.into());
+            }
+            return Ok(());
         };
         match scaler {
             Some(scaler) => {
@@ -87,6 +95,10 @@ impl<R: Rule> Stepper<R> {
             None => opt.f_step().map_err(|e| e.to_string())?,
         }
         opt.f_zero_grad(true).map_err(|e| e.to_string())
+    }
+
+    fn steps_in_backward(&self) -> bool {
+        matches!(self, Stepper::InBackward(_) | Stepper::Offloaded(_))
     }
 
     fn state_bytes(&self) -> u64 {
@@ -127,6 +139,7 @@ pub struct CaseOptimizer {
 /// What the runner needs of either rule's [`Stepper`].
 trait Step {
     fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String>;
+    fn steps_in_backward(&self) -> bool;
     fn state_bytes(&self) -> u64;
     fn state_tensors(&self) -> Vec<Tensor>;
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>);
@@ -136,6 +149,9 @@ trait Step {
 impl<R: Rule> Step for Stepper<R> {
     fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
         Stepper::step(self, scaler)
+    }
+    fn steps_in_backward(&self) -> bool {
+        Stepper::steps_in_backward(self)
     }
     fn state_bytes(&self) -> u64 {
         Stepper::state_bytes(self)
@@ -194,8 +210,23 @@ impl CaseOptimizer {
 
     /// The step after backward (nothing with `in_backward`: the hooks stepped), under
     /// the scaler when there is one, then the gradients freed.
+    ///
+    /// An enabled scaler with an optimizer that [steps in
+    /// backward](Self::steps_in_backward) is an error: its hooks already stepped each
+    /// parameter from the scaled gradient (steps `scale` times too large, 65,536 with
+    /// the default scale) and nothing here can undo that. [`crate::step::f_step_with`]
+    /// refuses the combination before the forward, which is where to catch it; a
+    /// disabled scaler, which scales nothing, is accepted.
     pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
         self.stepper.step(scaler)
+    }
+
+    /// Whether the optimizer steps inside backward (built `in_backward`, stepped from
+    /// its hooks or, after [`param_stepper`](Self::param_stepper), from a gradient
+    /// offload): each parameter is updated from its gradient as backward produces it,
+    /// before anything could unscale or check it, so it cannot run under a loss scaler.
+    pub fn steps_in_backward(&self) -> bool {
+        self.stepper.steps_in_backward()
     }
 
     /// For an optimizer built `in_backward`, when the step's gradients are offloaded

@@ -103,6 +103,11 @@ pub fn f_step(
 /// `optimizer:`) inside the measured step: after backward (under the scaler when there
 /// is one), or, built with `in_backward`, from its hooks during backward. Either way
 /// the gradients are freed when the step ends.
+///
+/// An optimizer stepping in backward cannot run with an enabled scaler (`scaler`, or
+/// `config.scaler`): its hooks would step each parameter from the scaled gradient,
+/// before any unscaling or inf/NaN check. That is an error before the step starts,
+/// with no gradient freed, no parameter changed and the scaler untouched.
 pub fn f_step_with(
     model: &dyn Workload,
     x: &Batch,
@@ -136,6 +141,17 @@ pub fn f_step_observed(
     mut optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, String> {
+    // Before anything runs: an optimizer in backward would step every parameter from
+    // its scaled gradient.
+    let scales = config.scaler.as_ref().is_some_and(|c| c.enabled)
+        || scaler.as_deref().is_some_and(GradScaler::is_enabled);
+    if scales
+        && optimizer
+            .as_deref()
+            .is_some_and(CaseOptimizer::steps_in_backward)
+    {
+        return Err(crate::optimizer::SCALER_IN_BACKWARD.into());
+    }
     let params = model.parameters();
     free_grads(&params).map_err(|e| e.to_string())?;
     let grad_offload = if config.offload_grads.is_some() {
