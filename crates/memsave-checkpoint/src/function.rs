@@ -44,18 +44,18 @@ impl Checkpoint {
     }
 
     /// Checkpoints an infallible function; a panic inside it becomes an `Err`.
-    pub fn run<F>(self, inputs: &[&Tensor], mut f: F) -> Result<Vec<Tensor>>
+    pub fn run<F>(self, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
-        F: FnMut(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+        F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
     {
         self.try_run(inputs, move |xs| Ok::<_, std::convert::Infallible>(f(xs)))
     }
 
     /// Checkpoints a fallible function; its error comes back from the forward, or from
     /// `f_backward` when the recompute fails.
-    pub fn try_run<F, E>(self, inputs: &[&Tensor], mut f: F) -> Result<Vec<Tensor>>
+    pub fn try_run<F, E>(self, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
-        F: FnMut(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
+        F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
         E: Display,
     {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
@@ -70,10 +70,10 @@ impl Checkpoint {
         self,
         inputs: &[&Tensor],
         store: Lever,
-        mut f: F,
+        f: F,
     ) -> Result<Vec<Tensor>>
     where
-        F: FnMut(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
+        F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
         E: Display,
     {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
@@ -92,7 +92,14 @@ impl Checkpoint {
 /// the forward and rebuilt during backward; parameter gradients accumulate exactly as
 /// without checkpointing. Unlike PyTorch's reentrant variant, parameters inside `f` get
 /// gradients even when no input requires grad, and several inputs and outputs, outputs
-/// that do not require grad, and nested checkpoints all work.
+/// that do not require grad, undefined outputs (`Tensor::new()`, PyTorch's `None`),
+/// nested checkpoints and a backward inside `f` (`Tensor::run_backward` on its own
+/// computation, PyTorch's `autograd.grad` in a checkpointed function) all work. As in
+/// PyTorch, the recomputation stops right after the last tensor backward needs, so what
+/// `f` does after that runs once.
+///
+/// `f` is `Fn`: a backward inside `f` may need the recomputation while the forward is
+/// still in `f`, so `f` can be called again from within its own call.
 ///
 /// Traps, as in PyTorch:
 /// - `f` runs twice: it must compute the same thing both times. Random functions do,
@@ -117,15 +124,15 @@ impl Checkpoint {
 /// ```
 pub fn checkpoint<F>(inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
 where
-    F: FnMut(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+    F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
 {
     Checkpoint::new().run(inputs, f)
 }
 
 /// [`checkpoint`] for a function of one tensor to one tensor.
-pub fn checkpoint1<F>(input: &Tensor, mut f: F) -> Result<Tensor>
+pub fn checkpoint1<F>(input: &Tensor, f: F) -> Result<Tensor>
 where
-    F: FnMut(&Tensor) -> Tensor + Send + 'static,
+    F: Fn(&Tensor) -> Tensor + Send + 'static,
 {
     let mut outputs = checkpoint(&[input], move |xs| vec![f(&xs[0])])?;
     Ok(outputs.remove(0))

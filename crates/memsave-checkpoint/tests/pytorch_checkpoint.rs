@@ -58,14 +58,23 @@ fn assert_close(expected: &Tensor, actual: &Tensor, what: &str) {
     );
 }
 
-/// From `TestNestedCheckpoint.test_nested_checkpoint` (with `get_tests`): the variants in
-/// which no `autograd.grad` runs inside a checkpointed function.
-#[test]
-#[serial]
-fn nested_checkpoint() {
-    let fun = sin_exp_sin();
-    let g = grad;
-    let cases: Vec<Case> = vec![
+/// PyTorch's `g` of `test_nested_checkpoint`: runs two `autograd.grad` calls on its own
+/// computation before returning `sin(x)`, so a checkpoint of it runs backward inside its
+/// forward and inside every recomputation.
+fn grads_inside() -> F {
+    f(|x| {
+        let a = x.sin().exp().sin();
+        let b = x.sin().exp().sin();
+        let _ga = Tensor::run_backward(&[a], &[x], false, false);
+        let _gb = Tensor::run_backward(&[b], &[x], false, false);
+        x.sin()
+    })
+}
+
+/// PyTorch's `get_tests`: each reference and the checkpointed variants that must agree.
+fn get_tests(fun: F) -> Vec<Case> {
+    let (g, c) = (grad, c);
+    vec![
         (
             "fn",
             fun.clone(),
@@ -82,67 +91,50 @@ fn nested_checkpoint() {
         (
             "grad(grad(fn))",
             g(g(fun.clone())),
-            vec![("grad(grad(c(fn)))", g(g(c(fun.clone()))))],
+            vec![
+                ("grad(c(grad(fn)))", g(c(g(fun.clone())))),
+                ("c(grad(grad(c(fn))))", c(g(g(c(fun.clone()))))),
+                ("grad(c(grad(c(fn))))", g(c(g(c(fun.clone()))))),
+            ],
         ),
         (
             "grad(grad(grad(fn)))",
             g(g(g(fun.clone()))),
-            vec![("grad(grad(grad(c(c(fn)))))", g(g(g(c(c(fun.clone()))))))],
+            vec![
+                ("grad(c(grad(grad(c(fn)))))", g(c(g(g(c(fun.clone())))))),
+                (
+                    "grad(c(grad(c(grad(c(fn))))))",
+                    g(c(g(c(g(c(fun.clone())))))),
+                ),
+            ],
         ),
-    ];
-    for x0 in [-1.3, 0.2, 0.9] {
-        let x = scalar(x0);
-        for (name, expected_fn, actuals) in &cases {
-            let expected = expected_fn(&x);
-            for (actual_name, actual_fn) in actuals {
-                assert_close(
-                    &expected,
-                    &actual_fn(&x),
-                    &format!("{name} vs {actual_name}"),
-                );
+    ]
+}
+
+/// From `TestNestedCheckpoint.test_nested_checkpoint` (with `get_tests`), every variant
+/// for both of its functions, among them `autograd.grad` inside a checkpointed function
+/// at the forward and in recomputations (Trust II, item 12: before, "backward reached
+/// the checkpoint before its forward finished" and "backward through a recomputation's
+/// own graph is not supported").
+#[test]
+#[serial]
+fn nested_checkpoint() {
+    for (fn_name, fun) in [("f", sin_exp_sin()), ("g", grads_inside())] {
+        for x0 in [-1.3, 0.2, 0.9] {
+            let x = scalar(x0);
+            for (name, expected_fn, actuals) in get_tests(fun.clone()) {
+                let expected = expected_fn(&x);
+                for (actual_name, actual_fn) in actuals {
+                    let what = format!("{fn_name}: {name} vs {actual_name} at {x0}");
+                    assert_close(&expected, &actual_fn(&x), &what);
+                }
             }
         }
     }
 }
 
-/// From `test_nested_checkpoint`: the variants that call `autograd.grad` inside a
-/// checkpointed function (Trust II, item 12), not supported yet: memsave's checkpoint
-/// cannot rerun its function while that function is still running its forward.
-#[test]
-#[serial]
-#[ignore = "Trust II item 12: autograd.grad inside a checkpointed function is not supported yet"]
-fn nested_checkpoint_with_grad_inside_the_checkpoint() {
-    let fun = sin_exp_sin();
-    let g = grad;
-    let x = scalar(0.7);
-    let expected = g(g(fun.clone()))(&x);
-    assert_close(&expected, &g(c(g(fun.clone())))(&x), "grad(c(grad(fn)))");
-    assert_close(
-        &expected,
-        &c(g(g(c(fun.clone()))))(&x),
-        "c(grad(grad(c(fn))))",
-    );
-    assert_close(
-        &expected,
-        &g(c(g(c(fun.clone()))))(&x),
-        "grad(c(grad(c(fn))))",
-    );
-    let expected = g(g(g(fun.clone())))(&x);
-    assert_close(
-        &expected,
-        &g(c(g(g(c(fun.clone())))))(&x),
-        "grad(c(grad(grad(c(fn)))))",
-    );
-    assert_close(
-        &expected,
-        &g(c(g(c(g(c(fun.clone()))))))(&x),
-        "grad(c(grad(c(grad(c(fn))))))",
-    );
-}
-
 /// From `TestNestedCheckpoint.test_nested_checkpoint_two_children`: two sibling
-/// checkpoints under a third, differentiated twice (the variant without a grad inside a
-/// checkpoint).
+/// checkpoints under a third, differentiated twice, once with a grad inside a checkpoint.
 #[test]
 #[serial]
 fn nested_checkpoint_two_children() {
@@ -158,8 +150,10 @@ fn nested_checkpoint_two_children() {
     };
     let a = Tensor::randn([3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let expected = grad(s(grad(s(h))))(&a);
-    let actual = grad(s(grad(s(c(hc)))))(&a);
+    let actual = grad(s(grad(s(c(hc.clone())))))(&a);
     assert_close(&expected, &actual, "grad(sum(grad(sum(c(hc)))))");
+    let actual = grad(s(c(grad(s(c(hc))))))(&a);
+    assert_close(&expected, &actual, "grad(sum(c(grad(sum(c(hc))))))");
 }
 
 /// From `TestNestedCheckpoint.test_nested_checkpoint_non_tensor_inputs_and_outputs` and
@@ -218,11 +212,10 @@ fn a_function_that_saves_nothing_is_never_recomputed() {
 }
 
 /// A function that computes something else on its second call (PyTorch's `nondet`).
-fn first_then(first: F, later: F) -> impl FnMut(&Tensor) -> Tensor + Send + 'static {
-    let mut calls = 0;
+fn first_then(first: F, later: F) -> impl Fn(&Tensor) -> Tensor + Send + 'static {
+    let calls = AtomicUsize::new(0);
     move |x| {
-        calls += 1;
-        if calls == 1 {
+        if calls.fetch_add(1, Ordering::SeqCst) == 0 {
             first(x)
         } else {
             later(x)

@@ -9,6 +9,12 @@
 // its tensor back. Because the recomputed tensors are handed to the original graph,
 // every autograd entry point (backward, grad to chosen tensors, create_graph,
 // retain_graph) behaves as without checkpointing.
+//
+// A backward may also run inside the function (PyTorch's `autograd.grad` in a
+// checkpointed function): in the forward, where it unpacks handles before the forward
+// has finished (the recomputation then reruns the function up to the last handle saved
+// so far), and in a recomputation, over the recomputation's own graph (whose capture
+// hooks keep what they save until the recomputation ends).
 #include "common.h"
 #include "hooks.h"
 
@@ -221,21 +227,36 @@ class ReplayGuard {
 };
 
 // Recomputations running on this thread. Whatever a recomputation builds besides the
-// tensors it captures is thrown away, so a checkpoint called inside one needs no frame
-// of its own: it runs under a DiscardFrame (no RNG copy, nothing kept).
+// tensors it captures is thrown away when it ends, so a checkpoint called inside one
+// needs no frame of its own: it runs under a DiscardFrame (no RNG copy, nothing kept).
+// Unless a backward runs inside the function being recomputed (autograd.grad in a
+// checkpointed function): that backward may go through the nested checkpoint, which
+// then gets a light frame (no inputs packed) to recompute itself from.
 thread_local int recompute_depth = 0;
+thread_local bool recompute_runs_backward = false;
 
 struct RecomputeScope {
-  RecomputeScope() { ++recompute_depth; }
-  ~RecomputeScope() { --recompute_depth; }
+  explicit RecomputeScope(bool runs_backward) : outer_runs_backward_(recompute_runs_backward) {
+    ++recompute_depth;
+    recompute_runs_backward = recompute_runs_backward || runs_backward;
+  }
+  ~RecomputeScope() {
+    --recompute_depth;
+    recompute_runs_backward = outer_runs_backward_;
+  }
   RecomputeScope(const RecomputeScope&) = delete;
   RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+ private:
+  bool outer_runs_backward_;
 };
 
 struct DiscardSavedHooks final : torch::autograd::SavedVariableHooks {
   void call_pack_hook(const at::Tensor& /*tensor*/) override {}
   at::Tensor call_unpack_hook() override {
-    MS_CHECK(false, "checkpoint: backward through a recomputation's own graph is not supported");
+    MS_CHECK(false,
+             "checkpoint: a backward ran inside a recomputation through a nested checkpoint whose function ran "
+             "no backward in the forward; the function must do the same computation when it is rerun");
   }
 };
 
@@ -262,8 +283,10 @@ struct RecomputePreHook final : torch::autograd::FunctionPreHook {
 // the handles that autograd holds.
 class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_shared_from_this<CheckpointFrame> {
  public:
-  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng)
-      : closure_(std::move(closure)), preserve_rng_(preserve_rng) {}
+  // `light`: inside another checkpoint's recomputation that runs a backward (see
+  // recompute_depth): inputs are kept, never packed.
+  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool light)
+      : closure_(std::move(closure)), preserve_rng_(preserve_rng), light_(light) {}
 
   // Hands each defined input to the calling thread's innermost hook frame (pushed by
   // the caller for this call) instead of keeping it: the recompute unpacks it. Call
@@ -286,14 +309,15 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs) {
     RngRegion region(preserve_rng_);
     state_ = ForwardState::capture(inputs, preserve_rng_);
-    std::vector<uint32_t> versions;
+    backward_calls_at_forward_ = memsave::hooks::backward_calls_started();
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& t = inputs[i];
       const bool packed = i < packed_inputs_.size() && packed_inputs_[i] != nullptr;
       // A kept input shares storage and version counter with the caller's tensor.
-      inputs_.push_back(t.defined() && !packed ? t.detach() : at::Tensor());
+      const bool keep = t.defined() && !packed;
+      inputs_.push_back(keep ? t.detach() : at::Tensor());
       requires_grad_.push_back(t.defined() && t.requires_grad());
-      versions.push_back(t.defined() && !t.is_inference() ? t._version() : 0);
+      versions_.push_back(t.defined() && !t.is_inference() ? t._version() : 0);
     }
     Outputs out;
     {
@@ -301,13 +325,13 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
       out = closure_->call(inputs);
     }
     MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+    backward_inside_ = memsave::hooks::backward_calls_started() != backward_calls_at_forward_;
     drop_unused_rng_states();
     MS_CHECK(!region.overlapped() || state_.rng.empty(), "checkpoint: the function", kRngOverlap);
-    versions_ = versions;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& t = inputs[i];
       if (!t.defined() || t.is_inference()) continue;
-      MS_CHECK(t._version() == versions[i], "checkpoint: the function modified its input ", i, " (",
+      MS_CHECK(t._version() == versions_[i], "checkpoint: the function modified its input ", i, " (",
                   t.sizes(), " ", t.scalar_type(),
                   ") in place; the recomputation in backward would modify it again. Clone the input inside "
                   "the function before modifying it.");
@@ -338,7 +362,7 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   }
 
   size_t register_handle() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     MS_CHECK(!forward_done_,
                 "checkpoint: a tensor was saved under a checkpoint's hooks after its forward ended (a hook scope "
                 "left on another thread?)");
@@ -348,14 +372,16 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   }
 
   void release_handle(size_t index) noexcept {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     alive_[index] = false;
     storage_[index] = at::Tensor();
   }
 
   at::Tensor unpack(size_t index, const SavedMeta& meta) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     if (!storage_[index].defined()) recompute("the " + meta.describe());
+    MS_CHECK(storage_[index].defined(), "checkpoint: the recomputation did not give back the ", meta.describe(),
+             "; the function must do the same computation when it is rerun");
     at::Tensor t = std::move(storage_[index]);
     storage_[index] = at::Tensor();
     return t;
@@ -377,8 +403,8 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   // before the segment's own backward starts adding gradients (a gradient cast to
   // another dtype, say) that would otherwise be alive during the recomputation.
   void prefetch() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!forward_done_) return;
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (!forward_done_ || recomputing_) return;
     for (size_t k = 0; k < storage_.size(); ++k) {
       if (alive_[k] && !storage_[k].defined()) {
         recompute("the gradient reaching its output");
@@ -404,6 +430,11 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
 
   std::unique_ptr<Closure> closure_;
   bool preserve_rng_;
+  bool light_;
+  bool recomputing_ = false;
+  // Whether a backward ran inside the function during the forward.
+  uint64_t backward_calls_at_forward_ = 0;
+  bool backward_inside_ = false;
   std::vector<at::Tensor> inputs_;
   // Inputs packed by a hook frame instead of kept (null: kept in `inputs_`).
   std::vector<std::unique_ptr<torch::autograd::SavedVariableHooks>> packed_inputs_;
@@ -412,7 +443,9 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   ForwardState state_;
   bool forward_done_ = false;
 
-  std::mutex mu_;
+  // Recursive: a backward inside the function can unpack a handle while the frame is
+  // busy on this thread.
+  std::recursive_mutex mu_;
   std::vector<at::Tensor> storage_;
   std::vector<bool> alive_;
   size_t next_capture_ = 0;
@@ -463,13 +496,18 @@ class CaptureFrame final : public memsave::hooks::Frame {
   CheckpointFrame* target_;
 };
 
+// Keeps what it saves, as a plain save would: the recomputation's own graph lives only
+// until the recomputation ends, and a backward inside the function (autograd.grad in a
+// checkpointed function) runs through it.
 struct CaptureSavedHooks final : torch::autograd::SavedVariableHooks {
   CheckpointFrame* target;
+  at::Tensor kept;
   explicit CaptureSavedHooks(CheckpointFrame* t) : target(t) {}
-  void call_pack_hook(const at::Tensor& tensor) override { target->on_recompute_save(tensor); }
-  at::Tensor call_unpack_hook() override {
-    MS_CHECK(false, "checkpoint: backward through a recomputation's own graph is not supported");
+  void call_pack_hook(const at::Tensor& tensor) override {
+    kept = tensor.detach();
+    target->on_recompute_save(tensor);
   }
+  at::Tensor call_unpack_hook() override { return kept; }
 };
 
 std::unique_ptr<torch::autograd::SavedVariableHooks> CaptureFrame::make_hooks() {
@@ -477,7 +515,9 @@ std::unique_ptr<torch::autograd::SavedVariableHooks> CaptureFrame::make_hooks() 
 }
 
 void CheckpointFrame::recompute(const std::string& needed_for) {
-  MS_CHECK(forward_done_, "checkpoint: backward reached the checkpoint before its forward finished");
+  MS_CHECK(!recomputing_, "checkpoint: a backward inside the recomputation needed the same checkpoint's "
+                          "recomputation again (needed for ",
+           needed_for, ")");
   std::vector<at::Tensor> replay_inputs;
   replay_inputs.reserve(inputs_.size());
   for (size_t i = 0; i < inputs_.size(); ++i) {
@@ -511,11 +551,17 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
   stopped_ = missing_ == 0;
   Outputs out;
   bool overlapped = false;
+  recomputing_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{recomputing_};
   {
     RngRegion region(!state_.rng.empty());
     at::AutoGradMode enable_grad(true);
     ReplayGuard replay(state_);
-    RecomputeScope recomputing;
+    // A recomputation during the forward is itself asked for by a backward inside it.
+    RecomputeScope recomputing(backward_inside_ || !forward_done_);
     memsave::hooks::FrameScope scope(std::make_shared<CaptureFrame>(this));
     out = closure_->call(replay_inputs);
     overlapped = region.overlapped();
@@ -598,7 +644,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
       return 0;
     }
     memsave::hooks::install_engine();
-    if (recompute_depth > 0) {
+    if (recompute_depth > 0 && !recompute_runs_backward) {
       // Inside an outer checkpoint's recomputation: only the outer capture matters.
       Outputs out;
       {
@@ -610,8 +656,11 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
       *out_vec = result.release();
       return 0;
     }
-    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng);
-    if (pack_inputs) frame->pack_inputs_with_current_hooks(in);
+    // Inside a recomputation that runs a backward the frame is light: its inputs are not
+    // packed, and what it builds is thrown away when the recomputation ends.
+    const bool light = recompute_depth > 0;
+    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, light);
+    if (pack_inputs && !light) frame->pack_inputs_with_current_hooks(in);
     *result = frame->forward(in);
     *out_vec = result.release();
   })

@@ -28,6 +28,8 @@ struct ThreadState {
   // Names of the aten ops running, innermost last (schema names live as long as the process).
   std::vector<const char*> ops;
   int op_recorders = 0;
+  // Backward calls (graph tasks) started on this thread.
+  uint64_t backward_calls = 0;
 };
 
 ThreadState& tls() {
@@ -42,6 +44,14 @@ struct MemsaveEngine final : torch::autograd::Engine {
     if (state.disabled > 0 || state.stack.empty()) return nullptr;
     // Hooks of one frame are never asked for while that frame packs (DisableGuard).
     return state.stack.back().frame->make_hooks();
+  }
+
+  torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
+                                         const torch::autograd::variable_list& inputs, bool keep_graph,
+                                         bool create_graph, bool accumulate_grad,
+                                         const torch::autograd::edge_list& outputs) override {
+    ++tls().backward_calls;
+    return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
 };
 
@@ -155,6 +165,8 @@ Popped pop(uint64_t id) {
 std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks() {
   return memsave_engine().get_default_saved_variable_hooks();
 }
+
+uint64_t backward_calls_started() { return tls().backward_calls; }
 
 const char* current_op() {
   const auto& state = tls();

@@ -60,6 +60,10 @@ uint64_t push(std::shared_ptr<Frame> frame, bool record_ops = false);
 // for them; nullptr when no frame is pushed or hooks are disabled.
 std::unique_ptr<torch::autograd::SavedVariableHooks> current_hooks();
 
+// How many backward calls (graph tasks) were started on this thread through memsave's
+// engine: a change across a call tells that a backward ran inside it.
+uint64_t backward_calls_started();
+
 // The innermost aten op running on this thread ("aten::addmm"), or nullptr when no
 // frame with `record_ops` is pushed.
 const char* current_op();

@@ -7,16 +7,23 @@
 //! scheme), so every autograd entry point works through a checkpoint.
 use crate::error::check;
 use crate::{ffi, Error, Result};
+use parking_lot::ReentrantMutex;
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, Once};
+use std::sync::Once;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
 /// The closure a checkpoint owns: maps its inputs to its outputs, or says why not.
-pub type CheckpointFn = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>, String> + Send>;
+///
+/// `Fn`, not `FnMut`: a backward that runs inside the function (`autograd.grad` in a
+/// checkpointed function) can need the recomputation while the forward is still running
+/// it, so the closure is called again from within its own call on the same thread.
+pub type CheckpointFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String> + Send>;
 
-type Shared = Mutex<CheckpointFn>;
+/// Calls from other threads (engine threads of other devices) take turns; calls from
+/// within a call on the same thread go through.
+type Shared = ReentrantMutex<CheckpointFn>;
 
 /// The text of a panic payload (`panic!` with a literal or a formatted message).
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -52,9 +59,7 @@ unsafe extern "C" fn run(
             // call; clone_from_ptr makes new handles to them.
             .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
             .collect();
-        let mut f = shared
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let f = shared.lock();
         f(&inputs)
     }));
     match result {
@@ -119,7 +124,10 @@ fn quiet_early_stop_panics() {
 /// `preserve_rng`) and its autocast state, reruns `f` on detached copies of the inputs
 /// and stops it as soon as every tensor still needed is back. The original graph then
 /// continues, so parameter gradients, `run_backward` to chosen tensors, `create_graph`
-/// and `keep_graph` behave as without checkpointing. An error or panic in `f` comes back
+/// and `keep_graph` behave as without checkpointing. A backward inside `f` works too:
+/// one that reaches the checkpoint's own tensors during the forward reruns `f` up to the
+/// last tensor saved so far, and one inside a recomputation runs through the
+/// recomputation's own graph, whose tensors live until the recomputation ends. An error or panic in `f` comes back
 /// as `Err` from the forward, or from the backward call when the rerun fails. A
 /// function that modifies an input in place is refused at the forward. When grad mode
 /// is off, `f` simply runs.
@@ -159,7 +167,7 @@ fn run_checkpoint(
 ) -> Result<Vec<Tensor>> {
     quiet_early_stop_panics();
     let ptrs: Vec<*mut C_tensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
-    let ctx = Box::into_raw(Box::new(Mutex::new(f))) as *mut c_void;
+    let ctx = Box::into_raw(Box::new(ReentrantMutex::new(f))) as *mut c_void;
     let mut vec: *mut c_void = std::ptr::null_mut();
     // SAFETY: `ptrs` holds live at::Tensor pointers borrowed for the call; ownership of
     // `ctx` passes to the bridge, which calls `drop_closure` on it exactly once.
