@@ -6,9 +6,14 @@
 //! `accumulate` before the last) with its `optimizer` on every rank. With `zero: 1` or
 //! `zero: 2` the `optimizer` is a `memsave_dist::ZeroOptimizer` of that stage (stage 2
 //! reduces the gradients in buckets during backward, every micro-batch). `checkpoint`
-//! and the residual updates apply on every rank as on one process; `autocast`,
-//! `grad_scaler`, `compress`, `offload`, `in_backward` and a state placement other than
-//! `device` are reported unavailable under `world_size`.
+//! and the residual updates apply on every rank as on one process, and so does the
+//! optimizer's `placement` (with `disk`, each rank keeps its state in a directory of its
+//! own); `autocast`, `grad_scaler`, `compress`, `offload`, `in_backward` are reported
+//! unavailable under `world_size` (decided from the suite alone, before any rank
+//! starts, by the function `memsave check` uses: [`crate::availability`]).
+//!
+//! `memsave trace` of a suite with `world_size` runs the case on its ranks the same
+//! way and records rank 0's step ([`trace_on_ranks`]).
 //!
 //! Each rank is the program of [`RunOptions::rank_program`] (the `memsave` binary: its
 //! hidden `rank` subcommand calls [`run_rank`]), which writes its figures as JSON
@@ -24,18 +29,22 @@
 use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
 use crate::runner::{apply_plan, selected_cases, Observer, RunError, RunOptions};
-use crate::strategies::resolve;
+use crate::strategies::{resolve, StepConfig};
 use crate::suite::{ModelSpec, StrategySpec, Suite, Technique};
 use memsave_dist::{
     init_process_group, DdpConfig, DistributedDataParallel, InitOptions, LaunchConfig,
     ProcessGroup, ZeroOptimizer, ZeroStage,
 };
 use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
-use memsave_optim::{AdamW, AdamWConfig, Optimizer, Options, Rule, Sgd, SgdConfig, State};
-use memsave_plan::{Batch, OptimizerKind, StatePlacement, StatePrecision, Workload};
+use memsave_optim::{
+    AdamW, AdamWConfig, Optimizer, Options, Placement, Rule, Sgd, SgdConfig, State,
+};
+use memsave_plan::{Batch, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision, Workload};
+use memsave_trace::{Phase, Recorder, Session};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::{Device, Tensor};
 
@@ -70,25 +79,8 @@ pub(crate) fn run_cases(
     world_size: usize,
     observer: &mut dyn Observer,
 ) -> Result<Vec<CaseResult>, RunError> {
-    let source = suite.source.as_deref().ok_or_else(|| {
-        RunError::Distributed(
-            "the suite was not parsed from YAML (Suite::from_yaml), so its ranks cannot read it"
-                .into(),
-        )
-    })?;
-    let program = match &options.rank_program {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()
-            .map_err(|e| RunError::Distributed(format!("cannot find this executable: {e}")))?,
-    };
-    let dir = tempfile::Builder::new()
-        .prefix("memsave-distributed-")
-        .tempdir()
-        .map_err(|e| RunError::Distributed(format!("cannot make a temporary directory: {e}")))?;
-    let suite_file = dir.path().join("suite.yaml");
-    std::fs::write(&suite_file, source).map_err(|e| {
-        RunError::Distributed(format!("cannot write {}: {e}", suite_file.display()))
-    })?;
+    let program = rank_program(options.rank_program.as_deref()).map_err(RunError::Distributed)?;
+    let (dir, suite_file) = suite_for_ranks(suite).map_err(RunError::Distributed)?;
     let selected = selected_cases(suite, options);
     observer.started(selected.iter().map(|(_, s)| s.len()).sum());
     let mut cases = Vec::new();
@@ -124,20 +116,15 @@ fn run_case(
 ) -> CaseResult {
     let failed =
         |status, error: String| CaseResult::failed(&model.name, &strategy.name, status, error);
+    // Decided here as the ranks decide it, without starting them.
+    if let Err(reason) = rank_config(model, strategy, world_size) {
+        return failed(Status::Unavailable, reason);
+    }
     let out = dir.join(format!("case-{}", unique()));
     if let Err(e) = std::fs::create_dir_all(&out) {
         return failed(Status::Error, format!("cannot make {}: {e}", out.display()));
     }
-    let mut args: Vec<OsString> = vec![
-        "rank".into(),
-        suite_file.into(),
-        "--model".into(),
-        model.name.clone().into(),
-        "--strategy".into(),
-        strategy.name.clone().into(),
-        "--out-dir".into(),
-        out.clone().into(),
-    ];
+    let mut args = rank_args(suite_file, &model.name, &strategy.name, &out);
     for (flag, value) in [
         ("--warmup", options.warmup),
         ("--repeats", options.repeats),
@@ -148,12 +135,7 @@ fn run_case(
             args.push(v.to_string().into());
         }
     }
-    let config = LaunchConfig {
-        nproc_per_node: world_size,
-        timeout: Some(Duration::from_secs(600)),
-        ..Default::default()
-    };
-    if let Err(e) = memsave_dist::launch(&config, program.as_os_str(), &args) {
+    if let Err(e) = launch_ranks(program, &args, world_size) {
         return failed(Status::Error, format!("the ranks failed: {e}"));
     }
     let mut ranks = Vec::with_capacity(world_size);
@@ -197,6 +179,56 @@ fn run_case(
     case
 }
 
+/// The program whose hidden `rank` subcommand runs one rank: `given`, or this
+/// process's executable (which must then be the `memsave` binary).
+pub(crate) fn rank_program(given: Option<&Path>) -> Result<PathBuf, String> {
+    match given {
+        Some(p) => Ok(p.to_path_buf()),
+        None => std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}")),
+    }
+}
+
+/// A temporary directory holding the suite's YAML as `suite.yaml`, for its ranks to
+/// read (removed when the directory is dropped).
+pub(crate) fn suite_for_ranks(suite: &Suite) -> Result<(tempfile::TempDir, PathBuf), String> {
+    let source = suite.source.as_deref().ok_or(
+        "the suite was not parsed from YAML (Suite::from_yaml), so its ranks cannot read it",
+    )?;
+    let dir = tempfile::Builder::new()
+        .prefix("memsave-distributed-")
+        .tempdir()
+        .map_err(|e| format!("cannot make a temporary directory: {e}"))?;
+    let suite_file = dir.path().join("suite.yaml");
+    std::fs::write(&suite_file, source)
+        .map_err(|e| format!("cannot write {}: {e}", suite_file.display()))?;
+    Ok((dir, suite_file))
+}
+
+/// The arguments of `memsave rank` for one case, writing into `out`.
+fn rank_args(suite_file: &Path, model: &str, strategy: &str, out: &Path) -> Vec<OsString> {
+    vec![
+        "rank".into(),
+        suite_file.into(),
+        "--model".into(),
+        model.into(),
+        "--strategy".into(),
+        strategy.into(),
+        "--out-dir".into(),
+        out.into(),
+    ]
+}
+
+/// Starts `world_size` ranks of `program args` on this machine and waits for them
+/// (at most ten minutes).
+fn launch_ranks(program: &Path, args: &[OsString], world_size: usize) -> Result<(), String> {
+    let config = LaunchConfig {
+        nproc_per_node: world_size,
+        timeout: Some(Duration::from_secs(600)),
+        ..Default::default()
+    };
+    memsave_dist::launch(&config, program.as_os_str(), args).map_err(|e| e.to_string())
+}
+
 fn unique() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -218,6 +250,28 @@ pub struct RankArgs {
     pub repeats: Option<usize>,
     /// libtorch threads instead of the suite's.
     pub threads: Option<usize>,
+    /// Record one step instead of measuring (`memsave trace` of a case with
+    /// `world_size`): see [`RankTrace`].
+    pub trace: Option<RankTrace>,
+}
+
+/// What `memsave trace` asks of the ranks of a case: each runs the suite's warm-up
+/// steps and one more step, which rank 0 records allocation by allocation and writes
+/// to the output directory as `trace-summary.txt` (the summary with the `top` largest
+/// tensors), and as asked `trace.html`, `trace.pickle` (PyTorch's snapshot) and
+/// `trace.svg`; with `trace-step-error.txt` when the recorded step failed.
+#[derive(Debug, Clone)]
+pub struct RankTrace {
+    /// How many of the largest tensors at the peak to list.
+    pub top: usize,
+    /// The HTML page's title.
+    pub title: String,
+    /// Write `trace.html`.
+    pub html: bool,
+    /// Write `trace.pickle`.
+    pub snapshot: bool,
+    /// Write `trace.svg`.
+    pub svg: bool,
 }
 
 /// Runs one case of `suite` as the rank the environment names (`RANK`, `WORLD_SIZE`,
@@ -246,6 +300,17 @@ pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), String> {
         .ok_or_else(|| format!("no strategy '{}' in the suite", args.strategy))?;
     let warmup = args.warmup.unwrap_or(suite.warmup);
     let repeats = args.repeats.unwrap_or(suite.repeats).max(1);
+    if let Some(request) = &args.trace {
+        return trace_rank(
+            &group,
+            suite.seed,
+            model,
+            strategy,
+            warmup,
+            request,
+            &args.out_dir,
+        );
+    }
     let figures = match measure(&group, suite.seed, model, strategy, warmup, repeats) {
         Ok(f) => f,
         Err(Outcome::Unavailable(reason)) => RankFigures {
@@ -264,6 +329,145 @@ pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), String> {
     let path = args.out_dir.join(format!("rank{rank}.json"));
     let text = serde_json::to_string(&figures).map_err(|e| e.to_string())?;
     std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+/// The rank's side of `memsave trace` (see [`RankTrace`]).
+fn trace_rank(
+    group: &ProcessGroup,
+    seed: u64,
+    spec: &ModelSpec,
+    strategy: &StrategySpec,
+    warmup: usize,
+    request: &RankTrace,
+    out_dir: &Path,
+) -> Result<(), String> {
+    let outcome_text = |o: Outcome| match o {
+        Outcome::Unavailable(reason) | Outcome::Failed(reason) => reason,
+    };
+    let mut case = RankCase::build(group, seed, spec, strategy).map_err(outcome_text)?;
+    for _ in 0..warmup {
+        case.step(group, None).map_err(outcome_text)?;
+    }
+    if group.rank() != 0 {
+        return case.step(group, None).map(|_| ()).map_err(outcome_text);
+    }
+    let state = case
+        .optimizer
+        .as_ref()
+        .map(|o| o.state_tensors())
+        .unwrap_or_default();
+    let (step, trace) = Recorder::new(Device::Cpu)
+        .parameters(&case.params)
+        .inputs(&[case.local.input.shallow_clone()])
+        .optimizer_state(&state)
+        .record(|session| {
+            let layers = session.clone();
+            case.model
+                .ctx
+                .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
+            let step = case.step(group, Some(session));
+            case.model.ctx.set_block_observer(None);
+            step
+        })
+        .map_err(|e| e.to_string())?;
+    let write = |name: &str, bytes: &[u8]| {
+        let path = out_dir.join(name);
+        std::fs::write(&path, bytes).map_err(|e| format!("writing {}: {e}", path.display()))
+    };
+    write("trace-summary.txt", trace.summary(request.top).as_bytes())?;
+    if request.html {
+        write(
+            "trace.html",
+            trace.to_html(&request.title, request.top).as_bytes(),
+        )?;
+    }
+    if request.snapshot {
+        write(
+            "trace.pickle",
+            &trace.to_snapshot_pickle().map_err(|e| e.to_string())?,
+        )?;
+    }
+    if request.svg {
+        write("trace.svg", trace.timeline_svg().as_bytes())?;
+    }
+    if let Err(e) = step {
+        write("trace-step-error.txt", outcome_text(e).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// A case recorded on its ranks by [`trace_on_ranks`]: rank 0's trace, as written.
+#[derive(Debug, Clone)]
+pub struct RanksTrace {
+    /// The ranks the case ran on.
+    pub world_size: usize,
+    /// Rank 0's summary, with the largest tensors at its peak.
+    pub summary: String,
+    /// The HTML page, if asked.
+    pub html: Option<String>,
+    /// PyTorch's memory snapshot (pickle), if asked.
+    pub snapshot: Option<Vec<u8>>,
+    /// The timeline as SVG, if asked.
+    pub svg: Option<String>,
+    /// The recorded step's error on rank 0, if it failed.
+    pub step_error: Option<String>,
+}
+
+/// Records one step of `model` under `strategy` on `world_size` ranks (processes of
+/// `rank_program`, default this executable, which must be the `memsave` binary), as
+/// `memsave trace` does for a suite with `world_size`: rank 0's step is recorded after
+/// the suite's warm-up steps. A case the ranks cannot run (see
+/// [`crate::availability`]) is an error with the reason, found before any rank starts.
+pub fn trace_on_ranks(
+    suite: &Suite,
+    model: &ModelSpec,
+    strategy: &StrategySpec,
+    world_size: usize,
+    request: &RankTrace,
+    rank_program: Option<&Path>,
+) -> Result<RanksTrace, String> {
+    rank_config(model, strategy, world_size)?;
+    let program = self::rank_program(rank_program)?;
+    let (dir, suite_file) = suite_for_ranks(suite)?;
+    let out = dir.path().join("trace");
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot make {}: {e}", out.display()))?;
+    let mut args = rank_args(&suite_file, &model.name, &strategy.name, &out);
+    args.extend(["--trace-top".into(), request.top.to_string().into()]);
+    args.extend(["--trace-title".into(), request.title.clone().into()]);
+    for (flag, on) in [
+        ("--trace-html", request.html),
+        ("--trace-snapshot", request.snapshot),
+        ("--trace-svg", request.svg),
+    ] {
+        if on {
+            args.push(flag.into());
+        }
+    }
+    launch_ranks(&program, &args, world_size).map_err(|e| format!("the ranks failed: {e}"))?;
+    let read = |name: &str| -> Result<Vec<u8>, String> {
+        let path = out.join(name);
+        std::fs::read(&path).map_err(|e| format!("rank 0 wrote no {}: {e}", path.display()))
+    };
+    let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
+    let step_error = out
+        .join("trace-step-error.txt")
+        .exists()
+        .then(|| read("trace-step-error.txt").map(text))
+        .transpose()?;
+    Ok(RanksTrace {
+        world_size,
+        summary: text(read("trace-summary.txt")?),
+        html: request
+            .html
+            .then(|| read("trace.html").map(text))
+            .transpose()?,
+        snapshot: request.snapshot.then(|| read("trace.pickle")).transpose()?,
+        svg: request
+            .svg
+            .then(|| read("trace.svg").map(text))
+            .transpose()?,
+        step_error,
+    })
 }
 
 enum Outcome {
@@ -285,6 +489,7 @@ fn failed(e: impl std::fmt::Display) -> Outcome {
 trait RankOptimizer {
     fn step(&mut self) -> Result<(), String>;
     fn state_bytes(&self) -> u64;
+    fn state_tensors(&self) -> Vec<Tensor>;
 }
 
 impl<R: Rule> RankOptimizer for Optimizer<R> {
@@ -295,6 +500,9 @@ impl<R: Rule> RankOptimizer for Optimizer<R> {
     fn state_bytes(&self) -> u64 {
         Optimizer::state_bytes(self)
     }
+    fn state_tensors(&self) -> Vec<Tensor> {
+        Optimizer::state_tensors(self)
+    }
 }
 
 impl<R: Rule> RankOptimizer for ZeroOptimizer<R> {
@@ -304,6 +512,9 @@ impl<R: Rule> RankOptimizer for ZeroOptimizer<R> {
     }
     fn state_bytes(&self) -> u64 {
         ZeroOptimizer::state_bytes(self)
+    }
+    fn state_tensors(&self) -> Vec<Tensor> {
+        ZeroOptimizer::state_tensors(self)
     }
 }
 
@@ -321,18 +532,17 @@ fn unsupported(technique: &Technique) -> Option<&'static str> {
     }
 }
 
-fn measure(
-    group: &ProcessGroup,
-    seed: u64,
-    spec: &ModelSpec,
+/// The step every rank of a case runs and its ZeRO stage, or why `strategy` cannot
+/// run on `model` over `world_size` ranks (the case is then `unavailable`). It reads
+/// only the suite, so `memsave check` and the parent of the ranks decide as the ranks do.
+pub(crate) fn rank_config(
+    model: &ModelSpec,
     strategy: &StrategySpec,
-    warmup: usize,
-    repeats: usize,
-) -> Result<RankFigures, Outcome> {
-    let (rank, n) = (group.rank(), group.world_size());
-    let unavailable = |reason: String| Err(Outcome::Unavailable(reason));
+    world_size: usize,
+) -> Result<(StepConfig, Option<ZeroStage>), String> {
+    let n = world_size.max(1);
     if let Some(name) = strategy.techniques.iter().find_map(unsupported) {
-        return unavailable(format!("{name} is not supported with world_size yet"));
+        return Err(format!("{name} is not supported with world_size yet"));
     }
     let zero = strategy.techniques.iter().find_map(|t| match t {
         Technique::Zero(1) => Some(ZeroStage::One),
@@ -348,147 +558,245 @@ fn measure(
             .cloned()
             .collect(),
     };
-    let config = match resolve(&rest) {
-        Ok(c) => c,
-        Err(reason) => return unavailable(reason),
-    };
+    let config = resolve(&rest)?;
     if let Some(o) = config.optimizer {
         if o.in_backward {
-            return unavailable("optimizer in_backward is not supported with world_size (each parameter's one post-accumulate-grad hook reduces its gradient)".into());
-        }
-        if o.placement != StatePlacement::Device {
-            return unavailable(
-                "optimizer placement other than device is not supported with world_size yet".into(),
-            );
+            return Err("optimizer in_backward is not supported with world_size (each parameter's one post-accumulate-grad hook reduces its gradient)".into());
         }
     }
     if zero.is_some() && config.optimizer.is_none() {
-        return unavailable("zero shards the optimizer's state: add an optimizer, e.g. with: [{zero: 2}, {optimizer: {kind: adamw}}]".into());
+        return Err("zero shards the optimizer's state: add an optimizer, e.g. with: [{zero: 2}, {optimizer: {kind: adamw}}]".into());
     }
-    let device = Device::Cpu;
-    tch::manual_seed(seed as i64);
-    let mut model = Model::build(spec, device).map_err(failed)?;
-    let global = model.global_batch();
+    let global = model.batch.first().copied().unwrap_or(0);
     if global % n as i64 != 0 {
-        return unavailable(format!(
+        return Err(format!(
             "the batch of {global} examples does not divide by world_size {n}"
         ));
     }
     let local_len = global / n as i64;
     let micro = config.micro_batches.unwrap_or(1) as i64;
     if local_len % micro != 0 {
-        return unavailable(format!(
+        return Err(format!(
             "a rank's {local_len} examples do not divide into {micro} micro-batches"
         ));
     }
-    let whole = model.batch(global).map_err(failed)?;
-    let local = whole
-        .f_narrow(rank as i64 * local_len, local_len)
-        .map_err(failed)?;
-    drop(whole);
-    apply_plan(&mut model, &local, &config, device)?;
-    if !model.set_residual(config.residual) {
-        return unavailable(format!(
-            "the model has no residual blocks for {:?}",
-            config.residual
-        ));
-    }
-    let params = model.parameters();
-    let options = |state: StatePrecision| Options {
-        state: match state {
-            StatePrecision::F32 => State::F32,
-            StatePrecision::Bf16 => State::Bf16,
-            StatePrecision::Int8 => State::Int8Blockwise { block: 256 },
-        },
-        ..Default::default()
-    };
-    let mut ddp = None;
-    let mut optimizer: Option<Box<dyn RankOptimizer>> = match (config.optimizer, zero) {
-        (Some(o), Some(stage)) => Some(match o.kind {
-            OptimizerKind::Adamw => Box::new(
-                ZeroOptimizer::new(
-                    group,
-                    &params,
-                    AdamWConfig::default(),
-                    options(o.state),
-                    stage,
-                )
-                .map_err(failed)?,
-            ),
-            OptimizerKind::Sgd => Box::new(
-                ZeroOptimizer::new(
-                    group,
-                    &params,
-                    SgdConfig::default(),
-                    options(o.state),
-                    stage,
-                )
-                .map_err(failed)?,
-            ),
-        }),
-        (o, _) => {
-            ddp = Some(
-                DistributedDataParallel::new(group, &params, DdpConfig::default())
-                    .map_err(failed)?,
-            );
-            match o {
-                Some(o) => Some(match o.kind {
-                    OptimizerKind::Adamw => Box::new(
-                        AdamW::with_options(&params, AdamWConfig::default(), options(o.state))
-                            .map_err(failed)?,
-                    ),
-                    OptimizerKind::Sgd => Box::new(
-                        Sgd::with_options(&params, SgdConfig::default(), options(o.state))
-                            .map_err(failed)?,
-                    ),
-                }),
-                None => None,
-            }
-        }
-    };
-    let per_micro = local_len / micro;
+    Ok((config, zero))
+}
+
+fn measure(
+    group: &ProcessGroup,
+    seed: u64,
+    spec: &ModelSpec,
+    strategy: &StrategySpec,
+    warmup: usize,
+    repeats: usize,
+) -> Result<RankFigures, Outcome> {
+    let mut case = RankCase::build(group, seed, spec, strategy)?;
     let mut last = None;
     let mut times = Vec::with_capacity(repeats);
     for i in 0..warmup + repeats {
+        let step = case.step(group, None)?;
+        if i >= warmup {
+            times.push(step.time_s);
+            last = Some(step);
+        }
+    }
+    let last = last.ok_or_else(|| failed("no measured step"))?;
+    Ok(RankFigures {
+        rank: group.rank(),
+        world_size: group.world_size(),
+        unavailable: None,
+        start_bytes: last.start_bytes,
+        peak_bytes: last.peak_bytes,
+        gradient_bytes: last.gradient_bytes,
+        optimizer_state_bytes: case.optimizer.as_ref().map(|o| o.state_bytes()),
+        bytes_sent_per_step: last.bytes_sent,
+        step_times_s: times,
+    })
+}
+
+/// One rank's side of a case, built: the model, the rank's share of the batch, data
+/// parallel or ZeRO, the optimizer (and the directory of its state on disk).
+struct RankCase {
+    model: Model,
+    params: Vec<Tensor>,
+    local: Batch,
+    micro: i64,
+    ddp: Option<DistributedDataParallel>,
+    // Dropped before the directory its state files are in.
+    optimizer: Option<Box<dyn RankOptimizer>>,
+    _state_dir: Option<tempfile::TempDir>,
+}
+
+/// What one step of a rank measured.
+struct RankStep {
+    start_bytes: u64,
+    peak_bytes: u64,
+    gradient_bytes: u64,
+    bytes_sent: u64,
+    time_s: f64,
+}
+
+impl RankCase {
+    fn build(
+        group: &ProcessGroup,
+        seed: u64,
+        spec: &ModelSpec,
+        strategy: &StrategySpec,
+    ) -> Result<RankCase, Outcome> {
+        let (rank, n) = (group.rank(), group.world_size());
+        let (config, zero) = rank_config(spec, strategy, n).map_err(Outcome::Unavailable)?;
+        let device = Device::Cpu;
+        tch::manual_seed(seed as i64);
+        let mut model = Model::build(spec, device).map_err(failed)?;
+        let global = model.global_batch();
+        let local_len = global / n as i64;
+        let micro = config.micro_batches.unwrap_or(1) as i64;
+        let whole = model.batch(global).map_err(failed)?;
+        let local = whole
+            .f_narrow(rank as i64 * local_len, local_len)
+            .map_err(failed)?;
+        drop(whole);
+        apply_plan(&mut model, &local, &config, device)?;
+        if !model.set_residual(config.residual) {
+            return Err(Outcome::Unavailable(format!(
+                "the model has no residual blocks for {:?}",
+                config.residual
+            )));
+        }
+        let params = model.parameters();
+        // Each rank is a process with a directory of its own: ranks never share the
+        // files of their state (ZeroOptimizer also keeps each rank in `rank-R` below
+        // a directory it is given).
+        let state_dir = match config.optimizer.map(|o| o.placement) {
+            Some(StatePlacement::Disk) => Some(
+                tempfile::Builder::new()
+                    .prefix(&format!("memsave-rank{rank}-optimizer-"))
+                    .tempdir()
+                    .map_err(|e| {
+                        failed(format!(
+                            "cannot make a directory for the optimizer state: {e}"
+                        ))
+                    })?,
+            ),
+            _ => None,
+        };
+        let options = |o: &OptimizerSpec| Options {
+            state: match o.state {
+                StatePrecision::F32 => State::F32,
+                StatePrecision::Bf16 => State::Bf16,
+                StatePrecision::Int8 => State::Int8Blockwise { block: 256 },
+            },
+            placement: match (&o.placement, &state_dir) {
+                (StatePlacement::Disk, Some(dir)) => Placement::Disk(dir.path().to_path_buf()),
+                (StatePlacement::Cpu, _) => Placement::Cpu,
+                _ => Placement::Device,
+            },
+            ..Default::default()
+        };
+        let mut ddp = None;
+        let optimizer: Option<Box<dyn RankOptimizer>> = match (config.optimizer, zero) {
+            (Some(o), Some(stage)) => Some(match o.kind {
+                OptimizerKind::Adamw => Box::new(
+                    ZeroOptimizer::new(group, &params, AdamWConfig::default(), options(&o), stage)
+                        .map_err(failed)?,
+                ),
+                OptimizerKind::Sgd => Box::new(
+                    ZeroOptimizer::new(group, &params, SgdConfig::default(), options(&o), stage)
+                        .map_err(failed)?,
+                ),
+            }),
+            (o, _) => {
+                ddp = Some(
+                    DistributedDataParallel::new(group, &params, DdpConfig::default())
+                        .map_err(failed)?,
+                );
+                match o {
+                    Some(o) => Some(match o.kind {
+                        OptimizerKind::Adamw => Box::new(
+                            AdamW::with_options(&params, AdamWConfig::default(), options(&o))
+                                .map_err(failed)?,
+                        ),
+                        OptimizerKind::Sgd => Box::new(
+                            Sgd::with_options(&params, SgdConfig::default(), options(&o))
+                                .map_err(failed)?,
+                        ),
+                    }),
+                    None => None,
+                }
+            }
+        };
+        Ok(RankCase {
+            model,
+            params,
+            local,
+            micro,
+            ddp,
+            optimizer,
+            _state_dir: state_dir,
+        })
+    }
+
+    /// One training step of the rank's share, its phases told to `session` when it is
+    /// recorded.
+    fn step(
+        &mut self,
+        group: &ProcessGroup,
+        session: Option<&Session>,
+    ) -> Result<RankStep, Outcome> {
+        let device = Device::Cpu;
+        let phase = |p: Phase| {
+            if let Some(s) = session {
+                s.phase(p);
+            }
+        };
+        let mark = |m: &str| {
+            if let Some(s) = session {
+                s.mark(m);
+            }
+        };
+        let per_micro = self.local.len() / self.micro;
         let start = memory_allocated(device);
         reset_peak_memory_stats(device);
         let sent = group.bytes_sent();
         let began = Instant::now();
-        for m in 0..micro {
-            let batch = local.f_narrow(m * per_micro, per_micro).map_err(failed)?;
-            let loss = micro_loss(&model, &batch, micro)?;
-            match &ddp {
-                Some(ddp) if m + 1 < micro => ddp.no_sync(|| loss.f_backward()).map_err(failed)?,
+        for m in 0..self.micro {
+            let batch = self
+                .local
+                .f_narrow(m * per_micro, per_micro)
+                .map_err(failed)?;
+            phase(Phase::Forward);
+            let loss = micro_loss(&self.model, &batch, self.micro)?;
+            mark(crate::trace::END_OF_FORWARD);
+            phase(Phase::Backward);
+            mark("backward");
+            match &self.ddp {
+                Some(ddp) if m + 1 < self.micro => {
+                    ddp.no_sync(|| loss.f_backward()).map_err(failed)?
+                }
                 Some(ddp) => ddp.f_backward(&loss).map_err(failed)?,
                 None => loss.f_backward().map_err(failed)?,
             }
         }
         let gradient_bytes = memory_allocated(device).saturating_sub(start);
-        match optimizer.as_mut() {
+        phase(Phase::Optimizer);
+        mark("optimizer");
+        match self.optimizer.as_mut() {
             Some(o) => o.step()?,
-            None => memsave_accum::free_grads(&params).map_err(failed)?,
+            None => memsave_accum::free_grads(&self.params).map_err(failed)?,
         }
-        let elapsed = began.elapsed().as_secs_f64();
-        let peak_bytes = max_memory_allocated(device).saturating_sub(start);
-        let bytes_sent_per_step = group.bytes_sent() - sent;
-        if i >= warmup {
-            times.push(elapsed);
-            last = Some((start, peak_bytes, gradient_bytes, bytes_sent_per_step));
+        if let (Some(s), Some(o)) = (session, self.optimizer.as_ref()) {
+            s.optimizer_state(&o.state_tensors());
         }
+        phase(Phase::Other);
+        Ok(RankStep {
+            time_s: began.elapsed().as_secs_f64(),
+            peak_bytes: max_memory_allocated(device).saturating_sub(start),
+            start_bytes: start,
+            gradient_bytes,
+            bytes_sent: group.bytes_sent() - sent,
+        })
     }
-    let (start_bytes, peak_bytes, gradient_bytes, bytes_sent_per_step) =
-        last.ok_or_else(|| failed("no measured step"))?;
-    Ok(RankFigures {
-        rank,
-        world_size: n,
-        unavailable: None,
-        start_bytes,
-        peak_bytes,
-        gradient_bytes,
-        optimizer_state_bytes: optimizer.as_ref().map(|o| o.state_bytes()),
-        bytes_sent_per_step,
-        step_times_s: times,
-    })
 }
 
 /// The loss of one micro-batch, weighted so that the micro-batches add up to the mean

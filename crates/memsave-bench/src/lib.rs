@@ -69,13 +69,16 @@ pub mod trace;
 
 pub use atomic::write_atomic;
 pub use bundled::{bundled, BundledSuite, BUNDLED};
-pub use fit::{fit_model, FitCaseError};
+pub use fit::{
+    available_memory, fit_model, fit_model_with, least_memory, FitCaseError, LeastMemory,
+};
 pub use memsave_plan::{optimizer, step};
 pub use message::one_line;
 pub use plot::{fit_svg, write_plots, PlotError};
 pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
-    run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError, RunOptions, Silent,
+    availability, run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError,
+    RunOptions, Silent,
 };
 pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use suite::{

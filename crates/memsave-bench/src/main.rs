@@ -1,8 +1,13 @@
 //! `memsave`: run YAML benchmark suites of memory-saving strategies.
 //!
-//! Exit status: 0 when the run finished (failed cases included), 1 when the run as a
-//! whole failed (device, writing the results), 2 for an invalid suite or command line
-//! (including an output path that cannot be written, found before anything runs).
+//! Exit status: 0 when the run finished (for `bench`, failed cases included: they are
+//! results), 1 when the run as a whole failed (device, writing the results, the step
+//! `trace` records, `fit` finding nothing or refusing a model too large for the budget
+//! or the memory), 2 for an invalid suite or command line (including an output path
+//! that cannot be written, found before anything runs, a `--global-batch` over a
+//! suite's limits, and for `check` a strategy `bench` would report unavailable).
+//! Errors are one line on stderr: libtorch's C++ frames are cut and a panic is
+//! reported without Rust's backtrace.
 //!
 //! A suite argument is a bundled suite's name (`seed`, `quick`, ...) or a path. It is
 //! a path when it contains a `/` or ends in `.yaml`/`.yml`; otherwise it is the
@@ -81,6 +86,17 @@ struct RankCli {
     repeats: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
+    /// Record one step (rank 0) instead of measuring, listing this many tensors.
+    #[arg(long)]
+    trace_top: Option<usize>,
+    #[arg(long, default_value = "")]
+    trace_title: String,
+    #[arg(long)]
+    trace_html: bool,
+    #[arg(long)]
+    trace_snapshot: bool,
+    #[arg(long)]
+    trace_svg: bool,
 }
 
 #[derive(clap::Args)]
@@ -247,35 +263,80 @@ struct Invalid(String);
 fn main() -> ExitCode {
     memsave_meter::install();
     let cli = Cli::parse();
-    let result = match cli.command {
+    let command = match cli.command {
+        Command::Launch(args) => return launch(args),
+        command => command,
+    };
+    // Every error is printed as one line without libtorch's C++ frames, and a panic
+    // anywhere in the command is reported as one too (see `quietly`).
+    let result = quietly(|| match command {
         Command::Bench(args) => bench(args),
         Command::Suites { name } => suites(name.as_deref()),
-        Command::Launch(args) => return launch(args),
+        Command::Launch(_) => unreachable!("launch returned above"),
         Command::Rank(args) => rank(args),
         Command::Trace(args) => trace(args),
         Command::Fit(args) => fit(args),
-        Command::Check { suite } => load(&suite).map(|s| {
-            println!(
-                "{suite}: ok (suite {}, {} models, {} strategies)",
-                s.suite,
-                s.models.len(),
-                s.strategies.len()
-            );
-        }),
-    };
+        Command::Check { suite } => check(&suite),
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => match e.downcast::<Invalid>() {
             Ok(Invalid(e)) => {
-                eprintln!("error: {e}");
+                for line in e.lines() {
+                    eprintln!("error: {}", memsave_bench::one_line(line));
+                }
                 ExitCode::from(2)
             }
             Err(e) => {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", memsave_bench::one_line(&format!("{e:#}")));
                 ExitCode::from(1)
             }
         },
     }
+}
+
+/// `memsave check`: the suite parses, and every strategy can run on every model as
+/// `memsave bench` would run it (one process, or the suite's `world_size` ranks);
+/// those that cannot, which `bench` reports `unavailable`, are errors (exit 2), one
+/// line each with the reason.
+fn check(name: &str) -> Result<()> {
+    let suite = load(name)?;
+    let mut problems = Vec::new();
+    for strategy in &suite.strategies {
+        let reasons: Vec<(&str, String)> = suite
+            .models
+            .iter()
+            .filter_map(|m| {
+                memsave_bench::availability(m, strategy, suite.world_size)
+                    .err()
+                    .map(|why| (m.name.as_str(), why))
+            })
+            .collect();
+        let everywhere =
+            reasons.len() == suite.models.len() && reasons.windows(2).all(|w| w[0].1 == w[1].1);
+        match reasons.first() {
+            Some((_, why)) if everywhere => problems.push(format!(
+                "{name}: strategy '{}' is unavailable: {why}",
+                strategy.name
+            )),
+            _ => problems.extend(reasons.iter().map(|(model, why)| {
+                format!(
+                    "{name}: strategy '{}' is unavailable on model '{model}': {why}",
+                    strategy.name
+                )
+            })),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(invalid(problems.join("\n")));
+    }
+    println!(
+        "{name}: ok (suite {}, {} models, {} strategies)",
+        suite.suite,
+        suite.models.len(),
+        suite.strategies.len()
+    );
+    Ok(())
 }
 
 impl std::fmt::Debug for Invalid {
@@ -365,7 +426,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         rank_program: None,
     };
     let mut progress = Progress::new();
-    let report = quietly(|| run_suite_with(&suite, &options, &mut progress))?;
+    let report = run_suite_with(&suite, &options, &mut progress)?;
     progress.finish();
     print!("{}", report.to_table());
     if let Some(path) = &args.json {
@@ -393,6 +454,15 @@ fn rank(args: RankCli) -> Result<()> {
         warmup: args.warmup,
         repeats: args.repeats,
         threads: args.threads,
+        trace: args
+            .trace_top
+            .map(|top| memsave_bench::distributed::RankTrace {
+                top,
+                title: args.trace_title,
+                html: args.trace_html,
+                snapshot: args.trace_snapshot,
+                svg: args.trace_svg,
+            }),
     };
     memsave_bench::distributed::run_rank(&suite, &rank_args).map_err(anyhow::Error::msg)
 }
@@ -431,19 +501,21 @@ fn fit(args: FitArgs) -> Result<()> {
             })
         }),
     };
-    let outcome = quietly(|| {
-        Ok::<_, memsave_bench::RunError>(memsave_bench::fit_model(
-            &suite,
-            &args.model,
-            &request,
-            optimizer,
-        ))
-    })?;
+    let mut progress = FitProgress::new();
+    let outcome =
+        memsave_bench::fit_model_with(&suite, &args.model, &request, optimizer, &mut |event| {
+            progress.phase(event)
+        });
+    progress.finish();
     let report = match outcome {
         Ok(report) => report,
         Err(e @ memsave_bench::FitCaseError::UnknownModel { .. }) => {
             return Err(invalid(format!("{}: {e}", args.suite)))
         }
+        Err(memsave_bench::FitCaseError::GlobalBatch { batch, reason }) => {
+            return Err(invalid(format!("--global-batch {batch}: {reason}")))
+        }
+        Err(e @ memsave_bench::FitCaseError::TooLarge(_)) => return Err(anyhow::anyhow!("{e}")),
         Err(e @ memsave_bench::FitCaseError::Fit(memsave_plan::FitError::Infeasible { .. })) => {
             return Err(anyhow::anyhow!("{e}"))
         }
@@ -480,6 +552,9 @@ fn trace(args: TraceArgs) -> Result<()> {
             check_writable_file(flag, path).map_err(invalid)?;
         }
     }
+    if let Some(world_size) = suite.world_size {
+        return trace_on_ranks(&suite, &args, world_size);
+    }
     let case = match memsave_bench::trace_case(&suite, &args.model, &args.strategy) {
         Err(
             e @ (memsave_bench::TraceCaseError::UnknownModel { .. }
@@ -488,13 +563,7 @@ fn trace(args: TraceArgs) -> Result<()> {
         other => other?,
     };
     print!("{}", case.trace.summary(args.top));
-    if let Err(e) = &case.step {
-        println!("  the step failed: {e}");
-    }
-    let title = format!(
-        "memsave trace: {} / {} ({})",
-        args.model, args.strategy, suite.suite
-    );
+    let title = trace_title(&suite, &args);
     if let Some(path) = &args.html {
         write_atomic(path, case.trace.to_html(&title, args.top))
             .with_context(|| format!("writing {}", path.display()))?;
@@ -507,7 +576,74 @@ fn trace(args: TraceArgs) -> Result<()> {
         write_atomic(path, case.trace.timeline_svg())
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    // The trace (and the files) show where the step failed; the failure is the result.
+    if let Err(e) = &case.step {
+        anyhow::bail!("the traced step failed: {}", memsave_bench::one_line(e));
+    }
     Ok(())
+}
+
+fn trace_title(suite: &Suite, args: &TraceArgs) -> String {
+    format!(
+        "memsave trace: {} / {} ({})",
+        args.model, args.strategy, suite.suite
+    )
+}
+
+/// `memsave trace` of a suite with `world_size`: the case runs on that many ranks, as
+/// `memsave bench` runs it, and rank 0's step is recorded.
+fn trace_on_ranks(suite: &Suite, args: &TraceArgs, world_size: usize) -> Result<()> {
+    let unknown = |e: memsave_bench::TraceCaseError| invalid(format!("{}: {e}", args.suite));
+    let model = suite
+        .models
+        .iter()
+        .find(|m| m.name == args.model)
+        .ok_or_else(|| {
+            unknown(memsave_bench::TraceCaseError::UnknownModel {
+                name: args.model.clone(),
+                known: names(suite.models.iter().map(|m| m.name.as_str())),
+            })
+        })?;
+    let strategy = suite
+        .strategies
+        .iter()
+        .find(|s| s.name == args.strategy)
+        .ok_or_else(|| {
+            unknown(memsave_bench::TraceCaseError::UnknownStrategy {
+                name: args.strategy.clone(),
+                known: names(suite.strategies.iter().map(|s| s.name.as_str())),
+            })
+        })?;
+    let request = memsave_bench::distributed::RankTrace {
+        top: args.top,
+        title: trace_title(suite, args),
+        html: args.html.is_some(),
+        snapshot: args.snapshot.is_some(),
+        svg: args.svg.is_some(),
+    };
+    let traced = memsave_bench::distributed::trace_on_ranks(
+        suite, model, strategy, world_size, &request, None,
+    )
+    .map_err(anyhow::Error::msg)?;
+    println!("rank 0 of {world_size} (the suite's world_size):");
+    print!("{}", traced.summary);
+    for (path, bytes) in [
+        (&args.html, traced.html.map(String::into_bytes)),
+        (&args.snapshot, traced.snapshot),
+        (&args.svg, traced.svg.map(String::into_bytes)),
+    ] {
+        if let (Some(path), Some(bytes)) = (path, bytes) {
+            write_atomic(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    if let Some(e) = traced.step_error {
+        anyhow::bail!("the traced step failed: {}", memsave_bench::one_line(&e));
+    }
+    Ok(())
+}
+
+fn names<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    names.collect::<Vec<_>>().join(", ")
 }
 
 /// Checks before the run that `path` can be written as a file: it is not a directory,
@@ -575,13 +711,14 @@ static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
 
 /// Runs `f` with panic messages kept off the terminal: a panic inside a case is caught
 /// by the runner and shown in the results, so printing it too would only clutter the
-/// progress. A panic that escapes `f` (a bug) is reported as an error with its place.
-fn quietly<T>(f: impl FnOnce() -> Result<T, memsave_bench::RunError>) -> Result<T> {
+/// progress. A panic that escapes `f` (a bug) is reported as an error with its place,
+/// in one line (never Rust's backtrace note nor libtorch's C++ frames).
+fn quietly<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     let previous = panic::take_hook();
     panic::set_hook(Box::new(|info| {
         let text = format!(
             "{} at {}",
-            memsave_sys::checkpoint::panic_message(info.payload()),
+            memsave_bench::one_line(&memsave_sys::checkpoint::panic_message(info.payload())),
             info.location()
                 .map_or_else(|| "?".to_owned(), |l| l.to_string())
         );
@@ -590,7 +727,7 @@ fn quietly<T>(f: impl FnOnce() -> Result<T, memsave_bench::RunError>) -> Result<
     let result = panic::catch_unwind(AssertUnwindSafe(f));
     panic::set_hook(previous);
     match result {
-        Ok(r) => Ok(r?),
+        Ok(r) => r,
         Err(_) => {
             let last = LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).take();
             anyhow::bail!(
@@ -655,6 +792,40 @@ impl Observer for Progress {
                 case.strategy,
                 case.status.as_str()
             ),
+        }
+    }
+}
+
+/// What `memsave fit` is doing: a spinner with the phase on a terminal, else one line
+/// per phase on stderr (a fit of a large global batch can take minutes).
+struct FitProgress {
+    bar: Option<ProgressBar>,
+}
+
+impl FitProgress {
+    fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new_spinner();
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} fit: {elapsed} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            bar
+        });
+        Self { bar }
+    }
+
+    fn phase(&mut self, event: &memsave_plan::fit::FitEvent) {
+        match &self.bar {
+            Some(bar) => bar.set_message(event.to_string()),
+            None => eprintln!("fit: {event}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
         }
     }
 }

@@ -105,6 +105,36 @@ pub fn selected_cases<'s>(
         .collect()
 }
 
+/// Whether `strategy` can run on `model` in this build, on one process
+/// (`world_size: None`) or on that many ranks, and if not why: the reason `memsave
+/// bench` reports such a case `unavailable` with, and the one `memsave check` reports
+/// it with, so that the two always agree. It reads only the suite (nothing is built).
+///
+/// ```
+/// use memsave_bench::{availability, Suite};
+///
+/// let suite = Suite::from_yaml("
+/// suite: doc
+/// models:
+///   - {name: m, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}
+/// strategies:
+///   - {name: scaled, with: [grad_scaler, {optimizer: {kind: adamw, in_backward: true}}]}
+/// ", "doc.yaml")?;
+/// let why = availability(&suite.models[0], &suite.strategies[0], None).unwrap_err();
+/// assert!(why.contains("grad_scaler"), "{why}");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn availability(
+    model: &ModelSpec,
+    strategy: &StrategySpec,
+    world_size: Option<usize>,
+) -> Result<(), String> {
+    match world_size {
+        None => resolve(strategy).map(|_| ()),
+        Some(n) => crate::distributed::rank_config(model, strategy, n).map(|_| ()),
+    }
+}
+
 /// Runs `suite` without progress reporting.
 pub fn run_suite(suite: &Suite, options: &RunOptions) -> Result<Report, RunError> {
     run_suite_with(suite, options, &mut Silent)
@@ -369,13 +399,13 @@ fn device_name(device: Device) -> String {
 }
 
 /// Applies a simulated memory limit and restores the previous one when dropped.
-struct LimitGuard {
+pub(crate) struct LimitGuard {
     device: Device,
     previous: Option<u64>,
 }
 
 impl LimitGuard {
-    fn set(device: Device, limit: Option<u64>) -> Result<Option<LimitGuard>, RunError> {
+    pub(crate) fn set(device: Device, limit: Option<u64>) -> Result<Option<LimitGuard>, RunError> {
         let Some(limit) = limit else {
             return Ok(None);
         };

@@ -1,8 +1,8 @@
 //! `memsave trace`: one case of a suite, recorded allocation by allocation with
 //! `memsave-trace`, through the same step code as `memsave bench`.
 //!
-//! The model and input are built from the suite's seed as the runner builds them, the
-//! strategy's plan is applied, the suite's warm-up steps run unrecorded, and then one
+//! The model and input are built from the suite's seed as the runner builds them (under
+//! the suite's `memory_limit`, as in `memsave bench`), the strategy's plan is applied, the suite's warm-up steps run unrecorded, and then one
 //! step is recorded: phases from the step ([`StepEvent`]), a mark per layer
 //! (`layer i`, also when a checkpoint recomputes it in backward), `end of forward`
 //! where the runner reads `retained_after_forward_bytes`, parameters and input
@@ -11,7 +11,7 @@
 //! fetched from disk for one update, gradients a step in backward frees).
 use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
-use crate::runner::apply_plan;
+use crate::runner::{apply_plan, LimitGuard};
 use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
 use crate::strategies::resolve;
 use crate::suite::{DeviceChoice, Suite};
@@ -136,6 +136,10 @@ pub fn trace_case(
         tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
     }
     let config = resolve(strategy_spec).map_err(TraceCaseError::Setup)?;
+    // The suite's simulated capacity, as `memsave bench` applies it: over the model,
+    // its input and the steps.
+    let _limit = LimitGuard::set(device, suite.memory_limit.as_ref().map(|s| s.bytes))
+        .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     tch::manual_seed(suite.seed as i64);
     let model = Model::build(spec, device).map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     let x = Batch::input(model.input.shallow_clone());

@@ -314,3 +314,140 @@ fn a_bundled_name_and_a_path_are_never_confused() {
         text(&out.stderr)
     );
 }
+
+/// Asserts that `stderr` is one line, `error: ...`, without Rust's backtrace note or
+/// libtorch's C++ frames.
+fn assert_one_error_line(stderr: &str) {
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for needle in [
+        "frame #",
+        "Exception raised from",
+        "RUST_BACKTRACE",
+        "panicked at",
+    ] {
+        assert!(!stderr.contains(needle), "{needle}: {stderr}");
+    }
+}
+
+#[test]
+fn trace_of_a_failing_step_exits_1_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    // The seed's `x += f(x)` fails at backward.
+    let out = memsave(
+        &[
+            "trace",
+            "quick",
+            "--model",
+            "linear",
+            "--strategy",
+            "inplace_add",
+            "--html",
+            "t.html",
+        ],
+        dir.path(),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    assert!(err.contains("the traced step failed: "), "{err}");
+    assert!(err.contains("modified by an in-place operation"), "{err}");
+    // The trace is still shown and written: it shows where the step failed.
+    assert!(text(&out.stdout).contains("peak"), "{}", text(&out.stdout));
+    assert!(dir.path().join("t.html").is_file());
+}
+
+#[test]
+fn trace_out_of_memory_exits_1_with_one_line() {
+    // Four layers keep 4 KiB each for backward over parameters of 65 KiB: 300 KiB of
+    // simulated capacity runs out in the step.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("lim.yaml"),
+        "suite: lim
+memory_limit: 300KiB
+warmup: 0
+repeats: 1
+models:
+  - {name: m, kind: residual_linear, layers: 4, hidden: 64, batch: [64, 4]}
+strategies:
+  - baseline
+",
+    )
+    .unwrap();
+    let out = memsave(
+        &[
+            "trace",
+            "lim.yaml",
+            "--model",
+            "m",
+            "--strategy",
+            "baseline",
+        ],
+        dir.path(),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    assert!(err.contains("out of memory"), "{err}");
+    assert!(err.contains("memory limit of 307200 bytes"), "{err}");
+}
+
+/// Strategies `bench` cannot run: the step in backward with loss scaling, and with
+/// accumulation in memory.
+const UNAVAILABLE: &str = "suite: av
+warmup: 0
+repeats: 1
+models:
+  - {name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}
+strategies:
+  - baseline
+  - {name: ib+scaler, with: [grad_scaler, {optimizer: {kind: adamw, in_backward: true}}]}
+  - {name: ib+accum, with: [{accumulate: {micro_batches: 2}}, {optimizer: {kind: adamw, in_backward: true}}]}
+";
+
+#[test]
+fn check_reports_what_bench_marks_unavailable_with_the_same_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("av.yaml"), UNAVAILABLE).unwrap();
+    let out = memsave(&["check", "av.yaml"], dir.path());
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(text(&out.stdout).is_empty(), "{}", text(&out.stdout));
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(lines[0].starts_with("error: av.yaml: strategy 'ib+scaler' is unavailable: "));
+    assert!(lines[0].contains("grad_scaler"), "{err}");
+    assert!(lines[1].starts_with("error: av.yaml: strategy 'ib+accum' is unavailable: "));
+    assert!(lines[1].contains("accumulate"), "{err}");
+
+    let out = memsave(&["bench", "av.yaml", "--json", "av.json"], dir.path());
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("av.json")).unwrap())
+            .unwrap();
+    let cases = json["cases"].as_array().unwrap();
+    assert_eq!(cases[0]["status"], "ok");
+    for (case, line) in cases[1..].iter().zip(&lines) {
+        assert_eq!(case["status"], "unavailable", "{case}");
+        let reason = case["error"].as_str().unwrap();
+        assert!(line.ends_with(reason), "check: {line}\nbench: {reason}");
+    }
+}
+
+#[test]
+fn check_accepts_every_bundled_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in [
+        "seed",
+        "quick",
+        "transformer",
+        "optimizer",
+        "fit",
+        "distributed",
+    ] {
+        let out = memsave(&["check", name], dir.path());
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+    }
+}

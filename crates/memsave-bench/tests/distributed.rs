@@ -235,3 +235,136 @@ strategies:
     assert_eq!(suite.world_size, Some(2));
     assert_eq!(suite.strategies[0].name, "zero(stage=1)");
 }
+
+#[test]
+fn zero_ranks_keep_their_optimizer_state_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = SUITE.replace(
+        "  - {name: ddp,",
+        "  - {name: zero2-disk, with: [{zero: 2}, {optimizer: {kind: adamw, placement: disk}}]}\n  - {name: ddp-disk, with: [{optimizer: {kind: adamw, placement: disk}}]}\n  - {name: ddp,",
+    );
+    let path = dir.path().join("disk.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let json = dir.path().join("disk.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .arg("bench")
+        .arg(&path)
+        .args(["--filter", "disk|zero2$", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = Report::from_json(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // Between steps the state is in files: none in memory, where ZeRO-2 with the
+    // state in memory holds its half of the two f32 moments.
+    assert_eq!(case(&report, "zero2-disk").optimizer_state_bytes, Some(0));
+    assert_eq!(case(&report, "ddp-disk").optimizer_state_bytes, Some(0));
+    assert_eq!(
+        case(&report, "zero2").optimizer_state_bytes,
+        Some(NUMEL / 2 * 2 * 4)
+    );
+}
+
+#[test]
+fn trace_runs_a_case_on_the_suite_s_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("dist.yaml"), SUITE).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args([
+            "trace",
+            "dist.yaml",
+            "--model",
+            "lin",
+            "--strategy",
+            "zero2",
+        ])
+        .args(["--html", "t.html", "--svg", "t.svg"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("rank 0 of 2"), "{stdout}");
+    // Rank 0's shard of AdamW's two f32 moments: half of the 330 values.
+    let state = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("optimizer_state"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(state.contains("1.29 KiB"), "{state}");
+    let html = std::fs::read_to_string(dir.path().join("t.html")).unwrap();
+    assert!(html.contains("lin / zero2"));
+    let svg = std::fs::read_to_string(dir.path().join("t.svg")).unwrap();
+    assert!(svg.contains("<svg"));
+}
+
+#[test]
+fn check_and_bench_agree_on_what_cannot_run_on_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = "suite: d
+warmup: 0
+repeats: 1
+world_size: 2
+models:
+  - {name: even, kind: residual_linear, layers: 1, hidden: 4, batch: [4]}
+  - {name: odd, kind: residual_linear, layers: 1, hidden: 4, batch: [3]}
+strategies:
+  - {name: ddp, with: [{optimizer: {kind: adamw}}]}
+  - {name: ib, with: [{optimizer: {kind: adamw, in_backward: true}}]}
+";
+    std::fs::write(dir.path().join("d.yaml"), yaml).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(["check", "d.yaml"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    // One line for a reason that holds on one model, one for a reason on every model.
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(lines[0].starts_with("error: d.yaml: strategy 'ddp' is unavailable on model 'odd': "));
+    assert!(
+        lines[0].contains("does not divide by world_size 2"),
+        "{err}"
+    );
+    assert!(lines[1].starts_with("error: d.yaml: strategy 'ib' is unavailable: "));
+    assert!(lines[1].contains("in_backward"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(["bench", "d.yaml", "--json", "d.json"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report =
+        Report::from_json(&std::fs::read_to_string(dir.path().join("d.json")).unwrap()).unwrap();
+    // Cases by model, then strategy: even/ddp runs; the rest are the lines of check.
+    assert_eq!(report.cases[0].status, Status::Ok);
+    let unavailable: Vec<&CaseResult> = report.cases[1..].iter().collect();
+    assert_eq!(unavailable.len(), 3);
+    for c in unavailable {
+        assert_eq!(c.status, Status::Unavailable, "{c:?}");
+        let reason = c.error.as_deref().unwrap();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("'{}'", c.strategy))
+                    && (l.contains(&format!("model '{}'", c.model)) || !l.contains("on model"))
+                    && l.ends_with(reason)),
+            "bench: {}/{}: {reason}\ncheck: {err}",
+            c.model,
+            c.strategy
+        );
+    }
+}

@@ -342,3 +342,194 @@ fn fit_measures_the_peak_above_the_optimizer_state_as_the_harness_does() {
     assert!(json["measured_peak_bytes"].as_u64().unwrap() <= budget);
     assert_eq!(json["tries"], 1);
 }
+
+/// `memsave fit` on a suite of one model `m`, with `extra` suite lines.
+fn fit_small(dir: &Path, model: &str, extra: &str, args: &[&str]) -> Output {
+    std::fs::write(
+        dir.join("m.yaml"),
+        format!("suite: m\n{extra}models:\n  - {{name: m, {model}}}\nstrategies:\n  - baseline\n"),
+    )
+    .unwrap();
+    let mut all = vec!["fit", "m.yaml", "--model", "m"];
+    all.extend(args);
+    memsave(&all, dir)
+}
+
+/// Asserts `stderr` is one `error:` line without C++ frames or a panic.
+fn assert_one_error_line(stderr: &str) {
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    for needle in ["frame #", "Exception raised from", "panicked"] {
+        assert!(!stderr.contains(needle), "{needle}: {stderr}");
+    }
+}
+
+#[test]
+#[serial]
+fn a_model_over_the_suite_s_memory_limit_is_refused_before_building() {
+    // 4 × (512 × 512 + 512) f32 parameters: 4,202,496 bytes, 4.01 MiB; with the
+    // largest gradient (1 MiB) and the input (16 KiB), 5,267,456 bytes, 5.02 MiB.
+    let dir = tempfile::tempdir().unwrap();
+    let out = fit_small(
+        dir.path(),
+        "kind: residual_linear, layers: 4, hidden: 512, batch: [8]",
+        "memory_limit: 2MiB\n",
+        &["--budget", "8MiB"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    assert!(err.contains("model 'm' needs at least 5.02 MiB"), "{err}");
+    assert!(err.contains("parameters 4.01 MiB"), "{err}");
+    assert!(
+        err.contains("more than the suite's memory_limit of 2.00 MiB"),
+        "{err}"
+    );
+    assert!(err.contains("nothing was built"), "{err}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+#[serial]
+fn the_issue_s_four_billion_parameters_are_refused_at_once_with_their_bytes() {
+    // 60 × (8192 × 8192 + 8192) = 4,027,023,360 parameters, just under the limit:
+    // 16,108,093,440 bytes in f32, 15.00 GiB.
+    let dir = tempfile::tempdir().unwrap();
+    let out = fit_small(
+        dir.path(),
+        "kind: residual_linear, layers: 60, hidden: 8192, batch: [4]",
+        "memory_limit: 8GiB\n",
+        &["--budget", "1GiB"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    assert!(err.contains("parameters 15.00 GiB"), "{err}");
+    assert!(err.contains("memory_limit of 8.00 GiB"), "{err}");
+}
+
+#[test]
+#[serial]
+fn a_budget_below_the_largest_gradient_is_refused_before_building() {
+    // Each Linear(512, 512) weight's gradient is 512 × 512 × 4 bytes = 1 MiB.
+    let dir = tempfile::tempdir().unwrap();
+    let out = fit_small(
+        dir.path(),
+        "kind: residual_linear, layers: 4, hidden: 512, batch: [8]",
+        "",
+        &["--budget", "512KiB"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    assert!(err.contains("no configuration fits 512.00 KiB"), "{err}");
+    assert!(err.contains("largest parameter"), "{err}");
+    assert!(err.contains("give a budget of at least 1.00 MiB"), "{err}");
+    assert!(err.contains("nothing was built"), "{err}");
+}
+
+#[test]
+#[serial]
+fn a_global_batch_over_the_suite_s_limits_is_refused_in_the_suite_s_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = memsave(
+        &[
+            "fit",
+            "quick",
+            "--model",
+            "mlp",
+            "--budget",
+            "1MiB",
+            "--global-batch",
+            "1000000000",
+        ],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_one_error_line(&err);
+    assert_eq!(
+        err.trim_end(),
+        "error: --global-batch 1000000000: must be at most 16777216, got 1000000000"
+    );
+    // Within the dimension's limit, over the input's: the suite's message for the
+    // same model with that batch.
+    let suite_error = Suite::from_yaml(
+        "suite: s\nmodels:\n  - {name: seed-residual, kind: residual_linear, layers: 10, hidden: 512, batch: [16000000, 100]}\nstrategies:\n  - baseline\n",
+        "s.yaml",
+    )
+    .unwrap_err()
+    .to_string();
+    // `s.yaml:3:5: models[0]: model 'seed-residual': ...`
+    let (_, words) = suite_error.split_once("models[0]: ").unwrap();
+    let out = memsave(
+        &[
+            "fit",
+            "seed",
+            "--model",
+            "seed-residual",
+            "--budget",
+            "40MiB",
+            "--global-batch",
+            "16000000",
+        ],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_one_error_line(&err);
+    assert!(
+        words.contains("an input of 819200000000 elements"),
+        "{words}"
+    );
+    assert_eq!(
+        err.trim_end(),
+        format!("error: --global-batch 16000000: {words}")
+    );
+}
+
+#[test]
+#[serial]
+fn fit_says_what_it_is_doing_on_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = memsave(
+        &["fit", "quick", "--model", "mlp", "--budget", "64KiB"],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    // Not a terminal: a line per phase, the first split first.
+    assert_eq!(
+        lines.first().copied(),
+        Some("fit: predicting 1 micro-batch of 4 from small runs"),
+        "{err}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("fit: running ")
+                && l.ends_with(" at its real size under the budget")),
+        "{err}"
+    );
+    assert!(lines.iter().all(|l| l.starts_with("fit: ")), "{err}");
+}
+
+#[test]
+fn the_largest_parameter_is_the_widest_weight_built() {
+    for model in [
+        "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [2]}",
+        "{name: a, kind: residual_mlp, layers: 2, hidden: 8, expansion: 3, batch: [2]}",
+        "{name: a, kind: transformer, layers: 2, hidden: 8, heads: 2, batch: [2, 3]}",
+    ] {
+        let suite = Suite::from_yaml(
+            &format!("suite: s\nmodels:\n  - {model}\nstrategies:\n  - baseline\n"),
+            "s.yaml",
+        )
+        .unwrap();
+        let spec = &suite.models[0];
+        let built = memsave_bench::models::Model::build(spec, tch::Device::Cpu).unwrap();
+        let widest = built.params().iter().map(|p| p.numel() as u64).max();
+        assert_eq!(spec.largest_parameter(), widest, "{model}");
+    }
+}

@@ -233,7 +233,7 @@ impl RawModel {
 
 /// The limits on the whole model, in checked arithmetic (each dimension is already
 /// within its own limit).
-fn check_size(spec: &ModelSpec) -> Result<(), String> {
+pub(super) fn check_size(spec: &ModelSpec) -> Result<(), String> {
     let name = &spec.name;
     match spec.parameter_count() {
         Some(n) if n <= MAX_PARAMETERS => {}

@@ -66,7 +66,9 @@
 //! `in_backward: true` cannot be combined with `accumulate` (every backward would
 //! step) unless `offload_grads` keeps the gradients in files until the last
 //! micro-batch's backward steps them, nor with `grad_scaler` (the inf check needs every gradient before the first
-//! update); such a strategy is reported unavailable with the reason.
+//! update); such a strategy is reported unavailable with the reason by `memsave bench`,
+//! and is an error (exit 2) of `memsave check`, which decides by the same function
+//! ([`crate::availability`]).
 //!
 //! `compress` and `offload` wrap the forward in memsave-hooks' saved-tensor hooks
 //! (`Compress`, `DiskOffload`, `SaveOnCpu`), made fresh for each step; the parameters

@@ -152,6 +152,42 @@ impl ModelSpec {
         };
         per_layer.checked_mul(u64::try_from(self.layers).ok()?)
     }
+
+    /// The number of elements of the largest parameter tensor (a layer's widest
+    /// weight); `None` when it overflows a `u64`. Its gradient is whole in memory at
+    /// some moment of every training step, whatever the step does to save memory.
+    pub fn largest_parameter(&self) -> Option<u64> {
+        let h = u64::try_from(self.hidden).ok()?;
+        match self.kind {
+            ModelKind::ResidualLinear => h.checked_mul(h),
+            ModelKind::ResidualMlp => h
+                .checked_mul(u64::try_from(self.expansion).ok()?)?
+                .checked_mul(h),
+            // qkv is h x 3h, the MLP's up and down h x 4h.
+            ModelKind::Transformer => h.checked_mul(h)?.checked_mul(4),
+        }
+    }
+
+    /// This model with `batch` examples per step (its input's first dimension) instead
+    /// of the suite's, under the limits a suite's model is held to ([`MAX_DIMENSION`]
+    /// for the dimension, [`MAX_INPUT_ELEMENTS`] for the input), with the same messages
+    /// (`memsave fit --global-batch` checks its value so).
+    pub fn with_global_batch(&self, batch: i64) -> Result<ModelSpec, String> {
+        match u64::try_from(batch) {
+            Ok(0) | Err(_) => return Err(format!("must be positive, got {batch}")),
+            Ok(b) if b > MAX_DIMENSION => {
+                return Err(format!("must be at most {MAX_DIMENSION}, got {b}"))
+            }
+            Ok(_) => {}
+        }
+        let mut spec = self.clone();
+        match spec.batch.first_mut() {
+            Some(first) => *first = batch,
+            None => spec.batch.push(batch),
+        }
+        super::de::check_size(&spec)?;
+        Ok(spec)
+    }
 }
 
 /// A byte size as written in the suite (`60MiB`, `8 GiB`, `1048576`).

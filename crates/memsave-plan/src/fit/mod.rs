@@ -97,7 +97,7 @@ mod probe;
 mod search;
 
 pub use choice::Choice;
-pub use search::fit;
+pub use search::{fit, fit_with};
 
 use memsave_meter::Bytes;
 use serde::Serialize;
@@ -318,6 +318,90 @@ pub fn table(candidates: &[Candidate]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// What [`fit_with`] is doing, told as each phase starts. Its `Display` is a line for a
+/// person (`predicting 4 micro-batches of 1250 from small runs`).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum FitEvent {
+    /// Predicting every configuration with this split from small runs.
+    Predicting {
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Examples in the largest micro-batch.
+        micro_batch: i64,
+        /// The second pass, with the gradients in files (nothing fit without).
+        gradients_in_files: bool,
+    },
+    /// Running the fastest predicted configuration not run yet at its real size,
+    /// under the budget, to confirm that it fits.
+    Confirming {
+        /// Its name.
+        strategy: String,
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Examples in the largest micro-batch.
+        micro_batch: i64,
+    },
+    /// Running runners-up at their real size (those that end within the race's time).
+    RunnersUp {
+        /// How many are considered.
+        count: usize,
+    },
+    /// Comparing the close ones in rounds.
+    Rounds {
+        /// How many.
+        count: usize,
+    },
+    /// `exhaustive`: running every other candidate at its real size.
+    Exhaustive {
+        /// How many.
+        count: usize,
+    },
+}
+
+impl std::fmt::Display for FitEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
+        match self {
+            FitEvent::Predicting {
+                micro_batches,
+                micro_batch,
+                gradients_in_files,
+            } => write!(
+                f,
+                "predicting {micro_batches} micro-batch{} of {micro_batch} from small runs{}",
+                if *micro_batches == 1 { "" } else { "es" },
+                if *gradients_in_files {
+                    " (gradients in files)"
+                } else {
+                    ""
+                }
+            ),
+            FitEvent::Confirming {
+                strategy,
+                micro_batches,
+                micro_batch,
+            } => write!(
+                f,
+                "running {strategy} ({micro_batches}x{micro_batch}) at its real size under the budget"
+            ),
+            FitEvent::RunnersUp { count } => write!(
+                f,
+                "running up to {count} runner{}-up at their real size",
+                plural(*count)
+            ),
+            FitEvent::Rounds { count } => {
+                write!(f, "comparing the {count} closest in rounds")
+            }
+            FitEvent::Exhaustive { count } => write!(
+                f,
+                "exhaustive: running {count} more configuration{} at their real size",
+                plural(*count)
+            ),
+        }
+    }
 }
 
 /// Why `fit` gave no configuration.

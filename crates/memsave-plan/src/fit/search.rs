@@ -4,7 +4,7 @@
 use super::choice::Choice;
 use super::predict::{profile_at, Affine};
 use super::probe::{probe, ProbeError};
-use super::{Candidate, FitError, FitReport, FitRequest};
+use super::{Candidate, FitError, FitEvent, FitReport, FitRequest};
 use crate::plan::f_profile;
 use crate::workload::Workload;
 use memsave_checkpoint::{predict, ChainProfile, Schedule, Solver};
@@ -134,6 +134,17 @@ struct Rounds {
 /// # Ok(()) }
 /// ```
 pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitReport, FitError> {
+    fit_with(workload, request, &mut |_| {})
+}
+
+/// [`fit`], telling `progress` what it is doing as it goes (a phase at a time: the
+/// small runs of each split, the real-size runs, the rounds), e.g. to show a progress
+/// line: with a large global batch a fit can take minutes.
+pub fn fit_with(
+    workload: &mut dyn Workload,
+    request: &FitRequest,
+    progress: &mut dyn FnMut(&FitEvent),
+) -> Result<FitReport, FitError> {
     let started = Instant::now();
     if request.budget_bytes == 0 {
         return Err(FitError::ZeroBudget);
@@ -184,12 +195,17 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let mut run_already = std::collections::HashSet::new();
     // Gradients in files cost a write and a read of every gradient per micro-batch:
     // they are considered only when nothing fits without (predicted, then confirmed).
-    for lever_sets in &passes {
+    for (pass, lever_sets) in passes.iter().enumerate() {
         if chosen.is_some() {
             break;
         }
         for k in splits(global) {
             let m = div_ceil(global, k as i64);
+            progress(&FitEvent::Predicting {
+                micro_batches: k,
+                micro_batch: m,
+                gradients_in_files: pass > 0,
+            });
             // The step in backward frees each gradient as soon as it is complete, which
             // accumulation over micro-batches needs kept, unless it is kept in files.
             let usable = |l: &&Levers| k == 1 || !l.in_backward || l.offload_grads;
@@ -260,6 +276,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         for &i in &order {
             tries += 1;
             run_already.insert(i);
+            progress(&FitEvent::Confirming {
+                strategy: candidates[i].choice.strategy.clone(),
+                micro_batches: candidates[i].choice.micro_batches,
+                micro_batch: candidates[i].choice.micro_batch,
+            });
             match search.run_real(&candidates[i].choice) {
                 Ok(p) => {
                     candidates[i].measured_peak_bytes = Some(p.peak_bytes);
@@ -330,6 +351,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
     let mut runners_up_over_budget = 0;
     let race_s = RACE_S.max(RACE_SHARE * started.elapsed().as_secs_f64());
     let deadline = Instant::now() + std::time::Duration::from_secs_f64(race_s);
+    if !racers.is_empty() {
+        progress(&FitEvent::RunnersUp {
+            count: racers.len(),
+        });
+    }
     for i in racers {
         let predicted = candidates[i].predicted_step_time_s.unwrap_or(0.0);
         let runs = runs_for(predicted, 2.0 * ONE_RUN_FROM_S);
@@ -367,6 +393,9 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
         close.insert(0, chosen);
     }
     close.truncate(RECHECK_MAX);
+    if close.len() > 1 {
+        progress(&FitEvent::Rounds { count: close.len() });
+    }
     let before = started.elapsed().as_secs_f64();
     let recheck_s = RECHECK_S.max(RECHECK_SHARE * before);
     let cheap_s = recheck_s.max(CHEAP_SHARE * before);
@@ -396,6 +425,11 @@ pub fn fit(workload: &mut dyn Workload, request: &FitRequest) -> Result<FitRepor
 
     let mut fastest_measured = None;
     if request.exhaustive {
+        progress(&FitEvent::Exhaustive {
+            count: (0..candidates.len())
+                .filter(|i| !run_already.contains(i))
+                .count(),
+        });
         for (i, c) in candidates.iter_mut().enumerate() {
             if run_already.contains(&i) {
                 continue; // the choice, a runner-up, one that did not fit
