@@ -354,3 +354,40 @@ fn the_files_live_in_a_directory_of_the_offloads_own_removed_when_it_is_dropped(
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     n.clear_grads();
 }
+
+/// Gradients that cannot be written (the directory gone) stay in `.grad`: the next
+/// backward adds into them and `restore` gives the plain sums, bitwise. `check` says
+/// so once; the stats keep the count.
+#[test]
+#[serial]
+fn gradients_that_cannot_be_written_stay_in_memory_and_check_says_so_once() {
+    tch::manual_seed(11);
+    let n = net(2, 8);
+    let x = Tensor::randn([6, 8], (Kind::Float, Device::Cpu));
+    let expected = n.accumulated(&x, 3);
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("grads");
+    std::fs::create_dir(&dir).unwrap();
+    let offload = GradOffload::new(&n.params(), &dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    for mb in x.chunk(3, 0) {
+        n.loss(&mb).backward();
+    }
+    let count = 3 * n.params().len() as u64;
+    match offload.check() {
+        Err(OffloadError::KeptInMemory {
+            count: c, reason, ..
+        }) => {
+            assert_eq!(c, count);
+            assert!(reason.contains(&dir.display().to_string()), "{reason}");
+        }
+        other => panic!("expected the failed writes, got {other:?}"),
+    }
+    offload.check().unwrap();
+    assert_eq!(offload.stats().kept_in_memory, count);
+    assert_eq!(offload.stats().stored_bytes, 0);
+    offload.restore().unwrap();
+    let got = host(&n.params().iter().map(Tensor::grad).collect::<Vec<_>>());
+    assert_eq!(got, expected);
+    n.clear_grads();
+}

@@ -1,7 +1,7 @@
 //! `DiskOffload`: saved activations written to files by a background thread and read
 //! back, ahead of need, in backward.
 use super::file::{self, Layout, ReadError, StoreDir};
-use super::lock;
+use super::{lock, WriteFailures};
 use crate::compress::{distinct, Expanded};
 use crate::error::{HookError, OffloadError};
 use crate::pass_through::PassThrough;
@@ -119,8 +119,7 @@ struct State {
     in_flight_bytes: u64,
     live: BTreeMap<u64, Weak<Entry>>,
     stats: OffloadStats,
-    failure: Option<(u64, String)>,
-    failure_reported: bool,
+    failures: WriteFailures,
 }
 
 enum Job {
@@ -279,17 +278,13 @@ impl DiskOffload {
     pub fn flush(&self) -> Result<(), OffloadError> {
         let shared = &self.store.shared;
         let mut state = shared.wait_written();
-        match (&state.failure, state.failure_reported) {
-            (Some((count, reason)), false) => {
-                let err = OffloadError::KeptInMemory {
-                    dir: shared.dir.path().to_path_buf(),
-                    count: *count,
-                    reason: reason.clone(),
-                };
-                state.failure_reported = true;
-                Err(err)
-            }
-            _ => Ok(()),
+        match state.failures.report() {
+            None => Ok(()),
+            Some((count, reason)) => Err(OffloadError::KeptInMemory {
+                dir: shared.dir.path().to_path_buf(),
+                count,
+                reason,
+            }),
         }
     }
 
@@ -368,9 +363,7 @@ impl Shared {
                     *slot = Slot::InMemory(tensor);
                     let mut state = lock(&self.state);
                     state.stats.kept_in_memory += 1;
-                    let count = state.failure.as_ref().map_or(0, |(n, _)| *n) + 1;
-                    let first = state.failure.take().map_or(reason, |(_, r)| r);
-                    state.failure = Some((count, first));
+                    state.failures.record(reason);
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! `GradOffload`: parameters' gradients kept in files between backward passes, so that
 //! accumulating them over micro-batches does not hold them all in memory.
 use super::file::{self, Layout, ReadError, StoreDir};
-use super::lock;
+use super::{lock, WriteFailures};
 use crate::error::OffloadError;
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use std::path::{Path, PathBuf};
@@ -102,7 +102,8 @@ pub struct GradOffloadStats {
     pub read_bytes: u64,
     /// Bytes of gradient sums in files now.
     pub stored_bytes: u64,
-    /// Gradients that could not be written and were kept in memory.
+    /// Gradients that could not be written and were kept in memory, over every
+    /// backward.
     pub kept_in_memory: u64,
 }
 
@@ -126,8 +127,8 @@ struct Shared {
     on_complete: Mutex<Option<OnComplete>>,
     written: AtomicU64,
     read: AtomicU64,
-    /// The first write failure (and how many), kept for `check`.
-    failure: Mutex<Option<(u64, String)>>,
+    /// Gradients that could not be written, reported by `check`.
+    failures: Mutex<WriteFailures>,
 }
 
 impl Shared {
@@ -202,11 +203,7 @@ impl Shared {
             }
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
-                let mut failure = lock(&self.failure);
-                match failure.as_mut() {
-                    Some((count, _)) => *count += 1,
-                    None => *failure = Some((1, e)),
-                }
+                lock(&self.failures).record(e);
                 false
             }
         }
@@ -266,7 +263,7 @@ impl GradOffload {
             on_complete: Mutex::new(None),
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
-            failure: Mutex::new(None),
+            failures: Mutex::default(),
         });
         let mut hooks = Vec::with_capacity(params.len());
         for (index, p) in params.iter().enumerate() {
@@ -361,8 +358,8 @@ impl GradOffload {
     }
 
     /// `Err` naming the first parameter whose sum is lost (at every call, see the
-    /// type's docs); else reports, once, the gradients that could not be written and
-    /// were kept in memory.
+    /// type's docs); else `Err` for the gradients that could not be written and were
+    /// kept in memory since the last such `Err` (each said once).
     pub fn check(&self) -> Result<(), OffloadError> {
         let lost = lock(&self.shared.sums)
             .iter()
@@ -374,7 +371,7 @@ impl GradOffload {
         if let Some((index, reason)) = lost {
             return Err(self.param_error(index, reason));
         }
-        match lock(&self.shared.failure).take() {
+        match lock(&self.shared.failures).report() {
             None => Ok(()),
             Some((count, reason)) => Err(OffloadError::KeptInMemory {
                 dir: self.dir().to_path_buf(),
@@ -397,7 +394,7 @@ impl GradOffload {
             written_bytes: self.shared.written.load(Ordering::Relaxed),
             read_bytes: self.shared.read.load(Ordering::Relaxed),
             stored_bytes,
-            kept_in_memory: lock(&self.shared.failure).as_ref().map_or(0, |(n, _)| *n),
+            kept_in_memory: lock(&self.shared.failures).total,
         }
     }
 

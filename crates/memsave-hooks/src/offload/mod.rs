@@ -12,3 +12,29 @@ pub use grads::{GradOffload, GradOffloadStats, OnComplete};
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+/// Writes that failed, their tensors kept in memory instead: counted for the stats,
+/// and each reported once, by the first report after it.
+#[derive(Debug, Default)]
+struct WriteFailures {
+    /// Every failure so far.
+    total: u64,
+    /// How many since the last report, and the first one's reason.
+    unreported: Option<(u64, String)>,
+}
+
+impl WriteFailures {
+    fn record(&mut self, reason: String) {
+        self.total += 1;
+        match &mut self.unreported {
+            Some((count, _)) => *count += 1,
+            None => self.unreported = Some((1, reason)),
+        }
+    }
+
+    /// The failures since the last report (how many, the first one's reason), now
+    /// reported.
+    fn report(&mut self) -> Option<(u64, String)> {
+        self.unreported.take()
+    }
+}
