@@ -358,7 +358,8 @@ impl GradOffload {
     }
 
     /// `Err` naming the first parameter whose sum is lost (at every call, see the
-    /// type's docs); else `Err` for the gradients that could not be written and were
+    /// type's docs; a damaged file is found when it is read: by a backward,
+    /// [`restore`](Self::restore) or [`f_grad`](Self::f_grad)); else `Err` for the gradients that could not be written and were
     /// kept in memory since the last such `Err` (each said once).
     pub fn check(&self) -> Result<(), OffloadError> {
         let lost = lock(&self.shared.sums)
