@@ -164,6 +164,9 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     // finishes the output, waiting at most OUTPUT_DRAIN for pipes held by processes that
     // left their rank's group.
     ranks.signal_all(Signal::SIGKILL);
+    // From here on a signal does what it does outside a launch: no rank is left to pass
+    // it on to.
+    drop(signals);
     ranks_gone.store(true, Ordering::SeqCst);
     let _ = copier.join();
     outcome
@@ -652,8 +655,17 @@ fn copy_output(new_pipes: &mpsc::Receiver<Pipe>, ranks_gone: &AtomicBool) {
                 Err(mpsc::TryRecvError::Disconnected) => more_coming = false,
             }
         }
-        if pipes.is_empty() && !more_coming {
-            return;
+        if pipes.is_empty() {
+            if !more_coming {
+                return;
+            }
+            // Nothing to read yet: wait for the first rank's pipes (or the end of the
+            // starting) rather than polling nothing.
+            match new_pipes.recv() {
+                Ok(pipe) => pipes.push(pipe),
+                Err(_) => more_coming = false,
+            }
+            continue;
         }
         if until.is_none() && ranks_gone.load(Ordering::SeqCst) {
             until = Some(Instant::now() + OUTPUT_DRAIN);
