@@ -10,16 +10,20 @@ use tch::Tensor;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Checkpoint {
     preserve_rng: bool,
+    early_stop: bool,
 }
 
 impl Default for Checkpoint {
     fn default() -> Self {
-        Self { preserve_rng: true }
+        Self {
+            preserve_rng: true,
+            early_stop: true,
+        }
     }
 }
 
 impl Checkpoint {
-    /// Default options: RNG state preserved.
+    /// Default options: RNG state preserved, early stop on.
     pub fn new() -> Self {
         Self::default()
     }
@@ -43,6 +47,23 @@ impl Checkpoint {
         self
     }
 
+    /// Whether the recomputation ends right after the last tensor backward needs
+    /// (default `true`, as PyTorch's `early_stop`): what `f` does after it, it does once,
+    /// in the forward.
+    ///
+    /// Trap: the stop unwinds `f` from the op that saves that tensor (tch's short-named
+    /// ops panic; the `f_` ones return the error, which `f` should pass on with `?`). A
+    /// `std::sync::Mutex` locked across that op is poisoned by the unwinding. Lock only
+    /// around the call that needs it (`let y = layer.lock().unwrap().forward(x);` then
+    /// carry on with `y`), use a lock that does not poison, or turn early stop off: `f`
+    /// then runs to its end in every recomputation, and may end early by itself once
+    /// `memsave_sys::checkpoint::recomputation_done()` says so (as
+    /// [`CheckpointedSequential`](crate::CheckpointedSequential) does between layers).
+    pub fn early_stop(mut self, early_stop: bool) -> Self {
+        self.early_stop = early_stop;
+        self
+    }
+
     /// Checkpoints an infallible function; a panic inside it becomes an `Err`.
     pub fn run<F>(self, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
@@ -61,7 +82,12 @@ impl Checkpoint {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
         let boxed: raw::CheckpointFn =
             Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
-        Ok(raw::checkpoint(&inputs, self.preserve_rng, boxed)?)
+        Ok(raw::checkpoint(
+            &inputs,
+            self.preserve_rng,
+            self.early_stop,
+            boxed,
+        )?)
     }
 
     /// [`try_run`](Self::try_run) with the inputs kept by `store` until the recompute
@@ -80,7 +106,8 @@ impl Checkpoint {
         let boxed: raw::CheckpointFn =
             Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
         let frame = memsave_sys::hooks::push(Arc::new(store))?;
-        let out = raw::checkpoint_packing_inputs(&inputs, self.preserve_rng, boxed);
+        let out =
+            raw::checkpoint_packing_inputs(&inputs, self.preserve_rng, self.early_stop, boxed);
         frame.exit()?;
         Ok(out?)
     }

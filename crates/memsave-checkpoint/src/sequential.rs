@@ -57,7 +57,8 @@ impl CheckpointedSequential {
             plan: Plan::None,
             schedule: Schedule::plain(0),
             profile: None,
-            checkpoint: Checkpoint::new(),
+            // Recomputations stop between layers (see run_blocks), never inside one.
+            checkpoint: Checkpoint::new().early_stop(false),
             levers: Vec::new(),
             lever_profiles: Vec::new(),
         }
@@ -357,6 +358,11 @@ fn run_blocks(
 ) -> Result<Tensor> {
     let mut x = x.shallow_clone();
     for block in blocks {
+        // In a recomputation that has every tensor it needs, the rest is thrown away:
+        // stop between layers rather than unwinding a layer (see Checkpoint::early_stop).
+        if memsave_sys::checkpoint::recomputation_done() {
+            break;
+        }
         x = match block {
             Block::Layer(i) => layers[*i].forward(&x),
             Block::Checkpoint { start, end, inner } => {

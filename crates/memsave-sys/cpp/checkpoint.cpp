@@ -23,10 +23,12 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -226,6 +228,80 @@ class ReplayGuard {
   RngStates rng_before_;
 };
 
+// Batch-norm-family ops update their running statistics (arguments 3 and 4 of each of
+// these schemas) in place as they run, so a recomputation would update them a second
+// time. While a recomputation runs, this guard copies each running statistic such an op
+// is about to update, the first time it sees it, and puts every copy back when the
+// recomputation ends: a checkpointed step updates them exactly once, as a plain step
+// does (PyTorch's checkpoint updates them once per recomputation). Covers the ops the
+// recomputing thread runs; ops on other threads inside the function are not seen.
+class RunningStatsGuard {
+ public:
+  RunningStatsGuard() : outer_(current()) {
+    current() = this;
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  }
+  RunningStatsGuard(const RunningStatsGuard&) = delete;
+  RunningStatsGuard& operator=(const RunningStatsGuard&) = delete;
+  ~RunningStatsGuard() noexcept {
+    try {
+      at::removeCallback(handle_);
+    } catch (...) {
+    }
+    current() = outer_;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      try {
+        // Below autograd and the version counter: a plain write back of the values.
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        it->first.copy_(it->second);
+      } catch (...) {
+      }
+    }
+  }
+
+ private:
+  static RunningStatsGuard*& current() {
+    thread_local RunningStatsGuard* guard = nullptr;
+    return guard;
+  }
+
+  static bool updates_running_stats(const char* name) {
+    static const char* const kOps[] = {
+        "aten::batch_norm",        "aten::native_batch_norm",        "aten::_native_batch_norm_legit",
+        "aten::_batch_norm_with_update", "aten::_batch_norm_impl_index", "aten::instance_norm",
+        "aten::cudnn_batch_norm",  "aten::miopen_batch_norm",
+    };
+    for (const char* op : kOps) {
+      if (std::strcmp(name, op) == 0) return true;
+    }
+    return false;
+  }
+
+  static std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+    auto* self = current();
+    if (self == nullptr || !updates_running_stats(fn.name())) return nullptr;
+    const auto inputs = fn.inputs();
+    for (size_t i : {size_t{3}, size_t{4}}) {
+      if (i < inputs.size() && inputs[i].isTensor()) self->snapshot(inputs[i].toTensor());
+    }
+    return nullptr;
+  }
+
+  void snapshot(const at::Tensor& t) {
+    if (!t.defined()) return;
+    for (const auto& entry : saved_) {
+      if (entry.first.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return;
+    }
+    at::NoGradGuard no_grad;
+    saved_.emplace_back(t, t.clone());
+  }
+
+  RunningStatsGuard* outer_;
+  at::CallbackHandle handle_ = at::INVALID_CALLBACK_HANDLE;
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;
+};
+
 // Recomputations running on this thread. Whatever a recomputation builds besides the
 // tensors it captures is thrown away when it ends, so a checkpoint called inside one
 // needs no frame of its own: it runs under a DiscardFrame (no RNG copy, nothing kept).
@@ -285,8 +361,15 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
  public:
   // `light`: inside another checkpoint's recomputation that runs a backward (see
   // recompute_depth): inputs are kept, never packed.
-  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool light)
-      : closure_(std::move(closure)), preserve_rng_(preserve_rng), light_(light) {}
+  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool early_stop, bool light)
+      : closure_(std::move(closure)), preserve_rng_(preserve_rng), early_stop_(early_stop), light_(light) {}
+
+  // Whether the recomputation running on this thread has every tensor it needs back
+  // (the function may return early: what it computes from there on is thrown away).
+  static bool current_recomputation_done() {
+    const auto* f = recomputing_frame();
+    return f != nullptr && f->stopped_;
+  }
 
   // Hands each defined input to the calling thread's innermost hook frame (pushed by
   // the caller for this call) instead of keeping it: the recompute unpacks it. Call
@@ -388,14 +471,18 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   }
 
   // Called by the capturing frame for each tensor the recomputation saves: stores the
-  // k-th at index k, and ends the recomputation (by throwing kStopMessage) as soon as
-  // every live handle has its tensor back, so nothing after the last tensor needed is
-  // recomputed (PyTorch's early stop).
+  // k-th at index k. With early stop it ends the recomputation (by throwing
+  // kStopMessage) as soon as every live handle has its tensor back, so nothing after
+  // the last tensor needed is recomputed (PyTorch's early stop); without, the rest of
+  // the function runs and what it saves is not kept.
   void on_recompute_save(const at::Tensor& t) {
-    MS_CHECK(!stopped_, kStopMessage);
+    if (stopped_) {
+      MS_CHECK(!early_stop_, kStopMessage);
+      return;
+    }
     if (!capture(t)) {
       stopped_ = true;
-      MS_CHECK(false, kStopMessage);
+      MS_CHECK(!early_stop_, kStopMessage);
     }
   }
 
@@ -428,8 +515,14 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
 
   void recompute(const std::string& needed_for);
 
+  static const CheckpointFrame*& recomputing_frame() {
+    thread_local const CheckpointFrame* frame = nullptr;
+    return frame;
+  }
+
   std::unique_ptr<Closure> closure_;
   bool preserve_rng_;
+  bool early_stop_;
   bool light_;
   bool recomputing_ = false;
   // Whether a backward ran inside the function during the forward.
@@ -554,12 +647,19 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
   recomputing_ = true;
   struct Reset {
     bool& flag;
-    ~Reset() { flag = false; }
-  } reset{recomputing_};
+    const CheckpointFrame*& current;
+    const CheckpointFrame* outer;
+    ~Reset() {
+      flag = false;
+      current = outer;
+    }
+  } reset{recomputing_, recomputing_frame(), recomputing_frame()};
+  recomputing_frame() = this;
   {
     RngRegion region(!state_.rng.empty());
     at::AutoGradMode enable_grad(true);
     ReplayGuard replay(state_);
+    RunningStatsGuard running_stats;
     // A recomputation during the forward is itself asked for by a backward inside it.
     RecomputeScope recomputing(backward_inside_ || !forward_done_);
     memsave::hooks::FrameScope scope(std::make_shared<CaptureFrame>(this));
@@ -609,6 +709,9 @@ int ms_cpu_generator_state_bytes(int64_t* out) {
   })
 }
 
+// Whether the recomputation running on this thread has every tensor it needs back.
+bool ms_checkpoint_recomputation_done() noexcept { return CheckpointFrame::current_recomputation_done(); }
+
 // The message of the exception that ends a recomputation early: the Rust side keeps
 // panics carrying it quiet.
 const char* ms_checkpoint_stop_message() noexcept { return kStopMessage; }
@@ -621,7 +724,7 @@ const char* ms_checkpoint_stop_message() noexcept { return kStopMessage; }
 // With `pack_inputs`, the inputs are handed to the calling thread's innermost hook
 // frame at the forward instead of being kept, and unpacked for the recompute.
 int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_fn run, ms_drop_fn drop,
-                  bool preserve_rng, bool pack_inputs, void** out_vec) {
+                  bool preserve_rng, bool early_stop, bool pack_inputs, void** out_vec) {
   std::unique_ptr<Closure> closure;
   try {
     closure = std::make_unique<Closure>(ctx, run, drop);
@@ -659,7 +762,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     // Inside a recomputation that runs a backward the frame is light: its inputs are not
     // packed, and what it builds is thrown away when the recomputation ends.
     const bool light = recompute_depth > 0;
-    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, light);
+    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, early_stop, light);
     if (pack_inputs && !light) frame->pack_inputs_with_current_hooks(in);
     *result = frame->forward(in);
     *out_vec = result.release();

@@ -138,8 +138,26 @@ fn quiet_early_stop_panics() {
 /// thread that runs a checkpointed branch); a region whose generators' state moved
 /// while a region of another thread ran fails (at the forward, or at the recomputation)
 /// instead of replaying numbers that may be another thread's.
-pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Result<Vec<Tensor>> {
-    run_checkpoint(inputs, preserve_rng, false, f)
+///
+/// With `early_stop` (PyTorch's default), the recomputation is ended right after the
+/// last tensor backward needs, by making the op that saves it fail: `f` is unwound from
+/// there (a panic through tch's short-named ops, kept off stderr). Without it, `f` runs
+/// to its end and may stop early itself by asking [`recomputation_done`].
+pub fn checkpoint(
+    inputs: &[Tensor],
+    preserve_rng: bool,
+    early_stop: bool,
+    f: CheckpointFn,
+) -> Result<Vec<Tensor>> {
+    run_checkpoint(inputs, preserve_rng, early_stop, false, f)
+}
+
+/// Whether the recomputation running on this thread has every tensor its backward needs
+/// back: a checkpointed function run without early stop may return at once (what it
+/// returns in a recomputation is not used). False outside recomputations.
+pub fn recomputation_done() -> bool {
+    // SAFETY: no arguments; the bridge function does not throw.
+    unsafe { ffi::ms_checkpoint_recomputation_done() }
 }
 
 /// [`checkpoint`] that does not keep its inputs either: at the forward, each defined
@@ -154,14 +172,16 @@ pub fn checkpoint(inputs: &[Tensor], preserve_rng: bool, f: CheckpointFn) -> Res
 pub fn checkpoint_packing_inputs(
     inputs: &[Tensor],
     preserve_rng: bool,
+    early_stop: bool,
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
-    run_checkpoint(inputs, preserve_rng, true, f)
+    run_checkpoint(inputs, preserve_rng, early_stop, true, f)
 }
 
 fn run_checkpoint(
     inputs: &[Tensor],
     preserve_rng: bool,
+    early_stop: bool,
     pack_inputs: bool,
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
@@ -179,6 +199,7 @@ fn run_checkpoint(
             run,
             drop_closure,
             preserve_rng,
+            early_stop,
             pack_inputs,
             &mut vec,
         )
