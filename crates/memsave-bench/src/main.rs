@@ -796,8 +796,9 @@ impl Observer for Progress {
     }
 }
 
-/// What `memsave fit` is doing: a spinner with the phase on a terminal, else one line
-/// per phase on stderr (a fit of a large global batch can take minutes).
+/// What `memsave fit` is doing: a spinner with the elapsed time and the step of the
+/// search on a terminal, else one line per phase on stderr (a fit of a large global
+/// batch can take minutes).
 struct FitProgress {
     bar: Option<ProgressBar>,
 }
@@ -807,7 +808,7 @@ impl FitProgress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new_spinner();
             bar.set_style(
-                ProgressStyle::with_template("{spinner} fit: {elapsed} {msg}")
+                ProgressStyle::with_template("{spinner} fit: {elapsed} {wide_msg}")
                     .unwrap_or_else(|_| ProgressStyle::default_spinner()),
             );
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
@@ -819,7 +820,8 @@ impl FitProgress {
     fn phase(&mut self, event: &memsave_plan::fit::FitEvent) {
         match &self.bar {
             Some(bar) => bar.set_message(event.to_string()),
-            None => eprintln!("fit: {event}"),
+            None if event.is_phase() => eprintln!("fit: {event}"),
+            None => {}
         }
     }
 

@@ -334,6 +334,21 @@ pub enum FitEvent {
         /// The second pass, with the gradients in files (nothing fit without).
         gradients_in_files: bool,
     },
+    /// Within a split: predicting one configuration from its small runs.
+    Probing {
+        /// Its name.
+        strategy: String,
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Examples in the largest micro-batch.
+        micro_batch: i64,
+    },
+    /// Profiling the layers (forward and backward of each, outside the budget) at
+    /// these two sizes, once, for the recompute schedules.
+    Profiling {
+        /// The two batch sizes.
+        sizes: (i64, i64),
+    },
     /// Running the fastest predicted configuration not run yet at its real size,
     /// under the budget, to confirm that it fits.
     Confirming {
@@ -361,6 +376,15 @@ pub enum FitEvent {
     },
 }
 
+impl FitEvent {
+    /// Whether this event starts a phase (a split, the confirming run, the runners-up,
+    /// the rounds, the exhaustive runs) rather than a step within one: a log shows the
+    /// phases, a progress line can show every event.
+    pub fn is_phase(&self) -> bool {
+        !matches!(self, FitEvent::Probing { .. } | FitEvent::Profiling { .. })
+    }
+}
+
 impl std::fmt::Display for FitEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let plural = |n: usize| if n == 1 { "" } else { "s" };
@@ -378,6 +402,18 @@ impl std::fmt::Display for FitEvent {
                 } else {
                     ""
                 }
+            ),
+            FitEvent::Probing {
+                strategy,
+                micro_batches,
+                micro_batch,
+            } => write!(
+                f,
+                "predicting {strategy} ({micro_batches}x{micro_batch}) from small runs"
+            ),
+            FitEvent::Profiling { sizes: (a, b) } => write!(
+                f,
+                "profiling the layers at {a} and {b} examples for recompute schedules"
             ),
             FitEvent::Confirming {
                 strategy,

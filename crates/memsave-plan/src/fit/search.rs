@@ -170,6 +170,7 @@ pub fn fit_with(
         profiles: None,
         small_over: 0,
         probes: HashMap::new(),
+        progress,
     };
     let has_optimizer = search.workload.optimizer().is_some();
     let passes = [
@@ -201,7 +202,7 @@ pub fn fit_with(
         }
         for k in splits(global) {
             let m = div_ceil(global, k as i64);
-            progress(&FitEvent::Predicting {
+            (search.progress)(&FitEvent::Predicting {
                 micro_batches: k,
                 micro_batch: m,
                 gradients_in_files: pass > 0,
@@ -276,7 +277,7 @@ pub fn fit_with(
         for &i in &order {
             tries += 1;
             run_already.insert(i);
-            progress(&FitEvent::Confirming {
+            (search.progress)(&FitEvent::Confirming {
                 strategy: candidates[i].choice.strategy.clone(),
                 micro_batches: candidates[i].choice.micro_batches,
                 micro_batch: candidates[i].choice.micro_batch,
@@ -352,7 +353,7 @@ pub fn fit_with(
     let race_s = RACE_S.max(RACE_SHARE * started.elapsed().as_secs_f64());
     let deadline = Instant::now() + std::time::Duration::from_secs_f64(race_s);
     if !racers.is_empty() {
-        progress(&FitEvent::RunnersUp {
+        (search.progress)(&FitEvent::RunnersUp {
             count: racers.len(),
         });
     }
@@ -394,7 +395,7 @@ pub fn fit_with(
     }
     close.truncate(RECHECK_MAX);
     if close.len() > 1 {
-        progress(&FitEvent::Rounds { count: close.len() });
+        (search.progress)(&FitEvent::Rounds { count: close.len() });
     }
     let before = started.elapsed().as_secs_f64();
     let recheck_s = RECHECK_S.max(RECHECK_SHARE * before);
@@ -425,7 +426,7 @@ pub fn fit_with(
 
     let mut fastest_measured = None;
     if request.exhaustive {
-        progress(&FitEvent::Exhaustive {
+        (search.progress)(&FitEvent::Exhaustive {
             count: (0..candidates.len())
                 .filter(|i| !run_already.contains(i))
                 .count(),
@@ -798,6 +799,8 @@ struct Search<'w> {
     small_over: usize,
     /// Small runs made so far, by configuration, size and micro-batch count.
     probes: HashMap<(String, i64, usize), Option<super::probe::Probe>>,
+    /// Told what the search is doing ([`fit_with`]).
+    progress: &'w mut dyn FnMut(&FitEvent),
 }
 
 impl Search<'_> {
@@ -1058,6 +1061,11 @@ impl Search<'_> {
         k: usize,
         largest: Option<i64>,
     ) -> Result<Candidate, FitError> {
+        (self.progress)(&FitEvent::Probing {
+            strategy: choice.strategy.clone(),
+            micro_batches: k,
+            micro_batch: m,
+        });
         let accumulate = k > 1;
         let largest = largest.unwrap_or(if accumulate && !choice.offload {
             div_ceil(self.global, 2)
@@ -1123,6 +1131,7 @@ impl Search<'_> {
     fn profile(&mut self, m: i64) -> Result<ChainProfile, FitError> {
         if self.profiles.is_none() {
             let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
+            (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
             let mut at = |size: i64| -> Result<ChainProfile, FitError> {
                 let x = self
                     .workload
