@@ -14,6 +14,7 @@ const SOURCES: &[&str] = &[
     "cpp/grad_hooks.cpp",
     "cpp/quant.cpp",
     "cpp/dist.cpp",
+    "cpp/ops.cpp",
 ];
 
 fn main() {

@@ -153,6 +153,8 @@ extern "C" {
     pub fn ms_hooks_pop(id: u64, popped: *mut c_int) -> c_int;
     pub fn ms_tensor_grad_fn_name(t: *const C_tensor, sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_current_autograd_node_name(sink: *mut c_void, has: *mut bool) -> c_int;
+    pub fn ms_coupling_begin(recorder: *mut *mut c_void) -> c_int;
+    pub fn ms_coupling_end(recorder: *mut c_void, sink: *mut c_void, found: *mut bool) -> c_int;
     pub fn ms_string_new(out: *mut *mut c_void) -> c_int;
     pub fn ms_string_data(s: *const c_void) -> *const c_char;
     pub fn ms_string_free(s: *mut c_void);

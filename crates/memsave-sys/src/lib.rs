@@ -29,6 +29,7 @@ mod error;
 mod ffi;
 pub mod grad_hooks;
 pub mod hooks;
+pub mod ops;
 pub mod quant;
 pub mod tensor;
 pub mod version;
