@@ -44,6 +44,10 @@ fn main() {
         .include(include.join("torch/csrc/api/include"))
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
+        // libtorch is a release build: its headers' debug-only members and checks
+        // (RecordFunction's inputs_valid_, say) must be compiled out here too, or the
+        // bridge reads fields libtorch never writes.
+        .define("NDEBUG", None)
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .opt_level(2);

@@ -68,8 +68,8 @@ int ms_coupling_begin(void** recorder) {
 // Stops recording and frees the recorder; writes the first coupling op's name into
 // `sink` (a std::string) and sets `*found` when one ran.
 int ms_coupling_end(void* recorder, void* sink, bool* found) {
-  std::unique_ptr<CouplingRecorder> r(static_cast<CouplingRecorder*>(recorder));
   MS_TRY({
+    std::unique_ptr<CouplingRecorder> r(static_cast<CouplingRecorder*>(recorder));
     at::removeCallback(r->handle);
     current() = r->outer;
     *found = !r->first.empty();
