@@ -15,6 +15,7 @@ const SOURCES: &[&str] = &[
     "cpp/quant.cpp",
     "cpp/dist.cpp",
     "cpp/ops.cpp",
+    "cpp/rng.cpp",
 ];
 
 fn main() {

@@ -154,6 +154,8 @@ extern "C" {
     pub fn ms_tensor_grad_fn_name(t: *const C_tensor, sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_current_autograd_node_name(sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_coupling_begin(recorder: *mut *mut c_void) -> c_int;
+    pub fn ms_rng_cpu_state(out: *mut *mut C_tensor) -> c_int;
+    pub fn ms_rng_set_cpu_state(state: *const C_tensor) -> c_int;
     pub fn ms_coupling_end(recorder: *mut c_void, sink: *mut c_void, found: *mut bool) -> c_int;
     pub fn ms_string_new(out: *mut *mut c_void) -> c_int;
     pub fn ms_string_data(s: *const c_void) -> *const c_char;

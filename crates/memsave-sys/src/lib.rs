@@ -31,6 +31,7 @@ pub mod grad_hooks;
 pub mod hooks;
 pub mod ops;
 pub mod quant;
+pub mod rng;
 pub mod tensor;
 pub mod version;
 
