@@ -62,7 +62,7 @@ impl Batch {
 /// any size, a loss and, optionally, an optimizer.
 ///
 /// Only the first six methods are required. The rest have defaults that fit most
-/// models: the loss is the mean of the squared output, there is no optimizer, and
+/// models: no buffers, the loss is the mean of the squared output, there is no optimizer, and
 /// the harness's residual-update strategies (`inplace_add`, `add_out`,
 /// `safe_residual`) and per-block traces are unavailable.
 ///
@@ -135,6 +135,15 @@ pub trait Workload {
     /// A batch of `size` examples, the same ones for the same size every time (for
     /// `size <= global_batch()`, best the first `size` of the global batch).
     fn batch(&self, size: i64) -> Result<Batch, TchError>;
+
+    /// Tensors the step updates in place that are not parameters, e.g. BatchNorm's
+    /// running statistics; [`fit`](crate::fit) restores them after its probe runs, as
+    /// it restores the parameters. None by default: a workload with BatchNorm layers
+    /// should list them (e.g. the `VarStore`'s variables that are not trainable), or
+    /// `fit` leaves them moved by its runs.
+    fn buffers(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 
     /// The loss of `output` against the batch's `target`: a scalar, the mean over the
     /// batch. By default the mean of the squared output, in f32 (the target ignored).

@@ -33,6 +33,14 @@ pub struct Choice {
     pub compress_int8: bool,
     /// Optimizer state in 8 bits (lossy; only when allowed).
     pub int8_state: bool,
+    /// With more than one micro-batch: the op of the step that couples the samples of
+    /// a batch (a batch-norm-family op in training mode, as
+    /// `memsave_sys::ops::sample_coupling_op` names it), which makes the split lossy:
+    /// each micro-batch is normalized with its own statistics, so the gradients and the
+    /// running statistics differ from the full batch's. `fit` offers such a split only
+    /// when [`Allow::micro_batches`](super::Allow::micro_batches) is set. `None` when
+    /// the step runs no such op, or with one micro-batch.
+    pub sample_coupling_op: Option<String>,
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
 }
@@ -51,6 +59,7 @@ impl Choice {
             autocast_bf16: false,
             compress_int8: false,
             int8_state: false,
+            sample_coupling_op: None,
             schedule: None,
         };
         c.rename();
@@ -75,10 +84,18 @@ impl Choice {
         self
     }
 
-    /// True when every lever is lossless (gradients bitwise equal to plain training
-    /// on the same micro-batches).
+    /// True when every lever is lossless: gradients bitwise equal to plain training
+    /// on the same micro-batches, and the split into micro-batches itself changes
+    /// nothing but rounding (false when the step couples the samples of a batch: see
+    /// [`sample_coupling_op`](Self::sample_coupling_op)).
     pub fn is_lossless(&self) -> bool {
-        !(self.autocast_bf16 || self.compress_int8 || self.int8_state)
+        !(self.autocast_bf16 || self.compress_int8 || self.int8_state || self.lossy_split())
+    }
+
+    /// True when the split into micro-batches changes the step: more than one, and the
+    /// step runs an op that couples the samples of a batch.
+    pub fn lossy_split(&self) -> bool {
+        self.micro_batches > 1 && self.sample_coupling_op.is_some()
     }
 
     fn rename(&mut self) {

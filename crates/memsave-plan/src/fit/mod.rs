@@ -81,7 +81,18 @@
 //! budget (AdamW's is twice the parameters): leave room for it (`memsave-optim`'s
 //! 8-bit state is a quarter of that).
 //!
-//! Traps: the workload's weights are put back after every run, but its checkpoint
+//! Micro-batches are lossless only when no op of the step computes a sample's output
+//! from other samples of the batch. BatchNorm in training mode does (it normalizes each
+//! sample with the whole batch's statistics): `fit` runs its first step under
+//! `memsave_sys::ops::sample_coupling_op`, and when that names an op, a split into
+//! micro-batches is a lossy lever like the others, considered only with
+//! [`Allow::micro_batches`] ([`Choice::is_lossless`] is then false for it, and the
+//! report's `why` names the op).
+//!
+//! Traps: the model is left bitwise as `fit` found it: its parameters, its
+//! [`buffers`](crate::Workload::buffers) (BatchNorm's running statistics, which every
+//! probe run updates; a workload that does not list them gets them back changed) and
+//! the CPU random generator's state (CUDA generators are not put back). Its checkpoint
 //! schedule is left as the choice's (that is the point) and its gradients are freed.
 //! And on glibc, `fit` first allocates and frees one block of just under 32 MiB, which
 //! raises `malloc`'s mmap threshold to its cap for the rest of the process, as the
@@ -95,6 +106,7 @@ mod choice;
 mod predict;
 mod probe;
 mod search;
+mod state;
 
 pub use choice::Choice;
 pub use search::{fit, fit_with};
@@ -141,6 +153,8 @@ impl FitRequest {
 
 /// The lossy levers `fit` may use besides the lossless ones (recompute, offload,
 /// micro-batches, optimizer step in backward, gradients in files). All off by default.
+/// Micro-batches are lossless unless the step couples the samples of a batch
+/// (BatchNorm in training mode): then they are lossy and need [`micro_batches`](Self::micro_batches).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Allow {
     /// Forward under bf16 autocast.
@@ -149,6 +163,12 @@ pub struct Allow {
     pub compress: bool,
     /// 8-bit blockwise optimizer state.
     pub int8_state: bool,
+    /// More than one micro-batch when the step couples the samples of a batch (BatchNorm
+    /// in training mode normalizes each sample with the whole batch's statistics, so
+    /// micro-batches change the gradients and the running statistics). `fit` finds such
+    /// an op itself, in its first run of the step; without one, micro-batching is
+    /// lossless and always considered, whatever this says.
+    pub micro_batches: bool,
 }
 
 impl Allow {
@@ -158,6 +178,7 @@ impl Allow {
             bf16: true,
             compress: true,
             int8_state: true,
+            micro_batches: true,
         }
     }
 }
@@ -198,6 +219,10 @@ pub struct FitReport {
     pub margin: f64,
     /// The lossy levers allowed.
     pub allow: Allow,
+    /// The first op of the step that couples the samples of a batch (a batch-norm-family
+    /// op in training mode), if any: micro-batches are then lossy, and considered only
+    /// with [`Allow::micro_batches`].
+    pub sample_coupling_op: Option<String>,
     /// The chosen configuration.
     pub choice: Choice,
     /// Its predicted peak.

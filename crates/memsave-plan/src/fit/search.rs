@@ -4,6 +4,7 @@
 use super::choice::Choice;
 use super::predict::{profile_at, Affine};
 use super::probe::{probe, ProbeError};
+use super::state::ModelState;
 use super::{Candidate, FitError, FitEvent, FitReport, FitRequest};
 use crate::plan::f_profile;
 use crate::workload::Workload;
@@ -158,6 +159,25 @@ pub fn fit_with(
     if global < 1 {
         return Err(FitError::BadGlobalBatch(global));
     }
+    // Every probe run moves the model (BatchNorm's running statistics, the random
+    // generator, the weights under an optimizer): it is put back as found, whatever
+    // the outcome.
+    let state = ModelState::save(&*workload).map_err(FitError::Step)?;
+    let outcome = search_fit(workload, request, progress, started, global);
+    let restored = state.restore().map_err(FitError::Step);
+    let report = outcome?;
+    restored?;
+    Ok(report)
+}
+
+/// [`fit_with`] after the request is checked and the model's state saved.
+fn search_fit(
+    workload: &mut dyn Workload,
+    request: &FitRequest,
+    progress: &mut dyn FnMut(&FitEvent),
+    started: Instant,
+    global: i64,
+) -> Result<FitReport, FitError> {
     memsave_meter::install();
     super::allocator::settle();
     let target = (request.budget_bytes as f64 * (1.0 - request.margin)).floor() as u64;
@@ -171,6 +191,7 @@ pub fn fit_with(
         small_over: 0,
         probes: HashMap::new(),
         progress,
+        lossy_split: false,
     };
     let has_optimizer = search.workload.optimizer().is_some();
     let passes = [
@@ -194,6 +215,10 @@ pub fn fit_with(
     let mut chosen = None;
     // Candidates run at their real size already.
     let mut run_already = std::collections::HashSet::new();
+    // The first op of the step that couples the samples of a batch, found in the
+    // first evaluation of the plain step (one micro-batch): with one, micro-batches
+    // change the step and are a lossy lever.
+    let mut coupling: Option<Option<String>> = None;
     // Gradients in files cost a write and a read of every gradient per micro-batch:
     // they are considered only when nothing fits without (predicted, then confirmed).
     for (pass, lever_sets) in passes.iter().enumerate() {
@@ -201,6 +226,12 @@ pub fn fit_with(
             break;
         }
         for k in splits(global) {
+            if k > 1
+                && coupling.as_ref().is_some_and(Option::is_some)
+                && !request.allow.micro_batches
+            {
+                break; // micro-batches are lossy for this step, and not allowed
+            }
             let m = div_ceil(global, k as i64);
             (search.progress)(&FitEvent::Predicting {
                 micro_batches: k,
@@ -215,7 +246,18 @@ pub fn fit_with(
             // offload and compression (slow to probe), which are skipped where their
             // known cost over the plain step cannot beat what already fits.
             let base = lever_sets[0];
-            let plain = search.evaluate(&base.apply(Choice::new(global, k)), m, k, None)?;
+            let plain_choice = base.apply(Choice::new(global, k));
+            let plain = if coupling.is_none() {
+                let (plain, op) = memsave_sys::ops::sample_coupling_op(|| {
+                    search.evaluate(&plain_choice, m, k, None)
+                })
+                .map_err(|e| FitError::Step(e.to_string()))?;
+                search.lossy_split = op.is_some();
+                coupling = Some(op);
+                plain?
+            } else {
+                search.evaluate(&plain_choice, m, k, None)?
+            };
             let plain_fits = plain.predicted_fits;
             let plain_time = plain.predicted_step_time_s;
             candidates.push(plain);
@@ -294,6 +336,12 @@ pub fn fit_with(
                 }
                 Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
             }
+        }
+    }
+    let coupling = coupling.flatten();
+    if let Some(op) = &coupling {
+        for c in candidates.iter_mut().filter(|c| c.choice.micro_batches > 1) {
+            c.choice.sample_coupling_op = Some(op.clone());
         }
     }
     let Some(mut chosen) = chosen else {
@@ -487,13 +535,20 @@ pub fn fit_with(
     let _ = search.workload.layers_mut().set_schedule(schedule);
 
     let c = &candidates[chosen];
-    let why = why(c, &candidates, target, request, global, raced);
+    let mut why = why(c, &candidates, target, request, global, raced);
+    if let Some(op) = &coupling {
+        why.push_str(&format!(
+            "; {}",
+            coupling_sentence(op, request.allow.micro_batches)
+        ));
+    }
     Ok(FitReport {
         model: search.workload.name().to_owned(),
         budget_bytes: request.budget_bytes,
         global_batch: global,
         margin: request.margin,
         allow: request.allow,
+        sample_coupling_op: coupling.clone(),
         choice: c.choice.clone(),
         predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
         measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
@@ -801,6 +856,8 @@ struct Search<'w> {
     probes: HashMap<(String, i64, usize), Option<super::probe::Probe>>,
     /// Told what the search is doing ([`fit_with`]).
     progress: &'w mut dyn FnMut(&FitEvent),
+    /// Micro-batches change this step (it couples the samples of a batch).
+    lossy_split: bool,
 }
 
 impl Search<'_> {
@@ -1224,10 +1281,12 @@ impl Search<'_> {
         let has_optimizer = self.workload.optimizer().is_some();
         let mut everything = FitRequest::new(request.budget_bytes);
         everything.allow = super::Allow::all();
-        let allowed = |l: &Levers| {
+        let lossy_split = self.lossy_split;
+        let allowed = |l: &Levers, k: usize| {
             (!l.bf16 || request.allow.bf16)
                 && (!l.compress || request.allow.compress)
                 && (!l.int8_state || request.allow.int8_state)
+                && (k == 1 || !lossy_split || request.allow.micro_batches)
         };
         let least_memory = {
             let profile = self.profile(1)?;
@@ -1270,7 +1329,7 @@ impl Search<'_> {
                     Err(ProbeError::OutOfMemory(_)) => continue,
                     Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
                 };
-                let slot = if allowed(&levers) {
+                let slot = if allowed(&levers, k) {
                     &mut best_allowed
                 } else {
                     &mut best_lossy
@@ -1369,6 +1428,19 @@ fn front(candidates: &[Candidate]) -> Vec<Candidate> {
         .collect();
     front.sort_by_key(|c| c.predicted_peak_bytes);
     front
+}
+
+/// Why micro-batches are lossy for a step that runs `op`, in one sentence, and whether
+/// they were considered.
+fn coupling_sentence(op: &str, allowed: bool) -> String {
+    format!(
+        "the step runs {op} in training mode, which normalizes each sample with the whole batch's statistics: micro-batches change the gradients and the running statistics, so {}",
+        if allowed {
+            "they are a lossy lever here (allowed)"
+        } else {
+            "they were not considered (allow micro_batches to consider them)"
+        }
+    )
 }
 
 fn why(

@@ -1,0 +1,52 @@
+//! The model's state as `fit` found it, put back when it ends: its parameters, its
+//! buffers (BatchNorm's running statistics, which every probe run moves) and the CPU
+//! random generator's state (dropout and the workload's own draws advance it).
+use crate::workload::Workload;
+use tch::{Device, TchError, Tensor};
+
+/// Host copies of the parameters and buffers, bitwise, and the CPU generator's state.
+pub(crate) struct ModelState {
+    /// (the tensor, a host copy of its values).
+    tensors: Vec<(Tensor, Tensor)>,
+    rng: Tensor,
+}
+
+/// A copy of `t`'s values on the host that later writes to `t` do not change.
+fn host_copy(t: &Tensor) -> Result<Tensor, TchError> {
+    let d = t.f_detach()?;
+    if d.device() == Device::Cpu {
+        let mut copy = d.f_empty_like()?;
+        copy.f_copy_(&d)?;
+        Ok(copy)
+    } else {
+        d.f_to_device(Device::Cpu)
+    }
+}
+
+impl ModelState {
+    /// Saves the state of `workload` and of the CPU generator.
+    pub(crate) fn save(workload: &dyn Workload) -> Result<Self, String> {
+        let what = |e: &dyn std::fmt::Display| format!("saving the model's state: {e}");
+        let tensors = workload
+            .parameters()
+            .into_iter()
+            .chain(workload.buffers())
+            .map(|t| host_copy(&t).map(|c| (t, c)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| what(&e))?;
+        let rng = memsave_sys::rng::cpu_state().map_err(|e| what(&e))?;
+        Ok(Self { tensors, rng })
+    }
+
+    /// Writes the saved values back (in place: views and optimizers holding the
+    /// tensors see them) and puts the generator's state back.
+    pub(crate) fn restore(&self) -> Result<(), String> {
+        let what = |e: &dyn std::fmt::Display| format!("putting the model's state back: {e}");
+        let _no_grad = tch::no_grad_guard();
+        for (t, saved) in &self.tensors {
+            let mut t = t.shallow_clone();
+            t.f_copy_(saved).map_err(|e| what(&e))?;
+        }
+        memsave_sys::rng::set_cpu_state(&self.rng).map_err(|e| what(&e))
+    }
+}

@@ -1,0 +1,213 @@
+//! `fit` on a step that couples the samples of a batch (BatchNorm in training mode):
+//! micro-batches are a lossy lever there, offered only when allowed and never called
+//! lossless; and `fit` leaves the model bitwise as it found it (parameters, BatchNorm's
+//! running statistics, the CPU random generator's stream).
+use memsave_checkpoint::CheckpointedSequential;
+use memsave_plan::step::f_step;
+use memsave_plan::{fit, Batch, FitRequest, OptimizerSpec, StepConfig, Workload};
+use serial_test::serial;
+use tch::nn::{self, Module, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// Residual blocks `x + relu(bn(conv1d(x)))` (without `bn`: `x + relu(conv1d(x))`),
+/// with dropout when `dropout`, on a fixed batch of `[batch, 8, 32]`.
+struct ConvNet {
+    vs: nn::VarStore,
+    layers: CheckpointedSequential,
+    data: Tensor,
+    optimizer: Option<OptimizerSpec>,
+}
+
+impl ConvNet {
+    fn new(bn: bool, dropout: bool, batch: i64) -> ConvNet {
+        tch::manual_seed(11);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut seq = CheckpointedSequential::new();
+        for i in 0..4 {
+            let p = vs.root() / i;
+            let conv = nn::conv1d(
+                &p / "conv",
+                8,
+                8,
+                3,
+                nn::ConvConfig {
+                    padding: 1,
+                    ..Default::default()
+                },
+            );
+            let norm = bn.then(|| nn::batch_norm1d(&p / "bn", 8, Default::default()));
+            seq = seq.add_fn(move |x| {
+                let y = conv.forward(x);
+                let y = match &norm {
+                    Some(norm) => norm.forward_t(&y, true),
+                    None => y,
+                };
+                let y = if dropout { y.dropout(0.1, true) } else { y };
+                x + y.relu()
+            });
+        }
+        let data = Tensor::rand([batch, 8, 32], (Kind::Float, Device::Cpu));
+        ConvNet {
+            vs,
+            layers: seq,
+            data,
+            optimizer: None,
+        }
+    }
+}
+
+impl Workload for ConvNet {
+    fn name(&self) -> &str {
+        "convnet"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    fn buffers(&self) -> Vec<Tensor> {
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named.into_iter().map(|(_, t)| t).collect()
+    }
+    fn global_batch(&self) -> i64 {
+        self.data.size()[0]
+    }
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    }
+    fn optimizer(&self) -> Option<OptimizerSpec> {
+        self.optimizer
+    }
+}
+
+/// The peak of one plain step on the whole batch, measured by the meter; the model's
+/// state is put back by the caller's snapshot where it matters.
+fn baseline_peak(model: &mut ConvNet) -> u64 {
+    memsave_meter::install();
+    let x = model.batch(model.global_batch()).unwrap();
+    let m = f_step(model, &x, &StepConfig::baseline(), Device::Cpu, false, None).unwrap();
+    memsave_accum::free_grads(&model.parameters()).unwrap();
+    m.peak_bytes
+}
+
+fn copies(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter().map(|t| t.detach().copy()).collect()
+}
+
+fn assert_bitwise(what: &str, before: &[Tensor], after: &[Tensor]) {
+    assert_eq!(before.len(), after.len());
+    for (i, (b, a)) in before.iter().zip(after).enumerate() {
+        assert!(
+            b.equal(a),
+            "{what} {i} changed by fit: max difference {}",
+            f64::try_from((b - a).abs().max()).unwrap()
+        );
+    }
+}
+
+#[test]
+#[serial]
+fn micro_batches_are_lossy_with_batch_norm_and_offered_only_when_allowed() {
+    let mut model = ConvNet::new(true, false, 16);
+    let budget = (baseline_peak(&mut model) as f64 * 0.6) as u64;
+
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    let op = report
+        .sample_coupling_op
+        .clone()
+        .expect("the batch norm in training mode is found");
+    assert!(op.contains("batch_norm"), "{op}");
+    assert!(
+        report.why.contains(&op) && report.why.contains("training mode"),
+        "{}",
+        report.why
+    );
+    assert!(
+        report
+            .candidates
+            .iter()
+            .all(|c| c.choice.micro_batches == 1),
+        "micro-batches offered without being allowed:\n{}",
+        report.to_text()
+    );
+    assert!(report.choice.is_lossless(), "{}", report.choice.strategy);
+
+    let mut request = FitRequest::new(budget);
+    request.allow.micro_batches = true;
+    let report = fit(&mut model, &request).unwrap();
+    assert_eq!(report.sample_coupling_op.as_deref(), Some(op.as_str()));
+    let split: Vec<_> = report
+        .candidates
+        .iter()
+        .filter(|c| c.choice.micro_batches > 1)
+        .collect();
+    assert!(!split.is_empty(), "{}", report.to_text());
+    for c in split {
+        assert!(
+            !c.choice.is_lossless(),
+            "{} called lossless",
+            c.choice.strategy
+        );
+        assert_eq!(c.choice.sample_coupling_op.as_deref(), Some(op.as_str()));
+    }
+    assert!(report.why.contains(&op), "{}", report.why);
+}
+
+#[test]
+#[serial]
+fn without_batch_norm_micro_batches_stay_lossless() {
+    let mut model = ConvNet::new(false, false, 16);
+    let budget = (baseline_peak(&mut model) as f64 * 0.6) as u64;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    assert_eq!(report.sample_coupling_op, None);
+    assert!(
+        report.candidates.iter().any(|c| c.choice.micro_batches > 1),
+        "{}",
+        report.to_text()
+    );
+    for c in &report.candidates {
+        assert!(c.choice.is_lossless(), "{}", c.choice.strategy);
+        assert_eq!(c.choice.sample_coupling_op, None);
+    }
+    assert!(!report.why.contains("training mode"), "{}", report.why);
+}
+
+#[test]
+#[serial]
+fn fit_leaves_parameters_buffers_and_the_random_stream_as_it_found_them() {
+    for optimizer in [None, Some(OptimizerSpec::default())] {
+        let mut model = ConvNet::new(true, true, 12);
+        model.optimizer = optimizer;
+        // A step first, so that the running statistics are not their initial values.
+        baseline_peak(&mut model);
+        let budget = (baseline_peak(&mut model) as f64 * 0.6) as u64;
+        let params = copies(&model.parameters());
+        let buffers = copies(&model.buffers());
+        assert_eq!(buffers.len(), 2 * 4, "running mean and var per BN");
+        let rng = memsave_sys::rng::cpu_state().unwrap();
+        let next = Tensor::rand([64], (Kind::Float, Device::Cpu));
+        memsave_sys::rng::set_cpu_state(&rng).unwrap();
+
+        let mut request = FitRequest::new(budget);
+        request.allow.micro_batches = true;
+        fit(&mut model, &request).unwrap();
+
+        assert_bitwise("parameter", &params, &model.parameters());
+        assert_bitwise("buffer", &buffers, &model.buffers());
+        let drawn = Tensor::rand([64], (Kind::Float, Device::Cpu));
+        assert!(drawn.equal(&next), "the random stream moved");
+    }
+}
