@@ -59,3 +59,12 @@ pub enum OffloadError {
         reason: String,
     },
 }
+
+/// What a store's `check()` found wrong with its [`SavePolicy`](crate::SavePolicy).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// Names of `keep_ops` that no saved tensor's saving op or producer matched so
+    /// far: a typo, or an op this libtorch lowers to another (check after a step).
+    #[error("keep_ops names op(s) never seen saving or producing a saved tensor: {}; use the names Accounting reports (aten::native_layer_norm, NativeLayerNormBackward0)", .0.join(", "))]
+    UnseenOps(Vec<String>),
+}

@@ -9,8 +9,16 @@
 //! [`SavedTensorHooks::unpack`]. Built-ins: [`SaveOnCpu`] keeps CUDA activations in host
 //! memory, [`Accounting`] tells which ops keep your memory, [`Compress`] stores saved
 //! activations as bf16, fp16, fp8 or int8 (a [`Codec`]), and [`DiskOffload`] keeps them
-//! in files until backward. The packing built-ins leave parameters and the tensors you
-//! name alone ([`PassThrough`]): packing what stays alive anyway only adds bytes.
+//! in files until backward.
+//!
+//! The packing built-ins pack only what a [`SavePolicy`] lets them. Packing what stays
+//! alive anyway only adds bytes, so parameters, the tensors you name and buffers
+//! (running statistics) are kept as they are by all three. [`Compress`] also keeps
+//! what backward is numerically sensitive to (the statistics of normalization ops)
+//! and tensors under 4 KiB, and compresses a normalization's input with blocks per
+//! channel or row: int8 over everything a batch-norm network saves made gradient
+//! errors of 0.29 (ResNet-18) to 2.13 (MobileNetV2), with no warning. A tensor that
+//! two nodes save is packed once.
 //!
 //! Gradients are not saved tensors, but they are the other half of what training keeps:
 //! [`GradOffload`] (post-accumulate-grad hooks) keeps the gradients accumulated over
@@ -48,17 +56,20 @@ mod compress;
 mod error;
 mod offload;
 mod pass_through;
+mod policy;
 mod save_on_cpu;
+mod saved_once;
 mod scope;
 
 pub use accounting::{producer_of, Accounting, SavedRecord};
 pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
 pub use compress::{Compress, CompressStats, Compressed, SharedEncoded};
-pub use error::{HookError, HooksError, OffloadError};
+pub use error::{HookError, HooksError, OffloadError, PolicyError};
 pub use offload::{
     DiskOffload, GradOffload, GradOffloadStats, OffloadStats, Offloaded, OnComplete,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
 };
 pub use pass_through::PassThrough;
+pub use policy::{Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS};
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
 pub use scope::{hooks_from_fn, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks};

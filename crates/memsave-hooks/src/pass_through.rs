@@ -47,9 +47,17 @@ impl PassThrough {
     /// True when `tensor` is left as it is; `Err` when libtorch cannot tell whether it
     /// is a view.
     pub fn contains(&self, tensor: &Tensor) -> Result<bool, memsave_sys::Error> {
-        Ok(tensor.numel() == 0
-            || (tensor.is_leaf() && tensor.requires_grad())
-            || self.excluded.contains(&(tensor.data_ptr() as usize))
+        Ok(tensor.numel() == 0 || self.is_excluded(tensor) || self.is_parameter(tensor)?)
+    }
+
+    /// A parameter (a leaf that requires grad) or a view of one.
+    pub(crate) fn is_parameter(&self, tensor: &Tensor) -> Result<bool, memsave_sys::Error> {
+        Ok((tensor.is_leaf() && tensor.requires_grad())
             || memsave_sys::tensor::is_view_of_grad_leaf(tensor)?)
+    }
+
+    /// Shares its data pointer with an excluded tensor.
+    pub(crate) fn is_excluded(&self, tensor: &Tensor) -> bool {
+        tensor.numel() > 0 && self.excluded.contains(&(tensor.data_ptr() as usize))
     }
 }

@@ -1,7 +1,7 @@
 //! `SaveOnCpu`: keep saved CUDA activations in host memory until backward.
 use crate::compress::{distinct, Expanded};
-use crate::error::HookError;
-use crate::pass_through::PassThrough;
+use crate::error::{HookError, PolicyError};
+use crate::policy::{KeptStats, SavePolicy, Selector};
 use crate::scope::SavedTensorHooks;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,16 +13,20 @@ use tch::{Device, Tensor};
 /// Tensors already on the CPU are kept as they are: on a CPU-only machine this is a
 /// no-op that costs nothing. Gradients are bitwise equal to the baseline's: the copy
 /// is exact. The device memory is freed only when nothing else holds the tensor, so
-/// parameters (and their views) and the tensors given to
-/// [`excluding`](Self::excluding) stay on the device uncopied (see [`PassThrough`]),
-/// where PyTorch's `save_on_cpu` copies the weights too. A saved tensor expanded from a
+/// what stays alive anyway stays on the device uncopied ([`SavePolicy::exact`]):
+/// parameters (and their views), the tensors given to [`excluding`](Self::excluding),
+/// and buffers (floating-point vectors and scalars without a `grad_fn`: running
+/// statistics, batch norm's saved statistics), where PyTorch's `save_on_cpu` copies
+/// the weights and buffers too. Trap: a larger tensor you hold past the forward (the
+/// batch) is copied unless excluded; see [`SavePolicy`] for the rule and
+/// [`policy`](Self::policy) to change it. A saved tensor expanded from a
 /// smaller one (stride 0 in a dimension: `expand`, broadcasting) is copied as the
 /// smaller one and expanded back in backward, where a plain copy would hold every
 /// repeat. Clones share [`offloaded_bytes`](Self::offloaded_bytes).
 #[derive(Debug, Clone)]
 pub struct SaveOnCpu {
     pin_memory: bool,
-    pass: PassThrough,
+    select: Selector,
     offloaded_bytes: Arc<AtomicU64>,
 }
 
@@ -30,7 +34,7 @@ impl Default for SaveOnCpu {
     fn default() -> Self {
         Self {
             pin_memory: true,
-            pass: PassThrough::new(),
+            select: Selector::new(SavePolicy::exact()),
             offloaded_bytes: Arc::default(),
         }
     }
@@ -51,8 +55,26 @@ impl SaveOnCpu {
 
     /// Also keeps tensors sharing data with `tensors` on the device (inputs you hold).
     pub fn excluding(mut self, tensors: &[Tensor]) -> Self {
-        self.pass = self.pass.excluding(tensors);
+        self.select = self.select.excluding(tensors);
         self
+    }
+
+    /// Decides what is copied by `policy` instead of [`SavePolicy::exact`]; the
+    /// exclusions stay.
+    pub fn policy(mut self, policy: SavePolicy) -> Self {
+        self.select = self.select.policy(policy);
+        self
+    }
+
+    /// Tensors on an accelerator that the policy kept there, by reason.
+    pub fn kept(&self) -> KeptStats {
+        self.select.kept()
+    }
+
+    /// `Err` listing the [`SavePolicy::keep_ops`] names that no saved tensor's saving
+    /// op or producer matched so far (call it after the first step).
+    pub fn check(&self) -> Result<(), PolicyError> {
+        self.select.check()
     }
 
     /// Bytes copied to host memory so far (of expanded tensors, their base's).
@@ -74,15 +96,28 @@ impl SavedTensorHooks for SaveOnCpu {
     type Packed = OnCpu;
 
     fn pack(&self, tensor: &Tensor) -> Result<OnCpu, HookError> {
+        self.pack_saved_by(tensor, None)
+    }
+
+    fn records_ops(&self) -> bool {
+        self.select.records_ops()
+    }
+
+    fn pack_saved_by(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<OnCpu, HookError> {
         let device = tensor.device();
-        if device == Device::Cpu || self.pass.contains(tensor)? {
-            return Ok(OnCpu {
-                device,
-                tensor: tensor.shallow_clone(),
-                expanded: None,
-            });
+        let kept = || OnCpu {
+            device,
+            tensor: tensor.shallow_clone(),
+            expanded: None,
+        };
+        if device == Device::Cpu {
+            return Ok(kept());
         }
         let (base, expanded) = distinct(tensor)?;
+        let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
+        if self.select.decide(tensor, bytes, saved_by)?.kept.is_some() {
+            return Ok(kept());
+        }
         let host = base.f_to_device(Device::Cpu)?;
         self.offloaded_bytes.fetch_add(
             (base.numel() * base.kind().elt_size_in_bytes()) as u64,

@@ -35,7 +35,10 @@ fn bounds(codec: Codec, x: &[f64], kind: Kind) -> Vec<f64> {
     let f32_slack = |v: f64| 4.0 * 2f64.powi(-24) * v;
     let codec_bound: Vec<f64> = match codec {
         Codec::Bf16 => x.iter().map(|v| 2f64.powi(-8) * v.abs()).collect(),
-        Codec::Fp16 => x.iter().map(|v| 2f64.powi(-11) * v.abs() + 2f64.powi(-25)).collect(),
+        Codec::Fp16 => x
+            .iter()
+            .map(|v| 2f64.powi(-11) * v.abs() + 2f64.powi(-25))
+            .collect(),
         Codec::Fp8E4m3 { block } => x
             .iter()
             .zip(block_max(block.get()))
@@ -46,7 +49,18 @@ fn bounds(codec: Codec, x: &[f64], kind: Kind) -> Vec<f64> {
             stochastic_rounding,
         } => block_max(block.get())
             .into_iter()
-            .map(|m| if stochastic_rounding { m / 127.0 } else { m / 254.0 } + f32_slack(m))
+            .zip(x)
+            .map(|(m, v)| {
+                // Rounded to nearest, a nonzero value below half a step keeps its sign:
+                // one step.
+                let tiny = v.abs() > 0.0 && v.abs() < m / 254.0;
+                let step = if stochastic_rounding || tiny {
+                    m / 127.0
+                } else {
+                    m / 254.0
+                };
+                step + f32_slack(m)
+            })
             .collect(),
     };
     codec_bound
@@ -134,9 +148,9 @@ fn int8_stores_one_byte_per_value_and_one_f32_scale_per_block() {
 #[test]
 #[serial]
 fn stochastic_rounding_is_unbiased_where_nearest_is_not() {
-    // 0.3 of the step above zero: nearest always rounds down, stochastic on average not.
+    // 1.3 steps: nearest always rounds down, stochastic on average not.
     let m = 127.0f32;
-    let x = Tensor::from_slice(&[m, 0.3]).repeat([20000]);
+    let x = Tensor::from_slice(&[m, 1.3]).repeat([20000]);
     let mean_restored = |stochastic: bool| {
         let codec = Codec::Int8 {
             block: NonZeroUsize::new(2).unwrap(),
@@ -149,8 +163,8 @@ fn stochastic_rounding_is_unbiased_where_nearest_is_not() {
             .double_value(&[])
     };
     tch::manual_seed(0);
-    assert_eq!(mean_restored(false), 0.0);
-    assert!((mean_restored(true) - 0.3).abs() < 0.02);
+    assert_eq!(mean_restored(false), 1.0);
+    assert!((mean_restored(true) - 1.3).abs() < 0.02);
 }
 
 /// Ten layers of `h = h + Linear(64, 64)(h)` on `[8, 64]`: each layer saves its input.
@@ -175,7 +189,10 @@ fn compressed_forward_retains_its_output_plus_exactly_the_stored_bytes_and_frees
     let x = Tensor::randn([8, 64], (Kind::Float, Device::Cpu));
     for codec in [Codec::Bf16, Codec::Fp16, Codec::fp8(), Codec::int8()] {
         let start = f_memory_allocated(Device::Cpu).unwrap();
-        let hooks = Compress::new(codec).excluding(&[x.shallow_clone()]);
+        // [8, 64] f32 is 2 KiB: under the default threshold.
+        let hooks = Compress::new(codec)
+            .min_bytes(0)
+            .excluding(&[x.shallow_clone()]);
         let y = saved_tensors_hooks(hooks.clone(), || forward(&layers, &x)).unwrap();
         let stats = hooks.stats();
         // Nine layer inputs compressed; x and nine weights (as `t()` views) passed
@@ -215,7 +232,7 @@ fn int8_gradients_are_close_to_exact_ones() {
             .collect()
     };
     let exact = grads(None);
-    let int8 = grads(Some(Compress::new(Codec::int8())));
+    let int8 = grads(Some(Compress::new(Codec::int8()).min_bytes(0)));
     let num: f64 = exact
         .iter()
         .zip(&int8)
@@ -304,7 +321,8 @@ fn an_expanded_saved_tensor_is_stored_as_its_base() {
         let n = base.numel() as u64;
         let m = base.abs().max().double_value(&[]);
         for codec in [Codec::Bf16, Codec::Fp16, Codec::fp8(), Codec::int8()] {
-            let hooks = Compress::new(codec);
+            // The smaller bases are under the default threshold.
+            let hooks = Compress::new(codec).min_bytes(0);
             let (held, grad) = step(Some(&hooks));
             let stored = match codec {
                 Codec::Bf16 | Codec::Fp16 => 2 * n,
@@ -339,4 +357,23 @@ fn an_expanded_saved_tensor_is_stored_as_its_base() {
             }
         }
     }
+}
+
+/// Int8 rounding to nearest never stores a nonzero value as zero: 0.3 and -0.49 of a
+/// step become one step of their sign, zeros stay zero, the rest round to nearest.
+#[test]
+#[serial]
+fn int8_keeps_the_sign_of_values_below_half_a_step() {
+    let x = Tensor::from_slice(&[127.0f32, 0.3, -0.49, 0.0, 0.5, -1.4, 2.6]);
+    let r = Codec::int8()
+        .f_encode(&x)
+        .unwrap()
+        .unwrap()
+        .f_decode()
+        .unwrap();
+    assert_eq!(
+        values(&r),
+        vec![127.0, 1.0, -1.0, 0.0, 1.0, -1.0, 3.0],
+        "restored {r:?}"
+    );
 }

@@ -3,8 +3,9 @@
 use super::file::{self, Layout, ReadError, StoreDir};
 use super::{lock, WriteFailures};
 use crate::compress::{distinct, Expanded};
-use crate::error::{HookError, OffloadError};
-use crate::pass_through::PassThrough;
+use crate::error::{HookError, OffloadError, PolicyError};
+use crate::policy::{KeptStats, SavePolicy, Selector};
+use crate::saved_once::{Lookup, SavedOnce};
 use crate::scope::SavedTensorHooks;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -55,9 +56,21 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 ///   in memory instead, so nothing is lost, and [`flush`](Self::flush) returns the
 ///   error once, naming the directory.
 ///
-/// Parameters and the tensors given to [`excluding`](Self::excluding) are not written
-/// (see [`PassThrough`]). Trap: a directory on a RAM-backed file system (`tmpfs`, often
-/// `/tmp`) only moves the bytes to another part of memory.
+/// - **What stays alive is not written** ([`SavePolicy::exact`]): parameters (and
+///   their views), the tensors given to [`excluding`](Self::excluding), and buffers
+///   (floating-point vectors and scalars without a `grad_fn`: running statistics,
+///   batch norm's saved statistics) stay in memory, where they are anyway: writing
+///   them cost a file each (80 of the 139 files of a ResNet-18 step were batch norm's
+///   statistics) and added their bytes while they waited for the writer. Trap: a
+///   larger tensor you hold past the forward (the batch) is written unless excluded;
+///   see [`SavePolicy`] for the rule and [`policy`](Self::policy) to change it.
+/// - **Written once.** A tensor that several autograd nodes save (a ReLU's output,
+///   saved by the ReLU and by the layer after it, or a flattened view of it) is
+///   written once while its file is alive, as [`Compress`](crate::Compress) stores it
+///   once; [`OffloadStats::shared`] counts the second saves.
+///
+/// Trap: a directory on a RAM-backed file system (`tmpfs`, often `/tmp`) only moves
+/// the bytes to another part of memory.
 ///
 /// ```
 /// use memsave_hooks::{saved_tensors_hooks, DiskOffload};
@@ -79,7 +92,8 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 #[derive(Clone)]
 pub struct DiskOffload {
     store: Arc<Store>,
-    pass: PassThrough,
+    select: Selector,
+    saved: Arc<SavedOnce<Held>>,
     prefetch: usize,
     max_in_flight_bytes: u64,
     synchronous: bool,
@@ -96,6 +110,11 @@ pub struct OffloadStats {
     pub kept_in_memory: u64,
     /// Bytes read back from the store.
     pub read_bytes: u64,
+    /// Tensors saved again while their file was alive, sharing it (not in
+    /// `tensors_written`).
+    pub shared: u64,
+    /// Tensors kept in memory by the policy, by reason (not written).
+    pub kept: KeptStats,
 }
 
 /// The directory, the writer's queue and what is in flight; shared by clones.
@@ -161,14 +180,20 @@ pub struct Offloaded(Packed);
 
 enum Packed {
     Kept(Tensor),
-    Stored(Arc<Entry>),
+    /// The entry, shared by the packs of one tensor saved twice, and this pack's sizes
+    /// when another view of the same elements was written.
+    Stored(Arc<Held>, Option<Vec<i64>>),
 }
+
+/// An entry held by packs: when the last of them goes (autograd freed every save of
+/// the tensor), its file is removed.
+struct Held(Arc<Entry>);
 
 impl std::fmt::Debug for Offloaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.0 {
             Packed::Kept(_) => f.write_str("Offloaded::Kept"),
-            Packed::Stored(e) => write!(f, "Offloaded::Stored({})", e.path.display()),
+            Packed::Stored(e, _) => write!(f, "Offloaded::Stored({})", e.0.path.display()),
         }
     }
 }
@@ -219,7 +244,8 @@ impl DiskOffload {
                 jobs: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
             }),
-            pass: PassThrough::new(),
+            select: Selector::new(SavePolicy::exact()),
+            saved: Arc::default(),
             prefetch: 1,
             max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             synchronous: false,
@@ -227,10 +253,23 @@ impl DiskOffload {
     }
 
     /// Also leaves tensors sharing data with `tensors` in memory (inputs you hold,
-    /// parameters' views); see [`PassThrough`].
+    /// parameters' views); see [`PassThrough`](crate::PassThrough).
     pub fn excluding(mut self, tensors: &[Tensor]) -> Self {
-        self.pass = self.pass.excluding(tensors);
+        self.select = self.select.excluding(tensors);
         self
+    }
+
+    /// Decides what is written by `policy` instead of [`SavePolicy::exact`]; the
+    /// exclusions stay.
+    pub fn policy(mut self, policy: SavePolicy) -> Self {
+        self.select = self.select.policy(policy);
+        self
+    }
+
+    /// `Err` listing the [`SavePolicy::keep_ops`] names that no saved tensor's saving
+    /// op or producer matched so far (call it after the first step).
+    pub fn check(&self) -> Result<(), PolicyError> {
+        self.select.check()
     }
 
     /// How many files backward reads ahead of the one it needs (default 1; 0: none).
@@ -263,7 +302,9 @@ impl DiskOffload {
 
     /// What the store did so far.
     pub fn stats(&self) -> OffloadStats {
-        lock(&self.store.shared.state).stats
+        let mut stats = lock(&self.store.shared.state).stats;
+        stats.kept = self.select.kept();
+        stats
     }
 
     /// Waits until every tensor packed so far is written (or kept in memory), leaving
@@ -402,7 +443,7 @@ impl Offloaded {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
         match &self.0 {
             Packed::Kept(t) => bytes(t),
-            Packed::Stored(entry) => match &*lock(&entry.slot) {
+            Packed::Stored(held, _) => match &*lock(&held.0.slot) {
                 Slot::Queued(t) | Slot::InMemory(t) | Slot::Prefetched { tensor: t, .. } => {
                     bytes(t)
                 }
@@ -412,15 +453,14 @@ impl Offloaded {
     }
 }
 
-impl Drop for Offloaded {
+impl Drop for Held {
     fn drop(&mut self) {
-        if let Packed::Stored(entry) = &self.0 {
-            let mut slot = lock(&entry.slot);
-            if !matches!(*slot, Slot::InMemory(_) | Slot::Queued(_)) {
-                let _ = std::fs::remove_file(&entry.path);
-            }
-            *slot = Slot::Freed;
+        let entry = &self.0;
+        let mut slot = lock(&entry.slot);
+        if !matches!(*slot, Slot::InMemory(_) | Slot::Queued(_)) {
+            let _ = std::fs::remove_file(&entry.path);
         }
+        *slot = Slot::Freed;
     }
 }
 
@@ -443,10 +483,57 @@ impl SavedTensorHooks for DiskOffload {
     type Packed = Offloaded;
 
     fn pack(&self, tensor: &Tensor) -> Result<Offloaded, HookError> {
-        if self.pass.contains(tensor)? {
+        self.pack_saved_by(tensor, None)
+    }
+
+    fn records_ops(&self) -> bool {
+        self.select.records_ops()
+    }
+
+    fn pack_saved_by(
+        &self,
+        tensor: &Tensor,
+        saved_by: Option<&str>,
+    ) -> Result<Offloaded, HookError> {
+        let (base, expanded) = distinct(tensor)?;
+        let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
+        if self.select.decide(tensor, bytes, saved_by)?.kept.is_some() {
             return Ok(Offloaded(Packed::Kept(tensor.shallow_clone())));
         }
-        let (base, expanded) = distinct(tensor)?;
+        let lookup = self.saved.get_or_make(tensor, || {
+            Ok(Some(Arc::new(Held(self.write(base, expanded)?))))
+        })?;
+        Ok(Offloaded(match lookup {
+            Lookup::Made(held) => Packed::Stored(held, None),
+            Lookup::Shared(held, view) => {
+                lock(&self.store.shared.state).stats.shared += 1;
+                Packed::Stored(held, view)
+            }
+            Lookup::Declined => Packed::Kept(tensor.shallow_clone()),
+        }))
+    }
+
+    fn unpack(&self, packed: &Offloaded) -> Result<Tensor, HookError> {
+        match &packed.0 {
+            Packed::Kept(t) => Ok(t.shallow_clone()),
+            Packed::Stored(held, view) => {
+                let entry = &held.0;
+                let base = self.unpack_stored(entry)?;
+                let t = Expanded::restore(entry.expanded.as_ref(), base)?;
+                Ok(match view {
+                    None => t,
+                    Some(size) => t.f_reshape(size)?,
+                })
+            }
+        }
+    }
+}
+
+impl DiskOffload {
+    /// A new entry for `base` (a saved tensor's distinct elements), queued for the
+    /// writer once at most `max_in_flight_bytes` wait (written before this returns
+    /// when synchronous).
+    fn write(&self, base: Tensor, expanded: Option<Expanded>) -> Result<Arc<Entry>, HookError> {
         let tensor = if base.is_contiguous() {
             base.detach()
         } else {
@@ -478,21 +565,9 @@ impl SavedTensorHooks for DiskOffload {
             // Only this tensor can be in flight: wait until the writer is done with it.
             drop(shared.wait_written());
         }
-        Ok(Offloaded(Packed::Stored(entry)))
+        Ok(entry)
     }
 
-    fn unpack(&self, packed: &Offloaded) -> Result<Tensor, HookError> {
-        match &packed.0 {
-            Packed::Kept(t) => Ok(t.shallow_clone()),
-            Packed::Stored(entry) => {
-                let base = self.unpack_stored(entry)?;
-                Ok(Expanded::restore(entry.expanded.as_ref(), base)?)
-            }
-        }
-    }
-}
-
-impl DiskOffload {
     /// The file's tensor of `entry`: taken from memory or the read-ahead, or read.
     fn unpack_stored(&self, entry: &Arc<Entry>) -> Result<Tensor, HookError> {
         let crc = {

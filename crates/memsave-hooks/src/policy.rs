@@ -1,0 +1,580 @@
+//! `SavePolicy`: which saved tensors a packing hook packs, and which it keeps as they
+//! are because packing them would add bytes or wreck the gradients.
+use crate::error::{HookError, PolicyError};
+use crate::pass_through::PassThrough;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// Saved tensors smaller than this (bytes of their distinct elements) are kept as they
+/// are by [`Compress`](crate::Compress) unless told otherwise: 4 KiB.
+///
+/// Below it, int8 would save at most 3 KiB a tensor while paying a pack (and on CUDA
+/// a host synchronization) for it, and the tensors there are mostly per-channel or
+/// per-row values (biases' inputs, statistics, scalars) that backward scales
+/// everything else by.
+pub const DEFAULT_MIN_BYTES: u64 = 4096;
+
+/// The normalization ops [`Compress`](crate::Compress) knows, as the saving op's name
+/// (what [`Accounting`](crate::Accounting) reports): libtorch lowers `batch_norm`,
+/// `layer_norm`, `group_norm`, `instance_norm` and `rms_norm` to these, depending on
+/// version and device. Their statistics are kept as they are and their input is
+/// compressed with blocks that never mix two channels (batch and instance norm), two
+/// (sample, channel) planes (group norm) or two rows (layer and RMS norm): backward
+/// divides each by its own spread.
+pub const NORM_OPS: &[&str] = &[
+    "aten::native_batch_norm",
+    "aten::_native_batch_norm_legit",
+    "aten::_native_batch_norm_legit_no_training",
+    "aten::_batch_norm_with_update",
+    "aten::_batch_norm_no_update",
+    "aten::cudnn_batch_norm",
+    "aten::miopen_batch_norm",
+    "aten::native_group_norm",
+    "aten::native_layer_norm",
+    "aten::_fused_rms_norm",
+];
+
+/// Which elements of a normalization op's input share its statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Norm {
+    /// One per channel (dimension 1): batch norm.
+    Channels,
+    /// One per (sample, channel group): group norm; grouped here by (dim 0, dim 1).
+    Planes,
+    /// One per row (all but the last dimension): layer and RMS norm.
+    Rows,
+}
+
+fn norm_of(op: &str) -> Option<Norm> {
+    if !NORM_OPS.contains(&op) {
+        return None;
+    }
+    Some(if op.contains("group_norm") {
+        Norm::Planes
+    } else if op.contains("layer_norm") || op.contains("rms_norm") {
+        Norm::Rows
+    } else {
+        Norm::Channels
+    })
+}
+
+/// The autograd node an aten op makes (`aten::native_group_norm` ->
+/// `NativeGroupNormBackward`), without its overload number.
+fn node_of(op: &str) -> String {
+    let name = op.rsplit("::").next().unwrap_or(op);
+    let mut node: String = name
+        .split('_')
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect();
+    node.push_str("Backward");
+    node
+}
+
+/// Why a packing hook kept a saved tensor as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Kept {
+    /// A parameter (a leaf that requires grad) or a view of one: alive anyway.
+    Parameter,
+    /// Shares its data with a tensor given to `excluding`: alive anyway.
+    Excluded,
+    /// No elements: nothing to store.
+    Empty,
+    /// Saved or produced by an op named in [`SavePolicy::keep_ops`].
+    Op,
+    /// Statistics saved by a normalization op ([`NORM_OPS`]): its outputs (the saved
+    /// mean and inverse std), which backward divides and multiplies everything by.
+    Statistics,
+    /// A floating-point vector or scalar without a `grad_fn` (at most one dimension
+    /// larger than 1): running statistics and other buffers (alive anyway), the
+    /// per-channel statistics batch norm saves.
+    Buffer,
+    /// Smaller than [`SavePolicy::min_bytes`].
+    Small,
+    /// The [`SavePolicy::pack_if`] closure said so, where the defaults would pack it.
+    Policy,
+}
+
+const KEPT: [Kept; 8] = [
+    Kept::Parameter,
+    Kept::Excluded,
+    Kept::Empty,
+    Kept::Op,
+    Kept::Statistics,
+    Kept::Buffer,
+    Kept::Small,
+    Kept::Policy,
+];
+
+/// How many saved tensors a store kept as they were, by reason (see [`Kept`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptStats {
+    /// Parameters and their views.
+    pub parameters: u64,
+    /// Tensors sharing data with those given to `excluding`.
+    pub excluded: u64,
+    /// Empty tensors.
+    pub empty: u64,
+    /// Saved or produced by an op of [`SavePolicy::keep_ops`].
+    pub ops: u64,
+    /// Normalization statistics.
+    pub statistics: u64,
+    /// Floating-point vectors and scalars without a `grad_fn`.
+    pub buffers: u64,
+    /// Under [`SavePolicy::min_bytes`].
+    pub small: u64,
+    /// Refused by the [`SavePolicy::pack_if`] closure.
+    pub policy: u64,
+}
+
+impl KeptStats {
+    /// All kept tensors.
+    pub fn total(&self) -> u64 {
+        self.parameters
+            + self.excluded
+            + self.empty
+            + self.ops
+            + self.statistics
+            + self.buffers
+            + self.small
+            + self.policy
+    }
+
+    /// The count for `reason`.
+    pub fn get(&self, reason: Kept) -> u64 {
+        match reason {
+            Kept::Parameter => self.parameters,
+            Kept::Excluded => self.excluded,
+            Kept::Empty => self.empty,
+            Kept::Op => self.ops,
+            Kept::Statistics => self.statistics,
+            Kept::Buffer => self.buffers,
+            Kept::Small => self.small,
+            Kept::Policy => self.policy,
+        }
+    }
+}
+
+/// What a [`SavePolicy::pack_if`] closure is told about a saved tensor.
+#[derive(Debug, Clone, Copy)]
+pub struct SavedInfo<'a> {
+    /// The aten op that saved it (`aten::native_batch_norm`); `None` when unknown (a
+    /// checkpoint boundary handed to a store by the planner).
+    pub op: Option<&'a str>,
+    /// The autograd node that produced it (`ConvolutionBackward0`); `None` for a
+    /// tensor without one (it does not require grad: a buffer, a constant, a mask, the
+    /// batch).
+    pub producer: Option<&'a str>,
+    /// Its shape.
+    pub shape: &'a [i64],
+    /// Its dtype.
+    pub kind: Kind,
+    /// Bytes of its distinct elements (an expanded tensor counts its base's).
+    pub bytes: u64,
+    /// What the policy's rules decide without the closure: `Some(reason)` keeps it.
+    pub kept_by_default: Option<Kept>,
+}
+
+type PackIf = dyn Fn(&SavedInfo<'_>) -> bool + Send + Sync;
+
+/// Which saved tensors a packing hook ([`Compress`](crate::Compress),
+/// [`DiskOffload`](crate::DiskOffload), [`SaveOnCpu`](crate::SaveOnCpu)) packs, and
+/// which it keeps as they are.
+///
+/// Always kept, whatever the policy says (packing them never saves memory):
+/// parameters and their views, the tensors given to the store's `excluding`, and
+/// empty tensors. Kept by the default rules, in this order (the first that applies
+/// is the [`Kept`] reason the stats count):
+///
+/// 1. **[`keep_ops`](Self::keep_ops)**: tensors saved by one of these ops, or
+///    produced by one (none by default).
+/// 2. **Normalization statistics** ([`lossy`](Self::lossy) only): what an op of
+///    [`NORM_OPS`] saves that is not its input, i.e. a tensor without a `grad_fn` or
+///    produced by that op's own node (batch norm's saved mean and inverse std, layer
+///    and group norm's mean and rstd). Backward multiplies every element of a channel
+///    by the inverse std: int8 blocks shared across channels stored small ones as 0
+///    or one step, and the gradients' relative L2 error reached 2.13 on MobileNetV2.
+///    The input of these ops is packed, with blocks of its own per channel, plane or
+///    row (see [`NORM_OPS`]).
+/// 3. **Buffers**: floating-point tensors without a `grad_fn` (they do not require
+///    grad) that have at most one dimension larger than 1: running statistics, other
+///    per-channel buffers and scalars, and batch norm's saved statistics.
+/// 4. **Small tensors**: fewer than [`min_bytes`](Self::min_bytes) bytes of distinct
+///    elements ([`DEFAULT_MIN_BYTES`] for [`lossy`](Self::lossy), 0 for
+///    [`exact`](Self::exact)).
+///
+/// Trap: "alive anyway" cannot be seen from inside a hook, only guessed. A tensor
+/// without a `grad_fn` may be a buffer or the caller's batch (alive anyway) or made by
+/// the forward and dead after it: a dropout mask on the CPU (float), max-pool's
+/// indices, a comparison's mask. Their handle counts are alike (3 for both a constant
+/// table the caller holds and a dropout mask in libtorch 2.13), so only vectors and
+/// scalars are taken for buffers; a larger tensor you hold past the forward (the
+/// batch, a constant table) is packed unless given to `excluding`, and a large
+/// vector without a `grad_fn` made by the forward is kept.
+///
+/// [`pack_if`](Self::pack_if) overrides rules 1-4 per tensor. [`keep_ops`] names are
+/// checked by the store's `check()` after a step: a name never seen (a typo, or an op
+/// this libtorch lowers differently) is an `Err` listing it.
+///
+/// ```
+/// use memsave_hooks::{Codec, Compress, Kept, SavePolicy};
+///
+/// // Also compress batch norm's statistics (never a good idea), keep softmax's output.
+/// let policy = SavePolicy::lossy()
+///     .keep_ops(&["aten::_softmax"])
+///     .pack_if(|t| t.kept_by_default.is_none() || t.kept_by_default == Some(Kept::Statistics));
+/// let int8 = Compress::new(Codec::int8()).policy(policy);
+/// assert!(int8.check().is_err()); // before a step, aten::_softmax was never seen
+/// ```
+#[derive(Clone)]
+pub struct SavePolicy {
+    min_bytes: u64,
+    statistics: bool,
+    keep_ops: Arc<Vec<String>>,
+    pack_if: Option<Arc<PackIf>>,
+}
+
+impl std::fmt::Debug for SavePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavePolicy")
+            .field("min_bytes", &self.min_bytes)
+            .field("statistics", &self.statistics)
+            .field("keep_ops", &self.keep_ops)
+            .field("pack_if", &self.pack_if.is_some())
+            .finish()
+    }
+}
+
+impl Default for SavePolicy {
+    fn default() -> Self {
+        Self::exact()
+    }
+}
+
+impl SavePolicy {
+    /// The policy of the exact stores ([`DiskOffload`](crate::DiskOffload),
+    /// [`SaveOnCpu`](crate::SaveOnCpu)): keeps what stays alive anyway (parameters,
+    /// excluded tensors, buffers); no size threshold; normalization statistics are
+    /// moved like any tensor (the copy is exact).
+    pub fn exact() -> Self {
+        Self {
+            min_bytes: 0,
+            statistics: false,
+            keep_ops: Arc::default(),
+            pack_if: None,
+        }
+    }
+
+    /// [`Compress`](crate::Compress)'s policy: [`exact`](Self::exact), plus
+    /// normalization statistics kept and their inputs grouped, plus tensors under
+    /// [`DEFAULT_MIN_BYTES`] kept.
+    pub fn lossy() -> Self {
+        Self {
+            min_bytes: DEFAULT_MIN_BYTES,
+            statistics: true,
+            ..Self::exact()
+        }
+    }
+
+    /// Keeps tensors of fewer than `bytes` bytes (of distinct elements); 0 packs any
+    /// size.
+    pub fn min_bytes(mut self, bytes: u64) -> Self {
+        self.min_bytes = bytes;
+        self
+    }
+
+    /// Keeps every tensor saved by one of `ops` (aten names, `aten::_softmax`) or
+    /// produced by one (autograd node names, `SoftmaxBackward0`), as
+    /// [`Accounting`](crate::Accounting) reports them; replaces the list given before.
+    /// A name never seen is reported by the store's `check()`.
+    ///
+    /// Trap: the rules decide per save. A tensor that two ops save, kept for one
+    /// because that op is named here, is packed for the other too, and both forms
+    /// stay until backward: to keep every save of a tensor, name the op that produced
+    /// it (its node, `TanhBackward0`).
+    pub fn keep_ops<S: AsRef<str>>(mut self, ops: &[S]) -> Self {
+        self.keep_ops = Arc::new(ops.iter().map(|s| s.as_ref().to_owned()).collect());
+        self
+    }
+
+    /// Decides, for each tensor that is not a parameter, excluded or empty, whether to
+    /// pack it (`true`) or keep it, told the op that saved it, its producer, shape,
+    /// dtype, size and what the rules would do ([`SavedInfo`]).
+    pub fn pack_if(mut self, f: impl Fn(&SavedInfo<'_>) -> bool + Send + Sync + 'static) -> Self {
+        self.pack_if = Some(Arc::new(f));
+        self
+    }
+
+    /// Why a store with this policy (and nothing excluded) keeps `tensor` when `op`
+    /// saves it; `None`: it packs it.
+    pub fn keeps(&self, tensor: &Tensor, op: Option<&str>) -> Result<Option<Kept>, HookError> {
+        let base = crate::compress::distinct(tensor)?.0;
+        let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
+        Ok(self
+            .decide(&PassThrough::new(), tensor, bytes, op, |_| ())?
+            .kept)
+    }
+
+    /// Whether deciding needs the name of the saving op.
+    fn needs_op(&self) -> bool {
+        self.statistics || !self.keep_ops.is_empty() || self.pack_if.is_some()
+    }
+
+    /// What to do with `tensor` (`bytes` of distinct elements) saved by `op`;
+    /// `seen` is called with each name of `keep_ops` that the tensor's op or producer
+    /// matches.
+    fn decide(
+        &self,
+        pass: &PassThrough,
+        tensor: &Tensor,
+        bytes: u64,
+        op: Option<&str>,
+        mut seen: impl FnMut(usize),
+    ) -> Result<Decision, HookError> {
+        let kept = |reason| {
+            Ok(Decision {
+                kept: Some(reason),
+                groups: Vec::new(),
+            })
+        };
+        if tensor.numel() == 0 {
+            return kept(Kept::Empty);
+        }
+        if pass.is_parameter(tensor)? {
+            return kept(Kept::Parameter);
+        }
+        if pass.is_excluded(tensor) {
+            return kept(Kept::Excluded);
+        }
+        let requires_grad = tensor.requires_grad();
+        let norm = op.filter(|_| self.statistics).and_then(norm_of);
+        // A tensor that does not require grad has no grad_fn: only ask for others.
+        let producer = if requires_grad
+            && (norm.is_some() || !self.keep_ops.is_empty() || self.pack_if.is_some())
+        {
+            memsave_sys::hooks::grad_fn_name(tensor)?
+        } else {
+            None
+        };
+        for (i, name) in self.keep_ops.iter().enumerate() {
+            if Some(name.as_str()) == op || Some(name.as_str()) == producer.as_deref() {
+                seen(i);
+            }
+        }
+        let shape = tensor.size();
+        let kind = tensor.kind();
+        let mut groups = Vec::new();
+        let default = if self
+            .keep_ops
+            .iter()
+            .any(|k| Some(k.as_str()) == op || Some(k.as_str()) == producer.as_deref())
+        {
+            Some(Kept::Op)
+        } else if let Some(norm) = norm.filter(|_| {
+            // Statistics: no grad_fn, or made by the normalization's own node.
+            let own = op.map(node_of);
+            match (&producer, &own) {
+                (Some(p), Some(own)) => !p.starts_with(own.as_str()),
+                _ => requires_grad,
+            }
+        }) {
+            // The normalization's input: blocks that never mix two of its groups.
+            groups = match norm {
+                Norm::Channels => vec![1],
+                Norm::Planes => vec![0, 1],
+                Norm::Rows => (0..shape.len().saturating_sub(1)).collect(),
+            };
+            (bytes < self.min_bytes).then_some(Kept::Small)
+        } else if norm.is_some() {
+            Some(Kept::Statistics)
+        } else if !requires_grad && is_float(kind) && shape.iter().filter(|&&d| d > 1).count() <= 1
+        {
+            Some(Kept::Buffer)
+        } else if bytes < self.min_bytes {
+            Some(Kept::Small)
+        } else {
+            None
+        };
+        let kept = match &self.pack_if {
+            None => default,
+            Some(f) => {
+                let info = SavedInfo {
+                    op,
+                    producer: producer.as_deref(),
+                    shape: &shape,
+                    kind,
+                    bytes,
+                    kept_by_default: default,
+                };
+                if f(&info) {
+                    None
+                } else {
+                    Some(default.unwrap_or(Kept::Policy))
+                }
+            }
+        };
+        Ok(Decision { kept, groups })
+    }
+}
+
+fn is_float(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
+    )
+}
+
+/// What a store does with one saved tensor.
+#[derive(Debug)]
+pub(crate) struct Decision {
+    /// `Some(reason)`: keep it as it is.
+    pub kept: Option<Kept>,
+    /// For a normalization's input: the dimensions whose indices must not share a
+    /// codec block.
+    pub groups: Vec<usize>,
+}
+
+/// A store's policy, its exclusions and what it kept so far (shared by clones).
+#[derive(Debug, Clone)]
+pub(crate) struct Selector {
+    pass: PassThrough,
+    policy: SavePolicy,
+    state: Arc<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    kept: [AtomicU64; KEPT.len()],
+    /// Per name of `keep_ops`: seen saving or producing a tensor.
+    seen: Vec<AtomicBool>,
+}
+
+impl Selector {
+    pub fn new(policy: SavePolicy) -> Self {
+        Self::with(PassThrough::new(), policy)
+    }
+
+    fn with(pass: PassThrough, policy: SavePolicy) -> Self {
+        let state = Arc::new(State {
+            kept: Default::default(),
+            seen: policy
+                .keep_ops
+                .iter()
+                .map(|_| AtomicBool::new(false))
+                .collect(),
+        });
+        Self {
+            pass,
+            policy,
+            state,
+        }
+    }
+
+    /// The same exclusions under `policy`, counts reset.
+    pub fn policy(&self, policy: SavePolicy) -> Self {
+        Self::with(self.pass.clone(), policy)
+    }
+
+    /// The policy.
+    pub fn current(&self) -> &SavePolicy {
+        &self.policy
+    }
+
+    /// Also excludes `tensors`, counts reset.
+    pub fn excluding(&self, tensors: &[Tensor]) -> Self {
+        Self::with(self.pass.clone().excluding(tensors), self.policy.clone())
+    }
+
+    pub fn records_ops(&self) -> bool {
+        self.policy.needs_op()
+    }
+
+    /// What to do with `tensor` saved by `op` (`bytes` of distinct elements); a kept
+    /// tensor is counted.
+    pub fn decide(
+        &self,
+        tensor: &Tensor,
+        bytes: u64,
+        op: Option<&str>,
+    ) -> Result<Decision, HookError> {
+        let seen = &self.state.seen;
+        let d = self.policy.decide(&self.pass, tensor, bytes, op, |i| {
+            seen[i].store(true, Ordering::Relaxed)
+        })?;
+        if let Some(reason) = d.kept {
+            let i = KEPT.iter().position(|&k| k == reason).unwrap_or(0);
+            self.state.kept[i].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(d)
+    }
+
+    pub fn kept(&self) -> KeptStats {
+        let n = |k: Kept| {
+            let i = KEPT.iter().position(|&r| r == k).unwrap_or(0);
+            self.state.kept[i].load(Ordering::Relaxed)
+        };
+        KeptStats {
+            parameters: n(Kept::Parameter),
+            excluded: n(Kept::Excluded),
+            empty: n(Kept::Empty),
+            ops: n(Kept::Op),
+            statistics: n(Kept::Statistics),
+            buffers: n(Kept::Buffer),
+            small: n(Kept::Small),
+            policy: n(Kept::Policy),
+        }
+    }
+
+    /// `Err` listing the names of `keep_ops` never seen so far.
+    pub fn check(&self) -> Result<(), PolicyError> {
+        let unseen: Vec<String> = self
+            .policy
+            .keep_ops
+            .iter()
+            .zip(&self.state.seen)
+            .filter(|(_, s)| !s.load(Ordering::Relaxed))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if unseen.is_empty() {
+            Ok(())
+        } else {
+            Err(PolicyError::UnseenOps(unseen))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names_follow_autograd() {
+        assert_eq!(
+            node_of("aten::native_group_norm"),
+            "NativeGroupNormBackward"
+        );
+        assert_eq!(
+            node_of("aten::_native_batch_norm_legit"),
+            "NativeBatchNormLegitBackward"
+        );
+        assert_eq!(node_of("aten::_fused_rms_norm"), "FusedRmsNormBackward");
+    }
+
+    #[test]
+    fn every_norm_op_has_a_grouping() {
+        for op in NORM_OPS {
+            assert!(norm_of(op).is_some(), "{op}");
+        }
+        assert_eq!(norm_of("aten::native_group_norm"), Some(Norm::Planes));
+        assert_eq!(norm_of("aten::native_layer_norm"), Some(Norm::Rows));
+        assert_eq!(norm_of("aten::cudnn_batch_norm"), Some(Norm::Channels));
+        assert_eq!(norm_of("aten::relu"), None);
+    }
+}
