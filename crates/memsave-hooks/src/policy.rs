@@ -89,8 +89,9 @@ pub enum Kept {
     Empty,
     /// Saved or produced by an op named in [`SavePolicy::keep_ops`].
     Op,
-    /// Statistics saved by a normalization op ([`NORM_OPS`]): its outputs (the saved
-    /// mean and inverse std), which backward divides and multiplies everything by.
+    /// Statistics saved by a normalization op ([`NORM_OPS`]): everything it saves but
+    /// its input and parameters, i.e. its outputs (the saved mean and inverse std,
+    /// which backward multiplies every element by) and its running statistics.
     Statistics,
     /// A floating-point vector or scalar without a `grad_fn` (at most one dimension
     /// larger than 1): running statistics and other buffers (alive anyway), the
@@ -219,9 +220,10 @@ type PackIf = dyn Fn(&SavedInfo<'_>) -> bool + Send + Sync;
 /// batch, a constant table) is packed unless given to `excluding`, and a large
 /// vector without a `grad_fn` made by the forward is kept.
 ///
-/// [`pack_if`](Self::pack_if) overrides rules 1-4 per tensor. [`keep_ops`] names are
-/// checked by the store's `check()` after a step: a name never seen (a typo, or an op
-/// this libtorch lowers differently) is an `Err` listing it.
+/// [`pack_if`](Self::pack_if) overrides rules 1-4 per tensor. The names given to
+/// [`keep_ops`](Self::keep_ops) are checked by the store's `check()` after a step: a
+/// name never seen (a typo, or an op this libtorch lowers differently) is an `Err`
+/// listing it.
 ///
 /// ```
 /// use memsave_hooks::{Codec, Compress, Kept, SavePolicy};
@@ -262,7 +264,8 @@ impl SavePolicy {
     /// The policy of the exact stores ([`DiskOffload`](crate::DiskOffload),
     /// [`SaveOnCpu`](crate::SaveOnCpu)): keeps what stays alive anyway (parameters,
     /// excluded tensors, buffers); no size threshold; normalization statistics are
-    /// moved like any tensor (the copy is exact).
+    /// moved like any tensor (the copy is exact). It needs no op names, so the store
+    /// asks for none (a callback per op) unless `keep_ops` or `pack_if` is set.
     pub fn exact() -> Self {
         Self {
             min_bytes: 0,
