@@ -107,7 +107,7 @@ fn running_statistics_after_a_step_are_bitwise_a_plain_steps_under_every_plan() 
             Plan::Budget(budget),
         ] {
             set_stats(&bns, &start);
-            seq.set_plan(plan.clone()).unwrap();
+            seq.set_plan(plan).unwrap();
             let grads = step(&seq, &vs, &x);
             for (i, (a, b)) in stats(&bns).iter().zip(&plain).enumerate() {
                 assert!(
