@@ -7,7 +7,7 @@
 //! counts, `GraphExecGroup` and saved-tensor introspection on nodes. memsave always
 //! stops the recomputation early (PyTorch's default), so the `early_stop=False` cases
 //! have no counterpart.
-use memsave_checkpoint::{checkpoint, checkpoint1};
+use memsave_checkpoint::{checkpoint, checkpoint1, Checkpoint};
 use serial_test::serial;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -191,6 +191,35 @@ fn nested_checkpoint_early_stop_by_default() {
     .unwrap();
     out.backward();
     assert_eq!(clones.load(Ordering::SeqCst), 1);
+}
+
+/// From `TestNestedCheckpoint.test_nested_checkpoint_set_early_stop` (the `early_stop`
+/// argument): with early stop off, the clone after the last saved tensor runs again in
+/// the recomputation; with it on, it does not.
+#[test]
+#[serial]
+fn nested_checkpoint_set_early_stop() {
+    for (early_stop, expected) in [(false, 2), (true, 1)] {
+        let clones = Arc::new(AtomicUsize::new(0));
+        let counter = clones.clone();
+        let a = scalar(1.0);
+        let out = Checkpoint::new()
+            .early_stop(early_stop)
+            .run(&[&a], move |xs| {
+                let y = xs[0].sin().cos();
+                counter.fetch_add(1, Ordering::SeqCst);
+                vec![y.copy()]
+            })
+            .unwrap();
+        out[0].backward();
+        assert_eq!(
+            clones.load(Ordering::SeqCst),
+            expected,
+            "early_stop {early_stop}"
+        );
+        let x = a.detach();
+        assert_close(&(-x.sin().sin() * x.cos()), &a.grad(), "gradient");
+    }
 }
 
 /// From `test_nested_checkpoint_set_early_stop_no_recompution_needed` (second case): a
