@@ -198,7 +198,10 @@ struct FitArgs {
     /// Examples per optimizer step (default: the model's batch in the suite).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
     global_batch: Option<i64>,
-    /// Lossy levers you accept, comma-separated: bf16, compress, int8-state.
+    /// Lossy levers you accept, comma-separated: bf16, compress, int8-state,
+    /// micro-batches (matters only when the step couples the samples of a batch, as
+    /// BatchNorm in training mode does: fit finds that itself; otherwise micro-batches
+    /// are lossless and always considered).
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<FitLever>,
     /// The optimizer stepped in every step (its state counts in the peak; it allows
@@ -226,6 +229,8 @@ enum FitLever {
     Compress,
     #[value(name = "int8-state")]
     Int8State,
+    #[value(name = "micro-batches")]
+    MicroBatches,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -483,6 +488,7 @@ fn fit(args: FitArgs) -> Result<()> {
             FitLever::Bf16 => request.allow.bf16 = true,
             FitLever::Compress => request.allow.compress = true,
             FitLever::Int8State => request.allow.int8_state = true,
+            FitLever::MicroBatches => request.allow.micro_batches = true,
         }
     }
     let of = |kind| memsave_bench::OptimizerSpec {

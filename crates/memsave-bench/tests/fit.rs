@@ -110,6 +110,7 @@ fn bad_entries_are_errors_at_their_place() {
     assert!(e.contains("positive") || e.contains("zero"), "{e}");
     let e = error_of("  - fit: {budget: 1MiB, allow: [fp4]}\n");
     assert!(e.contains("unknown lever 'fp4'"), "{e}");
+    assert!(e.contains("micro_batches"), "the levers listed: {e}");
     let e = error_of("  - {with: [{fit: {budget: 1MiB}}, {checkpoint: {segments: 2}}]}\n");
     assert!(e.contains("fit chooses every lever itself"), "{e}");
     let e = error_of("  - fit\n");
@@ -181,6 +182,31 @@ fn the_cli_writes_the_choice_and_its_measurement() {
     assert!(json["measured_peak_bytes"].as_u64().unwrap() <= 64 * 1024);
     let svg = std::fs::read_to_string(dir.path().join("fit.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("budget"));
+}
+
+/// `micro-batches` (issue #25): the lever fit needs allowed before it splits a batch whose
+/// samples a BatchNorm in training mode couples. Accepted on the command line and in a
+/// suite; on a model without such an op it changes nothing.
+#[test]
+#[serial]
+fn the_micro_batches_lever_is_accepted_in_the_cli_and_the_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let with = fit_json(
+        &[
+            "quick",
+            "--model",
+            "mlp",
+            "--budget",
+            "64KiB",
+            "--allow",
+            "micro-batches",
+        ],
+        dir.path(),
+    );
+    assert!(with["measured_peak_bytes"].as_u64().unwrap() <= 64 * 1024);
+    assert!(with["choice"]["micro_batches"].as_u64().unwrap() >= 1);
+    let suite = suite("  - fit: {budget: 1MiB, allow: [micro_batches, bf16]}\n");
+    assert_eq!(suite.strategies.len(), 1);
 }
 
 #[test]

@@ -190,7 +190,8 @@ pub struct AutoBatchSpec {
 pub struct FitSpec {
     /// The byte budget.
     pub budget: Size,
-    /// Lossy levers allowed: any of `bf16`, `compress`, `int8_state`.
+    /// Lossy levers allowed: any of `bf16`, `compress`, `int8_state`, `micro_batches`
+    /// (the last matters only for a step that couples the samples of a batch).
     pub allow: Vec<String>,
 }
 
@@ -229,9 +230,9 @@ fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
         return Err(E::custom("fit: the budget must be positive"));
     }
     for lever in &args.allow {
-        if !["bf16", "compress", "int8_state"].contains(&lever.as_str()) {
+        if !["bf16", "compress", "int8_state", "micro_batches"].contains(&lever.as_str()) {
             return Err(E::custom(format!(
-                "fit: unknown lever '{lever}' in allow, expected bf16, compress or int8_state"
+                "fit: unknown lever '{lever}' in allow, expected bf16, compress, int8_state or micro_batches"
             )));
         }
     }
