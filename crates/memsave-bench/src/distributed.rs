@@ -220,13 +220,24 @@ fn rank_args(suite_file: &Path, model: &str, strategy: &str, out: &Path) -> Vec<
 
 /// Starts `world_size` ranks of `program args` on this machine and waits for them
 /// (at most ten minutes).
+///
+/// A SIGINT, SIGTERM or SIGHUP while they run ends the ranks (the launcher passes it
+/// on) and then this process, with 128 + the signal's number as shells do: a run the
+/// user interrupted does not go on to its next case.
 fn launch_ranks(program: &Path, args: &[OsString], world_size: usize) -> Result<(), String> {
     let config = LaunchConfig {
         nproc_per_node: world_size,
         timeout: Some(Duration::from_secs(600)),
         ..Default::default()
     };
-    memsave_dist::launch(&config, program.as_os_str(), args).map_err(|e| e.to_string())
+    match memsave_dist::launch(&config, program.as_os_str(), args) {
+        Ok(()) => Ok(()),
+        Err(e @ memsave_dist::DistError::Interrupted { signal, .. }) => {
+            eprintln!("error: {e}");
+            std::process::exit(128 + signal)
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn unique() -> String {

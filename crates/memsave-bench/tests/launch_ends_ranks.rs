@@ -379,3 +379,35 @@ fn a_setsid_grandchild_holding_stdout_does_not_keep_the_launch_alive() {
     }
     assert_eq!(grandchildren.len(), 2, "each rank started a grandchild");
 }
+
+/// `memsave bench` interrupted while a world_size case's ranks run: the ranks end, and
+/// so does the run, with 128 + SIGINT, instead of going on to its next case.
+#[test]
+fn sigint_to_bench_during_a_distributed_case_ends_the_ranks_and_the_run() {
+    let mut run = Run::new();
+    let suite = run.dir.path().join("long.yaml");
+    std::fs::write(
+        &suite,
+        "suite: long\nseed: 0\nthreads: 1\nwarmup: 0\nrepeats: 20000\nworld_size: 2\nmodels:\n  \
+         - {name: lin, kind: residual_linear, layers: 8, hidden: 256, batch: [64]}\nstrategies:\n  \
+         - {name: ddp, with: [{optimizer: {kind: adamw}}]}\n  \
+         - {name: zero1, with: [{zero: 1}, {optimizer: {kind: adamw}}]}\n",
+    )
+    .expect("suite file");
+    let suite = suite.display().to_string();
+    run.start(memsave(), &["bench", &suite], None);
+    let tag = run.tag();
+    // The bench process and its two ranks.
+    assert!(
+        within(Duration::from_secs(120), || tagged(&tag).len() >= 3),
+        "the ranks never started; stderr: {}",
+        run.stderr()
+    );
+    kill(Pid::from_raw(run.pid() as i32), Signal::SIGINT).expect("SIGINT");
+    let since = Instant::now();
+    let status = run
+        .exits_within(Duration::from_secs(15))
+        .expect("bench exits after SIGINT");
+    assert_eq!(status.code(), Some(130), "stderr: {}", run.stderr());
+    run.assert_none_left(since, Duration::from_secs(10));
+}
