@@ -17,6 +17,8 @@
 // hooks keep what they save until the recomputation ends).
 #include "common.h"
 #include "hooks.h"
+#include "ops.h"
+#include "rng.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -28,7 +30,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -138,15 +139,8 @@ constexpr const char* kRngOverlap =
 
 using RngStates = std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>>;
 
-c10::intrusive_ptr<c10::TensorImpl> get_state(at::Generator& gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state().getIntrusivePtr();
-}
-
-void set_state(at::Generator& gen, const c10::intrusive_ptr<c10::TensorImpl>& state) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(at::Tensor(state));
-}
+using memsave::rng::get_state;
+using memsave::rng::set_state;
 
 // RNG and autocast state captured at forward and restored for the recomputation.
 struct ForwardState {
@@ -266,21 +260,9 @@ class RunningStatsGuard {
     return guard;
   }
 
-  static bool updates_running_stats(const char* name) {
-    static const char* const kOps[] = {
-        "aten::batch_norm",        "aten::native_batch_norm",        "aten::_native_batch_norm_legit",
-        "aten::_batch_norm_with_update", "aten::_batch_norm_impl_index", "aten::instance_norm",
-        "aten::cudnn_batch_norm",  "aten::miopen_batch_norm",
-    };
-    for (const char* op : kOps) {
-      if (std::strcmp(name, op) == 0) return true;
-    }
-    return false;
-  }
-
   static std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
     auto* self = current();
-    if (self == nullptr || !updates_running_stats(fn.name())) return nullptr;
+    if (self == nullptr || !memsave::ops::updates_running_stats(fn.name())) return nullptr;
     const auto inputs = fn.inputs();
     for (size_t i : {size_t{3}, size_t{4}}) {
       if (i < inputs.size() && inputs[i].isTensor()) self->snapshot(inputs[i].toTensor());

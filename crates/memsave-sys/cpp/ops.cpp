@@ -1,9 +1,9 @@
 // Which ops a piece of work runs: ops that couple the samples of a batch (BatchNorm in
 // training mode computes each sample's output from the whole batch's statistics, so
 // splitting the batch into micro-batches changes the result).
-#include "common.h"
+#include "ops.h"
 
-#include <ATen/record_function.h>
+#include "common.h"
 
 #include <cstring>
 #include <memory>
@@ -22,33 +22,50 @@ CouplingRecorder*& current() {
   return recorder;
 }
 
-// Batch-norm-family schemas: `training` is argument 5 (argument 3 in the no_stats
-// overload); _batch_norm_with_update always trains.
-bool couples_samples(const at::RecordFunction& fn) {
-  static const char* const kTrainingFlag[] = {
-      "aten::batch_norm",         "aten::native_batch_norm", "aten::_native_batch_norm_legit",
-      "aten::_batch_norm_impl_index", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
-  };
-  const char* name = fn.name();
-  if (std::strcmp(name, "aten::_batch_norm_with_update") == 0) return true;
-  for (const char* op : kTrainingFlag) {
-    if (std::strcmp(name, op) != 0) continue;
-    const auto inputs = fn.inputs();
-    for (size_t i : {size_t{5}, size_t{3}}) {
-      if (i < inputs.size() && inputs[i].isBool()) return inputs[i].toBool();
-    }
-    return false;
-  }
-  return false;
-}
-
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   auto* recorder = current();
-  if (recorder != nullptr && recorder->first.empty() && couples_samples(fn)) recorder->first = fn.name();
+  if (recorder != nullptr && recorder->first.empty() && memsave::ops::couples_samples(fn)) {
+    recorder->first = fn.name();
+  }
   return nullptr;
 }
 
 }  // namespace
+
+namespace memsave::ops {
+
+namespace {
+
+// All have their running statistics at arguments 3 and 4.
+constexpr const char* kBatchNormFamily[] = {
+    "aten::batch_norm",           "aten::native_batch_norm",       "aten::_native_batch_norm_legit",
+    "aten::_batch_norm_with_update", "aten::_batch_norm_impl_index", "aten::instance_norm",
+    "aten::cudnn_batch_norm",     "aten::miopen_batch_norm",
+};
+
+}  // namespace
+
+bool updates_running_stats(const char* name) {
+  for (const char* op : kBatchNormFamily) {
+    if (std::strcmp(name, op) == 0) return true;
+  }
+  return false;
+}
+
+// `training` is argument 5 (argument 3 in _native_batch_norm_legit's no_stats
+// overload); _batch_norm_with_update always trains.
+bool couples_samples(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (!updates_running_stats(name) || std::strcmp(name, "aten::instance_norm") == 0) return false;
+  if (std::strcmp(name, "aten::_batch_norm_with_update") == 0) return true;
+  const auto inputs = fn.inputs();
+  for (size_t i : {size_t{5}, size_t{3}}) {
+    if (i < inputs.size() && inputs[i].isBool()) return inputs[i].toBool();
+  }
+  return false;
+}
+
+}  // namespace memsave::ops
 
 extern "C" {
 
