@@ -341,10 +341,8 @@ struct RecomputePreHook final : torch::autograd::FunctionPreHook {
 // the handles that autograd holds.
 class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_shared_from_this<CheckpointFrame> {
  public:
-  // `light`: inside another checkpoint's recomputation that runs a backward (see
-  // recompute_depth): inputs are kept, never packed.
-  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool early_stop, bool light)
-      : closure_(std::move(closure)), preserve_rng_(preserve_rng), early_stop_(early_stop), light_(light) {}
+  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool early_stop)
+      : closure_(std::move(closure)), preserve_rng_(preserve_rng), early_stop_(early_stop) {}
 
   // Whether the recomputation running on this thread has every tensor it needs back
   // (the function may return early: what it computes from there on is thrown away).
@@ -505,7 +503,6 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   std::unique_ptr<Closure> closure_;
   bool preserve_rng_;
   bool early_stop_;
-  bool light_;
   bool recomputing_ = false;
   // Whether a backward ran inside the function during the forward.
   uint64_t backward_calls_at_forward_ = 0;
@@ -744,7 +741,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     // Inside a recomputation that runs a backward the frame is light: its inputs are not
     // packed, and what it builds is thrown away when the recomputation ends.
     const bool light = recompute_depth > 0;
-    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, early_stop, light);
+    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, early_stop);
     if (pack_inputs && !light) frame->pack_inputs_with_current_hooks(in);
     *result = frame->forward(in);
     *out_vec = result.release();
