@@ -1,23 +1,25 @@
 //! Layers shared between a sequential model and the checkpoints that recompute them.
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use tch::nn::Module;
+use tch::nn::ModuleT;
 use tch::Tensor;
 
 /// A layer that checkpoint closures can own: the autograd graph may outlive a borrow of
 /// the model, so each layer sits behind an `Arc`; the `Mutex` makes it shareable across
 /// the threads autograd may run on (tch modules are `Send` but not `Sync`).
 #[derive(Clone)]
-pub(crate) struct SharedLayer(Arc<Mutex<Box<dyn Module>>>);
+pub(crate) struct SharedLayer(Arc<Mutex<Box<dyn ModuleT>>>);
 
 impl SharedLayer {
-    pub(crate) fn new(module: Box<dyn Module>) -> Self {
+    pub(crate) fn new(module: Box<dyn ModuleT>) -> Self {
         Self(Arc::new(Mutex::new(module)))
     }
 
-    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
+    /// The layer's forward; `train` as tch's `ModuleT::forward_t` (BatchNorm's batch
+    /// statistics and dropout when true).
+    pub(crate) fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let module = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        module.forward(x)
+        module.forward_t(x, train)
     }
 }
 

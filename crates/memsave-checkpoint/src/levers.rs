@@ -215,7 +215,7 @@ pub(crate) fn profile_levers(
             .enumerate()
             .take(layers.len().saturating_sub(1))
         {
-            x = tch::no_grad(|| layer.forward(&x));
+            x = tch::no_grad(|| layer.forward_t(&x, true));
             if saves_output[l] {
                 continue;
             }
@@ -225,11 +225,15 @@ pub(crate) fn profile_levers(
         }
         Ok(())
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-        Err(CheckpointError::Torch(format!(
-            "a layer panicked while calibrating boundary stores: {}",
-            memsave_sys::checkpoint::panic_message(&*payload)
-        )))
-    })?;
+    // A calibration is not a training step: BatchNorm's running statistics stay as they were.
+    memsave_sys::checkpoint::with_running_stats_preserved(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+            Err(CheckpointError::Torch(format!(
+                "a layer panicked while calibrating boundary stores: {}",
+                memsave_sys::checkpoint::panic_message(&*payload)
+            )))
+        })
+    })
+    .map_err(|e| CheckpointError::Torch(e.to_string()))??;
     Ok(profiles)
 }

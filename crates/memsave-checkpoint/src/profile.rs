@@ -167,7 +167,7 @@ pub(crate) fn profile_chain(
         let mut x = example.detach();
         let mut input_requires_grad = example.requires_grad();
         for layer in layers {
-            let forward = |t: &Tensor| layer.forward(t);
+            let forward = |t: &Tensor| layer.forward_t(t, true);
             let (p, y) = profile_element(&forward, &x, input_requires_grad, params)?;
             elements.push(p);
             x = y;
@@ -181,10 +181,14 @@ pub(crate) fn profile_chain(
             checkpoint_overhead_bytes,
         })
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-        Err(CheckpointError::Torch(format!(
-            "a layer panicked while profiling: {}",
-            memsave_sys::checkpoint::panic_message(&*payload)
-        )))
+    // A profile is not a training step: BatchNorm's running statistics stay as they were.
+    memsave_sys::checkpoint::with_running_stats_preserved(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+            Err(CheckpointError::Torch(format!(
+                "a layer panicked while profiling: {}",
+                memsave_sys::checkpoint::panic_message(&*payload)
+            )))
+        })
     })
+    .map_err(|e| CheckpointError::Torch(e.to_string()))?
 }

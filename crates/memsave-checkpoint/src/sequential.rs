@@ -11,14 +11,14 @@ use memsave_meter::Bytes;
 use memsave_sys::checkpoint::panic_message;
 use std::fmt;
 use std::sync::Arc;
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
 /// A sequence of layers (tch `Module`s or closures) whose forward follows a [`Plan`].
 ///
 /// ```
 /// use memsave_checkpoint::{CheckpointedSequential, Plan};
-/// use tch::nn::{self, Module};
+/// use tch::nn::{self, Module, ModuleT};
 /// use tch::{Device, Kind, Tensor};
 ///
 /// let vs = nn::VarStore::new(Device::Cpu);
@@ -66,8 +66,22 @@ impl CheckpointedSequential {
 
     /// Appends a module. The plan falls back to [`Plan::None`] (a changed chain needs a
     /// new plan, and a new profile for [`Plan::Budget`]).
+    ///
+    /// A `Module` ignores the train flag; add layers whose forward depends on it
+    /// (BatchNorm, dropout) with [`add_t`](Self::add_t).
     #[allow(clippy::should_implement_trait)] // tch's `nn::Sequential::add`, which users know
-    pub fn add<M: Module + 'static>(mut self, module: M) -> Self {
+    pub fn add<M: Module + 'static>(self, module: M) -> Self {
+        self.add_t(module)
+    }
+
+    /// Appends a module whose forward takes a train flag (tch's `ModuleT`: BatchNorm,
+    /// dropout, tch's `SequentialT`, `FuncT`). [`f_forward_t`](Self::f_forward_t) hands
+    /// it the flag; a checkpoint's recomputation in backward runs it with the same flag
+    /// as the forward did. Under every plan a training step updates each BatchNorm
+    /// running statistic once, as a plain step does (the recomputation's update is
+    /// undone; PyTorch's checkpoint updates them a second time). The plan falls back to
+    /// [`Plan::None`] as with [`add`](Self::add).
+    pub fn add_t<M: ModuleT + 'static>(mut self, module: M) -> Self {
         self.layers.push(SharedLayer::new(Box::new(module)));
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
@@ -126,6 +140,14 @@ impl CheckpointedSequential {
         F: Fn(&Tensor) -> Tensor + Send + 'static,
     {
         self.add(nn::func(f))
+    }
+
+    /// Appends a closure layer that takes the train flag (tch's `nn::func_t`).
+    pub fn add_fn_t<F>(self, f: F) -> Self
+    where
+        F: Fn(&Tensor, bool) -> Tensor + Send + 'static,
+    {
+        self.add_t(nn::func_t(f))
     }
 
     /// Whether checkpoints restore the RNG state for their recompute (default `true`).
@@ -321,8 +343,17 @@ impl CheckpointedSequential {
         out
     }
 
-    /// Runs the chain on `x` following the schedule; a panicking layer becomes an `Err`.
+    /// Runs the chain on `x` in training mode following the schedule; a panicking layer
+    /// becomes an `Err`. The same as [`f_forward_t(x, true)`](Self::f_forward_t).
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.f_forward_t(x, true)
+    }
+
+    /// Runs the chain on `x` following the schedule, each layer with the train flag
+    /// `train` (BatchNorm's batch statistics and dropout when true); a panicking layer
+    /// becomes an `Err`. For evaluation, pass `false` and run under `tch::no_grad`:
+    /// without grad nothing is saved, so the plan changes nothing.
+    pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let store_for = |start: usize| {
             self.schedule
                 .lever_at(start)
@@ -333,6 +364,7 @@ impl CheckpointedSequential {
                 &self.layers,
                 self.schedule.blocks(),
                 x,
+                train,
                 self.checkpoint,
                 &store_for,
             )
@@ -353,6 +385,7 @@ fn run_blocks(
     layers: &[SharedLayer],
     blocks: &[Block],
     x: &Tensor,
+    train: bool,
     options: Checkpoint,
     store_for: &dyn Fn(usize) -> Option<Lever>,
 ) -> Result<Tensor> {
@@ -364,13 +397,13 @@ fn run_blocks(
             break;
         }
         x = match block {
-            Block::Layer(i) => layers[*i].forward(&x),
+            Block::Layer(i) => layers[*i].forward_t(&x, train),
             Block::Checkpoint { start, end, inner } => {
                 let owned: Vec<SharedLayer> = layers.to_vec();
                 let inner = inner.clone();
                 debug_assert!(start < end);
                 let f = move |xs: &[Tensor]| {
-                    run_blocks(&owned, &inner, &xs[0], options, &|_| None).map(|y| vec![y])
+                    run_blocks(&owned, &inner, &xs[0], train, options, &|_| None).map(|y| vec![y])
                 };
                 let mut out = match store_for(*start) {
                     Some(store) => options.try_run_stored(&[&x], store, f)?,

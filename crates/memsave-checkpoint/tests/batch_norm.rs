@@ -154,3 +154,98 @@ fn a_checkpointed_batch_norm_updates_its_statistics_once() {
     assert!(bn.running_mean.allclose(&expected.0, 1e-6, 1e-7, false));
     assert!(bn.running_var.allclose(&expected.1, 1e-6, 1e-7, false));
 }
+
+/// `layers` blocks of conv 3x3 and BatchNorm added as `ModuleT`s (`add_t`), and the
+/// store's running statistics.
+fn conv_bn_net_t(vs: &nn::VarStore, layers: usize, c: i64) -> CheckpointedSequential {
+    let mut seq = CheckpointedSequential::new();
+    for i in 0..layers {
+        let conv_cfg = nn::ConvConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        let block = nn::seq_t()
+            .add(nn::conv2d(vs.root() / i / "conv", c, c, 3, conv_cfg))
+            .add(nn::batch_norm2d(
+                vs.root() / i / "bn",
+                c,
+                Default::default(),
+            ))
+            .add_fn(|x| x.relu());
+        seq = seq.add_t(block);
+    }
+    seq
+}
+
+fn buffers(vs: &nn::VarStore) -> Vec<Tensor> {
+    let mut named: Vec<_> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, t)| t.copy()).collect()
+}
+
+#[test]
+#[serial]
+fn add_t_layers_get_the_train_flag_in_forward_and_recomputation() {
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(CPU);
+    let mut seq = conv_bn_net_t(&vs, 4, 3);
+    let x = Tensor::randn([4, 3, 6, 6], (Kind::Float, CPU)) * 3.0 + 1.0;
+    let before = buffers(&vs);
+    // Eval: BatchNorm uses (and keeps) the running statistics, so nothing moves.
+    let eval = tch::no_grad(|| seq.f_forward_t(&x, false)).unwrap();
+    for (a, b) in before.iter().zip(buffers(&vs)) {
+        assert!(a.equal(&b), "an eval forward moved a running statistic");
+    }
+    // Train under a checkpoint plan: statistics move, output differs from eval's, and
+    // a plain step's statistics are reproduced bitwise.
+    let plain = {
+        let y = seq.f_forward_t(&x, true).unwrap();
+        assert!(
+            !y.allclose(&eval, 1e-3, 1e-3, false),
+            "train and eval agree"
+        );
+        y.square().mean(Kind::Float).backward();
+        buffers(&vs)
+    };
+    tch::no_grad(|| {
+        let mut named: Vec<_> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for ((_, mut t), v) in named.into_iter().zip(&before) {
+            t.copy_(v);
+        }
+    });
+    seq.set_plan(Plan::EveryLayer).unwrap();
+    let y = seq.f_forward_t(&x, true).unwrap();
+    y.square().mean(Kind::Float).backward();
+    for (a, b) in plain.iter().zip(buffers(&vs)) {
+        assert!(
+            a.equal(&b),
+            "a checkpointed step moved the statistics differently"
+        );
+    }
+    assert!(!plain[0].equal(&before[0]) || !plain[1].equal(&before[1]));
+}
+
+#[test]
+#[serial]
+fn profile_leaves_running_statistics_unchanged() {
+    tch::manual_seed(4);
+    let vs = nn::VarStore::new(CPU);
+    let mut seq = conv_bn_net_t(&vs, 3, 2);
+    let x = Tensor::randn([4, 2, 5, 5], (Kind::Float, CPU)) + 2.0;
+    let before = buffers(&vs);
+    let params = vs.trainable_variables();
+    seq.profile(&x, &params, |y| y.square().mean(Kind::Float))
+        .unwrap();
+    for (a, b) in before.iter().zip(buffers(&vs)) {
+        assert!(a.equal(&b), "profiling moved a running statistic");
+    }
+}

@@ -688,6 +688,19 @@ int ms_cpu_generator_state_bytes(int64_t* out) {
   })
 }
 
+// Running statistics (BatchNorm's running mean and variance, ...) that ops update
+// between enter and exit on this thread are written back to their values at enter.
+// Scopes nest and must exit in reverse order on the thread that entered them.
+void* ms_running_stats_scope_enter() noexcept {
+  try {
+    return new RunningStatsGuard();
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void ms_running_stats_scope_exit(void* scope) noexcept { delete static_cast<RunningStatsGuard*>(scope); }
+
 // Whether the recomputation running on this thread has every tensor it needs back.
 bool ms_checkpoint_recomputation_done() noexcept { return CheckpointFrame::current_recomputation_done(); }
 

@@ -160,6 +160,38 @@ pub fn recomputation_done() -> bool {
     unsafe { ffi::ms_checkpoint_recomputation_done() }
 }
 
+/// Runs `f` and then writes every running statistic that an op of `f` updated on this
+/// thread (BatchNorm's and InstanceNorm's running mean and variance, the ops of
+/// [`ops::sample_coupling_op`](crate::ops::sample_coupling_op)'s family) back to its
+/// value before `f`: for runs that must not count as training steps (a profile, a
+/// calibration, a planner's probe). Also when `f` panics (the panic goes on).
+///
+/// Only ops run on this thread are seen: a backward's engine threads update no
+/// running statistics, so a forward run here is covered.
+///
+/// # Errors
+/// Out of memory setting up the scope (then `f` is not run).
+pub fn with_running_stats_preserved<R>(f: impl FnOnce() -> R) -> Result<R> {
+    struct Scope(*mut c_void);
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            // SAFETY: the pointer came from ms_running_stats_scope_enter on this thread
+            // (Scope is not Send) and is freed exactly once, here, in LIFO order since
+            // scopes nest with the calls of this function.
+            unsafe { ffi::ms_running_stats_scope_exit(self.0) }
+        }
+    }
+    // SAFETY: no arguments; returns null on failure and never throws.
+    let raw = unsafe { ffi::ms_running_stats_scope_enter() };
+    if raw.is_null() {
+        return Err(Error::new(
+            "out of memory entering a running-statistics scope",
+        ));
+    }
+    let _scope = Scope(raw);
+    Ok(f())
+}
+
 /// [`checkpoint`] that does not keep its inputs either: at the forward, each defined
 /// input is packed by the calling thread's innermost hook frame (push one with
 /// [`hooks::push`](crate::hooks::push) around this call), which keeps it in its stead;

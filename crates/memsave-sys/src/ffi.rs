@@ -137,6 +137,8 @@ extern "C" {
     pub fn ms_tensor_vec_len(vec: *const c_void) -> usize;
     pub fn ms_tensor_vec_get(vec: *const c_void, i: usize, out: *mut *mut C_tensor) -> c_int;
     pub fn ms_checkpoint_recomputation_done() -> bool;
+    pub fn ms_running_stats_scope_enter() -> *mut c_void;
+    pub fn ms_running_stats_scope_exit(scope: *mut c_void);
     pub fn ms_checkpoint_stop_message() -> *const c_char;
     pub fn ms_cpu_generator_state_bytes(out: *mut i64) -> c_int;
 

@@ -1,0 +1,170 @@
+//! [`ZooWorkload`]: a network of the zoo with a synthetic batch, as a memsave workload.
+use crate::architecture::Architecture;
+use crate::error::ModelError;
+use crate::network::{Network, Task};
+use memsave_checkpoint::CheckpointedSequential;
+use memsave_plan::{Batch, Workload};
+use tch::{nn, Device, TchError, Tensor};
+
+/// A network of the zoo, its parameters and buffers in a `VarStore`, and one global
+/// batch of synthetic examples made at construction: what the harness, `fit` and a
+/// user's own loop run.
+pub struct ZooWorkload {
+    name: String,
+    vs: nn::VarStore,
+    layers: CheckpointedSequential,
+    task: Task,
+    example_shape: Vec<i64>,
+    data: Batch,
+}
+
+impl std::fmt::Debug for ZooWorkload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooWorkload")
+            .field("name", &self.name)
+            .field("layers", &self.layers)
+            .field("task", &self.task)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ZooWorkload {
+    /// Builds `architecture` on `device` and a batch of `global_batch` synthetic
+    /// examples, both from libtorch's current random stream (call `tch::manual_seed`
+    /// first for the same model and batch every time).
+    ///
+    /// # Errors
+    /// A configuration the architecture refuses, a `global_batch` below 1, or libtorch
+    /// failing (out of memory).
+    pub fn new(
+        name: impl Into<String>,
+        architecture: &Architecture,
+        global_batch: i64,
+        device: Device,
+    ) -> Result<ZooWorkload, ModelError> {
+        if global_batch < 1 {
+            return Err(ModelError::config(
+                "batch",
+                format!("must be at least 1, got {global_batch}"),
+            ));
+        }
+        let vs = nn::VarStore::new(device);
+        let network = architecture.build(&vs.root())?;
+        let data = network.synthetic_batch(global_batch, device)?;
+        let Network {
+            layers: blocks,
+            task,
+            example_shape,
+        } = network;
+        let layers = blocks
+            .into_iter()
+            .fold(CheckpointedSequential::new(), |seq, layer| {
+                seq.add_t(BoxedLayer(layer))
+            });
+        Ok(ZooWorkload {
+            name: name.into(),
+            vs,
+            layers,
+            task,
+            example_shape,
+            data,
+        })
+    }
+
+    /// The parameters and buffers, under tch's (or torchvision's) names.
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    /// The parameters and buffers, e.g. to load a tch checkpoint of the same
+    /// architecture (`var_store_mut().load(path)`).
+    pub fn var_store_mut(&mut self) -> &mut nn::VarStore {
+        &mut self.vs
+    }
+
+    /// What the network's input is and what its loss compares.
+    pub fn task(&self) -> Task {
+        self.task
+    }
+
+    fn network_view(&self) -> Network {
+        Network {
+            layers: Vec::new(),
+            task: self.task,
+            example_shape: self.example_shape.clone(),
+        }
+    }
+}
+
+/// A boxed `ModuleT` as a `ModuleT` (the chain takes layers by value).
+#[derive(Debug)]
+struct BoxedLayer(Box<dyn nn::ModuleT>);
+
+impl nn::ModuleT for BoxedLayer {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.0.forward_t(xs, train)
+    }
+}
+
+impl Workload for ZooWorkload {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+
+    /// The variables of the store that are not trained (BatchNorm's running mean,
+    /// variance and batch count), in the order of their names.
+    fn buffers(&self) -> Vec<Tensor> {
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named.into_iter().map(|(_, t)| t).collect()
+    }
+
+    fn global_batch(&self) -> i64 {
+        self.data.len()
+    }
+
+    /// The first `size` examples of the global batch (views); beyond it, the global
+    /// batch repeated (new tensors).
+    fn batch(&self, size: i64) -> Result<Batch, TchError> {
+        let have = self.data.len();
+        if size <= have {
+            return self.data.f_narrow(0, size);
+        }
+        let times = (size + have - 1) / have.max(1);
+        let repeat = |t: &Tensor| -> Result<Tensor, TchError> {
+            let mut reps = vec![1i64; t.dim()];
+            reps[0] = times;
+            t.f_repeat(&reps)?.f_narrow(0, 0, size)
+        };
+        Ok(Batch {
+            input: repeat(&self.data.input)?,
+            target: self.data.target.as_ref().map(repeat).transpose()?,
+        })
+    }
+
+    /// Cross-entropy against the batch's target, in f32 ([`Network::loss`]).
+    fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
+        self.network_view().loss(output, target)
+    }
+}
