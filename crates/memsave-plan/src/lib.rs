@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+mod error;
 pub mod fit;
 pub mod levers;
 pub mod measure;
@@ -20,10 +21,13 @@ pub mod optimizer;
 pub mod plan;
 mod saved;
 pub mod step;
+mod trainer;
 pub mod workload;
 
 pub use config::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use error::StepError;
 pub use fit::{fit, Allow, Candidate, Choice, FitError, FitReport, FitRequest};
+pub use trainer::{Trainer, TrainerBuilder};
 
 pub use levers::{
     CompressDtype, OffloadSpec, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision,

@@ -1,0 +1,257 @@
+//! [`Trainer`]: one configuration of memsave's levers, built once, stepped from a
+//! user's own training loop.
+use crate::config::{PlanChoice, StepConfig};
+use crate::error::StepError;
+use crate::levers::OptimizerSpec;
+use crate::optimizer::CaseOptimizer;
+use crate::step::{f_step_observed, StepMeasurement, Unobserved};
+use crate::workload::{Batch, Workload};
+use memsave_amp::{GradScaler, GradScalerConfig};
+use memsave_checkpoint::Schedule;
+
+/// Builds a [`Trainer`]: the configuration's levers (a [`StepConfig`]), and optionally
+/// an optimizer, a `GradScaler` and an explicit checkpoint schedule. Contradictory
+/// options are refused by [`build`](Self::build), before any step runs.
+///
+/// ```
+/// use memsave_checkpoint::{CheckpointedSequential, Plan};
+/// use memsave_plan::{
+///     Batch, OptimizerKind, OptimizerSpec, PlanChoice, StepConfig, TrainerBuilder, Workload,
+/// };
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+///
+/// struct Mlp { vs: nn::VarStore, layers: CheckpointedSequential, data: Tensor }
+/// impl Workload for Mlp {
+///     fn name(&self) -> &str { "mlp" }
+///     fn device(&self) -> Device { Device::Cpu }
+///     fn layers(&self) -> &CheckpointedSequential { &self.layers }
+///     fn layers_mut(&mut self) -> &mut CheckpointedSequential { &mut self.layers }
+///     fn parameters(&self) -> Vec<Tensor> { self.vs.trainable_variables() }
+///     fn global_batch(&self) -> i64 { 8 }
+///     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+///         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+///     }
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let mut layers = CheckpointedSequential::new();
+/// for i in 0..4 {
+///     let lin = nn::linear(vs.root() / i, 16, 16, Default::default());
+///     layers = layers.add_fn(move |x| x + lin.forward(x).tanh());
+/// }
+/// let data = Tensor::rand([8, 16], (Kind::Float, Device::Cpu));
+/// let mut model = Mlp { vs, layers, data };
+///
+/// let mut config = StepConfig::baseline();
+/// config.plan = PlanChoice::Fixed(Plan::EveryLayer);
+/// config.micro_batches = Some(2);
+/// let spec = OptimizerSpec { kind: OptimizerKind::Adamw, ..Default::default() };
+/// let mut trainer = TrainerBuilder::new(config).optimizer(spec).build(&mut model)?;
+/// let batch = trainer.model().batch(8)?;
+/// for _ in 0..3 {
+///     let m = trainer.step(&batch)?;
+///     assert!(m.peak_bytes > 0);
+/// }
+/// assert_eq!(trainer.steps(), 3);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct TrainerBuilder {
+    config: StepConfig,
+    schedule: Option<Option<Schedule>>,
+    record_trace: bool,
+}
+
+impl TrainerBuilder {
+    /// A builder for `config`'s levers. Its checkpoint plan is set on the model's layers
+    /// by [`build`](Self::build) (a budget plan profiles the model on its first batch
+    /// then), unless [`schedule`](Self::schedule) gives an explicit schedule.
+    pub fn new(config: StepConfig) -> Self {
+        Self {
+            config,
+            schedule: None,
+            record_trace: false,
+        }
+    }
+
+    /// Steps `spec`'s optimizer inside every step (after backward, or in backward with
+    /// `in_backward`), replacing the configuration's optimizer if it has one.
+    pub fn optimizer(mut self, spec: OptimizerSpec) -> Self {
+        self.config.optimizer = Some(spec);
+        self
+    }
+
+    /// Scales the loss with a `GradScaler` of these settings (for fp16 autocast).
+    pub fn grad_scaler(mut self, config: GradScalerConfig) -> Self {
+        self.config.scaler = Some(config);
+        self
+    }
+
+    /// Follows `schedule` (`None`: recompute nothing) instead of the configuration's
+    /// plan: e.g. the schedule `fit` chose ([`Choice::schedule`](crate::Choice::schedule)).
+    pub fn schedule(mut self, schedule: Option<Schedule>) -> Self {
+        self.schedule = Some(schedule);
+        self
+    }
+
+    /// Records the per-block memory of each step's forward into
+    /// [`StepMeasurement::trace`] (the workload must support tracing).
+    pub fn record_trace(mut self, on: bool) -> Self {
+        self.record_trace = on;
+        self
+    }
+
+    /// Checks the options, sets the checkpoint plan (or schedule) on `model`'s layers,
+    /// and builds the optimizer over `model`'s parameters and the scaler.
+    ///
+    /// # Errors
+    /// [`StepError::InvalidConfig`] for contradictory options (a `GradScaler` with the
+    /// optimizer in backward or with offloaded gradients, zero micro-batches, a schedule
+    /// for another number of layers, ...), before anything runs; others when the plan's
+    /// profile or the optimizer's state cannot be built.
+    pub fn build<W: Workload>(self, model: &mut W) -> Result<Trainer<'_, W>, StepError> {
+        let config = self.config;
+        validate(&config)?;
+        let device = model.device();
+        match self.schedule {
+            Some(schedule) => {
+                let n = model.layers().len();
+                let schedule = match schedule {
+                    Some(s) => s,
+                    None => Schedule::plain(n),
+                };
+                model
+                    .layers_mut()
+                    .set_schedule(schedule)
+                    .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
+            }
+            None => {
+                let example = match config.plan {
+                    PlanChoice::Fixed(_) => None,
+                    _ => Some(model.batch(model.global_batch())?),
+                };
+                let empty = Batch::input(tch::Tensor::new());
+                crate::plan::apply_plan(model, example.as_ref().unwrap_or(&empty), &config, device)
+                    .map_err(StepError::from_message)?;
+            }
+        }
+        let optimizer = config
+            .optimizer
+            .as_ref()
+            .map(|spec| CaseOptimizer::build(spec, &model.parameters()))
+            .transpose()
+            .map_err(StepError::from_message)?;
+        let scaler = config
+            .scaler
+            .map(GradScaler::new)
+            .transpose()
+            .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
+        Ok(Trainer {
+            model,
+            config,
+            optimizer,
+            scaler,
+            record_trace: self.record_trace,
+            steps: 0,
+        })
+    }
+}
+
+fn validate(config: &StepConfig) -> Result<(), StepError> {
+    let invalid = |m: &str| Err(StepError::InvalidConfig(m.to_owned()));
+    let scales = config.scaler.as_ref().is_some_and(|c| c.enabled);
+    if scales && config.optimizer.as_ref().is_some_and(|o| o.in_backward) {
+        return invalid(crate::optimizer::SCALER_IN_BACKWARD);
+    }
+    if config.scaler.is_some() && config.offload_grads.is_some() {
+        return invalid("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once");
+    }
+    if config.micro_batches == Some(0) {
+        return invalid("micro_batches must be at least 1");
+    }
+    Ok(())
+}
+
+/// A configured training step over a model: owns the optimizer (and its state), the
+/// `GradScaler` and the configuration; each [`step`](Self::step) runs forward, loss,
+/// backward (through the configuration's hooks, checkpoints and micro-batches) and the
+/// optimizer, and returns what it measured. Built by [`TrainerBuilder`].
+///
+/// Trap: the trainer borrows the model for its lifetime; read it through
+/// [`model`](Self::model) (e.g. for an evaluation loss) between steps.
+pub struct Trainer<'m, W: Workload> {
+    model: &'m mut W,
+    config: StepConfig,
+    optimizer: Option<CaseOptimizer>,
+    scaler: Option<GradScaler>,
+    record_trace: bool,
+    steps: u64,
+}
+
+impl<W: Workload> std::fmt::Debug for Trainer<'_, W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("model", &self.model.name())
+            .field("config", &self.config)
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'m, W: Workload> Trainer<'m, W> {
+    /// A builder for `config`'s levers (the same as [`TrainerBuilder::new`]).
+    pub fn builder(config: StepConfig) -> TrainerBuilder {
+        TrainerBuilder::new(config)
+    }
+
+    /// One training step on `batch`: gradients are freed first, and the optimizer (if
+    /// any) steps at the end or in backward. The measurement's bytes are exact (the
+    /// meter's) when memsave's allocator is installed.
+    ///
+    /// # Errors
+    /// [`StepError::OutOfMemory`] when the step does not fit; [`StepError::Torch`] for
+    /// other failures. Either way the next step can run.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMeasurement, StepError> {
+        let device = self.model.device();
+        let m = f_step_observed(
+            &*self.model,
+            batch,
+            &self.config,
+            device,
+            self.record_trace,
+            self.scaler.as_mut(),
+            self.optimizer.as_mut(),
+            &Unobserved,
+        )
+        .map_err(StepError::from_message)?;
+        self.steps += 1;
+        Ok(m)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &W {
+        self.model
+    }
+
+    /// The configuration every step follows.
+    pub fn config(&self) -> &StepConfig {
+        &self.config
+    }
+
+    /// Bytes of the optimizer's state (0 without an optimizer).
+    pub fn optimizer_state_bytes(&self) -> u64 {
+        self.optimizer
+            .as_ref()
+            .map_or(0, CaseOptimizer::state_bytes)
+    }
+
+    /// The `GradScaler`, if the configuration scales the loss.
+    pub fn grad_scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Steps run successfully so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
