@@ -1,12 +1,9 @@
 //! The optimizer of a case (`optimizer:` technique): built once per case, stepped
 //! after backward or from inside it, and its state bytes reported.
-use crate::levers::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
+use crate::levers::{OptimizerRule, OptimizerSpec, StatePlacement};
 use memsave_amp::GradScaler;
 use memsave_hooks::OnComplete;
-use memsave_optim::{
-    AdamW, AdamWConfig, InBackward, Observer, Optimizer, Options, Placement, Rule, Sgd, SgdConfig,
-    State,
-};
+use memsave_optim::{AdamW, InBackward, Observer, Optimizer, Rule, Sgd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
@@ -168,9 +165,12 @@ impl<R: Rule> Step for Stepper<R> {
 }
 
 impl CaseOptimizer {
-    /// The optimizer `spec` asks for over `params` (`lr: 1e-3` and PyTorch's other
-    /// defaults, as `pytorch_suite.py`).
+    /// The optimizer `spec` asks for over `params`, with the hyperparameters of
+    /// [`OptimizerSpec::rule`] (each one not given is the kind's default: `lr: 1e-3`
+    /// for both kinds, PyTorch's defaults for the rest). An invalid spec (a negative
+    /// `lr`, `momentum` with AdamW, ...) is an error here, before any step.
     pub fn build(spec: &OptimizerSpec, params: &[Tensor]) -> Result<Self, String> {
+        let rule = spec.rule().map_err(|e| e.to_string())?;
         let dir = match spec.placement {
             StatePlacement::Disk => Some(
                 tempfile::Builder::new()
@@ -180,28 +180,15 @@ impl CaseOptimizer {
             ),
             _ => None,
         };
-        let options = Options {
-            state: match spec.state {
-                StatePrecision::F32 => State::F32,
-                StatePrecision::Bf16 => State::Bf16,
-                StatePrecision::Int8 => State::Int8Blockwise { block: 256 },
-            },
-            placement: match (&spec.placement, &dir) {
-                (StatePlacement::Disk, Some(dir)) => Placement::Disk(dir.path().to_path_buf()),
-                (StatePlacement::Cpu, _) => Placement::Cpu,
-                _ => Placement::Device,
-            },
-            max_grad_norm: None,
-        };
-        let stepper: Box<dyn Step> = match spec.kind {
-            OptimizerKind::Adamw => {
-                let opt = AdamW::with_options(params, AdamWConfig::default(), options)
-                    .map_err(|e| e.to_string())?;
+        let options = spec.options(dir.as_ref().map(tempfile::TempDir::path));
+        let stepper: Box<dyn Step> = match rule {
+            OptimizerRule::AdamW(config) => {
+                let opt =
+                    AdamW::with_options(params, config, options).map_err(|e| e.to_string())?;
                 Box::new(Stepper::new(opt, spec.in_backward, params)?)
             }
-            OptimizerKind::Sgd => {
-                let opt = Sgd::with_options(params, SgdConfig::default(), options)
-                    .map_err(|e| e.to_string())?;
+            OptimizerRule::Sgd(config) => {
+                let opt = Sgd::with_options(params, config, options).map_err(|e| e.to_string())?;
                 Box::new(Stepper::new(opt, spec.in_backward, params)?)
             }
         };
