@@ -1,10 +1,12 @@
 //! Ops that couple the samples of a batch (issue #25: fit must not call micro-batching
 //! lossless for a model with BatchNorm in training mode).
 use memsave_sys::ops::sample_coupling_op;
+use serial_test::parallel;
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 #[test]
+#[parallel]
 fn batch_norm_in_training_mode_couples_samples_and_nothing_else_here_does() {
     let vs = nn::VarStore::new(Device::Cpu);
     for c in [1i64, 3, 8] {
@@ -48,6 +50,7 @@ fn batch_norm_in_training_mode_couples_samples_and_nothing_else_here_does() {
 }
 
 #[test]
+#[parallel]
 fn recorders_nest_and_end_even_when_the_work_panics() {
     let vs = nn::VarStore::new(Device::Cpu);
     let bn = nn::batch_norm1d(vs.root(), 3, Default::default());

@@ -1,8 +1,10 @@
 //! `write_bytes` and `WeakStorage`: the checks that keep them memory-safe.
 use memsave_sys::tensor::{write_bytes, WeakStorage};
+use serial_test::parallel;
 use tch::{Device, Kind, Tensor};
 
 #[test]
+#[parallel]
 fn bytes_land_where_asked_and_out_of_range_is_an_error() {
     let t = Tensor::zeros([8], (Kind::Uint8, Device::Cpu));
     write_bytes(&t, 2, &[7, 8, 9]).unwrap();
@@ -31,6 +33,7 @@ fn bytes_land_where_asked_and_out_of_range_is_an_error() {
 }
 
 #[test]
+#[parallel]
 fn a_weak_storage_knows_its_tensor_and_views_and_not_a_successor() {
     let t = Tensor::ones([16], (Kind::Float, Device::Cpu));
     let weak = WeakStorage::new(&t).unwrap();
