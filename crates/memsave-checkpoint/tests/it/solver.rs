@@ -10,6 +10,7 @@ use memsave_checkpoint::{
 };
 use memsave_meter::Bytes;
 use proptest::prelude::*;
+use serial_test::parallel;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use tch::nn::{self, Module};
@@ -60,6 +61,8 @@ unsafe impl GlobalAlloc for Counting {
     }
 }
 
+// The allocator of the whole `it` binary, every module's tests included: it only
+// forwards and counts per thread, so tests on other threads do not disturb the counts.
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
@@ -196,6 +199,7 @@ fn the_reported_smallest_budget_is_met_and_one_byte_less_is_not() {
 }
 
 #[test]
+#[parallel]
 fn the_not_profiled_error_names_the_method_that_exists() {
     let vs = nn::VarStore::new(Device::Cpu);
     let lin = nn::linear(vs.root(), 4, 4, Default::default());

@@ -2,9 +2,7 @@
 //! its recompute. Plans fit their budget (predicted and measured to the byte), lossless
 //! stores keep gradients bitwise equal under every entry point, and without levers
 //! nothing changes.
-mod common;
-
-use common::*;
+use crate::common::*;
 use memsave_checkpoint::{
     predict, BoundaryStore, CheckpointError, CheckpointedSequential, Plan, Schedule, Solver,
     Stored, StoredBoundary,

@@ -2,9 +2,7 @@
 //! bitwise: checkpoint recomputes into the original graph (saved-tensor hooks), so
 //! `run_backward` to chosen tensors, `create_graph` and `keep_graph` see the same graph
 //! as without checkpointing.
-mod common;
-
-use common::*;
+use crate::common::*;
 use memsave_checkpoint::{CheckpointedSequential, Plan};
 use memsave_sys::tensor::backward_with_grads;
 use proptest::prelude::*;

@@ -1,7 +1,5 @@
 //! Exact memory of the plans on the seed network, and the budget plan's guarantee.
-mod common;
-
-use common::*;
+use crate::common::*;
 use memsave_checkpoint::{CheckpointError, Plan};
 use memsave_meter::{detect_leak, measure, memory_allocated};
 use serial_test::serial;

@@ -1,7 +1,5 @@
 //! Checkpointed gradients equal the plain baseline's, for every plan.
-mod common;
-
-use common::*;
+use crate::common::*;
 use memsave_checkpoint::Plan;
 use proptest::prelude::*;
 use serial_test::serial;
