@@ -36,10 +36,9 @@ use memsave_dist::{
     ProcessGroup, ZeroOptimizer, ZeroStage,
 };
 use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
-use memsave_optim::{
-    AdamW, AdamWConfig, Optimizer, Options, Placement, Rule, Sgd, SgdConfig, State,
-};
-use memsave_plan::{Batch, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision, Workload};
+use memsave_optim::{AdamW, Optimizer, Rule, Sgd};
+use memsave_plan::levers::OptimizerRule;
+use memsave_plan::{Batch, OptimizerSpec, StatePlacement, Workload};
 use memsave_trace::{Phase, Recorder, Session};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
@@ -692,29 +691,20 @@ impl RankCase {
             ),
             _ => None,
         };
-        let options = |o: &OptimizerSpec| Options {
-            state: match o.state {
-                StatePrecision::F32 => State::F32,
-                StatePrecision::Bf16 => State::Bf16,
-                StatePrecision::Int8 => State::Int8Blockwise { block: 256 },
-            },
-            placement: match (&o.placement, &state_dir) {
-                (StatePlacement::Disk, Some(dir)) => Placement::Disk(dir.path().to_path_buf()),
-                (StatePlacement::Cpu, _) => Placement::Cpu,
-                _ => Placement::Device,
-            },
-            ..Default::default()
-        };
+        let options = |o: &OptimizerSpec| o.options(state_dir.as_ref().map(|d| d.path()));
         let mut ddp = None;
-        let optimizer: Option<Box<dyn RankOptimizer>> = match (config.optimizer, zero) {
-            (Some(o), Some(stage)) => Some(match o.kind {
-                OptimizerKind::Adamw => Box::new(
-                    ZeroOptimizer::new(group, &params, AdamWConfig::default(), options(&o), stage)
-                        .map_err(failed)?,
+        let rule = config
+            .optimizer
+            .map(|o| o.rule().map(|rule| (o, rule)))
+            .transpose()
+            .map_err(failed)?;
+        let optimizer: Option<Box<dyn RankOptimizer>> = match (rule, zero) {
+            (Some((o, rule)), Some(stage)) => Some(match rule {
+                OptimizerRule::AdamW(c) => Box::new(
+                    ZeroOptimizer::new(group, &params, c, options(&o), stage).map_err(failed)?,
                 ),
-                OptimizerKind::Sgd => Box::new(
-                    ZeroOptimizer::new(group, &params, SgdConfig::default(), options(&o), stage)
-                        .map_err(failed)?,
+                OptimizerRule::Sgd(c) => Box::new(
+                    ZeroOptimizer::new(group, &params, c, options(&o), stage).map_err(failed)?,
                 ),
             }),
             (o, _) => {
@@ -723,15 +713,13 @@ impl RankCase {
                         .map_err(failed)?,
                 );
                 match o {
-                    Some(o) => Some(match o.kind {
-                        OptimizerKind::Adamw => Box::new(
-                            AdamW::with_options(&params, AdamWConfig::default(), options(&o))
-                                .map_err(failed)?,
-                        ),
-                        OptimizerKind::Sgd => Box::new(
-                            Sgd::with_options(&params, SgdConfig::default(), options(&o))
-                                .map_err(failed)?,
-                        ),
+                    Some((o, rule)) => Some(match rule {
+                        OptimizerRule::AdamW(c) => {
+                            Box::new(AdamW::with_options(&params, c, options(&o)).map_err(failed)?)
+                        }
+                        OptimizerRule::Sgd(c) => {
+                            Box::new(Sgd::with_options(&params, c, options(&o)).map_err(failed)?)
+                        }
                     }),
                     None => None,
                 }

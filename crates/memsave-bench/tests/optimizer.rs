@@ -39,8 +39,14 @@ fn bad_optimizer_entries_say_what_is_wrong_and_where() {
     for (entry, needle) in [
         ("optimizer: {kind: lamb}", "unknown variant `lamb`"),
         ("optimizer: {state: fp4}", "unknown variant `fp4`"),
-        ("optimizer: {lr: 0.1}", "unknown field `lr`"),
-        ("optimizer: {kind: sgd, state: int8}", "sgd keeps no state"),
+        (
+            "optimizer: {learning_rate: 0.1}",
+            "unknown field `learning_rate`",
+        ),
+        (
+            "optimizer: {kind: sgd, state: int8}",
+            "sgd without momentum keeps no state",
+        ),
         (
             "optimizer",
             "needs arguments, e.g. {optimizer: {kind: adamw}}",

@@ -38,6 +38,8 @@
 //!   - grad_scaler: {init_scale: 1024, growth_interval: 100}  # also growth_factor, backoff_factor
 //!   - {name: ckpt+bf16, with: [{checkpoint: {segments: 3}}, {autocast: {dtype: bf16}}]}
 //!   - optimizer: {kind: adamw, state: int8, in_backward: true, placement: device}
+//!   - optimizer: {kind: adamw, lr: 3e-4, betas: [0.9, 0.95], eps: 1e-8, weight_decay: 0.1}
+//!   - optimizer: {kind: sgd, lr: 0.1, momentum: 0.9, weight_decay: 0}
 //!   - {name: zero2, with: [{zero: 2}, {optimizer: {kind: adamw}}]}  # needs world_size
 //! ```
 //!
@@ -56,19 +58,30 @@
 //! optimizer, so a step with inf/NaN gradients shows as a diverged gradient rather than
 //! a skipped step.
 //!
-//! `optimizer` steps a `memsave-optim` optimizer (`lr: 1e-3`, PyTorch's other
-//! defaults, as `pytorch_suite.py` does) inside the measured step and then frees the
-//! gradients (`zero_grad(set_to_none)`), so the peak and time include the update. The
-//! optimizer lives for the whole case: its state counts in `start_bytes` from the
-//! second step on and is reported as `optimizer_state_bytes`. The case starts from the
-//! model's weights and they are restored after it, so every case sees the same model.
-//! Its gradients are not compared with the baseline's (they are freed by the step).
+//! `optimizer` steps a `memsave-optim` optimizer inside the measured step and then
+//! frees the gradients (`zero_grad(set_to_none)`), so the peak and time include the
+//! update. The optimizer lives for the whole case: its state counts in `start_bytes`
+//! from the second step on and is reported as `optimizer_state_bytes`. The case starts
+//! from the model's weights and they are restored after it, so every case sees the
+//! same model. Its gradients are not compared with the baseline's (they are freed by the step).
 //! `in_backward: true` cannot be combined with `accumulate` (every backward would
 //! step) unless `offload_grads` keeps the gradients in files until the last
 //! micro-batch's backward steps them, nor with `grad_scaler` (the inf check needs every gradient before the first
 //! update); such a strategy is reported unavailable with the reason by `memsave bench`,
 //! and is an error (exit 2) of `memsave check`, which decides by the same function
 //! ([`crate::availability`]).
+//!
+//! The optimizer's hyperparameters, each optional: `lr` (default 1e-3 for both kinds,
+//! the value the harness always used: PyTorch's SGD has no default), `weight_decay`
+//! (AdamW's decoupled decay, default 1e-2; SGD's L2 penalty, default 0), and for
+//! `kind: adamw` `betas: [b1, b2]` (default [0.9, 0.999]) and `eps` (default 1e-8), for
+//! `kind: sgd` `momentum` (default 0; dampening 0, no Nesterov). `lr`, `eps` and
+//! `weight_decay` must be finite and >= 0, each beta and `momentum` in [0, 1); betas or
+//! eps with sgd and momentum with adamw are errors, not ignored. SGD without momentum
+//! keeps no state (so `state:` must stay f32); with `momentum > 0` it keeps one buffer
+//! per parameter, which `state` and `placement` apply to. The canonical name lists the
+//! hyperparameters that differ from the kind's defaults: `optimizer(kind=adamw,
+//! lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)`.
 //!
 //! `compress` and `offload` wrap the forward in memsave-hooks' saved-tensor hooks
 //! (`Compress`, `DiskOffload`, `SaveOnCpu`), made fresh for each step; the parameters
