@@ -93,7 +93,7 @@ fn loss_of(y: &Tensor) -> Tensor {
     y.square().mean(Kind::Float)
 }
 
-/// Peak of one step above its start (see tests/memory.rs).
+/// Peak of one step above its start (see the memory module).
 fn step_peak(seq: &CheckpointedSequential, vs: &nn::VarStore, x: &Tensor, hold: bool) -> u64 {
     clear_grads(vs);
     let (_, m) = measure(CPU, |_| {
@@ -309,7 +309,7 @@ fn a_lossy_store_keeps_gradients_close() {
     assert!(rel_l2 > 0.0 && rel_l2 <= 1e-2, "relative L2 {rel_l2}");
 }
 
-/// `tanh(linear(x)) + x`: as in tests/entry_points.rs, differentiable twice.
+/// `tanh(linear(x)) + x`: as in the entry_points module, differentiable twice.
 fn tanh_net(vs: &nn::VarStore, layers: usize, h: i64) -> CheckpointedSequential {
     let mut seq = CheckpointedSequential::new();
     for i in 0..layers {
