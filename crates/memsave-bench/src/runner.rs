@@ -398,28 +398,19 @@ fn device_name(device: Device) -> String {
     }
 }
 
-/// Applies a simulated memory limit and restores the previous one when dropped.
-pub(crate) struct LimitGuard {
-    device: Device,
-    previous: Option<u64>,
-}
+/// Applies a simulated memory limit (the meter's [`memsave_meter::MemoryLimitGuard`]),
+/// restored when the guard is dropped, also by a panic.
+pub(crate) enum LimitGuard {}
 
 impl LimitGuard {
-    pub(crate) fn set(device: Device, limit: Option<u64>) -> Result<Option<LimitGuard>, RunError> {
-        let Some(limit) = limit else {
-            return Ok(None);
-        };
-        let previous = memsave_meter::memory_limit(device);
-        let limit = previous.map_or(limit, |p| p.min(limit));
-        memsave_meter::set_memory_limit(device, Some(limit))
-            .map_err(|e| RunError::MemoryLimit(e.to_string()))?;
-        Ok(Some(LimitGuard { device, previous }))
-    }
-}
-
-impl Drop for LimitGuard {
-    fn drop(&mut self) {
-        let _ = memsave_meter::set_memory_limit(self.device, self.previous);
+    pub(crate) fn set(
+        device: Device,
+        limit: Option<u64>,
+    ) -> Result<Option<memsave_meter::MemoryLimitGuard>, RunError> {
+        limit
+            .map(|limit| memsave_meter::MemoryLimitGuard::f_new(device, limit))
+            .transpose()
+            .map_err(|e| RunError::MemoryLimit(e.to_string()))
     }
 }
 

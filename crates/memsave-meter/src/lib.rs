@@ -39,12 +39,14 @@
 
 mod bytes;
 mod leak;
+mod limit;
 mod scope;
 mod stats;
 mod summary;
 
 pub use bytes::{format_bytes, Bytes, ParseBytesError};
 pub use leak::{detect_leak, f_detect_leak, LeakReport};
+pub use limit::MemoryLimitGuard;
 pub use scope::{f_measure, measure, Mark, Marks, Measurement};
 pub use stats::{
     empty_cache, f_empty_cache, f_live_allocations, f_max_memory_allocated, f_memory_allocated,

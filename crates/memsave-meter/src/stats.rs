@@ -244,6 +244,7 @@ mod tests {
     }
 
     #[test]
+    #[serial_test::serial(cpu_memory_limit)]
     fn empty_cache_frees_nothing_that_is_referenced() {
         let t = Tensor::ones([1000], (Kind::Float, Device::Cpu));
         let before = memory_allocated(Device::Cpu);

@@ -4,7 +4,8 @@
 //! The answer to "my step needs 30 GiB and I have 24": instead of halving the batch
 //! on each out-of-memory error (which changes the global batch, and costs a crash per
 //! try), `fit` predicts the peak and the time of every configuration it considers and
-//! runs only the one it chooses, once, under the meter's simulated capacity.
+//! runs only the one it chooses at its real size, its peak measured to the byte and
+//! checked against the budget.
 //!
 //! # What it considers
 //! - **micro-batches**: the global batch split into `k` micro-batches as evenly as
@@ -32,8 +33,8 @@
 //! micro-batch size (activations grow with the batch; gradients, optimizer state and
 //! the rest do not). Recompute schedules come from the solver over a layer profile
 //! interpolated from profiles at two small sizes; each schedule is then itself run on
-//! two small micro-batches. The small runs happen under the budget as the simulated
-//! capacity: a lever set whose small run does not fit is retried at half the size.
+//! two small micro-batches. A lever set whose small run does not fit the budget (its
+//! measured peak is over it) is retried at half the size.
 //!
 //! What an offload store keeps in memory depends on the pace of its writer thread, so
 //! `fit` runs it synchronously (each saved tensor written before the forward goes on,
@@ -41,13 +42,13 @@
 //!
 //! It chooses the fastest predicted configuration whose predicted peak is within the
 //! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real
-//! step of it under the budget (on the CPU, the meter's `set_memory_limit`: an
-//! allocation past the budget fails at once) and reports the prediction, the
+//! step of it (its peak measured and checked against the budget) and reports the
+//! prediction, the
 //! measurement, and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
 //! to sixteen runners-up predicted within 1.5× of the choice's time (and the best
 //! predicted of each other family within 3×: on steps of a few hundredths of a second
-//! small runs can be off by that much) are run at their real size under the budget too
+//! small runs can be off by that much) are run at their real size too
 //! (first one per family of levers and recompute schedule, then more splits of each;
 //! for a couple of seconds, or a quarter of the time spent before). Then up to five
 //! measured within 1.25× of the fastest (always the one confirmed first, measured
@@ -64,9 +65,26 @@
 //! moment than about the configuration, and three rounds still now and then pick one
 //! more than 10% slower. The fastest so compared is the choice. On the
 //! CPU, a runner-up may be one predicted within the budget but not within the
-//! margin: the simulated capacity fails its run at once if it does not fit, and it
-//! is chosen only measured within the budget (on CUDA, where an allocation past the
-//! budget may succeed or fail for real, only those within the margin run).
+//! margin: it is chosen only measured within the budget (on CUDA, where an allocation
+//! past the budget may succeed or fail for real, only those within the margin run).
+//!
+//! Runs are never made to fail at the budget: the workload's code runs as it would in
+//! training. `fit` sets no simulated capacity (the meter's `set_memory_limit`) for
+//! them, since an allocation failing inside a layer makes tch's short methods panic
+//! there, which poisons any `Mutex` the layer holds (the way to share a module, which
+//! is `Send` but not `Sync`, with a checkpoint closure) and prints the panic. A run's
+//! peak is measured instead (exact on the CPU) and a run over the budget is a
+//! configuration that does not fit. The price: such a run takes its memory for real.
+//! `fit` keeps it bounded: the first small runs are at about a quarter of the
+//! micro-batch (half with offload, whose activations are in files), a larger one is
+//! run only after a smaller one fit, a real-size run only for a
+//! configuration predicted within the budget (with `exhaustive`, within twice it), and
+//! the whole batch in one micro-batch, for the error of a budget nothing fits, only
+//! when runs of one and two examples predict it below the least peak found. The one
+//! cap in force on the CPU is the machine's memory (its total, or its control group's
+//! limit): a run that would take more fails as it would outside `fit`, instead of the
+//! process being killed. A limit set before `fit` stays in force, and applies to the
+//! workload's code as set.
 //!
 //! When the two small runs do not make the same allocations in the same order
 //! (libtorch picks kernels, and their scratch buffers, by size), the peak can only be
@@ -127,7 +145,8 @@ pub struct FitRequest {
     /// Fraction of the budget kept free for prediction errors: a configuration is
     /// chosen only if its predicted peak is within `budget · (1 − margin)`.
     pub margin: f64,
-    /// Also run every candidate at its real size (under the budget) and report the
+    /// Also run every candidate predicted within twice the budget at its real size
+    /// (its peak checked against the budget) and report the
     /// fastest that really fits, to check the choice; those within 1.3× of the
     /// fastest, and the choice, are then compared in rounds (as the close ones are
     /// before the choice, see the [module](self) docs; at least five, up to thirty
@@ -227,7 +246,7 @@ pub struct FitReport {
     pub choice: Choice,
     /// Its predicted peak.
     pub predicted_peak_bytes: u64,
-    /// Its peak measured by the confirming step under the budget.
+    /// Its peak measured by the confirming step at its real size.
     pub measured_peak_bytes: u64,
     /// Its predicted step time, seconds.
     pub predicted_step_time_s: f64,
@@ -374,8 +393,8 @@ pub enum FitEvent {
         /// The two batch sizes.
         sizes: (i64, i64),
     },
-    /// Running the fastest predicted configuration not run yet at its real size,
-    /// under the budget, to confirm that it fits.
+    /// Running the fastest predicted configuration not run yet at its real size, to
+    /// confirm that its measured peak fits the budget.
     Confirming {
         /// Its name.
         strategy: String,

@@ -5,9 +5,10 @@ use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::step::{f_step_observed, StepEvent, StepObserver, Unobserved};
 use crate::workload::Workload;
 use memsave_checkpoint::Schedule;
+use memsave_meter::{Bytes, MemoryLimitGuard};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// What running a configuration measured.
@@ -45,8 +46,44 @@ impl ProbeError {
     }
 }
 
+/// Whether a step's error is an allocation that failed (libtorch's out-of-memory error,
+/// the simulated one included), as `memsave_sys::Error` tells.
 fn is_oom(text: &str) -> bool {
-    text.contains("out of memory")
+    memsave_sys::Error::new(text).is_out_of_memory()
+}
+
+/// The most bytes a probe's tensors may hold on the CPU: the machine's memory (its
+/// total, or its control group's limit if lower), read once; `None` where the system
+/// does not say (off Linux).
+///
+/// Probes run the workload's own code, so they run without the budget as a simulated
+/// capacity: an allocation that fails inside a layer makes tch's short methods panic
+/// there, which poisons any lock the layer holds and prints the panic. The budget is
+/// checked on the measured peak instead (the counting allocator is exact). This cap
+/// only turns a probe that would take more than the machine has (and be ended by the
+/// kernel's out-of-memory killer) into an out-of-memory error; a layer then fails as
+/// it would outside `fit`.
+fn machine_memory() -> Option<u64> {
+    static MACHINE: OnceLock<Option<u64>> = OnceLock::new();
+    *MACHINE.get_or_init(|| {
+        let total = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|info| {
+                info.lines().find_map(|line| {
+                    let kib = line.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?;
+                    kib.trim().parse::<u64>().ok()
+                })
+            })
+            .map(|kib| kib.saturating_mul(1024));
+        // cgroup v2; "max" (no limit) does not parse.
+        let group = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+            .ok()
+            .and_then(|max| max.trim().parse::<u64>().ok());
+        match (total, group) {
+            (Some(t), Some(g)) => Some(t.min(g)),
+            (t, g) => t.or(g),
+        }
+    })
 }
 
 /// Times the optimizer's part of a step, and notes where in the allocation recording
@@ -81,10 +118,12 @@ const LONG_RUNS_S: f64 = 0.5;
 /// [`LONG_RUNS_S`], on `batch` examples split into `micro_batches`, with the
 /// choice's schedule on the layers and a fresh optimizer (the workload's, changed by
 /// the choice's levers) warmed up by a step of one example per micro-batch; the
-/// weights are put back afterwards. With `budget`, the
-/// meter's simulated capacity is the allocation before the first run plus `budget`
-/// during the runs (on the CPU; on CUDA the measured peak is compared instead). With
-/// `record` (on the CPU), the first run records its allocations for the prediction.
+/// weights are put back afterwards. With `budget`, a run whose peak above the
+/// allocation before the first run is over `budget` ends the probe with
+/// [`ProbeError::OutOfMemory`] (on every device: the peak is measured, never enforced
+/// by a simulated capacity, which would make the workload's own code fail; see
+/// [`machine_memory`] for the one cap in force). With `record` (on the CPU), the first
+/// run records its allocations for the prediction.
 pub(crate) fn probe(
     workload: &mut dyn Workload,
     choice: &Choice,
@@ -174,14 +213,14 @@ pub(crate) fn probe(
     }
     let base =
         memsave_meter::f_memory_allocated(device).map_err(|e| ProbeError::Failed(e.to_string()))?;
-    let previous_limit = memsave_meter::memory_limit(device);
-    let limited = budget.is_some() && device == tch::Device::Cpu;
-    if let (true, Some(budget)) = (limited, budget) {
-        let limit = base.saturating_add(budget);
-        let limit = previous_limit.map_or(limit, |p| p.min(limit));
-        memsave_meter::f_set_memory_limit(device, Some(limit))
-            .map_err(|e| ProbeError::Failed(e.to_string()))?;
-    }
+    // No budget as a simulated capacity (see `machine_memory`): only the machine's.
+    let cap = match (device, machine_memory()) {
+        (tch::Device::Cpu, Some(machine)) => Some(
+            MemoryLimitGuard::f_new(device, machine)
+                .map_err(|e| ProbeError::Failed(e.to_string()))?,
+        ),
+        _ => None,
+    };
     let outcome = (|| {
         let mut best: Option<Probe> = None;
         let mut peak = 0;
@@ -201,8 +240,9 @@ pub(crate) fn probe(
                 forwards: Cell::new(0),
                 second_forward_at: Cell::new(None),
             };
-            // Some of tch's operations panic instead of returning an out-of-memory
-            // error (a failed operation on a scalar): catch it as the error it is.
+            // The workload's code may panic (tch's short methods do on any error, and
+            // a failed operation on a scalar panics even in its `f_` form): catch it
+            // as the error it is.
             let m = panic::catch_unwind(AssertUnwindSafe(|| {
                 f_step_observed(
                     &*workload,
@@ -250,6 +290,14 @@ pub(crate) fn probe(
                 .map(|t| end.duration_since(t).as_secs_f64().min(m.time_s))
                 .unwrap_or(0.0);
             peak = peak.max((m.start_bytes + m.peak_bytes).saturating_sub(base));
+            if let Some(budget) = budget.filter(|b| peak > *b) {
+                // Over already: the runs left would only take the time (and memory).
+                return Err(ProbeError::OutOfMemory(format!(
+                    "the peak {} is above the budget {}",
+                    Bytes(peak),
+                    Bytes(budget)
+                )));
+            }
             if best.as_ref().is_none_or(|b| m.time_s < b.time_s) {
                 best = Some(Probe {
                     peak_bytes: 0,
@@ -261,11 +309,6 @@ pub(crate) fn probe(
             }
         }
         let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
-        if let Some(budget) = budget.filter(|b| peak > *b) {
-            return Err(ProbeError::OutOfMemory(format!(
-                "the peak {peak} bytes is above the budget {budget} bytes"
-            )));
-        }
         Ok(Probe {
             peak_bytes: peak,
             series,
@@ -273,9 +316,7 @@ pub(crate) fn probe(
             ..best
         })
     })();
-    if limited {
-        let _ = memsave_meter::f_set_memory_limit(device, previous_limit);
-    }
+    drop(cap);
     let _ = memsave_accum::free_grads(&params);
     if let Some(weights) = weights {
         weights.restore().map_err(ProbeError::Failed)?;

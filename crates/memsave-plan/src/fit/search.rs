@@ -80,6 +80,12 @@ const EXHAUSTIVE_MAX_ROUNDS: usize = 30;
 const EXHAUSTIVE_ROUNDS_S: f64 = 10.0;
 const EXHAUSTIVE_OUT_OVER: f64 = 1.2;
 
+/// With `exhaustive`, a configuration predicted over this factor of the budget (or
+/// known not to fit, with no prediction) is not run at its real size: runs are not
+/// stopped at the budget, and its memory would be taken for real to learn what the
+/// prediction already says.
+const EXHAUSTIVE_RUN_WITHIN: f64 = 2.0;
+
 /// A configuration's time in a round is the fastest of `REAL_RUNS` steps when its step
 /// takes less than this many seconds, one step's otherwise: the first step after
 /// another configuration pays for fresh allocations, a few milliseconds that only a
@@ -350,10 +356,10 @@ fn search_fit(
 
     // Predicted times come from small runs and are off by tens of percent, more than
     // separates close configurations: runners-up that could be faster are run at
-    // their real size under the budget too, and the fastest measured wins. On the CPU
-    // (where the simulated capacity fails an allocation past the budget at once) a
-    // runner-up predicted within the budget but not within the margin may run too:
-    // measured within the budget, it is as safe as the rest.
+    // their real size too, and the fastest measured within the budget wins. On the CPU
+    // (where the meter's peak is exact to the byte) a runner-up predicted within the
+    // budget but not within the margin may run too: measured within the budget, it is
+    // as safe as the rest.
     let chosen_time = candidates[chosen]
         .predicted_step_time_s
         .unwrap_or(0.0)
@@ -482,6 +488,19 @@ fn search_fit(
         for (i, c) in candidates.iter_mut().enumerate() {
             if run_already.contains(&i) {
                 continue; // the choice, a runner-up, one that did not fit
+            }
+            // Runs are not stopped at the budget (their peak is measured): one known
+            // not to fit, or predicted far over, would only take its memory for real.
+            let far_over = c
+                .predicted_peak_bytes
+                .is_none_or(|p| p as f64 > EXHAUSTIVE_RUN_WITHIN * request.budget_bytes as f64);
+            if far_over {
+                c.note.get_or_insert_with(|| {
+                    format!(
+                        "not run at its real size: predicted over {EXHAUSTIVE_RUN_WITHIN}x the budget"
+                    )
+                });
+                continue;
             }
             match search.run_real(&c.choice) {
                 Ok(p) => {
@@ -956,7 +975,7 @@ impl Search<'_> {
         Ok(affine)
     }
 
-    /// One small probe under the budget: `None` when it did not fit.
+    /// One small probe, its peak checked against the budget: `None` when it did not fit.
     fn run_small(
         &mut self,
         choice: &Choice,
@@ -1087,8 +1106,8 @@ impl Search<'_> {
         indices
     }
 
-    /// `choice` run at its real size, the global batch, under the budget (a
-    /// confirmation, a runner-up, an exhaustive measurement).
+    /// `choice` run at its real size, the global batch, its peak checked against the
+    /// budget (a confirmation, a runner-up, an exhaustive measurement).
     fn run_real(&mut self, choice: &Choice) -> Result<super::probe::Probe, ProbeError> {
         self.run_real_times(choice, REAL_RUNS)
     }
@@ -1317,13 +1336,20 @@ impl Search<'_> {
             }
             for choice in choices {
                 // The whole batch at once is worth running only below the least peak
-                // found so far: under it as the simulated capacity, a run that cannot
-                // beat it stops at once instead of taking the batch's full memory.
+                // found so far. Runs are not stopped at a peak (a simulated capacity
+                // would make the workload's own code fail), so the whole batch is first
+                // predicted from runs of one and two examples, and run only when that
+                // beats the least peak: one that cannot would take its full memory.
                 let cap = if levers.in_backward {
                     best_allowed.as_ref().map(|(p, _)| *p)
                 } else {
                     None
                 };
+                if let (Some(cap), true) = (cap, batch > 2) {
+                    if self.predict_whole_batch(&choice)?.is_none_or(|p| p >= cap) {
+                        continue;
+                    }
+                }
                 let peak = match probe(self.workload, &choice, batch, n, 1, cap, true) {
                     Ok(p) => p.peak_bytes,
                     Err(ProbeError::OutOfMemory(_)) => continue,
@@ -1373,6 +1399,21 @@ impl Search<'_> {
 }
 
 impl Search<'_> {
+    /// The peak of `choice` on the whole batch in one micro-batch, predicted from runs
+    /// of one and two examples without the budget; `None` when they did not run (out
+    /// of the machine's memory).
+    fn predict_whole_batch(&mut self, choice: &Choice) -> Result<Option<u64>, FitError> {
+        let mut at = |size: i64| match probe(self.workload, choice, size, 1, 1, None, true) {
+            Ok(p) => Ok(Some(p)),
+            Err(ProbeError::OutOfMemory(_)) => Ok(None),
+            Err(ProbeError::Failed(e)) => Err(FitError::Step(e)),
+        };
+        let (Some(p1), Some(p2)) = (at(1)?, at(2)?) else {
+            return Ok(None);
+        };
+        Ok(Affine::fit(1, &p1, 2, &p2, 1.0).peak(self.global))
+    }
+
     /// Bytes of the gradients of every parameter (a lower bound of any step's peak
     /// without the optimizer step in backward).
     fn gradient_bytes(&self) -> u64 {
