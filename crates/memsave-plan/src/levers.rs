@@ -13,8 +13,8 @@ pub enum OptimizerKind {
     /// `betas: (0.9, 0.999)`, `eps: 1e-8`, `weight_decay: 1e-2` (PyTorch's).
     #[default]
     Adamw,
-    /// `memsave_optim::Sgd`. Defaults `lr: 1e-3` (PyTorch's SGD has no default
-    /// learning rate; this is the value the harness always used), `momentum: 0`,
+    /// `memsave_optim::Sgd`. Defaults `lr: 1e-3` (the value the harness always used;
+    /// PyTorch's SGD required an lr until it took this default), `momentum: 0`,
     /// `weight_decay: 0`. Without momentum it keeps no state at all; with
     /// `momentum > 0`, one momentum buffer per parameter (dampening 0, no Nesterov).
     Sgd,

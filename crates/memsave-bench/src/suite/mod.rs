@@ -72,7 +72,7 @@
 //! ([`crate::availability`]).
 //!
 //! The optimizer's hyperparameters, each optional: `lr` (default 1e-3 for both kinds,
-//! the value the harness always used: PyTorch's SGD has no default), `weight_decay`
+//! the value the harness always used, also recent PyTorch's SGD default), `weight_decay`
 //! (AdamW's decoupled decay, default 1e-2; SGD's L2 penalty, default 0), and for
 //! `kind: adamw` `betas: [b1, b2]` (default [0.9, 0.999]) and `eps` (default 1e-8), for
 //! `kind: sgd` `momentum` (default 0; dampening 0, no Nesterov). `lr`, `eps` and
