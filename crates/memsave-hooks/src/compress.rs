@@ -61,8 +61,10 @@ impl Expanded {
 ///
 /// - parameters (and their views), the tensors given to
 ///   [`excluding`](Self::excluding), buffers (floating-point vectors and scalars
-///   without a `grad_fn`: running statistics): they stay alive anyway, so a stored
-///   form would only add bytes;
+///   without a `grad_fn`: running statistics) and constants (tensors without a
+///   `grad_fn` that an earlier step saved and that are still alive: a table a layer
+///   holds; known from the second step on, see [`SavePolicy`]): they stay alive
+///   anyway, so a stored form would only add bytes;
 /// - the statistics of normalization ops ([`NORM_OPS`](crate::NORM_OPS): batch norm's
 ///   saved mean and inverse std, layer and group norm's mean and rstd): backward
 ///   scales each channel by them, and int8 blocks spanning channels of different
@@ -264,10 +266,11 @@ impl Compress {
         self.codec
     }
 
-    /// `Err` listing the [`keep_ops`](Self::keep_ops) names that no saved tensor's
-    /// saving op or producer matched so far. Call it after the first step: a name
-    /// never seen there is a typo or an op this libtorch lowers to another, and keeps
-    /// nothing.
+    /// `Err` ([`PolicyError::UnseenOps`]) listing the [`keep_ops`](Self::keep_ops)
+    /// names that no saved tensor's saving op or producer matched so far, with the
+    /// similar names seen. Call it after the first step: a name no save matched there
+    /// is a typo or an op this libtorch lowers to another, and keeps nothing. `Ok`
+    /// when `keep_ops` names none.
     pub fn check(&self) -> Result<(), PolicyError> {
         self.select.check()
     }

@@ -65,6 +65,21 @@ pub enum OffloadError {
 pub enum PolicyError {
     /// Names of `keep_ops` that no saved tensor's saving op or producer matched so
     /// far: a typo, or an op this libtorch lowers to another (check after a step).
-    #[error("keep_ops names op(s) never seen saving or producing a saved tensor: {}; use the names Accounting reports (aten::native_layer_norm, NativeLayerNormBackward0)", .0.join(", "))]
-    UnseenOps(Vec<String>),
+    #[error("keep_ops names op(s) that saved or produced no saved tensor so far: {}{}; names must equal a saving aten op (aten::native_layer_norm) or a producing autograd node (NativeLayerNormBackward0) as Accounting reports them", .names.join(", "), similar(.near))]
+    UnseenOps {
+        /// The names never seen, in the order given.
+        names: Vec<String>,
+        /// Saving ops and producers seen that look like one of them (sorted, at most
+        /// 8): `aten::native_batch_norm` for `aten::batch_norm`, `ReluBackward0` for
+        /// `relu`.
+        near: Vec<String>,
+    },
+}
+
+fn similar(near: &[String]) -> String {
+    if near.is_empty() {
+        String::new()
+    } else {
+        format!(" (similar names seen: {})", near.join(", "))
+    }
 }

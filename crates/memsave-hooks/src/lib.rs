@@ -12,8 +12,10 @@
 //! in files until backward.
 //!
 //! The packing built-ins pack only what a [`SavePolicy`] lets them. Packing what stays
-//! alive anyway only adds bytes, so parameters, the tensors you name and buffers
-//! (running statistics) are kept as they are by all three. [`Compress`] also keeps
+//! alive anyway only adds bytes, so parameters, the tensors you name, buffers
+//! (running statistics) and constants (tensors without a `grad_fn` found alive from
+//! one step to the next: a table or mask a layer holds) are kept as they are by all
+//! three; the batch only when you name it. [`Compress`] also keeps
 //! what backward is numerically sensitive to (the statistics of normalization ops)
 //! and tensors under 4 KiB, and compresses a normalization's input with blocks per
 //! channel or row: int8 over everything a batch-norm network saves made gradient
@@ -50,6 +52,7 @@
 #![forbid(unsafe_code)]
 
 mod accounting;
+mod alive;
 mod boundary;
 mod codec;
 mod compress;

@@ -2,8 +2,9 @@
 //! are because packing them would add bytes or wreck the gradients.
 use crate::error::{HookError, PolicyError};
 use crate::pass_through::PassThrough;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
 /// Saved tensors smaller than this (bytes of their distinct elements) are kept as they
@@ -97,19 +98,25 @@ pub enum Kept {
     /// larger than 1): running statistics and other buffers (alive anyway), the
     /// per-channel statistics batch norm saves.
     Buffer,
+    /// A constant: a tensor without a `grad_fn` that an earlier hook scope on this
+    /// thread saved, still alive (the same storage) when this one saves it again: a
+    /// table or mask a layer holds, a buffer that is not a vector, a batch tensor you
+    /// refill in place. Alive anyway.
+    Constant,
     /// Smaller than [`SavePolicy::min_bytes`].
     Small,
     /// The [`SavePolicy::pack_if`] closure said so, where the defaults would pack it.
     Policy,
 }
 
-const KEPT: [Kept; 8] = [
+const KEPT: [Kept; 9] = [
     Kept::Parameter,
     Kept::Excluded,
     Kept::Empty,
     Kept::Op,
     Kept::Statistics,
     Kept::Buffer,
+    Kept::Constant,
     Kept::Small,
     Kept::Policy,
 ];
@@ -129,6 +136,8 @@ pub struct KeptStats {
     pub statistics: u64,
     /// Floating-point vectors and scalars without a `grad_fn`.
     pub buffers: u64,
+    /// Constants: tensors without a `grad_fn` found alive across hook scopes.
+    pub constants: u64,
     /// Under [`SavePolicy::min_bytes`].
     pub small: u64,
     /// Refused by the [`SavePolicy::pack_if`] closure.
@@ -144,6 +153,7 @@ impl KeptStats {
             + self.ops
             + self.statistics
             + self.buffers
+            + self.constants
             + self.small
             + self.policy
     }
@@ -157,6 +167,7 @@ impl KeptStats {
             Kept::Op => self.ops,
             Kept::Statistics => self.statistics,
             Kept::Buffer => self.buffers,
+            Kept::Constant => self.constants,
             Kept::Small => self.small,
             Kept::Policy => self.policy,
         }
@@ -206,24 +217,46 @@ type PackIf = dyn Fn(&SavedInfo<'_>) -> bool + Send + Sync;
 ///    row (see [`NORM_OPS`]).
 /// 3. **Buffers**: floating-point tensors without a `grad_fn` (they do not require
 ///    grad) that have at most one dimension larger than 1: running statistics, other
-///    per-channel buffers and scalars, and batch norm's saved statistics.
-/// 4. **Small tensors**: fewer than [`min_bytes`](Self::min_bytes) bytes of distinct
+///    per-channel buffers and scalars (alive anyway), and batch norm's saved mean
+///    and inverse std, which the forward makes but which are a few bytes per channel,
+///    not worth a file or a copy each.
+/// 4. **Constants**: a tensor without a `grad_fn` that a hook scope on this thread
+///    saved before, in a scope that has ended, and that is still alive (the same
+///    storage) when this scope saves it again: a table or mask a layer holds, a
+///    buffer that is not a vector, a batch tensor refilled in place. Something
+///    outside the steps holds it, so a packed copy would only add bytes.
+/// 5. **Small tensors**: fewer than [`min_bytes`](Self::min_bytes) bytes of distinct
 ///    elements ([`DEFAULT_MIN_BYTES`] for [`lossy`](Self::lossy), 0 for
 ///    [`exact`](Self::exact)).
 ///
-/// Trap: "alive anyway" cannot be seen from inside a hook, only guessed. A tensor
-/// without a `grad_fn` may be a buffer or the caller's batch (alive anyway) or made by
-/// the forward and dead after it: a dropout mask on the CPU (float), max-pool's
-/// indices, a comparison's mask. Their handle counts are alike (3 for both a constant
-/// table the caller holds and a dropout mask in libtorch 2.13), so only vectors and
-/// scalars are taken for buffers; a larger tensor you hold past the forward (the
-/// batch, a constant table) is packed unless given to `excluding`, and a large
-/// vector without a `grad_fn` made by the forward is kept.
+/// **How constants are told apart.** From inside a pack hook, a tensor without a
+/// `grad_fn` may stay alive (a constant a layer holds, the caller's batch) or be made
+/// by the forward and dropped after it (a dropout mask, max-pool's indices, a mask
+/// computed each step): their handle counts are alike (3 for both a constant table
+/// and a CPU dropout mask in libtorch 2.13), and the hook does not see when a tensor
+/// was allocated. What it sees is a tensor saved by an earlier scope still alive when
+/// a later one saves it again, so constants are known **from the second step on**
+/// (one hook scope per step, on the same thread; stores may be made fresh for each
+/// step, what was seen is kept per thread). Trap: the first step packs them (a
+/// constant is written to disk or compressed once); give them to `excluding` to keep
+/// them from the first step. A tensor made anew each step is never a constant.
 ///
-/// [`pack_if`](Self::pack_if) overrides rules 1-4 per tensor. The names given to
+/// **The batch** counts as alive anyway only when given to `excluding` (memsave-plan
+/// gives it, and the target): a hook cannot tell whether you hold it until backward
+/// or let the forward drop it (a closure that takes it by value), where packing it
+/// frees its memory. A batch tensor you refill in place each step is a constant from
+/// the second step on.
+///
+/// [`pack_if`](Self::pack_if) overrides rules 1-5 per tensor. The names given to
 /// [`keep_ops`](Self::keep_ops) are checked by the store's `check()` after a step: a
-/// name never seen (a typo, or an op this libtorch lowers differently) is an `Err`
-/// listing it.
+/// name that no save matched (a typo, or an op this libtorch lowers differently) is an
+/// `Err` listing it with the similar names seen. Names are compared, exactly, with
+/// the saving op (the aten op running when autograd saved the tensor:
+/// `aten::native_batch_norm`, not `aten::batch_norm`, which libtorch lowers to it)
+/// and the producer (the autograd node that made the tensor: `ReluBackward0`) of
+/// every save, including those of parameters and excluded tensors. They are not
+/// checked when the policy is built: memsave-sys exposes no registry of libtorch's
+/// operators, and a producer may be a node of a custom function.
 ///
 /// ```
 /// use memsave_hooks::{Codec, Compress, Kept, SavePolicy};
@@ -263,7 +296,7 @@ impl Default for SavePolicy {
 impl SavePolicy {
     /// The policy of the exact stores ([`DiskOffload`](crate::DiskOffload),
     /// [`SaveOnCpu`](crate::SaveOnCpu)): keeps what stays alive anyway (parameters,
-    /// excluded tensors, buffers); no size threshold; normalization statistics are
+    /// excluded tensors, buffers, constants); no size threshold; normalization statistics are
     /// moved like any tensor (the copy is exact). It needs no op names, so the store
     /// asks for none (a callback per op) unless `keep_ops` or `pack_if` is set.
     pub fn exact() -> Self {
@@ -296,7 +329,8 @@ impl SavePolicy {
     /// Keeps every tensor saved by one of `ops` (aten names, `aten::_softmax`) or
     /// produced by one (autograd node names, `SoftmaxBackward0`), as
     /// [`Accounting`](crate::Accounting) reports them; replaces the list given before.
-    /// A name never seen is reported by the store's `check()`.
+    /// A name no save matched is reported by the store's `check()`, with similar
+    /// names seen (see the type's docs for what is compared).
     ///
     /// Trap: the rules decide per save. A tensor that two ops save, kept for one
     /// because that op is named here, is packed for the other too, and both forms
@@ -309,19 +343,21 @@ impl SavePolicy {
 
     /// Decides, for each tensor that is not a parameter, excluded or empty, whether to
     /// pack it (`true`) or keep it, told the op that saved it, its producer, shape,
-    /// dtype, size and what the rules would do ([`SavedInfo`]).
+    /// dtype, size and what the rules would do ([`SavedInfo`]): a constant, a buffer
+    /// or a normalization's statistics are packed if it says so.
     pub fn pack_if(mut self, f: impl Fn(&SavedInfo<'_>) -> bool + Send + Sync + 'static) -> Self {
         self.pack_if = Some(Arc::new(f));
         self
     }
 
     /// Why a store with this policy (and nothing excluded) keeps `tensor` when `op`
-    /// saves it; `None`: it packs it.
+    /// saves it now; `None`: it packs it. A tensor without a `grad_fn` is a
+    /// [`Kept::Constant`] once a hook scope on this thread that has ended saved it.
     pub fn keeps(&self, tensor: &Tensor, op: Option<&str>) -> Result<Option<Kept>, HookError> {
         let base = crate::compress::distinct(tensor)?.0;
         let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
         Ok(self
-            .decide(&PassThrough::new(), tensor, bytes, op, |_| ())?
+            .decide(&PassThrough::new(), tensor, bytes, op, |_, _| ())?
             .kept)
     }
 
@@ -331,15 +367,15 @@ impl SavePolicy {
     }
 
     /// What to do with `tensor` (`bytes` of distinct elements) saved by `op`;
-    /// `seen` is called with each name of `keep_ops` that the tensor's op or producer
-    /// matches.
+    /// `observe` is told the saving op and the producer of every save (also of what
+    /// is always kept) when `keep_ops` names any.
     fn decide(
         &self,
         pass: &PassThrough,
         tensor: &Tensor,
         bytes: u64,
         op: Option<&str>,
-        mut seen: impl FnMut(usize),
+        mut observe: impl FnMut(Option<&str>, Option<&str>),
     ) -> Result<Decision, HookError> {
         let kept = |reason| {
             Ok(Decision {
@@ -347,29 +383,32 @@ impl SavePolicy {
                 groups: Vec::new(),
             })
         };
-        if tensor.numel() == 0 {
-            return kept(Kept::Empty);
-        }
-        if pass.is_parameter(tensor)? {
-            return kept(Kept::Parameter);
-        }
-        if pass.is_excluded(tensor) {
-            return kept(Kept::Excluded);
-        }
+        let always = if tensor.numel() == 0 {
+            Some(Kept::Empty)
+        } else if pass.is_parameter(tensor)? {
+            Some(Kept::Parameter)
+        } else if pass.is_excluded(tensor) {
+            Some(Kept::Excluded)
+        } else {
+            None
+        };
         let requires_grad = tensor.requires_grad();
         let norm = op.filter(|_| self.statistics).and_then(norm_of);
-        // A tensor that does not require grad has no grad_fn: only ask for others.
+        // A tensor that does not require grad has no grad_fn: only ask for others, and
+        // only where a rule or the check of keep_ops needs the name.
         let producer = if requires_grad
-            && (norm.is_some() || !self.keep_ops.is_empty() || self.pack_if.is_some())
+            && (!self.keep_ops.is_empty()
+                || (always.is_none() && (norm.is_some() || self.pack_if.is_some())))
         {
             memsave_sys::hooks::grad_fn_name(tensor)?
         } else {
             None
         };
-        for (i, name) in self.keep_ops.iter().enumerate() {
-            if Some(name.as_str()) == op || Some(name.as_str()) == producer.as_deref() {
-                seen(i);
-            }
+        if !self.keep_ops.is_empty() {
+            observe(op, producer.as_deref());
+        }
+        if let Some(reason) = always {
+            return kept(reason);
         }
         let shape = tensor.size();
         let kind = tensor.kind();
@@ -400,6 +439,8 @@ impl SavePolicy {
         } else if !requires_grad && is_float(kind) && shape.iter().filter(|&&d| d > 1).count() <= 1
         {
             Some(Kept::Buffer)
+        } else if !requires_grad && crate::alive::outlived_a_scope(tensor)? {
+            Some(Kept::Constant)
         } else if bytes < self.min_bytes {
             Some(Kept::Small)
         } else {
@@ -457,6 +498,9 @@ struct State {
     kept: [AtomicU64; KEPT.len()],
     /// Per name of `keep_ops`: seen saving or producing a tensor.
     seen: Vec<AtomicBool>,
+    /// Every saving op and producer seen (when `keep_ops` names any), for the check's
+    /// similar names.
+    names: Mutex<BTreeSet<String>>,
 }
 
 impl Selector {
@@ -472,6 +516,7 @@ impl Selector {
                 .iter()
                 .map(|_| AtomicBool::new(false))
                 .collect(),
+            names: Mutex::default(),
         });
         Self {
             pass,
@@ -507,10 +552,23 @@ impl Selector {
         bytes: u64,
         op: Option<&str>,
     ) -> Result<Decision, HookError> {
-        let seen = &self.state.seen;
-        let d = self.policy.decide(&self.pass, tensor, bytes, op, |i| {
-            seen[i].store(true, Ordering::Relaxed)
-        })?;
+        let keep_ops = &self.policy.keep_ops;
+        let state = &self.state;
+        let d = self
+            .policy
+            .decide(&self.pass, tensor, bytes, op, |op, producer| {
+                let mut names = state.names.lock().unwrap_or_else(|p| p.into_inner());
+                for name in [op, producer].into_iter().flatten() {
+                    for (i, k) in keep_ops.iter().enumerate() {
+                        if k == name {
+                            state.seen[i].store(true, Ordering::Relaxed);
+                        }
+                    }
+                    if !names.contains(name) {
+                        names.insert(name.to_owned());
+                    }
+                }
+            })?;
         if let Some(reason) = d.kept {
             let i = KEPT.iter().position(|&k| k == reason).unwrap_or(0);
             self.state.kept[i].fetch_add(1, Ordering::Relaxed);
@@ -530,12 +588,14 @@ impl Selector {
             ops: n(Kept::Op),
             statistics: n(Kept::Statistics),
             buffers: n(Kept::Buffer),
+            constants: n(Kept::Constant),
             small: n(Kept::Small),
             policy: n(Kept::Policy),
         }
     }
 
-    /// `Err` listing the names of `keep_ops` never seen so far.
+    /// `Err` listing the names of `keep_ops` never seen so far, and the names seen
+    /// that look like them.
     pub fn check(&self) -> Result<(), PolicyError> {
         let unseen: Vec<String> = self
             .policy
@@ -546,11 +606,44 @@ impl Selector {
             .map(|(name, _)| name.clone())
             .collect();
         if unseen.is_empty() {
-            Ok(())
-        } else {
-            Err(PolicyError::UnseenOps(unseen))
+            return Ok(());
         }
+        let names = self.state.names.lock().unwrap_or_else(|p| p.into_inner());
+        let near: Vec<String> = names
+            .iter()
+            .filter(|seen| unseen.iter().any(|u| similar(u, seen)))
+            .take(MAX_NEAR)
+            .cloned()
+            .collect();
+        Err(PolicyError::UnseenOps {
+            names: unseen,
+            near,
+        })
     }
+}
+
+/// At most this many similar names are listed by `check`.
+const MAX_NEAR: usize = 8;
+
+/// The core of an op or node name: lowercase, without its namespace (`aten::`), the
+/// node's `Backward` and overload number, and underscores (`aten::native_batch_norm`
+/// and `NativeBatchNormBackward0` are both `nativebatchnorm`).
+fn core_name(name: &str) -> String {
+    let name = name.rsplit("::").next().unwrap_or(name);
+    let name = name.trim_end_matches(|c: char| c.is_ascii_digit());
+    let name = name.strip_suffix("Backward").unwrap_or(name);
+    name.chars()
+        .filter(|&c| c != '_')
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// Whether a name given to `keep_ops` and a name seen look alike: one's core contains
+/// the other's (`aten::batch_norm` and `aten::native_batch_norm`, `relu` and
+/// `ReluBackward0`).
+fn similar(given: &str, seen: &str) -> bool {
+    let (a, b) = (core_name(given), core_name(seen));
+    !a.is_empty() && !b.is_empty() && (a.contains(&b) || b.contains(&a))
 }
 
 #[cfg(test)]
@@ -568,6 +661,18 @@ mod tests {
             "NativeBatchNormLegitBackward"
         );
         assert_eq!(node_of("aten::_fused_rms_norm"), "FusedRmsNormBackward");
+    }
+
+    #[test]
+    fn names_alike_share_their_core() {
+        assert_eq!(core_name("aten::native_batch_norm"), "nativebatchnorm");
+        assert_eq!(core_name("NativeBatchNormBackward0"), "nativebatchnorm");
+        assert_eq!(core_name("MmBackward"), "mm");
+        assert!(similar("aten::batch_norm", "aten::native_batch_norm"));
+        assert!(similar("relu", "ReluBackward0"));
+        assert!(similar("MmBackward", "aten::mm"));
+        assert!(!similar("aten::no_such_op", "aten::mm"));
+        assert!(!similar("aten::relu", "aten::tanh"));
     }
 
     #[test]

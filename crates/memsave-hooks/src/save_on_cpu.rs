@@ -15,11 +15,13 @@ use tch::{Device, Tensor};
 /// is exact. The device memory is freed only when nothing else holds the tensor, so
 /// what stays alive anyway stays on the device uncopied ([`SavePolicy::exact`]):
 /// parameters (and their views), the tensors given to [`excluding`](Self::excluding),
-/// and buffers (floating-point vectors and scalars without a `grad_fn`: running
-/// statistics, batch norm's saved statistics), where PyTorch's `save_on_cpu` copies
-/// the weights and buffers too. Trap: a larger tensor you hold past the forward (the
-/// batch) is copied unless excluded; see [`SavePolicy`] for the rule and
-/// [`policy`](Self::policy) to change it. A saved tensor expanded from a
+/// buffers (floating-point vectors and scalars without a `grad_fn`: running
+/// statistics, batch norm's saved statistics) and constants (tensors without a
+/// `grad_fn` that an earlier step saved and that are still alive: a table or mask a
+/// layer holds), where PyTorch's `save_on_cpu` copies the weights and buffers too.
+/// Traps: constants are known from the second step on (the first copies them), and
+/// the batch is copied unless excluded; see [`SavePolicy`] for the rules and
+/// [`policy`](Self::policy) to change them. A saved tensor expanded from a
 /// smaller one (stride 0 in a dimension: `expand`, broadcasting) is copied as the
 /// smaller one and expanded back in backward, where a plain copy would hold every
 /// repeat. Clones share [`offloaded_bytes`](Self::offloaded_bytes).
@@ -71,8 +73,9 @@ impl SaveOnCpu {
         self.select.kept()
     }
 
-    /// `Err` listing the [`SavePolicy::keep_ops`] names that no saved tensor's saving
-    /// op or producer matched so far (call it after the first step).
+    /// `Err` ([`PolicyError::UnseenOps`]) listing the [`SavePolicy::keep_ops`] names
+    /// that no saved tensor's saving op or producer matched so far, with the similar
+    /// names seen; call it after the first step. `Ok` when `keep_ops` names none.
     pub fn check(&self) -> Result<(), PolicyError> {
         self.select.check()
     }

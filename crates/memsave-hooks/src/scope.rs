@@ -1,8 +1,49 @@
 //! The hook scope: a pack/unpack pair on the calling thread's stack.
 use crate::error::{HookError, HooksError};
 use memsave_sys::hooks::{self as raw, HookFrame, Packed, RawHooks};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tch::Tensor;
+
+/// Ids of hook scopes, unique in the process.
+static NEXT_SCOPE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// The hook scopes ([`HooksGuard`]s) open on this thread, innermost last.
+    static OPEN: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The innermost hook scope open on this thread, if any.
+pub(crate) fn innermost_scope() -> Option<u64> {
+    OPEN.try_with(|open| open.borrow().last().copied())
+        .ok()
+        .flatten()
+}
+
+/// Whether hook scope `id` is still open on this thread.
+pub(crate) fn scope_is_open(id: u64) -> bool {
+    OPEN.try_with(|open| open.borrow().contains(&id))
+        .unwrap_or(false)
+}
+
+/// A hook scope's place among this thread's open scopes; leaves it when dropped.
+struct ScopeId(u64);
+
+impl ScopeId {
+    fn open() -> Self {
+        let id = NEXT_SCOPE.fetch_add(1, Ordering::Relaxed);
+        let _ = OPEN.try_with(|open| open.borrow_mut().push(id));
+        ScopeId(id)
+    }
+}
+
+impl Drop for ScopeId {
+    fn drop(&mut self) {
+        let id = self.0;
+        let _ = OPEN.try_with(|open| open.borrow_mut().retain(|&s| s != id));
+    }
+}
 
 /// A pack/unpack pair for the tensors autograd saves (PyTorch's `pack_hook`/`unpack_hook`).
 ///
@@ -125,6 +166,10 @@ where
 ///   saved inside a checkpointed function go to the checkpoint, not to outer hooks.
 /// - **Only new saves.** Tensors saved before the guard was made keep their plain
 ///   storage; what matters is when the op runs, not when backward runs.
+/// - **One scope per step.** The packing built-ins take a tensor without a `grad_fn`
+///   that a guard on this thread saw saved, and that is still alive once that guard
+///   is gone, for a constant (see [`SavePolicy`](crate::SavePolicy)): open a guard
+///   per step, not one around the whole training loop, or they never find one.
 /// - **Drop order.** A guard covers exactly its own lifetime, in whatever order guards
 ///   are dropped: dropping an outer guard while an inner one lives removes the outer
 ///   hooks at once and leaves the inner ones in force until that guard goes (guards
@@ -136,19 +181,27 @@ where
 /// default, for the rest of the process: libtorch's own engine plus the hook lookup.
 pub struct HooksGuard {
     frame: HookFrame,
+    /// Dropped after the frame: the scope counts as open while its hooks are in force.
+    scope: ScopeId,
 }
 
 impl HooksGuard {
     /// Pushes `hooks` as this thread's innermost saved-tensor hooks.
     pub fn new<H: SavedTensorHooks>(hooks: H) -> Result<Self, HooksError> {
         let frame = raw::push(Arc::new(Erased(hooks)))?;
-        Ok(Self { frame })
+        Ok(Self {
+            frame,
+            scope: ScopeId::open(),
+        })
     }
 
     /// Leaves the scope; `Err` ([`HooksError::OutOfOrder`]) when a guard made after it
     /// is still alive. The scope's hooks are removed in either case.
     pub fn exit(self) -> Result<(), HooksError> {
-        Ok(self.frame.exit()?)
+        let HooksGuard { frame, scope } = self;
+        let left = frame.exit();
+        drop(scope);
+        Ok(left?)
     }
 }
 

@@ -44,11 +44,14 @@ fn keep_ops_keeps_what_named_ops_save_and_check_reports_names_never_seen() {
         .keep_ops(&["aten::tanh", "SigmoidBackward0", "aten::no_such_op"]);
     assert_eq!(
         int8.check(),
-        Err(PolicyError::UnseenOps(vec![
-            "aten::tanh".into(),
-            "SigmoidBackward0".into(),
-            "aten::no_such_op".into()
-        ]))
+        Err(PolicyError::UnseenOps {
+            names: vec![
+                "aten::tanh".into(),
+                "SigmoidBackward0".into(),
+                "aten::no_such_op".into()
+            ],
+            near: vec![],
+        })
     );
     let loss = saved_tensors_hooks(int8.clone(), || {
         // tanh saves its output h (kept: saved by aten::tanh); the mm after it saves h
@@ -63,7 +66,13 @@ fn keep_ops_keeps_what_named_ops_save_and_check_reports_names_never_seen() {
     let stats = int8.stats();
     assert_eq!((stats.kept.ops, stats.tensors), (3, 2), "{stats:?}");
     let err = int8.check().unwrap_err();
-    assert_eq!(err, PolicyError::UnseenOps(vec!["aten::no_such_op".into()]));
+    assert_eq!(
+        err,
+        PolicyError::UnseenOps {
+            names: vec!["aten::no_such_op".into()],
+            near: vec![],
+        }
+    );
     assert!(
         err.to_string().contains("aten::no_such_op") && !err.to_string().contains('\n'),
         "{err}"

@@ -57,13 +57,17 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 ///   error once, naming the directory.
 ///
 /// - **What stays alive is not written** ([`SavePolicy::exact`]): parameters (and
-///   their views), the tensors given to [`excluding`](Self::excluding), and buffers
+///   their views), the tensors given to [`excluding`](Self::excluding), buffers
 ///   (floating-point vectors and scalars without a `grad_fn`: running statistics,
-///   batch norm's saved statistics) stay in memory, where they are anyway: writing
-///   them cost a file each (80 of the 139 files of a ResNet-18 step were batch norm's
-///   statistics) and added their bytes while they waited for the writer. Trap: a
-///   larger tensor you hold past the forward (the batch) is written unless excluded;
-///   see [`SavePolicy`] for the rule and [`policy`](Self::policy) to change it.
+///   batch norm's saved statistics) and constants (tensors without a `grad_fn` that
+///   an earlier step saved and that are still alive: a table or mask a layer holds)
+///   stay in memory, where they are anyway: writing them cost a file each (80 of the
+///   139 files of a ResNet-18 step were batch norm's statistics) and added their
+///   bytes while they waited for the writer. Traps: constants are known from the
+///   second step on (the first writes each once), and the batch is written unless
+///   excluded; see [`SavePolicy`] for the rules and [`policy`](Self::policy) to
+///   change them. So from the second step on, the bytes written per step are those
+///   of the distinct tensors the step saves, less all of these.
 /// - **Written once.** A tensor that several autograd nodes save (a ReLU's output,
 ///   saved by the ReLU and by the layer after it, or a flattened view of it) is
 ///   written once while its file is alive, as [`Compress`](crate::Compress) stores it
@@ -266,8 +270,9 @@ impl DiskOffload {
         self
     }
 
-    /// `Err` listing the [`SavePolicy::keep_ops`] names that no saved tensor's saving
-    /// op or producer matched so far (call it after the first step).
+    /// `Err` ([`PolicyError::UnseenOps`]) listing the [`SavePolicy::keep_ops`] names
+    /// that no saved tensor's saving op or producer matched so far, with the similar
+    /// names seen; call it after the first step. `Ok` when `keep_ops` names none.
     pub fn check(&self) -> Result<(), PolicyError> {
         self.select.check()
     }
