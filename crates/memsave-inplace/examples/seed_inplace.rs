@@ -210,7 +210,7 @@ fn claim_4(shape: &Shape) -> Result<()> {
             false,
             "linear with bias (its 3-D output is a view that alone holds its base)",
         ),
-        // exp saves its output too (tests/seed_claims.rs), but overflows at this size.
+        // exp saves its output too (tests/it/seed_claims.rs), but overflows at this size.
         (false, true, "linear, then sigmoid (saves its output)"),
     ] {
         let vs = nn::VarStore::new(CPU);

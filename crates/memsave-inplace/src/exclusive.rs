@@ -70,7 +70,7 @@ pub fn sharing(t: &Tensor) -> Result<Sharing> {
 /// True when nobody but this handle holds `t` or its storage, so mutating it in place
 /// cannot change what anybody else sees, nor what autograd saved for backward.
 ///
-/// The rule, observed on libtorch 2.13 (and tested in `tests/exclusivity.rs`):
+/// The rule, observed on libtorch 2.13 (and tested in `tests/it/exclusivity.rs`):
 ///
 /// | who else holds the tensor | use count | storage use count | view |
 /// | --- | --- | --- | --- |
