@@ -3,7 +3,8 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{add_scaled_, non_negative, Optimizer, Rule};
+use crate::number::number_like;
+use crate::optimizer::{non_negative, Optimizer, Rule};
 use crate::state::Sign;
 
 /// AdamW's hyper-parameters, with PyTorch's defaults.
@@ -81,22 +82,40 @@ impl Rule for AdamWConfig {
         step: u64,
     ) -> Result<(), tch::TchError> {
         let (beta1, beta2) = self.betas;
-        if self.weight_decay != 0.0 {
-            let _ = param.f_mul_scalar_(1.0 - self.lr * self.weight_decay)?;
-        }
-        let (exp_avg, rest) = buffers.split_at_mut(1);
-        let (exp_avg, exp_avg_sq) = (&mut exp_avg[0], &mut rest[0]);
-        let _ = exp_avg.f_mul_scalar_(beta1)?;
-        add_scaled_(exp_avg, grad, 1.0 - beta1)?;
-        let _ = exp_avg_sq.f_mul_scalar_(beta2)?;
-        let _ = exp_avg_sq.f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, grad)?;
         // libtorch raises to a double power; powi could differ in the last bit.
         let bias_correction1 = 1.0 - beta1.powf(step as f64);
         let bias_correction2 = 1.0 - beta2.powf(step as f64);
-        let mut denom = exp_avg_sq.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?;
-        let _ = denom.f_add_scalar_(self.eps)?;
         let step_size = self.lr / bias_correction1;
-        let _ = param.f_addcdiv_(&exp_avg.f_mul_scalar(-step_size)?, &denom)?;
+        let (exp_avg, rest) = buffers.split_at_mut(1);
+        let (exp_avg, exp_avg_sq) = (&mut exp_avg[0], &mut rest[0]);
+        // Everything the update allocates comes first, so that running out of memory
+        // leaves the parameter and its moments as they were: the numbers (0-dim
+        // tensors, see `number`), `(1 - beta2) * g`, and the two results computed
+        // from the moments. The writes after that allocate nothing.
+        let n = |v: f64| number_like(v, param);
+        let decay = (self.weight_decay != 0.0)
+            .then(|| n(1.0 - self.lr * self.weight_decay))
+            .transpose()?;
+        let (beta1_t, one_minus_beta1) = (n(beta1)?, n(1.0 - beta1)?);
+        let beta2_t = n(beta2)?;
+        let grad_scaled = grad.f_mul(&n(1.0 - beta2)?)?;
+        let (sqrt_bias_correction2, eps, minus_step_size) =
+            (n(bias_correction2.sqrt())?, n(self.eps)?, n(-step_size)?);
+        let denom = exp_avg_sq.f_empty_like()?;
+        let scaled_exp_avg = exp_avg.f_empty_like()?;
+
+        if let Some(decay) = &decay {
+            let _ = param.f_mul_(decay)?;
+        }
+        let _ = exp_avg.f_mul_(&beta1_t)?;
+        let _ = exp_avg.f_addcmul_(grad, &one_minus_beta1)?;
+        let _ = exp_avg_sq.f_mul_(&beta2_t)?;
+        let _ = exp_avg_sq.f_addcmul_(&grad_scaled, grad)?;
+        let mut denom = exp_avg_sq.f_sqrt_out(&denom)?;
+        let _ = denom.f_div_(&sqrt_bias_correction2)?;
+        let _ = denom.f_add_(&eps)?;
+        let scaled_exp_avg = exp_avg.f_mul_out(&scaled_exp_avg, &minus_step_size)?;
+        let _ = param.f_addcdiv_(&scaled_exp_avg, &denom)?;
         Ok(())
     }
 }

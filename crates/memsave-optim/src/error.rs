@@ -4,12 +4,27 @@ use std::path::PathBuf;
 /// Why an optimizer call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
-    /// libtorch refused an operation (a device or dtype mismatch, out of memory, ...).
+    /// libtorch refused an operation (a device or dtype mismatch, ...); out of memory
+    /// is [`OptimError::OutOfMemory`].
     #[error(transparent)]
-    Torch(#[from] tch::TchError),
-    /// The C++ bridge refused an operation (hook registration, freeing a gradient).
+    Torch(tch::TchError),
+    /// The C++ bridge refused an operation (hook registration, freeing a gradient); out
+    /// of memory is [`OptimError::OutOfMemory`].
     #[error(transparent)]
-    Bridge(#[from] memsave_sys::Error),
+    Bridge(memsave_sys::Error),
+    /// An allocation failed: the device, or the meter's simulated CPU limit
+    /// (`memsave_meter::MemoryLimitGuard`), has no room for what the call needs.
+    ///
+    /// A step that fails so leaves the parameters it had not reached as they were; see
+    /// [`Optimizer::f_step`](crate::Optimizer::f_step) for the one it failed on. Free
+    /// memory and call it again.
+    #[error("out of memory{}: {message}", parameter.map_or(String::new(), |i| format!(" updating parameter {i}")))]
+    OutOfMemory {
+        /// The parameter being updated, when it was in a parameter's update.
+        parameter: Option<usize>,
+        /// libtorch's message, its first line (what was asked for, what was free).
+        message: String,
+    },
     /// The GradScaler refused the step (no gradient to check, stepped twice, ...).
     #[error(transparent)]
     Scaler(#[from] memsave_amp::AmpError),
@@ -58,6 +73,63 @@ pub enum OptimError {
         /// What the parser said.
         source: serde_json::Error,
     },
+}
+
+impl OptimError {
+    /// True for [`OptimError::OutOfMemory`]: the call failed for want of memory, and
+    /// may succeed with more.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, OptimError::OutOfMemory { .. })
+    }
+
+    /// `e` as [`OptimError::OutOfMemory`] when it is libtorch's out-of-memory error
+    /// (the simulated one included), at `parameter`; `None` otherwise.
+    pub(crate) fn torch_out_of_memory(e: &tch::TchError, parameter: Option<usize>) -> Option<Self> {
+        match e {
+            tch::TchError::Torch(message) => Self::out_of_memory(message, parameter),
+            other => Self::out_of_memory(&other.to_string(), parameter),
+        }
+    }
+
+    /// An [`OptimError::OutOfMemory`] that names no parameter, naming `index`.
+    pub(crate) fn in_parameter(self, index: usize) -> Self {
+        match self {
+            OptimError::OutOfMemory {
+                parameter: None,
+                message,
+            } => OptimError::OutOfMemory {
+                parameter: Some(index),
+                message,
+            },
+            other => other,
+        }
+    }
+
+    fn out_of_memory(message: &str, parameter: Option<usize>) -> Option<Self> {
+        memsave_sys::Error::new(message)
+            .is_out_of_memory()
+            .then(|| OptimError::OutOfMemory {
+                parameter,
+                message: first_line(message),
+            })
+    }
+}
+
+/// The first line of libtorch's message: the rest is a C++ backtrace.
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or("").trim_end().to_owned()
+}
+
+impl From<tch::TchError> for OptimError {
+    fn from(e: tch::TchError) -> Self {
+        Self::torch_out_of_memory(&e, None).unwrap_or(OptimError::Torch(e))
+    }
+}
+
+impl From<memsave_sys::Error> for OptimError {
+    fn from(e: memsave_sys::Error) -> Self {
+        Self::out_of_memory(e.message(), None).unwrap_or(OptimError::Bridge(e))
+    }
 }
 
 /// The result of a fallible optimizer call.

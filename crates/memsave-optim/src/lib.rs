@@ -35,6 +35,7 @@
 mod adamw;
 mod error;
 mod hook;
+mod number;
 mod observe;
 mod optimizer;
 mod placement;

@@ -8,6 +8,7 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use crate::error::{OptimError, Result};
+use crate::number::number;
 use crate::observe::{Observer, ObserverSlot};
 use crate::placement::{Placement, StateStore};
 use crate::state::{Buffer, Sign, State};
@@ -33,6 +34,14 @@ pub trait Rule: Clone + Debug + Send + Serialize + DeserializeOwned + 'static {
     /// Updates `param` in place from `grad`, reading and updating `buffers` (in the
     /// order of [`Rule::buffers`], zeros before the first step). `step` counts this
     /// parameter's updates, 1 for the first. Runs under `no_grad`.
+    ///
+    /// Warning: tch's ops that take a number (`f_mul_scalar_`, `f_add_scalar_`,
+    /// `Tensor::f_scalar_tensor`, ...) panic when they fail, out of memory included,
+    /// even in their `f_` form (the number's `Scalar` panics when dropped after a failed
+    /// op). Pass numbers as 0-dim tensors (`Tensor::f_from_slice(&[x])` reshaped to
+    /// `[]`, of `param`'s kind) to the tensor forms instead (`f_mul_`, `f_addcmul_`),
+    /// and allocate what the update needs before its first write, so that running out
+    /// of memory leaves `param` and `buffers` as they were, as AdamW and SGD do.
     fn update(
         &self,
         param: &mut Tensor,
@@ -243,6 +252,23 @@ impl<R: Rule> Optimizer<R> {
     ///
     /// With [`Options::max_grad_norm`] the gradients are first scaled, in place, so that
     /// their joint L2 norm is at most that.
+    ///
+    /// # Errors
+    /// Running out of memory (on the device, or under the meter's simulated CPU limit)
+    /// is [`OptimError::OutOfMemory`], never a panic. The parameters are updated in
+    /// order, so those before the one it names are updated and those after it are
+    /// not. The one it names: with [`State::F32`] (every allocation of an update comes
+    /// before its first write) it, its state and its step count are as they were. To
+    /// finish the step once memory is free, call [`Optimizer::f_step_param`] for it and
+    /// each parameter after it (calling `f_step` again would step the parameters
+    /// already updated a second time); the bits are those of a step that never failed.
+    /// With [`State::Bf16`] and
+    /// [`State::Int8Blockwise`] it is updated a chunk of 2^20 values at a time, and the
+    /// chunks before the failing one keep their update (its step count is not
+    /// advanced). With [`Placement::Cpu`] or [`Placement::Disk`], an error moving the
+    /// state back after the update leaves the update done and counted. With
+    /// `max_grad_norm`, the gradients are clipped before any update: f32 ones all or
+    /// none, half-precision ones possibly some.
     pub fn f_step(&mut self) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         if let Some(max_norm) = self.options.max_grad_norm {
@@ -317,8 +343,23 @@ impl<R: Rule> Optimizer<R> {
         }
         let coef = max_norm / (total.sqrt() + 1e-6);
         if coef < 1.0 {
-            for mut g in grads {
-                let _ = g.f_mul_scalar_(coef)?;
+            // The factor for each gradient first (see `number`): f32 ones then scale
+            // in place without allocating, so out of memory leaves them all as they
+            // were (a half-precision gradient's product still needs a converted copy
+            // of its factor). A double-precision factor for a double gradient.
+            let factors = grads
+                .iter()
+                .map(|g| {
+                    let kind = if g.kind() == Kind::Double {
+                        Kind::Double
+                    } else {
+                        Kind::Float
+                    };
+                    number(coef, kind, g.device())
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            for (mut g, factor) in grads.into_iter().zip(&factors) {
+                let _ = g.f_mul_(factor)?;
             }
         }
         Ok(())
@@ -330,7 +371,8 @@ impl<R: Rule> Optimizer<R> {
     /// `memsave_hooks::GradOffload::on_complete`); [`Optimizer::f_step`] steps them all.
     ///
     /// Global gradient-norm clipping ([`Options::max_grad_norm`]) is not applied here.
-    /// After an error the parameter and its state may be partly updated.
+    /// After an error the parameter and its state may be partly updated, except when
+    /// out of memory with [`State::F32`]: see [`Optimizer::f_step`]'s errors.
     pub fn f_step_param(&mut self, index: usize) -> Result<bool> {
         if index >= self.params.len() {
             return Err(OptimError::Config(format!(
@@ -344,7 +386,8 @@ impl<R: Rule> Optimizer<R> {
 
     /// Updates parameter `index` if it has a gradient; returns whether it did.
     ///
-    /// After an error the parameter and its state may be partly updated.
+    /// After an error the parameter and its state may be partly updated (see
+    /// [`Optimizer::f_step`]'s errors); an out-of-memory error names `index`.
     pub(crate) fn step_param(&mut self, index: usize) -> Result<bool> {
         if !self.params[index].grad().defined() {
             return Ok(false);
@@ -352,7 +395,7 @@ impl<R: Rule> Optimizer<R> {
         let mut st = std::mem::take(&mut self.states[index]);
         let outcome = self.update_param(index, &mut st);
         self.states[index] = st;
-        outcome.map(|()| true)
+        outcome.map(|()| true).map_err(|e| e.in_parameter(index))
     }
 
     fn update_param(&self, index: usize, st: &mut ParamState) -> Result<()> {
@@ -362,10 +405,14 @@ impl<R: Rule> Optimizer<R> {
         let rule = &self.groups[self.group_of[index]];
         let state = self.options.state;
         let numel = param.numel() as i64;
-        let at = |e: tch::TchError| OptimError::Parameter {
-            index,
-            shape: param.size(),
-            reason: e.to_string(),
+        let at = |e: tch::TchError| {
+            OptimError::torch_out_of_memory(&e, Some(index)).unwrap_or_else(|| {
+                OptimError::Parameter {
+                    index,
+                    shape: param.size(),
+                    reason: e.to_string(),
+                }
+            })
         };
         let layout = BufferLayout {
             state,
@@ -457,21 +504,6 @@ pub(crate) struct BufferLayout {
     pub(crate) numel: i64,
     pub(crate) signs: &'static [(&'static str, Sign)],
     pub(crate) device: tch::Device,
-}
-
-/// `y += alpha * x` in place: libtorch's `y.add_(x, alpha)`, which tch does not expose
-/// with an `alpha`. `addcmul_` with a one-element `alpha` computes the same product and
-/// sum in the same kernel order; the f32 tests against tch's optimizers check the bits.
-pub(crate) fn add_scaled_(y: &mut Tensor, x: &Tensor, alpha: f64) -> Result<(), tch::TchError> {
-    let alpha = Tensor::f_scalar_tensor(alpha, (y.kind(), y.device()))?;
-    let _ = y.f_addcmul_(x, &alpha)?;
-    Ok(())
-}
-
-/// `x + alpha * y` as a new tensor (libtorch's `x.add(y, alpha)`).
-pub(crate) fn added_scaled(x: &Tensor, y: &Tensor, alpha: f64) -> Result<Tensor, tch::TchError> {
-    let alpha = Tensor::f_scalar_tensor(alpha, (x.kind(), x.device()))?;
-    x.f_addcmul(y, &alpha)
 }
 
 /// True for a finite number >= 0; false for a negative one, an infinite one and NaN.

@@ -3,7 +3,8 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{add_scaled_, added_scaled, non_negative, Optimizer, Rule};
+use crate::number::number_like;
+use crate::optimizer::{non_negative, Optimizer, Rule};
 use crate::state::Sign;
 
 /// SGD's hyper-parameters, with PyTorch's defaults.
@@ -89,24 +90,33 @@ impl Rule for SgdConfig {
         buffers: &mut [Tensor],
         step: u64,
     ) -> Result<(), tch::TchError> {
-        let mut d = if self.weight_decay != 0.0 {
-            added_scaled(grad, param, self.weight_decay)?
+        // Everything the update allocates comes first, so that running out of memory
+        // leaves the parameter and its momentum as they were (see AdamW's update).
+        let n = |v: f64| number_like(v, param);
+        let d = if self.weight_decay != 0.0 {
+            grad.f_addcmul(param, &n(self.weight_decay)?)?
         } else {
             grad.shallow_clone()
         };
-        if let Some(buf) = buffers.first_mut() {
-            if step == 1 {
-                buf.f_copy_(&d)?;
-            } else {
-                let _ = buf.f_mul_scalar_(self.momentum)?;
-                add_scaled_(buf, &d, 1.0 - self.dampening)?;
-            }
-            d = if self.nesterov {
-                added_scaled(&d, buf, self.momentum)?
-            } else {
-                buf.shallow_clone()
-            };
+        let minus_lr = n(-self.lr)?;
+        let Some(buf) = buffers.first_mut() else {
+            let _ = param.f_addcmul_(&d, &minus_lr)?;
+            return Ok(());
+        };
+        let (momentum, one_minus_dampening) = (n(self.momentum)?, n(1.0 - self.dampening)?);
+        let nesterov = self.nesterov.then(|| d.f_empty_like()).transpose()?;
+
+        if step == 1 {
+            buf.f_copy_(&d)?;
+        } else {
+            let _ = buf.f_mul_(&momentum)?;
+            let _ = buf.f_addcmul_(&d, &one_minus_dampening)?;
         }
-        add_scaled_(param, &d, -self.lr)
+        let d = match nesterov {
+            Some(out) => d.f_addcmul_out(&out, buf, &momentum)?,
+            None => buf.shallow_clone(),
+        };
+        let _ = param.f_addcmul_(&d, &minus_lr)?;
+        Ok(())
     }
 }

@@ -35,6 +35,7 @@ use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
+use crate::number::number_like;
 
 /// How the optimizer stores its state buffers (moments, momentum) between steps.
 ///
@@ -240,7 +241,8 @@ impl Buffer {
                         &mut values,
                     )?;
                     // Blocks holding an infinity are rare: look for them only when one is there.
-                    if scale.f_lt(0.0)?.f_any()?.f_int64_value(&[])? != 0 {
+                    let zero = number_like(0.0, &scale)?;
+                    if scale.f_lt_tensor(&zero)?.f_any()?.f_int64_value(&[])? != 0 {
                         values = restore_infinities(&values, &codes, &scale, *block, *sign)?;
                     }
                     return Ok(values);
@@ -313,8 +315,9 @@ fn decode_finite_ops(
 ) -> Result<Tensor> {
     let len = codes.size()[0];
     let blocks = scale.size()[0];
-    let table = Tensor::from_slice(&tables.table).f_to_device(codes.device())?;
-    let index = codes.f_to_kind(Kind::Int64)?.f_add_scalar(tables.offset)?;
+    let table = Tensor::f_from_slice(&tables.table)?.f_to_device(codes.device())?;
+    let index = codes.f_to_kind(Kind::Int64)?;
+    let index = index.f_add(&number_like(tables.offset as f64, &index)?)?;
     let fractions = pad_to(&table.f_index_select(0, &index)?, blocks * block)?;
     let values = fractions
         .f_view([blocks, block])?
@@ -349,17 +352,19 @@ fn encode_finite_ops(
     let blocks = scale.size()[0];
     let x = pad_to(values, blocks * block)?.f_view([blocks, block])?;
     let amax = x.f_abs()?.f_amax([1i64].as_slice(), true)?;
-    let q = x.f_div(&amax.f_clamp_min(f64::from(f32::MIN_POSITIVE))?)?;
+    let smallest = number_like(f64::from(f32::MIN_POSITIVE), &amax)?;
+    let q = x.f_div(&amax.f_clamp_min_tensor(&smallest)?)?;
     let thresholds =
-        Tensor::from_slice(&Tables::of(sign).thresholds).f_to_device(codes.device())?;
+        Tensor::f_from_slice(&Tables::of(sign).thresholds)?.f_to_device(codes.device())?;
     // bucketize(right) counts the thresholds <= |q|, thresholds[0] = -inf included.
     let top = match sign {
         Sign::Signed => SIGNED_TOP,
         Sign::NonNegative => UNSIGNED_TOP,
     };
-    let k = Tensor::f_bucketize(&q.f_abs()?, &thresholds, false, true)?
-        .f_sub_scalar(1)?
-        .f_clamp_max(top)?;
+    let k = Tensor::f_bucketize(&q.f_abs()?, &thresholds, false, true)?;
+    let k = k
+        .f_sub(&number_like(1.0, &k)?)?
+        .f_clamp_max_tensor(&number_like(top, &k)?)?;
     let code = match sign {
         Sign::Signed => k.f_mul(&q.f_sign()?.f_to_kind(Kind::Int64)?)?,
         Sign::NonNegative => k,
@@ -394,14 +399,19 @@ fn spread_infinities(values: &Tensor, block: i64, sign: Sign) -> Result<(Tensor,
     let x = pad_to(values, blocks * block)?.f_view([blocks, block])?;
     let inf = x.f_isinf()?;
     let has_inf = inf.f_any_dim(1, true)?;
-    let finite_abs = x
-        .f_abs()?
-        .f_masked_fill(&x.f_isfinite()?.f_logical_not()?, 0.0)?;
+    let abs = x.f_abs()?;
+    let finite_abs =
+        abs.f_masked_fill_tensor(&x.f_isfinite()?.f_logical_not()?, &number_like(0.0, &abs)?)?;
     let step = ln_ratio(sign).exp() as f32;
-    let infinity_scale = finite_abs
-        .f_amax([1i64].as_slice(), true)?
-        .f_mul_scalar(f64::from(step))?
-        .f_clamp(f64::from(f32::MIN_POSITIVE), f64::from(f32::MAX))?;
+    let largest = finite_abs.f_amax([1i64].as_slice(), true)?;
+    let (step, lowest, highest) = (
+        number_like(f64::from(step), &largest)?,
+        number_like(f64::from(f32::MIN_POSITIVE), &largest)?,
+        number_like(f64::from(f32::MAX), &largest)?,
+    );
+    let infinity_scale = largest
+        .f_mul(&step)?
+        .f_clamp_tensor(Some(&lowest), Some(&highest))?;
     let spread = x.f_where_self(&inf.f_logical_not()?, &x.f_sign()?.f_mul(&infinity_scale)?)?;
     Ok((
         spread.f_view([-1])?.f_narrow(0, 0, len)?.f_contiguous()?,
@@ -431,19 +441,19 @@ fn restore_infinities(
     let len = values.size()[0];
     let blocks = scale.size()[0];
     let flagged = scale
-        .f_lt(0.0)?
+        .f_lt_tensor(&number_like(0.0, scale)?)?
         .f_view([blocks, 1])?
         .f_expand([blocks, block], false)?
         .f_reshape([-1])?
         .f_narrow(0, 0, len)?;
     let values = values.f_where_self(&flagged.f_logical_not()?, &values.f_neg()?)?;
     let codes = codes.f_to_kind(Kind::Int16)?;
-    let top = codes.f_abs()?.f_eq(top_code(sign))?;
+    let top = codes
+        .f_abs()?
+        .f_eq_tensor(&number_like(top_code(sign), &codes)?)?;
     let infinite = flagged.f_logical_and(&top)?;
-    let infinities = codes
-        .f_sign()?
-        .f_to_kind(Kind::Float)?
-        .f_mul_scalar(f64::INFINITY)?;
+    let signs = codes.f_sign()?.f_to_kind(Kind::Float)?;
+    let infinities = signs.f_mul(&number_like(f64::INFINITY, &signs)?)?;
     Ok(values.f_where_self(&infinite.f_logical_not()?, &infinities)?)
 }
 
