@@ -1,5 +1,5 @@
 //! The launcher ends every rank when one dies, names it, and leaves no process behind.
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;
@@ -76,7 +76,7 @@ fn steps_until_killed() {
 fn killing_a_rank_ends_the_others_and_names_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let started = Instant::now();
-    let outcome = common::run_ranks("steps_until_killed", 3, dir.path());
+    let outcome = common::run_ranks("launch::steps_until_killed", 3, dir.path());
     let elapsed = started.elapsed();
     match outcome {
         Err(DistError::RankFailed {
@@ -126,7 +126,7 @@ fn exits_3_on_rank_2() {
 fn a_failing_rank_ends_ranks_that_would_wait_forever() {
     let dir = tempfile::tempdir().expect("tempdir");
     let started = Instant::now();
-    let outcome = common::run_ranks("exits_3_on_rank_2", 3, dir.path());
+    let outcome = common::run_ranks("launch::exits_3_on_rank_2", 3, dir.path());
     assert!(
         matches!(
             outcome,
@@ -276,7 +276,7 @@ impl Launcher {
         };
         command
             .args([
-                "launcher_of_scripts",
+                "launch::launcher_of_scripts",
                 "--exact",
                 "--ignored",
                 "--nocapture",

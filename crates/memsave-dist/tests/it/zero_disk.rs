@@ -1,6 +1,6 @@
 //! ZeRO ranks given one `Placement::Disk` directory keep their shards' state files
 //! apart (`rank-R` below it) and train as ranks whose state is in memory.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -67,7 +67,7 @@ fn zero_disk_worker() {
 #[test]
 fn ranks_sharing_a_disk_directory_keep_their_state_apart() {
     let dir = tempfile::tempdir().expect("tempdir");
-    common::run_ranks("zero_disk_worker", 2, dir.path()).expect("both ranks train");
+    common::run_ranks("zero_disk::zero_disk_worker", 2, dir.path()).expect("both ranks train");
     for rank in 0..2 {
         assert!(dir.path().join(format!("ok-rank{rank}")).is_file());
     }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use memsave_dist::{
     free_port, Backend, DdpConfig, DistError, DistributedDataParallel, InitOptions, ProcessGroup,
 };
+use serial_test::parallel;
 use tch::{Device, Kind, Tensor};
 
 fn options(seconds: u64) -> InitOptions {
@@ -42,6 +43,7 @@ fn ranks<T: Send + 'static>(
 }
 
 #[test]
+#[parallel]
 fn an_unreachable_store_is_an_error_naming_the_rank_and_address() {
     let port = free_port().expect("a free port");
     let started = Instant::now();
@@ -57,6 +59,7 @@ fn an_unreachable_store_is_an_error_naming_the_rank_and_address() {
 }
 
 #[test]
+#[parallel]
 fn a_world_size_that_does_not_match_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let results = ranks(&[2, 3], &dir.path().join("store"), |_| Ok(()));
@@ -75,6 +78,7 @@ fn a_world_size_that_does_not_match_is_refused() {
 }
 
 #[test]
+#[parallel]
 fn mismatched_parameter_shapes_are_refused_at_the_start() {
     let dir = tempfile::tempdir().expect("tempdir");
     let results = ranks(&[2, 2], &dir.path().join("store"), |group| {
@@ -95,6 +99,7 @@ fn mismatched_parameter_shapes_are_refused_at_the_start() {
 }
 
 #[test]
+#[parallel]
 fn a_collective_that_a_rank_never_joins_times_out() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("store");
@@ -124,6 +129,7 @@ fn a_collective_that_a_rank_never_joins_times_out() {
 }
 
 #[test]
+#[parallel]
 fn nccl_is_a_clear_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let options = InitOptions {

@@ -2,7 +2,7 @@
 //! DDP, ZeRO-1 and ZeRO-2, with and without accumulation; the parameters must equal
 //! single-process training on the whole batch, and each rank's state, gradients and
 //! bytes sent must be what the algorithms say.
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -15,6 +15,7 @@ use memsave_dist::{
 };
 use memsave_meter::memory_allocated;
 use memsave_optim::{AdamW, AdamWConfig, Options, State};
+use serial_test::serial;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -383,7 +384,7 @@ fn figures(path: &Path) -> BTreeMap<String, u64> {
 
 fn check_world(n: usize) {
     let dir = tempfile::tempdir().expect("tempdir");
-    common::run_ranks("parity_worker", n, dir.path()).expect("every rank succeeds");
+    common::run_ranks("parity::parity_worker", n, dir.path()).expect("every rank succeeds");
     check_low_precisions(dir.path(), n);
     let (expected, single_state) = reference();
     // Measured in a rank's process (the meter counts the whole process, and the tests
@@ -495,17 +496,22 @@ fn check_world(n: usize) {
     }
 }
 
+// `#[serial]`: the reference training (`network`, `data`) seeds the default generator of
+// this process.
 #[test]
+#[serial]
 fn one_rank_matches_single_process_training() {
     check_world(1);
 }
 
 #[test]
+#[serial]
 fn two_ranks_match_single_process_training() {
     check_world(2);
 }
 
 #[test]
+#[serial]
 fn four_ranks_match_single_process_training() {
     check_world(4);
 }

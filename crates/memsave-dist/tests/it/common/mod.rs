@@ -1,5 +1,5 @@
 //! Helpers of the multi-process tests: the ranks are this test binary itself, started
-//! by the launcher with `--exact <worker> --ignored`.
+//! by the launcher with `--exact <module>::<worker> --ignored`.
 #![allow(dead_code)]
 use std::ffi::OsString;
 use std::path::Path;
@@ -8,7 +8,8 @@ use std::time::Duration;
 use memsave_dist::{launch, DistError, LaunchConfig};
 
 /// Runs the ignored test `worker` of this binary as `n` ranks, with `out` in
-/// `MEMSAVE_TEST_OUT`.
+/// `MEMSAVE_TEST_OUT`. `worker` is the test's full path (`parity::parity_worker`):
+/// `--exact` matches nothing otherwise, and the ranks would pass having run nothing.
 pub fn run_ranks(worker: &str, n: usize, out: &Path) -> Result<(), DistError> {
     let exe = std::env::current_exe().expect("the test binary's path");
     let args: Vec<OsString> = [
