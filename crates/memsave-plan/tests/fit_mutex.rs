@@ -148,14 +148,15 @@ fn a_successful_fit_prints_nothing_to_stderr() {
     if std::env::var_os(CHILD).is_some() {
         return; // the child runs `child_scenario` only
     }
+    // The test's name in this binary: its module path less the crate's name (a file
+    // of its own, or a module of a binary holding several).
+    let name = match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::child_scenario"),
+        None => "child_scenario".to_owned(),
+    };
     let exe = std::env::current_exe().unwrap();
     let out = Command::new(exe)
-        .args([
-            "child_scenario",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
         .env("RUST_BACKTRACE", "1")
         .output()
@@ -167,7 +168,7 @@ fn a_successful_fit_prints_nothing_to_stderr() {
         "the child failed:\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(
-        stdout.contains("test child_scenario ... ok"),
+        stdout.contains(&format!("test {name} ... ok")),
         "the child did not run the scenario:\n{stdout}"
     );
     assert!(
