@@ -26,7 +26,7 @@ impl BundledSuite {
 }
 
 /// Every bundled suite; the first one is the default of `memsave bench`.
-pub const BUNDLED: [BundledSuite; 6] = [
+pub const BUNDLED: [BundledSuite; 7] = [
     BundledSuite {
         name: "seed",
         source: include_str!("../../../suites/seed.yaml"),
@@ -51,10 +51,14 @@ pub const BUNDLED: [BundledSuite; 6] = [
         name: "distributed",
         source: include_str!("../../../suites/distributed.yaml"),
     },
+    BundledSuite {
+        name: "zoo",
+        source: include_str!("../../../suites/zoo.yaml"),
+    },
 ];
 
 /// The bundled suite called `name` (`seed`, `transformer`, `quick`, `optimizer`, `fit`,
-/// `distributed`).
+/// `distributed`, `zoo`).
 pub fn bundled(name: &str) -> Option<BundledSuite> {
     BUNDLED.iter().copied().find(|s| s.name == name)
 }

@@ -569,6 +569,7 @@ pub(crate) fn rank_config(
             .collect(),
     };
     let config = resolve(&rest)?;
+    crate::models::residual_available(model, config.residual)?;
     if let Some(o) = config.optimizer {
         if o.in_backward {
             return Err("optimizer in_backward is not supported with world_size (each parameter's one post-accumulate-grad hook reduces its gradient)".into());

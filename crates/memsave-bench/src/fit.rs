@@ -37,6 +37,16 @@ impl Workload for WithOptimizer {
     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
         self.model.batch(size)
     }
+    fn buffers(&self) -> Vec<tch::Tensor> {
+        self.model.buffers()
+    }
+    fn loss(
+        &self,
+        output: &tch::Tensor,
+        target: Option<&tch::Tensor>,
+    ) -> Result<tch::Tensor, tch::TchError> {
+        self.model.loss(output, target)
+    }
     fn optimizer(&self) -> Option<OptimizerSpec> {
         self.optimizer
     }

@@ -1,5 +1,7 @@
 //! The suite's networks, built as a `CheckpointedSequential` of per-layer closures so
-//! that checkpoint strategies only set a plan.
+//! that checkpoint strategies only set a plan: the harness's residual stacks, and the
+//! zoo's real architectures (`memsave-models`: ResNet, MobileNetV2, LLaMA, ViT), one
+//! layer per block of the network.
 //!
 //! Every block reads a shared [`LayerContext`]: the residual update in force (the
 //! strategy's) and, while a measured forward runs, a recorder of the bytes allocated
@@ -10,11 +12,12 @@ use crate::strategies::ResidualUpdate;
 use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_meter::f_memory_allocated;
+use memsave_models::{Architecture, ModelError, Network};
 use memsave_plan::{Batch, Workload};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// Called with a block's index when the block starts (in the forward, and again when
 /// a checkpoint recomputes it in backward).
@@ -144,21 +147,46 @@ fn safe_residual(x: &Tensor, fx: &Tensor) -> Result<Tensor, String> {
 pub struct Model {
     /// The model's name in the suite.
     pub name: String,
-    /// The parameters.
+    /// The parameters (and, for the zoo's networks, the buffers: BatchNorm's running
+    /// statistics, variables that do not require grad).
     pub vs: nn::VarStore,
     /// The blocks, run under a checkpoint plan.
     pub seq: CheckpointedSequential,
     /// Shared with the blocks.
     pub ctx: Arc<LayerContext>,
-    /// The suite's input (`batch` as the model spec gives it).
+    /// The suite's input (`batch` as the model spec gives it): floats for the
+    /// harness's kinds and the zoo's images, token ids (int64) for `llama`.
     pub input: Tensor,
+    /// What the loss compares the output with: the zoo's class labels or next tokens;
+    /// `None` for the harness's kinds, whose loss is the mean square of the output.
+    pub target: Option<Tensor>,
+    /// The zoo network's task (its cross-entropy loss), `None` for the harness's kinds.
+    zoo: Option<Network>,
+}
+
+/// Why a model cannot be built: libtorch failed, or the zoo refused its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// libtorch failed (out of memory, ...).
+    #[error(transparent)]
+    Torch(#[from] TchError),
+    /// The zoo's architecture refused to build (a configuration a hand-made spec got
+    /// wrong: parsed suites are checked already).
+    #[error(transparent)]
+    Zoo(#[from] ModelError),
 }
 
 impl Model {
-    /// Builds `spec` on `device`: the parameters, then a uniform random input of the
-    /// spec's shape, both from libtorch's current RNG state (seed it first for a
-    /// reproducible model).
-    pub fn build(spec: &ModelSpec, device: Device) -> Result<Model, tch::TchError> {
+    /// Builds `spec` on `device`: the parameters, then the spec's input, both from
+    /// libtorch's current RNG state (seed it first for a reproducible model). The
+    /// harness's kinds get a uniform random input of the spec's shape; the zoo's
+    /// [`Network::synthetic_batch`] (images from N(0, 1) with random labels, or random
+    /// tokens with their next tokens as target), as `memsave_models::ZooWorkload`
+    /// builds it, so the same seed gives the same model and batch.
+    pub fn build(spec: &ModelSpec, device: Device) -> Result<Model, BuildError> {
+        if let Some(architecture) = spec.kind.architecture() {
+            return Self::build_zoo(spec, architecture, device);
+        }
         let vs = nn::VarStore::new(device);
         let ctx = Arc::new(LayerContext::new(device));
         let mut seq = CheckpointedSequential::new();
@@ -185,6 +213,7 @@ impl Model {
                     let block = PreLnBlock::new(&p, h, spec.heads.unwrap_or(1));
                     seq.add_fn(move |x| ctx.block(i, x, |x| block.forward(x, &ctx)))
                 }
+                ModelKind::Zoo(_) => unreachable!("built by build_zoo"),
             };
         }
         let input = Tensor::f_rand(spec.input_shape(), (Kind::Float, device))?;
@@ -194,6 +223,46 @@ impl Model {
             seq,
             ctx,
             input,
+            target: None,
+            zoo: None,
+        })
+    }
+
+    /// A zoo network: each of its blocks one layer of the chain, wrapped like the
+    /// harness's blocks (per-block trace, block observer); no residual update to
+    /// choose (the blocks add as the architecture does).
+    fn build_zoo(
+        spec: &ModelSpec,
+        architecture: &Architecture,
+        device: Device,
+    ) -> Result<Model, BuildError> {
+        let vs = nn::VarStore::new(device);
+        let ctx = Arc::new(LayerContext::new(device));
+        let network = architecture.build(&vs.root())?;
+        let size = spec.batch.first().copied().unwrap_or(1);
+        let Batch { input, target } = network.synthetic_batch(size, device)?;
+        let Network {
+            layers,
+            task,
+            example_shape,
+        } = network;
+        let mut seq = CheckpointedSequential::new();
+        for (i, layer) in layers.into_iter().enumerate() {
+            let ctx = Arc::clone(&ctx);
+            seq = seq.add_fn_t(move |x, train| ctx.block(i, x, |x| layer.forward_t(x, train)));
+        }
+        Ok(Model {
+            name: spec.name.clone(),
+            vs,
+            seq,
+            ctx,
+            input,
+            target,
+            zoo: Some(Network {
+                layers: Vec::new(),
+                task,
+                example_shape,
+            }),
         })
     }
 
@@ -201,6 +270,58 @@ impl Model {
     pub fn params(&self) -> Vec<Tensor> {
         self.vs.trainable_variables()
     }
+
+    /// The suite's batch: the input and, for the zoo's networks, the target (views).
+    pub fn data(&self) -> Batch {
+        Batch {
+            input: self.input.shallow_clone(),
+            target: self.target.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+
+    /// Whether the model is one of the zoo's networks (cross-entropy loss, no residual
+    /// update to choose).
+    pub fn is_zoo(&self) -> bool {
+        self.zoo.is_some()
+    }
+}
+
+/// Puts the default CPU generator's state back when dropped, as it was when
+/// [`save`](Self::save)d: every case of a model then starts from the random stream the
+/// model was built with, so layers that draw random numbers (the zoo's MobileNetV2
+/// dropout) draw the same ones in the same step of every case, and gradients compare
+/// between strategies. The state is kept in host memory, not as a tensor, so the
+/// meter's `start_bytes` do not count it.
+pub(crate) struct RandomStreamGuard(Option<Vec<u8>>);
+
+impl RandomStreamGuard {
+    pub(crate) fn save() -> Self {
+        let state = memsave_sys::rng::cpu_state().ok();
+        Self(state.and_then(|t| Vec::<u8>::try_from(&t).ok()))
+    }
+}
+
+impl Drop for RandomStreamGuard {
+    fn drop(&mut self) {
+        if let Some(bytes) = &self.0 {
+            let _ = memsave_sys::rng::set_cpu_state(&Tensor::from_slice(bytes));
+        }
+    }
+}
+
+/// Whether the residual `update` can be applied to `spec` (what
+/// [`Workload::set_residual`] of its built [`Model`] answers), and if not why: the
+/// zoo's networks have no residual update to choose, so `inplace_add`, `add_out` and
+/// `safe_residual` are unavailable on them.
+pub fn residual_available(spec: &ModelSpec, update: ResidualUpdate) -> Result<(), String> {
+    if spec.kind.architecture().is_some() && update != ResidualUpdate::Add {
+        return Err(format!(
+            "the model '{}' ({}) has no residual blocks to apply {update:?} to (the zoo's blocks add as their architecture does)",
+            spec.name,
+            spec.kind.as_str()
+        ));
+    }
+    Ok(())
 }
 
 impl Workload for Model {
@@ -224,26 +345,58 @@ impl Workload for Model {
         self.params()
     }
 
+    /// The variables that are not trained (the zoo's BatchNorm running mean, variance
+    /// and batch count), in the order of their names; none for the harness's kinds.
+    fn buffers(&self) -> Vec<Tensor> {
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named.into_iter().map(|(_, t)| t).collect()
+    }
+
     fn global_batch(&self) -> i64 {
         self.input.size().first().copied().unwrap_or(0)
     }
 
-    /// The first `size` examples of the suite's input (a view); beyond the suite's
-    /// batch, the input repeated along the first dimension (a new tensor).
+    /// The first `size` examples of the suite's input and target (views); beyond the
+    /// suite's batch, both repeated along the first dimension (new tensors).
     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
         let have = self.global_batch();
         if size <= have {
-            return Ok(Batch::input(self.input.f_narrow(0, 0, size)?));
+            return self.data().f_narrow(0, size);
         }
         let times = (size + have - 1) / have.max(1);
-        let mut reps = vec![1i64; self.input.dim()];
-        reps[0] = times;
-        Ok(Batch::input(
-            self.input.f_repeat(&reps)?.f_narrow(0, 0, size)?,
-        ))
+        let repeat = |t: &Tensor| -> Result<Tensor, TchError> {
+            let mut reps = vec![1i64; t.dim()];
+            reps[0] = times;
+            t.f_repeat(&reps)?.f_narrow(0, 0, size)
+        };
+        Ok(Batch {
+            input: repeat(&self.input)?,
+            target: self.target.as_ref().map(repeat).transpose()?,
+        })
     }
 
+    /// The zoo's cross-entropy against the target ([`Network::loss`]); the mean
+    /// square of the output for the harness's kinds ([`loss`]).
+    fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
+        match &self.zoo {
+            Some(network) => network.loss(output, target),
+            None => loss(output),
+        }
+    }
+
+    /// The harness's kinds take every update; the zoo's only [`ResidualUpdate::Add`]
+    /// (their blocks add as the architecture does), so the residual-update strategies
+    /// are reported unavailable on them.
     fn set_residual(&self, update: ResidualUpdate) -> bool {
+        if self.is_zoo() {
+            return update == ResidualUpdate::Add;
+        }
         self.ctx.set_residual(update);
         true
     }

@@ -130,7 +130,8 @@ pub fn availability(
     world_size: Option<usize>,
 ) -> Result<(), String> {
     match world_size {
-        None => resolve(strategy).map(|_| ()),
+        None => resolve(strategy)
+            .and_then(|config| crate::models::residual_available(model, config.residual)),
         Some(n) => crate::distributed::rank_config(model, strategy, n).map(|_| ()),
     }
 }
@@ -457,7 +458,7 @@ fn build_bundled(spec: &ModelSpec, settings: &Settings) -> Result<(Model, Batch)
     isolated(|| {
         tch::manual_seed(settings.seed as i64);
         let model = Model::build(spec, settings.device).map_err(|e| e.to_string())?;
-        let x = Batch::input(model.input.shallow_clone());
+        let x = model.data();
         Ok((model, x))
     })
 }
@@ -469,6 +470,8 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
         reference,
     } = bench;
     let model: &mut dyn Workload = &mut **model;
+    // Each case of a model starts from the same random stream (dropout draws alike).
+    let _stream = crate::models::RandomStreamGuard::save();
     let name = model.name().to_owned();
     let config = match resolve(strategy) {
         Ok(config) => config,

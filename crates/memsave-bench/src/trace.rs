@@ -17,7 +17,6 @@ use crate::strategies::resolve;
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
 use memsave_optim::Observer;
-use memsave_plan::Batch;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::Arc;
 use tch::{Device, Tensor};
@@ -142,7 +141,8 @@ pub fn trace_case(
         .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     tch::manual_seed(suite.seed as i64);
     let model = Model::build(spec, device).map_err(|e| TraceCaseError::Setup(e.to_string()))?;
-    let x = Batch::input(model.input.shallow_clone());
+    let x = model.data();
+    crate::models::residual_available(spec, config.residual).map_err(TraceCaseError::Setup)?;
     model.ctx.set_residual(config.residual);
     let mut model = model;
     apply_plan(&mut model, &x, &config, device).map_err(TraceCaseError::Setup)?;
@@ -182,9 +182,13 @@ pub fn trace_case(
         .as_ref()
         .map(CaseOptimizer::state_tensors)
         .unwrap_or_default();
+    let inputs: Vec<Tensor> = std::iter::once(&x.input)
+        .chain(x.target.as_ref())
+        .map(Tensor::shallow_clone)
+        .collect();
     let (step, trace) = Recorder::new(device)
         .parameters(&params)
-        .inputs(&[x.input.shallow_clone()])
+        .inputs(&inputs)
         .optimizer_state(&state)
         .record(|session| {
             let layers = session.clone();

@@ -11,6 +11,7 @@ use super::model::{
 };
 use super::strategy::{claim_name, deserialize_strategy, StrategySpec};
 use memsave_meter::Bytes;
+use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
 use serde::de::value::MapAccessDeserializer;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -162,8 +163,8 @@ impl<'de> Deserialize<'de> for Dtype {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A model of the harness's own kinds as written (the zoo's are read by
+/// [`ModelFields::finish`]).
 struct RawModel {
     name: String,
     kind: ModelKind,
@@ -172,12 +173,7 @@ struct RawModel {
     batch: Vec<Positive<MAX_DIMENSION>>,
     expansion: Option<Positive<MAX_DIMENSION>>,
     heads: Option<Positive<MAX_DIMENSION>>,
-    #[serde(default = "yes")]
     enabled: bool,
-}
-
-fn yes() -> bool {
-    true
 }
 
 impl RawModel {
@@ -193,7 +189,7 @@ impl RawModel {
                 "model '{name}': expansion only applies to kind residual_mlp"
             ));
         }
-        match (self.kind, self.heads) {
+        match (&self.kind, self.heads) {
             (ModelKind::Transformer, None) => {
                 return Err(format!("model '{name}': a transformer needs heads"))
             }
@@ -209,7 +205,7 @@ impl RawModel {
                     self.batch.len()
                 ))
             }
-            (kind, Some(_)) if kind != ModelKind::Transformer => {
+            (kind, Some(_)) if *kind != ModelKind::Transformer => {
                 return Err(format!(
                     "model '{name}': heads only applies to kind transformer"
                 ))
@@ -235,18 +231,26 @@ impl RawModel {
 /// within its own limit).
 pub(super) fn check_size(spec: &ModelSpec) -> Result<(), String> {
     let name = &spec.name;
+    // What to reduce, in the keys of the model's kind.
+    let (shrink_parameters, shrink_input) = match spec.kind.architecture() {
+        None => ("layers, hidden or expansion", "batch or hidden"),
+        Some(Architecture::ResNet(_)) => ("depth or classes", "batch or image"),
+        Some(Architecture::MobileNetV2(_)) => ("classes", "batch or image"),
+        Some(Architecture::Llama(_)) => ("vocab, dim, layers or hidden", "batch or seq"),
+        Some(Architecture::Vit(_)) => ("dim, layers, mlp or classes", "batch or image"),
+    };
     match spec.parameter_count() {
         Some(n) if n <= MAX_PARAMETERS => {}
         Some(n) => {
             return Err(format!(
                 "model '{name}': {n} parameters, more than the limit of {MAX_PARAMETERS} (16 GiB in f32); \
-                 reduce layers, hidden or expansion"
+                 reduce {shrink_parameters}"
             ))
         }
         None => {
             return Err(format!(
                 "model '{name}': the parameter count overflows 64 bits (limit {MAX_PARAMETERS}); \
-                 reduce layers, hidden or expansion"
+                 reduce {shrink_parameters}"
             ))
         }
     }
@@ -254,12 +258,353 @@ pub(super) fn check_size(spec: &ModelSpec) -> Result<(), String> {
         Some(n) if n <= MAX_INPUT_ELEMENTS => Ok(()),
         Some(n) => Err(format!(
             "model '{name}': an input of {n} elements, more than the limit of {MAX_INPUT_ELEMENTS} \
-             (16 GiB in f32); reduce batch or hidden"
+             (16 GiB in f32); reduce {shrink_input}"
         )),
         None => Err(format!(
             "model '{name}': the input's element count overflows 64 bits (limit {MAX_INPUT_ELEMENTS}); \
-             reduce batch or hidden"
+             reduce {shrink_input}"
         )),
+    }
+}
+
+/// What `kind:` names, before the rest of the entry is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+enum KindName {
+    #[serde(rename = "residual_linear")]
+    ResidualLinear,
+    #[serde(rename = "residual_mlp")]
+    ResidualMlp,
+    #[serde(rename = "transformer")]
+    Transformer,
+    #[serde(rename = "resnet")]
+    ResNet,
+    #[serde(rename = "mobilenet_v2")]
+    MobileNetV2,
+    #[serde(rename = "llama")]
+    Llama,
+    #[serde(rename = "vit")]
+    Vit,
+}
+
+/// The keys of the harness's own kinds, in the order of their "expected one of" list.
+const OWN_KEYS: &[&str] = &[
+    "name",
+    "kind",
+    "layers",
+    "hidden",
+    "batch",
+    "expansion",
+    "heads",
+    "enabled",
+];
+const RESNET_KEYS: &[&str] = &[
+    "name", "kind", "depth", "image", "classes", "batch", "enabled",
+];
+const MOBILENET_KEYS: &[&str] = &["name", "kind", "image", "classes", "batch", "enabled"];
+const LLAMA_KEYS: &[&str] = &[
+    "name", "kind", "vocab", "dim", "layers", "heads", "kv_heads", "hidden", "seq", "tied",
+    "batch", "enabled",
+];
+const VIT_KEYS: &[&str] = &[
+    "name", "kind", "image", "patch", "dim", "layers", "heads", "mlp", "classes", "batch",
+    "enabled",
+];
+/// Every kind's keys: what an entry may hold before its `kind:` is read.
+const ANY_KEYS: &[&str] = &[
+    "name",
+    "kind",
+    "layers",
+    "hidden",
+    "batch",
+    "expansion",
+    "heads",
+    "enabled",
+    "depth",
+    "image",
+    "classes",
+    "vocab",
+    "dim",
+    "kv_heads",
+    "seq",
+    "tied",
+    "patch",
+    "mlp",
+];
+
+impl KindName {
+    /// The keys an entry of this kind accepts.
+    fn keys(self) -> &'static [&'static str] {
+        match self {
+            KindName::ResidualLinear | KindName::ResidualMlp | KindName::Transformer => OWN_KEYS,
+            KindName::ResNet => RESNET_KEYS,
+            KindName::MobileNetV2 => MOBILENET_KEYS,
+            KindName::Llama => LLAMA_KEYS,
+            KindName::Vit => VIT_KEYS,
+        }
+    }
+
+    fn is_zoo(self) -> bool {
+        self.keys() != OWN_KEYS
+    }
+}
+
+/// Reads a mapping key that must be one of `0`; another is refused at the key's own
+/// position with serde's "unknown field" message.
+struct Key(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = &'static str;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<&'static str, D::Error> {
+        d.deserialize_identifier(self)
+    }
+}
+
+impl Visitor<'_> for Key {
+    type Value = &'static str;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a field name")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<&'static str, E> {
+        self.0
+            .iter()
+            .copied()
+            .find(|k| *k == v)
+            .ok_or_else(|| E::unknown_field(v, self.0))
+    }
+}
+
+/// `batch:` read before `kind:`: a list (the harness's kinds) or a number (the zoo's).
+enum BatchValue {
+    List(Vec<Positive<MAX_DIMENSION>>),
+    One(Positive<MAX_DIMENSION>),
+}
+
+impl<'de> Deserialize<'de> for BatchValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = BatchValue;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a sequence (kinds residual_linear, residual_mlp, transformer) or a positive integer (the zoo's kinds)")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<BatchValue, A::Error> {
+                let mut list = Vec::new();
+                while let Some(b) = seq.next_element()? {
+                    list.push(b);
+                }
+                Ok(BatchValue::List(list))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<BatchValue, E> {
+                Positive::deserialize(de::value::U64Deserializer::new(v)).map(BatchValue::One)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<BatchValue, E> {
+                Positive::deserialize(de::value::I64Deserializer::new(v)).map(BatchValue::One)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `image: [channels, height, width]`, each positive; another length is refused at the
+/// list's position.
+struct Image([i64; 3]);
+
+impl<'de> Deserialize<'de> for Image {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Image;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an image shape [channels, height, width]")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Image, A::Error> {
+                let mut dims = Vec::new();
+                while let Some(d) = seq.next_element::<Positive<MAX_DIMENSION>>()? {
+                    dims.push(d.i64());
+                }
+                <[i64; 3]>::try_from(dims.as_slice())
+                    .map(Image)
+                    .map_err(|_| {
+                        de::Error::custom(format!(
+                            "an image is [channels, height, width], got {} dimensions",
+                            dims.len()
+                        ))
+                    })
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// The keys of one `models:` entry as read so far, any kind's.
+#[derive(Default)]
+struct ModelFields {
+    seen: Vec<&'static str>,
+    name: Option<String>,
+    kind: Option<KindName>,
+    enabled: Option<bool>,
+    layers: Option<Positive<MAX_LAYERS>>,
+    hidden: Option<Positive<MAX_DIMENSION>>,
+    batch: Option<BatchValue>,
+    expansion: Option<Positive<MAX_DIMENSION>>,
+    heads: Option<Positive<MAX_DIMENSION>>,
+    depth: Option<Positive<MAX_DIMENSION>>,
+    image: Option<Image>,
+    classes: Option<Positive<MAX_DIMENSION>>,
+    vocab: Option<Positive<MAX_DIMENSION>>,
+    dim: Option<Positive<MAX_DIMENSION>>,
+    kv_heads: Option<Positive<MAX_DIMENSION>>,
+    seq: Option<Positive<MAX_DIMENSION>>,
+    tied: Option<bool>,
+    patch: Option<Positive<MAX_DIMENSION>>,
+    mlp: Option<Positive<MAX_DIMENSION>>,
+}
+
+/// `Some(value)` or serde's "missing field" error.
+fn required<T, E: de::Error>(value: Option<T>, key: &'static str) -> Result<T, E> {
+    value.ok_or_else(|| E::missing_field(key))
+}
+
+impl ModelFields {
+    /// Reads the entry key by key. Each key is checked when it is read against the keys
+    /// of the kind when `kind:` came before it (of any kind otherwise), so that an
+    /// unknown key is reported at its own position in the usual case.
+    fn read<'de, A: MapAccess<'de>>(mut map: A) -> Result<ModelFields, A::Error> {
+        let mut f = ModelFields::default();
+        while let Some(key) = map.next_key_seed(Key(f.kind.map_or(ANY_KEYS, KindName::keys)))? {
+            if f.seen.contains(&key) {
+                return Err(de::Error::duplicate_field(key));
+            }
+            f.seen.push(key);
+            match key {
+                "name" => f.name = Some(map.next_value()?),
+                "kind" => f.kind = Some(map.next_value()?),
+                "enabled" => f.enabled = Some(map.next_value()?),
+                "layers" => f.layers = Some(map.next_value()?),
+                "hidden" => f.hidden = Some(map.next_value()?),
+                "batch" => {
+                    f.batch = Some(match f.kind {
+                        Some(kind) if kind.is_zoo() => BatchValue::One(map.next_value()?),
+                        Some(_) => BatchValue::List(map.next_value()?),
+                        None => map.next_value()?,
+                    })
+                }
+                "expansion" => f.expansion = Some(map.next_value()?),
+                "heads" => f.heads = Some(map.next_value()?),
+                "depth" => f.depth = Some(map.next_value()?),
+                "image" => f.image = Some(map.next_value()?),
+                "classes" => f.classes = Some(map.next_value()?),
+                "vocab" => f.vocab = Some(map.next_value()?),
+                "dim" => f.dim = Some(map.next_value()?),
+                "kv_heads" => f.kv_heads = Some(map.next_value()?),
+                "seq" => f.seq = Some(map.next_value()?),
+                "tied" => f.tied = Some(map.next_value()?),
+                "patch" => f.patch = Some(map.next_value()?),
+                "mlp" => f.mlp = Some(map.next_value()?),
+                other => unreachable!("Key admits only listed keys, got {other}"),
+            }
+        }
+        Ok(f)
+    }
+
+    /// The model the entry describes, with every check of its kind: the harness's
+    /// kinds by [`RawModel::check`], the zoo's by their architecture's `validate`
+    /// (the rules live in `memsave-models`), then the size limits.
+    fn finish<E: de::Error>(self) -> Result<ModelSpec, E> {
+        let name = required(self.name, "name")?;
+        let kind = required(self.kind, "kind")?;
+        // Keys read before `kind:` were checked against every kind's.
+        if let Some(key) = self.seen.iter().find(|k| !kind.keys().contains(k)) {
+            return Err(E::unknown_field(key, kind.keys()));
+        }
+        let enabled = self.enabled.unwrap_or(true);
+        let batch = self.batch;
+        let architecture = match kind {
+            KindName::ResidualLinear | KindName::ResidualMlp | KindName::Transformer => {
+                let layers = required(self.layers, "layers")?;
+                let hidden = required(self.hidden, "hidden")?;
+                let batch = match required(batch, "batch")? {
+                    BatchValue::List(list) => list,
+                    BatchValue::One(b) => {
+                        return Err(E::invalid_type(
+                            de::Unexpected::Unsigned(b.0),
+                            &"a sequence",
+                        ))
+                    }
+                };
+                let raw = RawModel {
+                    name,
+                    kind: match kind {
+                        KindName::ResidualLinear => ModelKind::ResidualLinear,
+                        KindName::ResidualMlp => ModelKind::ResidualMlp,
+                        _ => ModelKind::Transformer,
+                    },
+                    layers,
+                    hidden,
+                    batch,
+                    expansion: self.expansion,
+                    heads: self.heads,
+                    enabled,
+                };
+                return raw.check().map_err(E::custom);
+            }
+            KindName::ResNet => Architecture::ResNet(ResNetConfig {
+                depth: required(self.depth, "depth")?.i64(),
+                classes: required(self.classes, "classes")?.i64(),
+                image: required(self.image, "image")?.0,
+            }),
+            KindName::MobileNetV2 => Architecture::MobileNetV2(MobileNetV2Config {
+                classes: required(self.classes, "classes")?.i64(),
+                image: required(self.image, "image")?.0,
+            }),
+            KindName::Llama => {
+                let heads = required(self.heads, "heads")?.i64();
+                Architecture::Llama(LlamaConfig {
+                    vocab: required(self.vocab, "vocab")?.i64(),
+                    dim: required(self.dim, "dim")?.i64(),
+                    layers: required(self.layers, "layers")?.i64(),
+                    heads,
+                    kv_heads: self.kv_heads.map_or(heads, Positive::i64),
+                    hidden: self.hidden.map(Positive::i64),
+                    seq: required(self.seq, "seq")?.i64(),
+                    tied: self.tied.unwrap_or(false),
+                    ..LlamaConfig::default()
+                })
+            }
+            KindName::Vit => Architecture::Vit(VitConfig {
+                image: required(self.image, "image")?.0,
+                patch: required(self.patch, "patch")?.i64(),
+                dim: required(self.dim, "dim")?.i64(),
+                layers: required(self.layers, "layers")?.i64(),
+                heads: required(self.heads, "heads")?.i64(),
+                mlp: required(self.mlp, "mlp")?.i64(),
+                classes: required(self.classes, "classes")?.i64(),
+            }),
+        };
+        let batch = match required(batch, "batch")? {
+            BatchValue::One(b) => b.i64(),
+            BatchValue::List(_) => {
+                return Err(E::invalid_type(
+                    de::Unexpected::Seq,
+                    &"a positive integer (the number of examples per step)",
+                ))
+            }
+        };
+        architecture
+            .validate()
+            .map_err(|e| E::custom(format!("model '{name}': {e}")))?;
+        let spec = ModelSpec {
+            name,
+            kind: ModelKind::Zoo(architecture),
+            layers: 0,
+            hidden: 0,
+            batch: vec![batch],
+            expansion: 4,
+            heads: None,
+            enabled,
+        };
+        check_size(&spec).map_err(E::custom)?;
+        Ok(spec)
     }
 }
 
@@ -268,15 +613,19 @@ fn deserialize_model<'de, D: Deserializer<'de>>(
     d: D,
     seen: Option<&mut HashSet<String>>,
 ) -> Result<ModelSpec, D::Error> {
-    validated_map(
-        d,
-        "a model: {name, kind, layers, hidden, batch, ...}",
-        |raw: RawModel| {
-            let spec = raw.check()?;
-            claim_name(seen, "model", &spec.name)?;
+    struct V<'a>(Option<&'a mut HashSet<String>>);
+    impl<'de> Visitor<'de> for V<'_> {
+        type Value = ModelSpec;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a model: {name, kind, layers, hidden, batch, ...}")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ModelSpec, A::Error> {
+            let spec = ModelFields::read(map)?.finish()?;
+            claim_name(self.0, "model", &spec.name).map_err(de::Error::custom)?;
             Ok(spec)
-        },
-    )
+        }
+    }
+    d.deserialize_map(V(seen))
 }
 
 /// One model on its own; names are checked for uniqueness only inside a suite.

@@ -23,6 +23,11 @@
 //!   - {name: mlp, kind: residual_mlp, layers: 4, hidden: 256, expansion: 4, batch: [16]}
 //!   - {name: gpt, kind: transformer, layers: 6, hidden: 256, heads: 4, batch: [8, 128]}
 //!   - {name: big, kind: residual_linear, layers: 10, hidden: 512, batch: [500, 500], enabled: false}
+//!   # the zoo (memsave-models): real architectures, cross-entropy on a synthetic batch
+//!   - {name: r18, kind: resnet, depth: 18, image: [3, 64, 64], classes: 10, batch: 8}
+//!   - {name: mnv2, kind: mobilenet_v2, image: [3, 64, 64], classes: 10, batch: 8}
+//!   - {name: llama, kind: llama, vocab: 4096, dim: 256, layers: 6, heads: 8, kv_heads: 4, seq: 128, batch: 4}
+//!   - {name: vit, kind: vit, image: [3, 64, 64], patch: 8, dim: 192, layers: 6, heads: 3, mlp: 768, classes: 100, batch: 8}
 //! strategies:                # at least one; names unique; each runs on every model
 //!   - baseline               # plain training: the reference of ratios and gradient differences
 //!   - inplace_add            # the seed's x += f(x)
@@ -42,6 +47,28 @@
 //!   - optimizer: {kind: sgd, lr: 0.1, momentum: 0.9, weight_decay: 0}
 //!   - {name: zero2, with: [{zero: 2}, {optimizer: {kind: adamw}}]}  # needs world_size
 //! ```
+//!
+//! Each model kind accepts only its own keys. The harness's kinds (`residual_linear`,
+//! `residual_mlp`, `transformer`) take `layers`, `hidden`, `batch` (a list: the input's
+//! leading dimensions), `expansion` and `heads`, and train on the mean square of the
+//! output. The zoo's kinds build `memsave_models`' networks, one checkpointable layer
+//! per block, train on the cross-entropy against a synthetic target, and take `batch`
+//! as one number (examples per step):
+//! - `resnet`: `depth` (18, 34, 50, 101, 152), `image` ([channels, height, width]),
+//!   `classes`;
+//! - `mobilenet_v2`: `image`, `classes`;
+//! - `llama`: `vocab`, `dim`, `layers`, `heads`, `kv_heads` (default `heads`), `hidden`
+//!   (the SwiGLU's width; default LLaMA's rule), `seq` (tokens per example), `tied`
+//!   (default false);
+//! - `vit`: `image`, `patch`, `dim`, `layers`, `heads`, `mlp`, `classes`.
+//!
+//! Their configuration is checked while parsing by the architecture's own
+//! `memsave_models::Architecture::validate` (heads dividing dim, kv_heads dividing
+//! heads, an image no smaller than the network's stride, ...), reported at the model
+//! entry with the key at fault. A key of another kind is unknown; an unknown key is
+//! reported at the key when `kind:` comes before it, else at the entry. The residual
+//! updates (`inplace_add`, `add_out`, `safe_residual`) are unavailable on the zoo's
+//! networks, whose blocks add as their architecture does.
 //!
 //! A strategy without `name:` is named canonically: `checkpoint(segments=3)`,
 //! `grad_scaler(init_scale=1024, growth_interval=100)`, or the techniques' names joined
@@ -94,10 +121,13 @@
 //!
 //! So that a typo cannot build a model for minutes before the first case runs, a
 //! model has at most [`MAX_LAYERS`] blocks, every dimension (`hidden`, each `batch`
-//! entry, `expansion`, `heads`) is at most [`MAX_DIMENSION`], the parameters number at
-//! most [`MAX_PARAMETERS`] and the input at most [`MAX_INPUT_ELEMENTS`] elements
-//! (16 GiB each in f32). The counts are computed in checked arithmetic: an overflow is
-//! an error, never a wrapped number.
+//! entry, `expansion`, `heads`, and the zoo's `depth`, `classes`, `vocab`, `dim`,
+//! `kv_heads`, `seq`, `patch`, `mlp` and each `image` entry) is at most
+//! [`MAX_DIMENSION`], the parameters number at most [`MAX_PARAMETERS`] and the input at
+//! most [`MAX_INPUT_ELEMENTS`] elements (16 GiB each in f32). The counts are computed
+//! in checked arithmetic: an overflow is an error, never a wrapped number. A zoo
+//! network's parameters are counted from its layer shapes, nothing built
+//! ([`ModelSpec::parameter_count`]).
 mod de;
 mod error;
 mod model;

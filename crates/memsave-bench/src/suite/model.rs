@@ -1,5 +1,6 @@
 //! The data model of a suite: what the YAML describes once it is parsed and checked.
 use super::strategy::StrategySpec;
+use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
 
 /// Most blocks a model may have. Building a model is linear in its depth; this keeps a
 /// typo (`layers: 100000000`) from building for minutes before the first case runs.
@@ -62,8 +63,12 @@ pub enum DeviceChoice {
 }
 
 /// The network a model entry builds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+///
+/// The first three are the harness's own residual stacks, sized by [`ModelSpec`]'s
+/// `layers`, `hidden`, `expansion` and `heads`; [`Zoo`](ModelKind::Zoo) is a real
+/// architecture of `memsave-models` (`kind: resnet`, `mobilenet_v2`, `llama` or
+/// `vit` in a suite), which carries its whole configuration.
+#[derive(Debug, Clone, PartialEq)]
 pub enum ModelKind {
     /// `x = x + Linear(x)`: the seed's network.
     ResidualLinear,
@@ -71,15 +76,28 @@ pub enum ModelKind {
     ResidualMlp,
     /// Pre-LN blocks: causal self-attention and a 4x MLP, each with a residual.
     Transformer,
+    /// A network of the zoo (`memsave_models`): ResNet, MobileNetV2, a LLaMA-style
+    /// decoder or a vision transformer, trained with the cross-entropy against a
+    /// synthetic target (the three kinds above use the mean square of the output).
+    Zoo(Architecture),
 }
 
 impl ModelKind {
     /// The name used in YAML.
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             ModelKind::ResidualLinear => "residual_linear",
             ModelKind::ResidualMlp => "residual_mlp",
             ModelKind::Transformer => "transformer",
+            ModelKind::Zoo(architecture) => architecture.kind(),
+        }
+    }
+
+    /// The zoo network's architecture, `None` for the harness's own kinds.
+    pub fn architecture(&self) -> Option<&Architecture> {
+        match self {
+            ModelKind::Zoo(architecture) => Some(architecture),
+            _ => None,
         }
     }
 }
@@ -88,6 +106,11 @@ impl ModelKind {
 /// [`MAX_DIMENSION`], [`MAX_PARAMETERS`], [`MAX_INPUT_ELEMENTS`]); a spec built by
 /// hand is not checked, and [`parameter_count`](Self::parameter_count) and
 /// [`input_elements`](Self::input_elements) say `None` when it overflows.
+///
+/// A zoo model ([`ModelKind::Zoo`]) keeps its configuration in the architecture:
+/// its `layers`, `hidden` and `heads` are 0, 0 and `None` (the architecture's own
+/// `layers`, `hidden`, `heads` are in it) and `batch` is `[batch]`, the number of
+/// examples per step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
     /// Unique within the suite.
@@ -111,10 +134,15 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    /// The input's shape, `batch + [hidden]`.
+    /// The input's shape, `batch + [hidden]`; for a zoo model `[batch]` and one
+    /// example's shape (`[batch, channels, height, width]` images, `[batch, seq]`
+    /// token ids).
     pub fn input_shape(&self) -> Vec<i64> {
         let mut shape = self.batch.clone();
-        shape.push(self.hidden);
+        match &self.kind {
+            ModelKind::Zoo(architecture) => shape.extend(example_shape(architecture)),
+            _ => shape.push(self.hidden),
+        }
         shape
     }
 
@@ -126,8 +154,16 @@ impl ModelSpec {
     }
 
     /// The number of trainable parameters (weights and biases of every block);
-    /// `None` when it overflows a `u64`.
+    /// `None` when it overflows a `u64` (or, for a zoo model, when the configuration
+    /// is one its architecture refuses, e.g. a ResNet depth it does not have).
+    ///
+    /// For a zoo model it is computed from the architecture's layer shapes, nothing
+    /// built (`tied: true` counts the shared embedding once); buffers (BatchNorm's
+    /// running statistics) are not parameters.
     pub fn parameter_count(&self) -> Option<u64> {
+        if let ModelKind::Zoo(architecture) = &self.kind {
+            return zoo_parameters(architecture).map(|t| t.total);
+        }
         let h = u64::try_from(self.hidden).ok()?;
         let linear = |i: u64, o: u64| i.checked_mul(o)?.checked_add(o);
         let per_layer = match self.kind {
@@ -136,6 +172,7 @@ impl ModelSpec {
                 let middle = h.checked_mul(u64::try_from(self.expansion).ok()?)?;
                 linear(h, middle)?.checked_add(linear(middle, h)?)?
             }
+            ModelKind::Zoo(_) => return None,
             ModelKind::Transformer => {
                 let layer_norm = h.checked_mul(2)?;
                 [
@@ -157,8 +194,12 @@ impl ModelSpec {
     /// weight); `None` when it overflows a `u64`. Its gradient is whole in memory at
     /// some moment of every training step, whatever the step does to save memory.
     pub fn largest_parameter(&self) -> Option<u64> {
+        if let ModelKind::Zoo(architecture) = &self.kind {
+            return zoo_parameters(architecture).map(|t| t.largest);
+        }
         let h = u64::try_from(self.hidden).ok()?;
         match self.kind {
+            ModelKind::Zoo(_) => None,
             ModelKind::ResidualLinear => h.checked_mul(h),
             ModelKind::ResidualMlp => h
                 .checked_mul(u64::try_from(self.expansion).ok()?)?
@@ -206,4 +247,180 @@ pub struct Dtype {
     pub kind: tch::Kind,
     /// The text as written (`bf16`, `fp16`, ...).
     pub text: String,
+}
+
+/// One example's shape: the image for the convolutional nets and the ViT, `[seq]`
+/// token ids for the decoder.
+fn example_shape(architecture: &Architecture) -> Vec<i64> {
+    match architecture {
+        Architecture::ResNet(ResNetConfig { image, .. })
+        | Architecture::MobileNetV2(MobileNetV2Config { image, .. })
+        | Architecture::Vit(VitConfig { image, .. }) => image.to_vec(),
+        Architecture::Llama(LlamaConfig { seq, .. }) => vec![*seq],
+    }
+}
+
+/// The parameter tensors of a zoo network, counted: their total number of elements
+/// and the largest one's.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
+    total: u64,
+    largest: u64,
+}
+
+impl Tally {
+    /// Counts a tensor of shape `dims`; `None` on an overflow or a negative size.
+    fn add(&mut self, dims: &[i64]) -> Option<()> {
+        let n = dims
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?))?;
+        self.total = self.total.checked_add(n)?;
+        self.largest = self.largest.max(n);
+        Some(())
+    }
+
+    /// A convolution's weight (no bias) and the BatchNorm after it (weight and bias).
+    fn conv_bn(&mut self, out: i64, per_group_in: i64, kernel: i64) -> Option<()> {
+        self.add(&[out, per_group_in, kernel, kernel])?;
+        self.add(&[out])?;
+        self.add(&[out])
+    }
+
+    /// A linear layer's weight `[out, in]` and, with `bias`, its bias.
+    fn linear(&mut self, inputs: i64, out: i64, bias: bool) -> Option<()> {
+        self.add(&[out, inputs])?;
+        if bias {
+            self.add(&[out])?;
+        }
+        Some(())
+    }
+
+    /// `times` copies of `other`'s tensors added.
+    fn add_times(&mut self, other: Tally, times: i64) -> Option<()> {
+        let times = u64::try_from(times).ok()?;
+        self.total = self.total.checked_add(other.total.checked_mul(times)?)?;
+        if times > 0 {
+            self.largest = self.largest.max(other.largest);
+        }
+        Some(())
+    }
+}
+
+/// The trainable parameters of a zoo network, from its layer shapes (torchvision's
+/// ResNet and MobileNetV2, tch's LLaMA example, torchvision's ViT). `None` on an
+/// overflow or a configuration the architecture does not have.
+fn zoo_parameters(architecture: &Architecture) -> Option<Tally> {
+    let mut t = Tally::default();
+    match architecture {
+        Architecture::ResNet(c) => {
+            let (blocks, bottleneck): ([i64; 4], bool) = match c.depth {
+                18 => ([2, 2, 2, 2], false),
+                34 => ([3, 4, 6, 3], false),
+                50 => ([3, 4, 6, 3], true),
+                101 => ([3, 4, 23, 3], true),
+                152 => ([3, 8, 36, 3], true),
+                _ => return None,
+            };
+            let expansion = if bottleneck { 4 } else { 1 };
+            t.conv_bn(64, c.image[0], 7)?;
+            let mut inputs = 64;
+            for (stage, &count) in blocks.iter().enumerate() {
+                let planes = 64 << stage;
+                let stride = if stage == 0 { 1 } else { 2 };
+                for block in 0..count {
+                    if bottleneck {
+                        t.conv_bn(planes, inputs, 1)?;
+                        t.conv_bn(planes, planes, 3)?;
+                        t.conv_bn(planes * 4, planes, 1)?;
+                    } else {
+                        t.conv_bn(planes, inputs, 3)?;
+                        t.conv_bn(planes, planes, 3)?;
+                    }
+                    let downsample = block == 0 && (stride != 1 || inputs != planes * expansion);
+                    if downsample {
+                        t.conv_bn(planes * expansion, inputs, 1)?;
+                    }
+                    inputs = planes * expansion;
+                }
+            }
+            t.linear(512 * expansion, c.classes, true)?;
+        }
+        Architecture::MobileNetV2(c) => {
+            // (expansion t, output channels c, repeats n, first stride s)
+            const SETTINGS: [(i64, i64, i64); 7] = [
+                (1, 16, 1),
+                (6, 24, 2),
+                (6, 32, 3),
+                (6, 64, 4),
+                (6, 96, 3),
+                (6, 160, 3),
+                (6, 320, 1),
+            ];
+            t.conv_bn(32, c.image[0], 3)?;
+            let mut inputs = 32;
+            for (expand, out, repeats) in SETTINGS {
+                for _ in 0..repeats {
+                    let hidden = inputs * expand;
+                    if expand != 1 {
+                        t.conv_bn(hidden, inputs, 1)?;
+                    }
+                    t.conv_bn(hidden, 1, 3)?; // depthwise
+                    t.conv_bn(out, hidden, 1)?;
+                    inputs = out;
+                }
+            }
+            t.conv_bn(1280, inputs, 1)?;
+            t.linear(1280, c.classes, true)?;
+        }
+        Architecture::Llama(c) => {
+            let head_dim = c.dim.checked_div(c.heads)?;
+            let kv = c.kv_heads.checked_mul(head_dim)?;
+            let hidden = c.hidden.unwrap_or_else(|| llama_hidden(c.dim));
+            let mut block = Tally::default();
+            block.add(&[c.dim])?; // attention RMSNorm
+            block.linear(c.dim, c.dim.checked_add(kv.checked_mul(2)?)?, false)?; // q, k, v
+            block.linear(c.dim, c.dim, false)?; // output projection
+            block.add(&[c.dim])?; // MLP RMSNorm
+            block.linear(c.dim, hidden, false)?; // gate
+            block.linear(c.dim, hidden, false)?; // up
+            block.linear(hidden, c.dim, false)?; // down
+            t.add(&[c.vocab, c.dim])?; // token embedding
+            t.add_times(block, c.layers)?;
+            t.add(&[c.dim])?; // final RMSNorm
+            if !c.tied {
+                t.linear(c.dim, c.vocab, false)?;
+            }
+        }
+        Architecture::Vit(c) => {
+            let [channels, height, width] = c.image;
+            let patches = height
+                .checked_div(c.patch)?
+                .checked_mul(width.checked_div(c.patch)?)?;
+            t.add(&[c.dim, channels, c.patch, c.patch])?; // patch embedding
+            t.add(&[c.dim])?;
+            t.add(&[1, 1, c.dim])?; // class token
+            t.add(&[1, patches.checked_add(1)?, c.dim])?; // position embedding
+            let mut block = Tally::default();
+            block.add(&[c.dim])?; // LayerNorm weight and bias
+            block.add(&[c.dim])?;
+            block.linear(c.dim, c.dim.checked_mul(3)?, true)?; // in-projection
+            block.linear(c.dim, c.dim, true)?; // out-projection
+            block.add(&[c.dim])?;
+            block.add(&[c.dim])?;
+            block.linear(c.dim, c.mlp, true)?;
+            block.linear(c.mlp, c.dim, true)?;
+            t.add_times(block, c.layers)?;
+            t.add(&[c.dim])?; // final LayerNorm
+            t.add(&[c.dim])?;
+            t.linear(c.dim, c.classes, true)?;
+        }
+    }
+    Some(t)
+}
+
+/// LLaMA's width of the SwiGLU's middle: two thirds of `4 * dim`, rounded up to a
+/// multiple of 256 (tch's example).
+fn llama_hidden(dim: i64) -> i64 {
+    let n = 8 * dim / 3;
+    (n + 255) / 256 * 256
 }

@@ -1,0 +1,553 @@
+//! The zoo's networks (memsave-models) in suites: each kind parses with only its own
+//! keys, bad entries are refused at `file:line:column` by the architecture's own
+//! rules, the parameter count of the limits is the one built, and tiny networks run
+//! through `run_suite`, `trace_case` and `fit_model` with a cross-entropy loss.
+//!
+//! Every test that makes tensors is `serial`: the meter's counters and the random
+//! stream are the process's, and another test's allocations or draws would change a
+//! case's bytes or its dropout masks.
+use memsave_bench::models::Model;
+use memsave_bench::{
+    availability, fit_model, run_suite, trace_case, CaseResult, ModelKind, ModelSpec, Report,
+    RunOptions, Status, Suite,
+};
+use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, VitConfig};
+use memsave_plan::{FitRequest, Workload};
+use serial_test::serial;
+use tch::{Device, Kind, Tensor};
+
+const RESNET: &str =
+    "{name: r, kind: resnet, depth: 18, image: [3, 32, 32], classes: 10, batch: 2}";
+const MOBILENET: &str = "{name: m, kind: mobilenet_v2, image: [3, 32, 32], classes: 10, batch: 2}";
+const LLAMA: &str =
+    "{name: l, kind: llama, vocab: 64, dim: 32, layers: 2, heads: 4, kv_heads: 2, hidden: 48, seq: 8, batch: 2}";
+const VIT: &str = "{name: v, kind: vit, image: [3, 16, 16], patch: 4, dim: 32, layers: 2, heads: 4, mlp: 64, classes: 10, batch: 2}";
+
+/// A suite whose only model (on line 3, column 5) is `model`.
+fn suite_with(model: &str, strategies: &str) -> String {
+    format!("suite: zoo\nmodels:\n  - {model}\nstrategies:\n{strategies}")
+}
+
+fn parse(model: &str) -> ModelSpec {
+    let yaml = suite_with(model, "  - baseline\n");
+    let suite = Suite::from_yaml(&yaml, "zoo.yaml").unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    suite.models.into_iter().next().unwrap()
+}
+
+fn error_of(model: &str) -> String {
+    match Suite::from_yaml(&suite_with(model, "  - baseline\n"), "bad.yaml") {
+        Ok(s) => panic!("accepted an invalid model: {:?}\n{model}", s.models),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The error of `model` is at `position` (line:column) and says `needle`.
+fn assert_error(model: &str, position: &str, needle: &str) {
+    let e = error_of(model);
+    assert!(
+        e.starts_with(&format!("bad.yaml:{position}: ")),
+        "expected position {position} in: {e}"
+    );
+    assert!(e.contains(needle), "expected '{needle}' in: {e}");
+    assert!(!e.contains(" at line "), "position repeated: {e}");
+}
+
+/// The column (1-based, on line 3 where the model is) at which `key` starts in `model`.
+fn column_of(model: &str, key: &str) -> usize {
+    4 + model
+        .find(key)
+        .unwrap_or_else(|| panic!("{key} in {model}"))
+        + 1
+}
+
+#[test]
+fn each_kind_parses_into_its_architecture() {
+    let r = parse(RESNET);
+    assert_eq!(
+        r.kind,
+        ModelKind::Zoo(Architecture::ResNet(ResNetConfig {
+            depth: 18,
+            classes: 10,
+            image: [3, 32, 32],
+        }))
+    );
+    assert_eq!(r.kind.as_str(), "resnet");
+    assert_eq!(r.batch, [2]);
+    assert_eq!(r.input_shape(), [2, 3, 32, 32]);
+    assert!(r.enabled);
+
+    let m = parse(MOBILENET);
+    assert_eq!(
+        m.kind,
+        ModelKind::Zoo(Architecture::MobileNetV2(MobileNetV2Config {
+            classes: 10,
+            image: [3, 32, 32],
+        }))
+    );
+    assert_eq!(m.kind.as_str(), "mobilenet_v2");
+
+    let l = parse(LLAMA);
+    let Some(Architecture::Llama(c)) = l.kind.architecture() else {
+        panic!("{:?}", l.kind)
+    };
+    assert_eq!(
+        (c.vocab, c.dim, c.layers, c.heads, c.kv_heads, c.hidden, c.seq, c.tied),
+        (64, 32, 2, 4, 2, Some(48), 8, false)
+    );
+    assert_eq!(l.input_shape(), [2, 8]);
+    // kv_heads defaults to heads, hidden to LLaMA's rule, tied to false.
+    let plain = parse("{name: l, kind: llama, vocab: 64, dim: 32, layers: 1, heads: 4, seq: 8, batch: 2, tied: true, enabled: false}");
+    let Some(Architecture::Llama(c)) = plain.kind.architecture() else {
+        panic!("{:?}", plain.kind)
+    };
+    assert_eq!((c.kv_heads, c.hidden, c.tied), (4, None, true));
+    assert!(!plain.enabled);
+
+    let v = parse(VIT);
+    assert_eq!(
+        v.kind,
+        ModelKind::Zoo(Architecture::Vit(VitConfig {
+            image: [3, 16, 16],
+            patch: 4,
+            dim: 32,
+            layers: 2,
+            heads: 4,
+            mlp: 64,
+            classes: 10,
+        }))
+    );
+    assert_eq!(v.input_shape(), [2, 3, 16, 16]);
+    // The order of the keys does not matter.
+    let late_kind =
+        parse("{name: r, depth: 18, image: [3, 32, 32], classes: 10, batch: 2, kind: resnet}");
+    assert_eq!(late_kind.kind, r.kind);
+}
+
+#[test]
+fn each_kind_accepts_only_its_own_keys() {
+    // A key of no kind, of another zoo kind, or of the harness's kinds: refused at the
+    // key with the kind's own list.
+    let resnet_keys =
+        "expected one of `name`, `kind`, `depth`, `image`, `classes`, `batch`, `enabled`";
+    for extra in ["colour: red", "heads: 2", "expansion: 4", "vocab: 10"] {
+        let model = RESNET.replace("batch: 2", &format!("batch: 2, {extra}"));
+        let key = extra.split(':').next().unwrap();
+        assert_error(
+            &model,
+            &format!("3:{}", column_of(&model, extra)),
+            &format!("unknown field `{key}`, {resnet_keys}"),
+        );
+    }
+    let model = LLAMA.replace("batch: 2", "batch: 2, depth: 18");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "depth")),
+        "unknown field `depth`, expected one of `name`, `kind`, `vocab`, `dim`, `layers`, `heads`, `kv_heads`, `hidden`, `seq`, `tied`, `batch`, `enabled`",
+    );
+    let model = VIT.replace("batch: 2", "batch: 2, hidden: 4");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "hidden")),
+        "unknown field `hidden`, expected one of `name`, `kind`, `image`, `patch`, `dim`, `layers`, `heads`, `mlp`, `classes`, `batch`, `enabled`",
+    );
+    let model = MOBILENET.replace("batch: 2", "batch: 2, depth: 50");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "depth")),
+        "unknown field `depth`, expected one of `name`, `kind`, `image`, `classes`, `batch`, `enabled`",
+    );
+    // A zoo key on the harness's kinds: their message as before.
+    let model = "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [4], depth: 18}";
+    assert_error(
+        model,
+        &format!("3:{}", column_of(model, "depth")),
+        "unknown field `depth`, expected one of `name`, `kind`, `layers`, `hidden`, `batch`, `expansion`, `heads`, `enabled`",
+    );
+    // A key written before `kind:` is checked when the kind is known: at the entry.
+    assert_error(
+        "{name: r, heads: 2, kind: resnet, depth: 18, image: [3, 32, 32], classes: 10, batch: 2}",
+        "3:5",
+        &format!("unknown field `heads`, {resnet_keys}"),
+    );
+    // An unknown kind lists the zoo's kinds too.
+    let model = "{name: r, kind: resnet18, batch: 2}";
+    assert_error(
+        model,
+        &format!("3:{}", column_of(model, "resnet18")),
+        "unknown variant `resnet18`, expected one of `residual_linear`, `residual_mlp`, `transformer`, `resnet`, `mobilenet_v2`, `llama`, `vit`",
+    );
+}
+
+#[test]
+fn values_of_the_wrong_shape_are_refused_at_the_value() {
+    let model = RESNET.replace("image: [3, 32, 32]", "image: [32, 32]");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "[32, 32]")),
+        "image: an image is [channels, height, width], got 2 dimensions",
+    );
+    let model = RESNET.replace("classes: 10", "classes: 0");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "0,")),
+        "classes: must be positive, got 0",
+    );
+    let model = RESNET.replace("batch: 2", "batch: [2]");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "[2]")),
+        "invalid type: sequence, expected a positive integer",
+    );
+    let model = LLAMA.replace("heads: 4", "heads: -4");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "-4")),
+        "must be positive, got -4",
+    );
+    let model = LLAMA.replace("batch: 2", "batch: 2, tied: yes please");
+    assert_error(
+        &model,
+        &format!("3:{}", column_of(&model, "yes please")),
+        "invalid type: string \"yes please\", expected a boolean",
+    );
+    // The harness's kinds still want a list, whatever the order of the keys.
+    assert_error(
+        "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: 4}",
+        "3:67",
+        "invalid type: integer `4`, expected a sequence",
+    );
+    assert_error(
+        "{name: a, batch: 4, kind: residual_linear, layers: 2, hidden: 8}",
+        "3:5",
+        "invalid type: integer `4`, expected a sequence",
+    );
+}
+
+#[test]
+fn missing_keys_are_named() {
+    assert_error(
+        "{name: r, kind: resnet, depth: 18, image: [3, 32, 32], batch: 2}",
+        "3:5",
+        "missing field `classes`",
+    );
+    assert_error(
+        "{name: l, kind: llama, vocab: 64, dim: 32, layers: 2, heads: 4, batch: 2}",
+        "3:5",
+        "missing field `seq`",
+    );
+    assert_error(
+        "{name: v, kind: vit, image: [3, 16, 16], dim: 32, layers: 2, heads: 4, mlp: 64, classes: 10, batch: 2}",
+        "3:5",
+        "missing field `patch`",
+    );
+    assert_error(
+        "{name: m, kind: mobilenet_v2, image: [3, 32, 32], classes: 10}",
+        "3:5",
+        "missing field `batch`",
+    );
+}
+
+#[test]
+fn configurations_the_architecture_refuses_are_refused_at_the_entry() {
+    // The rules are the architecture's (`Architecture::validate`): the message names
+    // the key at fault after the model's name, at the model's entry.
+    for (model, key, says) in [
+        (RESNET.replace("depth: 18", "depth: 19"), "depth", "got 19"),
+        (
+            LLAMA.replace("heads: 4", "heads: 5"),
+            "heads",
+            "must divide dim",
+        ),
+        (
+            LLAMA.replace("kv_heads: 2", "kv_heads: 3"),
+            "kv_heads",
+            "must divide heads",
+        ),
+        (
+            VIT.replace("heads: 4", "heads: 5"),
+            "heads",
+            "must divide dim",
+        ),
+        (
+            VIT.replace("patch: 4", "patch: 5"),
+            "patch",
+            "does not divide 16x16",
+        ),
+        // Images smaller than the network's total stride, or than one patch.
+        (
+            RESNET.replace("[3, 32, 32]", "[3, 8, 8]"),
+            "image",
+            "at least 32",
+        ),
+        (
+            MOBILENET.replace("[3, 32, 32]", "[3, 32, 16]"),
+            "image",
+            "at least 32",
+        ),
+        (
+            VIT.replace("[3, 16, 16]", "[3, 2, 2]"),
+            "patch",
+            "does not divide 2x2",
+        ),
+    ] {
+        let name = &model[7..8];
+        assert_error(&model, "3:5", &format!("model '{name}': {key}: "));
+        assert_error(&model, "3:5", says);
+    }
+}
+
+#[test]
+fn the_size_limits_hold_for_the_zoo() {
+    // 2^24 * 2^12 * 2 embedding and head weights: over 2^32 parameters.
+    let model = LLAMA
+        .replace("vocab: 64", "vocab: 16777216")
+        .replace("dim: 32", "dim: 4096")
+        .replace("heads: 4", "heads: 32")
+        .replace("kv_heads: 2", "kv_heads: 32");
+    assert_error(
+        &model,
+        "3:5",
+        "more than the limit of 4294967296 (16 GiB in f32); reduce vocab, dim, layers or hidden",
+    );
+    let model = RESNET
+        .replace("[3, 32, 32]", "[3, 65536, 65536]")
+        .replace("batch: 2", "batch: 1");
+    assert_error(
+        &model,
+        "3:5",
+        "an input of 12884901888 elements, more than the limit of 4294967296 (16 GiB in f32); reduce batch or image",
+    );
+    let model = LLAMA
+        .replace("seq: 8", "seq: 16777216")
+        .replace("batch: 2", "batch: 16777216");
+    assert_error(&model, "3:5", "reduce batch or seq");
+}
+
+/// The spec's parameter counts against the network built.
+fn assert_counts_match_the_build(model: &str) {
+    let spec = parse(model);
+    tch::manual_seed(0);
+    let built = Model::build(&spec, Device::Cpu).unwrap_or_else(|e| panic!("{model}: {e}"));
+    let params = built.params();
+    let total: u64 = params.iter().map(|p| p.numel() as u64).sum();
+    let widest = params.iter().map(|p| p.numel() as u64).max();
+    assert_eq!(spec.parameter_count(), Some(total), "{model}");
+    assert_eq!(spec.largest_parameter(), widest, "{model}");
+    assert_eq!(built.input.size(), spec.input_shape(), "{model}");
+}
+
+#[test]
+#[serial] // builds models: the meter and the random stream are the process's
+fn parameter_counts_are_those_of_the_networks_built() {
+    for model in [
+        RESNET.to_owned(),
+        RESNET.replace("depth: 18", "depth: 34"),
+        RESNET
+            .replace("depth: 18", "depth: 50")
+            .replace("[3, 32, 32]", "[1, 32, 48]")
+            .replace("classes: 10", "classes: 7"),
+        MOBILENET.to_owned(),
+        MOBILENET.replace("[3, 32, 32]", "[2, 40, 32]"),
+        LLAMA.to_owned(),
+        LLAMA
+            .replace("hidden: 48, ", "")
+            .replace("kv_heads: 2", "kv_heads: 1"),
+        LLAMA.replace("batch: 2", "batch: 2, tied: true"),
+        LLAMA
+            .replace("vocab: 64", "vocab: 8")
+            .replace("dim: 32", "dim: 96"),
+        VIT.to_owned(),
+        VIT.replace("[3, 16, 16]", "[1, 8, 12]")
+            .replace("mlp: 64", "mlp: 16"),
+    ] {
+        assert_counts_match_the_build(&model);
+    }
+}
+
+fn case<'r>(report: &'r Report, model: &str, strategy: &str) -> &'r CaseResult {
+    report
+        .cases
+        .iter()
+        .find(|c| c.model == model && c.strategy == strategy)
+        .unwrap_or_else(|| panic!("no case {model}/{strategy}"))
+}
+
+const STRATEGIES: &str = "  - baseline
+  - checkpoint: {every_layer: true}
+  - checkpoint: {segments: 2}
+  - inplace_add
+  - add_out
+  - safe_residual
+";
+
+fn tiny_suite(model: &str) -> Suite {
+    let yaml = format!(
+        "suite: zoo\nwarmup: 1\nrepeats: 1\nmodels:\n  - {model}\nstrategies:\n{STRATEGIES}"
+    );
+    Suite::from_yaml(&yaml, "zoo.yaml").unwrap()
+}
+
+/// Baseline and checkpoint plans run with gradients equal; the residual updates are
+/// unavailable, in `memsave bench` and in `memsave check` (`availability`) alike.
+fn assert_runs_in_the_harness(model: &str, blocks: usize) {
+    let suite = tiny_suite(model);
+    let name = &suite.models[0].name;
+    let report = run_suite(&suite, &RunOptions::default()).unwrap();
+    let baseline = case(&report, name, "baseline");
+    assert_eq!(baseline.status, Status::Ok, "{:?}", baseline.error);
+    assert!(baseline.is_baseline);
+    assert!(baseline.peak_bytes.unwrap() > 0);
+    // One trace entry per block of the network, in order.
+    let marks: Vec<&str> = baseline.trace.iter().map(|t| t.mark.as_str()).collect();
+    let expected: Vec<String> = (0..blocks).map(|i| format!("layer {i}")).collect();
+    assert_eq!(marks, expected);
+    for strategy in ["checkpoint(every_layer=true)", "checkpoint(segments=2)"] {
+        let c = case(&report, name, strategy);
+        assert_eq!(c.status, Status::Ok, "{strategy}: {:?}", c.error);
+        let diff = c.grad_max_abs_diff.expect("compared with the baseline");
+        assert!(diff <= 1e-6, "{strategy}: gradients differ by {diff}");
+        assert!(
+            c.retained_after_forward_bytes < baseline.retained_after_forward_bytes,
+            "{strategy} keeps less for backward"
+        );
+    }
+    for strategy in ["inplace_add", "add_out", "safe_residual"] {
+        let c = case(&report, name, strategy);
+        assert_eq!(c.status, Status::Unavailable, "{strategy}");
+        let why = c.error.as_deref().unwrap_or("");
+        assert!(why.contains("no residual blocks"), "{strategy}: {why}");
+        let check = availability(&suite.models[0], &suite.strategies[3], None).unwrap_err();
+        assert!(check.contains("no residual blocks"), "{check}");
+        // and over ranks, decided before they start
+        let ranks = availability(&suite.models[0], &suite.strategies[3], Some(2)).unwrap_err();
+        assert!(ranks.contains("no residual blocks"), "{ranks}");
+    }
+    for s in &suite.strategies[..3] {
+        assert_eq!(availability(&suite.models[0], s, None), Ok(()));
+    }
+}
+
+fn blocks_of(model: &str) -> usize {
+    let spec = parse(model);
+    tch::manual_seed(0);
+    Model::build(&spec, Device::Cpu).unwrap().seq.len()
+}
+
+#[test]
+#[serial]
+fn a_tiny_resnet_runs_with_equal_gradients_under_checkpoints() {
+    let model = RESNET.replace("batch: 2", "batch: 4");
+    // Stem, eight basic blocks, head.
+    assert_eq!(blocks_of(&model), 10);
+    assert_runs_in_the_harness(&model, 10);
+}
+
+#[test]
+#[serial]
+fn a_tiny_llama_runs_with_equal_gradients_under_checkpoints() {
+    // Embedding, two decoder blocks, head.
+    let blocks = blocks_of(LLAMA);
+    assert!(blocks >= 3, "{blocks}");
+    assert_runs_in_the_harness(LLAMA, blocks);
+}
+
+#[test]
+#[serial]
+fn the_zoo_loss_is_the_cross_entropy_against_the_batch_target() {
+    for (model, classes) in [(RESNET, 10), (LLAMA, 64)] {
+        let spec = parse(model);
+        tch::manual_seed(0);
+        let built = Model::build(&spec, Device::Cpu).unwrap();
+        let batch = built.batch(2).unwrap();
+        let target = batch.target.as_ref().expect("a zoo batch has a target");
+        assert_eq!(target.kind(), Kind::Int64);
+        // More examples than the suite's batch: input and target repeated alike.
+        let more = built.batch(5).unwrap();
+        assert_eq!(more.input.size()[0], 5);
+        assert_eq!(more.target.as_ref().unwrap().size()[0], 5);
+        let logits = Tensor::randn([target.numel() as i64, classes], (Kind::Float, Device::Cpu));
+        let loss = built.loss(&logits, Some(target)).unwrap();
+        // -mean(log softmax at the target), computed apart.
+        let picked = logits
+            .log_softmax(-1, Kind::Float)
+            .gather(1, &target.reshape([-1, 1]), false);
+        let expected = -picked.mean(Kind::Float).double_value(&[]);
+        assert!((loss.double_value(&[]) - expected).abs() < 1e-6);
+        assert!(built.loss(&logits, None).is_err(), "no target, no loss");
+    }
+    // BatchNorm's running statistics are the resnet's buffers; the llama has none.
+    tch::manual_seed(0);
+    let resnet = Model::build(&parse(RESNET), Device::Cpu).unwrap();
+    assert!(!resnet.buffers().is_empty());
+    assert!(resnet.buffers().iter().all(|b| !b.requires_grad()));
+}
+
+#[test]
+#[serial]
+fn trace_and_fit_run_the_zoo() {
+    let suite = tiny_suite(LLAMA);
+    let traced = trace_case(&suite, "l", "checkpoint(every_layer=true)").unwrap();
+    let step = traced.step.as_ref().expect("the traced step runs");
+    assert!(step.peak_bytes > 0);
+    let err = trace_case(&suite, "l", "inplace_add")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no residual blocks"), "{err}");
+    let report = fit_model(&suite, "l", &FitRequest::new(64 << 20), None).unwrap();
+    assert!(report.tries > 0);
+    assert!(report.measured_peak_bytes <= 64 << 20);
+}
+
+#[test]
+#[serial]
+fn dropout_draws_alike_in_every_case_so_gradients_compare() {
+    // MobileNetV2's classifier drops features in training: every case of the model
+    // starts from the same random stream, so its checkpointed steps draw the masks the
+    // baseline drew.
+    let blocks = blocks_of(MOBILENET);
+    // Stem, 17 inverted residuals, the last 1x1 convolution, head.
+    assert_eq!(blocks, 20);
+    assert_runs_in_the_harness(MOBILENET, blocks);
+}
+
+#[test]
+fn the_bundled_zoo_suite_is_valid_and_runs_everywhere() {
+    let zoo = memsave_bench::bundled("zoo").expect("zoo is bundled");
+    let suite = Suite::from_yaml(zoo.source, &zoo.file_name()).unwrap();
+    let kinds: std::collections::BTreeSet<&str> =
+        suite.models.iter().map(|m| m.kind.as_str()).collect();
+    assert_eq!(
+        kinds.into_iter().collect::<Vec<_>>(),
+        ["llama", "mobilenet_v2", "resnet", "vit"]
+    );
+    // Each kind at two sizes, ResNet at depths 18 and 50.
+    for kind in ["llama", "mobilenet_v2", "vit"] {
+        let n = suite
+            .models
+            .iter()
+            .filter(|m| m.kind.as_str() == kind)
+            .count();
+        assert_eq!(n, 2, "{kind}");
+    }
+    let depths: Vec<i64> = suite
+        .models
+        .iter()
+        .filter_map(|m| match m.kind.architecture() {
+            Some(Architecture::ResNet(c)) => Some(c.depth),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(depths, [18, 18, 50, 50]);
+    // What `memsave check` asks: every strategy can run on every model.
+    for m in &suite.models {
+        for s in &suite.strategies {
+            assert_eq!(
+                availability(m, s, suite.world_size),
+                Ok(()),
+                "{}/{}",
+                m.name,
+                s.name
+            );
+        }
+    }
+}
