@@ -313,7 +313,7 @@ impl Drop for RandomStreamGuard {
 /// [`Workload::set_residual`] of its built [`Model`] answers), and if not why: the
 /// zoo's networks have no residual update to choose, so `inplace_add`, `add_out` and
 /// `safe_residual` are unavailable on them.
-pub fn residual_available(spec: &ModelSpec, update: ResidualUpdate) -> Result<(), String> {
+pub(crate) fn residual_available(spec: &ModelSpec, update: ResidualUpdate) -> Result<(), String> {
     if spec.kind.architecture().is_some() && update != ResidualUpdate::Add {
         return Err(format!(
             "the model '{}' ({}) has no residual blocks to apply {update:?} to (the zoo's blocks add as their architecture does)",

@@ -26,6 +26,37 @@ pub enum Task {
     },
 }
 
+impl Task {
+    /// The mean cross-entropy of `logits` against `target`, in f32 (logits of a lower
+    /// precision are converted first).
+    ///
+    /// # Errors
+    /// When `target` is `None` or its shape does not match the logits'.
+    pub fn loss(&self, logits: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
+        let target = target.ok_or_else(|| {
+            TchError::Kind("the zoo's losses need a target (the batch has none)".to_owned())
+        })?;
+        let logits = if logits.kind() == Kind::Float {
+            logits.shallow_clone()
+        } else {
+            logits.f_to_kind(Kind::Float)?
+        };
+        let classes = match *self {
+            Task::Classification { classes } => classes,
+            Task::NextToken { vocab } => vocab,
+        };
+        logits
+            .f_reshape([-1, classes])?
+            .f_cross_entropy_loss::<Tensor>(
+                &target.f_reshape([-1])?,
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )
+    }
+}
+
 /// A built network: its blocks in order (the last one outputs the logits), its task,
 /// and the shape of one example (without the batch dimension).
 pub struct Network {
@@ -75,32 +106,8 @@ impl Network {
         }
     }
 
-    /// The mean cross-entropy of `logits` against `target`, in f32 (logits of a lower
-    /// precision are converted first).
-    ///
-    /// # Errors
-    /// When `target` is `None` or its shape does not match the logits'.
+    /// The mean cross-entropy of `logits` against `target`, in f32 ([`Task::loss`]).
     pub fn loss(&self, logits: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
-        let target = target.ok_or_else(|| {
-            TchError::Kind("the zoo's losses need a target (the batch has none)".to_owned())
-        })?;
-        let logits = if logits.kind() == Kind::Float {
-            logits.shallow_clone()
-        } else {
-            logits.f_to_kind(Kind::Float)?
-        };
-        let classes = match self.task {
-            Task::Classification { classes } => classes,
-            Task::NextToken { vocab } => vocab,
-        };
-        logits
-            .f_reshape([-1, classes])?
-            .f_cross_entropy_loss::<Tensor>(
-                &target.f_reshape([-1])?,
-                None,
-                tch::Reduction::Mean,
-                -100,
-                0.0,
-            )
+        self.task.loss(logits, target)
     }
 }

@@ -14,7 +14,6 @@ pub struct ZooWorkload {
     vs: nn::VarStore,
     layers: CheckpointedSequential,
     task: Task,
-    example_shape: Vec<i64>,
     data: Batch,
 }
 
@@ -54,7 +53,7 @@ impl ZooWorkload {
         let Network {
             layers: blocks,
             task,
-            example_shape,
+            ..
         } = network;
         let layers = blocks
             .into_iter()
@@ -66,7 +65,6 @@ impl ZooWorkload {
             vs,
             layers,
             task,
-            example_shape,
             data,
         })
     }
@@ -85,14 +83,6 @@ impl ZooWorkload {
     /// What the network's input is and what its loss compares.
     pub fn task(&self) -> Task {
         self.task
-    }
-
-    fn network_view(&self) -> Network {
-        Network {
-            layers: Vec::new(),
-            task: self.task,
-            example_shape: self.example_shape.clone(),
-        }
     }
 }
 
@@ -163,8 +153,8 @@ impl Workload for ZooWorkload {
         })
     }
 
-    /// Cross-entropy against the batch's target, in f32 ([`Network::loss`]).
+    /// Cross-entropy against the batch's target, in f32 ([`Task::loss`]).
     fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
-        self.network_view().loss(output, target)
+        self.task.loss(output, target)
     }
 }
