@@ -8,11 +8,10 @@
 use anyhow::Result;
 use clap::Parser;
 use memsave::checkpoint::CheckpointedSequential;
+use memsave::fit::{fit, FitRequest};
 use memsave::meter::{install, Bytes};
-use memsave::plan::step::f_step_with;
-use memsave::plan::{
-    fit, Batch, CaseOptimizer, FitRequest, OptimizerKind, OptimizerSpec, StepConfig, Workload,
-};
+use memsave::step::step::f_step_with;
+use memsave::step::{Batch, CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 

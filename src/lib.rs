@@ -16,9 +16,12 @@
 //!   `SaveOnCpu` and `Accounting`.
 //! - [`dist`]: distributed training on libtorch's c10d: process groups, the launcher,
 //!   data parallel with bucketed all-reduce and `no_sync`, ZeRO-1/2 sharded state.
-//! - [`plan`]: your own model as a `Workload`, one measured training step under any
-//!   combination of the levers above, and `fit`: the fastest configuration whose peak
-//!   fits a byte budget with the global batch kept.
+//! - [`step`]: your own model as a `Workload` and one measured training step under any
+//!   combination of the levers above; `Trainer` runs such steps in a loop of your own.
+//! - [`fit`]: the fastest configuration of those levers whose peak fits a byte budget
+//!   with the global batch kept.
+//! - [`models`]: real architectures as workloads (ResNet, MobileNetV2, a LLaMA-style
+//!   decoder, a ViT) with tch's variable names.
 //! - [`sys`]: the C++ bridge (counting allocator, tensor introspection, autocast state,
 //!   the autograd engine with saved-tensor hooks behind checkpointing).
 //!
@@ -41,10 +44,12 @@ pub use memsave_accum as accum;
 pub use memsave_amp as amp;
 pub use memsave_checkpoint as checkpoint;
 pub use memsave_dist as dist;
+pub use memsave_fit as fit;
 pub use memsave_hooks as hooks;
 pub use memsave_inplace as inplace;
 pub use memsave_meter as meter;
+pub use memsave_models as models;
 pub use memsave_optim as optim;
-pub use memsave_plan as plan;
+pub use memsave_step as step;
 pub use memsave_sys as sys;
 pub use memsave_trace as trace;

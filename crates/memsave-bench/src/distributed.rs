@@ -37,8 +37,8 @@ use memsave_dist::{
 };
 use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
 use memsave_optim::{AdamW, Optimizer, Rule, Sgd};
-use memsave_plan::levers::OptimizerRule;
-use memsave_plan::{Batch, OptimizerSpec, StatePlacement, Workload};
+use memsave_step::levers::OptimizerRule;
+use memsave_step::{Batch, OptimizerSpec, StatePlacement, Workload};
 use memsave_trace::{Phase, Recorder, Session};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;

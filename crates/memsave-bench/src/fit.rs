@@ -1,12 +1,13 @@
-//! `memsave fit`: `memsave_plan::fit` on a model of a suite, built as the runner
+//! `memsave fit`: `memsave_fit::fit` on a model of a suite, built as the runner
 //! builds it (same seed, same input), optionally with an optimizer.
 use crate::message::one_line;
 use crate::models::Model;
 use crate::runner::{resolve_device, RunError};
 use crate::suite::{ModelSpec, OptimizerKind, OptimizerSpec, StatePrecision, Suite};
+use memsave_fit::{fit_with, FitEvent};
+use memsave_fit::{FitError, FitReport, FitRequest};
 use memsave_meter::Bytes;
-use memsave_plan::fit::{fit_with, FitEvent};
-use memsave_plan::{Batch, FitError, FitReport, FitRequest, Workload};
+use memsave_step::{Batch, Workload};
 use tch::Device;
 
 /// A bundled model with the optimizer `fit` should count and step.
@@ -105,7 +106,7 @@ pub fn fit_model(
 }
 
 /// [`fit_model`], telling `progress` each phase of the fit as it starts
-/// ([`memsave_plan::fit::fit_with`]).
+/// ([`memsave_fit::fit_with`]).
 pub fn fit_model_with(
     suite: &Suite,
     model: &str,

@@ -72,7 +72,7 @@ pub use bundled::{bundled, BundledSuite, BUNDLED};
 pub use fit::{
     available_memory, fit_model, fit_model_with, least_memory, FitCaseError, LeastMemory,
 };
-pub use memsave_plan::{optimizer, step};
+pub use memsave_step::{optimizer, step};
 pub use message::one_line;
 pub use plot::{fit_svg, write_plots, PlotError};
 pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};

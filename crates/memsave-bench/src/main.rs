@@ -479,7 +479,7 @@ fn fit(args: FitArgs) -> Result<()> {
             check_writable_file(flag, path).map_err(invalid)?;
         }
     }
-    let mut request = memsave_plan::FitRequest::new(args.budget.0);
+    let mut request = memsave_fit::FitRequest::new(args.budget.0);
     request.global_batch = args.global_batch;
     request.margin = args.margin;
     request.exhaustive = args.exhaustive;
@@ -522,14 +522,14 @@ fn fit(args: FitArgs) -> Result<()> {
             return Err(invalid(format!("--global-batch {batch}: {reason}")))
         }
         Err(e @ memsave_bench::FitCaseError::TooLarge(_)) => return Err(anyhow::anyhow!("{e}")),
-        Err(e @ memsave_bench::FitCaseError::Fit(memsave_plan::FitError::Infeasible { .. })) => {
+        Err(e @ memsave_bench::FitCaseError::Fit(memsave_fit::FitError::Infeasible { .. })) => {
             return Err(anyhow::anyhow!("{e}"))
         }
         Err(
             e @ memsave_bench::FitCaseError::Fit(
-                memsave_plan::FitError::ZeroBudget
-                | memsave_plan::FitError::BadGlobalBatch(_)
-                | memsave_plan::FitError::BadMargin(_),
+                memsave_fit::FitError::ZeroBudget
+                | memsave_fit::FitError::BadGlobalBatch(_)
+                | memsave_fit::FitError::BadMargin(_),
             ),
         ) => return Err(invalid(e)),
         Err(e) => return Err(e.into()),
@@ -823,7 +823,7 @@ impl FitProgress {
         Self { bar }
     }
 
-    fn phase(&mut self, event: &memsave_plan::fit::FitEvent) {
+    fn phase(&mut self, event: &memsave_fit::FitEvent) {
         match &self.bar {
             Some(bar) => bar.set_message(event.to_string()),
             None if event.is_phase() => eprintln!("fit: {event}"),

@@ -13,7 +13,7 @@ use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_meter::f_memory_allocated;
 use memsave_models::{Architecture, ModelError, Network};
-use memsave_plan::{Batch, Workload};
+use memsave_step::{Batch, Workload};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
@@ -477,5 +477,5 @@ impl PreLnBlock {
 
 /// The loss of every strategy: the mean of the squared output, in f32.
 pub fn loss(output: &Tensor) -> Result<Tensor, tch::TchError> {
-    memsave_plan::mean_square(output)
+    memsave_step::mean_square(output)
 }

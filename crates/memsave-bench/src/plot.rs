@@ -274,7 +274,7 @@ fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
 
 /// `memsave fit --plot`: every candidate's predicted step time and peak, the Pareto
 /// front, the budget, and the choice.
-pub fn fit_svg(report: &memsave_plan::FitReport) -> Result<String, String> {
+pub fn fit_svg(report: &memsave_fit::FitReport) -> Result<String, String> {
     let points: Vec<(&str, f64, f64, bool)> = report
         .candidates
         .iter()

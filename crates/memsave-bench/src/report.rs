@@ -31,7 +31,7 @@
 //! The CSV has the same columns as before, plus `grad_diverged`, `has_baseline`,
 //! `peak_phase` and `optimizer_state_bytes` at the end.
 use memsave_meter::Bytes;
-pub use memsave_plan::{PeakPhase, TraceEntry};
+pub use memsave_step::{PeakPhase, TraceEntry};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -184,7 +184,7 @@ pub struct CaseResult {
     /// tried, every one but the last out of memory; `fit`: its confirming steps).
     #[serde(default)]
     pub tries: Option<usize>,
-    /// The configuration a `fit` strategy chose (`memsave_plan::Choice::strategy`),
+    /// The configuration a `fit` strategy chose (`memsave_fit::Choice::strategy`),
     /// listed below the table.
     #[serde(default)]
     pub choice: Option<String>,

@@ -17,8 +17,8 @@ use crate::suite::{
 };
 use memsave_amp::GradScaler;
 use memsave_checkpoint::Plan;
-pub use memsave_plan::plan::apply_plan;
-use memsave_plan::{Batch, Workload};
+pub use memsave_step::plan::apply_plan;
+use memsave_step::{Batch, Workload};
 use regex::Regex;
 use std::panic::{self, AssertUnwindSafe};
 use tch::Device;
@@ -238,7 +238,7 @@ pub(crate) fn report(suite: &Suite, device: Device, cases: Vec<CaseResult>) -> R
 /// ```
 /// use memsave_bench::{run_workload, RunOptions, Status, Suite};
 /// use memsave_checkpoint::CheckpointedSequential;
-/// use memsave_plan::{Batch, Workload};
+/// use memsave_step::{Batch, Workload};
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
 ///
 /// // A model defined here: four tanh layers of width 32, batches of 16 rows.
@@ -528,12 +528,12 @@ fn measure_case(
     });
     match &search {
         Some(Search::Fit(spec)) => {
-            let mut request = memsave_plan::FitRequest::new(spec.budget.bytes);
+            let mut request = memsave_fit::FitRequest::new(spec.budget.bytes);
             request.allow.bf16 = spec.allow.iter().any(|l| l == "bf16");
             request.allow.compress = spec.allow.iter().any(|l| l == "compress");
             request.allow.int8_state = spec.allow.iter().any(|l| l == "int8_state");
             request.allow.micro_batches = spec.allow.iter().any(|l| l == "micro_batches");
-            let report = memsave_plan::fit(model, &request).map_err(|e| e.to_string())?;
+            let report = memsave_fit::fit(model, &request).map_err(|e| e.to_string())?;
             // fit left the chosen schedule on the layers.
             *config = report.choice.step_config(None);
             tries = Some(report.tries);

@@ -1,8 +1,8 @@
 //! What a strategy changes in a training step, resolved from the suite's techniques
-//! into `memsave_plan`'s [`StepConfig`].
+//! into `memsave_step`'s [`StepConfig`].
 use crate::suite::{CheckpointSpec, StrategySpec, Technique};
 use memsave_checkpoint::Plan;
-pub use memsave_plan::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use memsave_step::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 
 /// The step of `strategy`, or why it cannot run in this build.
 pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {

@@ -11,8 +11,9 @@ use memsave_bench::{
     availability, fit_model, run_suite, trace_case, CaseResult, ModelKind, ModelSpec, Report,
     RunOptions, Status, Suite,
 };
+use memsave_fit::FitRequest;
 use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, VitConfig};
-use memsave_plan::{FitRequest, Workload};
+use memsave_step::Workload;
 use serial_test::serial;
 use tch::{Device, Kind, Tensor};
 

@@ -31,7 +31,7 @@ fn step<H: SavedTensorHooks + Clone>(hooks: &H, x: &Tensor, w: &Tensor, table: &
 }
 
 /// A table held across steps is written in the first step only (a constant from the
-/// second on), with a store made fresh for each step (as memsave-plan does) or one
+/// second on), with a store made fresh for each step (as memsave-step does) or one
 /// kept; the noise and a fresh batch are written in every step, a batch refilled in
 /// place only in the first.
 #[test]

@@ -1,7 +1,7 @@
 //! DiskOffload on a small ResNet (stem, basic blocks with and without a downsampling
 //! shortcut, pooled head; BatchNorm in training mode) writes, per step, the bytes of
 //! the distinct tensors the step saves, once each, less what stays alive anyway:
-//! parameters, running statistics, the batch (excluded, as memsave-plan does) and a
+//! parameters, running statistics, the batch (excluded, as memsave-step does) and a
 //! constant table a layer holds (written in the first step only). The expected bytes
 //! come from a recorder that keeps every saved tensor as it is, classified here by
 //! identity, not by the store's rules.

@@ -10,7 +10,7 @@
 //!
 //! ```no_run
 //! use memsave_models::{Architecture, ResNetConfig, ZooWorkload};
-//! use memsave_plan::Workload;
+//! use memsave_step::Workload;
 //! use tch::Device;
 //!
 //! tch::manual_seed(0);

@@ -1,7 +1,7 @@
 //! [`Network`]: a model of the zoo as a chain of blocks, with its task (what its input
 //! is, what its loss compares).
 use crate::error::ModelError;
-use memsave_plan::Batch;
+use memsave_step::Batch;
 use tch::nn::ModuleT;
 use tch::{Device, Kind, TchError, Tensor};
 

@@ -3,7 +3,7 @@ use crate::architecture::Architecture;
 use crate::error::ModelError;
 use crate::network::{Network, Task};
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_plan::{Batch, Workload};
+use memsave_step::{Batch, Workload};
 use tch::{nn, Device, TchError, Tensor};
 
 /// A network of the zoo, its parameters and buffers in a `VarStore`, and one global

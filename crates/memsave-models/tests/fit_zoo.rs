@@ -2,8 +2,9 @@
 //! couples samples (BatchNorm in training), so a split into micro-batches is never
 //! offered as lossless; the choice's measured peak is within the budget; and the
 //! parameters, buffers and random stream afterwards are bitwise what they were.
+use memsave_fit::{fit, FitRequest};
 use memsave_models::{Architecture, ResNetConfig, ZooWorkload};
-use memsave_plan::{f_step, fit, FitRequest, StepConfig, Workload};
+use memsave_step::{f_step, StepConfig, Workload};
 use tch::{Device, Kind, Tensor};
 
 #[test]

@@ -5,7 +5,7 @@
 //! model without any plan.
 use memsave_checkpoint::Plan;
 use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, ZooWorkload};
-use memsave_plan::Workload;
+use memsave_step::Workload;
 use std::sync::Mutex;
 use tch::{Device, Tensor};
 
@@ -24,7 +24,7 @@ fn step(arch: &Architecture, plan: Option<Plan>) -> (Vec<Tensor>, Vec<Tensor>) {
     let batch = model.batch(4).unwrap();
     if let Some(plan) = plan {
         if let Plan::Budget(_) = plan {
-            memsave_plan::plan::f_profile(&mut model, &batch).unwrap();
+            memsave_step::plan::f_profile(&mut model, &batch).unwrap();
         }
         model.layers_mut().set_plan(plan).unwrap();
         assert_ne!(
@@ -55,7 +55,7 @@ fn check(arch: &Architecture) {
     // reports when asked for nothing.
     let mut model = build(arch);
     let batch = model.batch(4).unwrap();
-    memsave_plan::plan::f_profile(&mut model, &batch).unwrap();
+    memsave_step::plan::f_profile(&mut model, &batch).unwrap();
     let budget = match model.layers_mut().set_plan(Plan::Budget(0)) {
         Err(memsave_checkpoint::CheckpointError::InfeasibleBudget {
             smallest_feasible, ..

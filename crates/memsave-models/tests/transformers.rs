@@ -3,7 +3,7 @@
 //! tied-head parameter counts, training through `ZooWorkload`, and the baseline step's
 //! bytes against PyTorch's.
 use memsave_models::{Architecture, LlamaConfig, ModelError, VitConfig, ZooWorkload};
-use memsave_plan::Workload;
+use memsave_step::Workload;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use tch::nn::OptimizerConfig;

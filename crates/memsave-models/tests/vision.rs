@@ -16,7 +16,7 @@ use memsave_checkpoint::Plan;
 use memsave_models::{
     Architecture, MobileNetV2Config, ModelError, Network, ResNetConfig, ZooWorkload,
 };
-use memsave_plan::{f_step, StepConfig, Workload};
+use memsave_step::{f_step, StepConfig, Workload};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
@@ -297,7 +297,7 @@ fn bad_configurations_are_refused_with_their_key() {
 }
 
 /// Loss of the workload's batch in training mode.
-fn train_loss(w: &ZooWorkload, batch: &memsave_plan::Batch) -> Tensor {
+fn train_loss(w: &ZooWorkload, batch: &memsave_step::Batch) -> Tensor {
     let logits = w.layers().f_forward_t(&batch.input, true).unwrap();
     w.loss(&logits, batch.target.as_ref()).unwrap()
 }

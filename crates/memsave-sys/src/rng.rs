@@ -1,7 +1,7 @@
 //! The default CPU generator's state, which tch does not expose (it has
 //! `tch::manual_seed` only): save it before work that draws random numbers and put it
 //! back after, and the numbers drawn next are the ones that would have been drawn
-//! without that work. `memsave_plan::fit` does so around its probe runs.
+//! without that work. `memsave_fit::fit` does so around its probe runs.
 //!
 //! Trap: only the CPU generator; CUDA generators have states of their own.
 use crate::error::check;

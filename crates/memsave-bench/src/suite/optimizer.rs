@@ -11,7 +11,7 @@ use serde::Deserialize;
 use std::fmt;
 use std::marker::PhantomData;
 
-pub use memsave_plan::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
+pub use memsave_step::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 
 /// What the mapping may hold, for the messages of a wrong type or an unknown key.
 const EXPECTING: &str = "optimizer arguments: {kind: adamw|sgd, lr, betas: [b1, b2], eps, weight_decay, momentum, state: f32|bf16|int8, in_backward: bool, placement: device|cpu|disk}";

@@ -5,7 +5,7 @@ use super::de::{validated_map, Positive};
 use super::model::{Dtype, Size};
 use super::optimizer::{OptimizerArgs, OptimizerSpec};
 use memsave_amp::GradScalerConfig;
-pub use memsave_plan::{CompressDtype, OffloadSpec};
+pub use memsave_step::{CompressDtype, OffloadSpec};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
@@ -173,7 +173,7 @@ pub enum Technique {
     /// out-of-memory error under the simulated capacity (`budget`, else the suite's
     /// `memory_limit`), without raising accumulation, so the global batch shrinks.
     AutoBatch(AutoBatchSpec),
-    /// `memsave_plan::fit` chooses the configuration (micro-batches, recompute,
+    /// `memsave_fit::fit` chooses the configuration (micro-batches, recompute,
     /// offload, and the allowed lossy levers) for the budget, keeping the global batch.
     Fit(FitSpec),
 }

@@ -1,20 +1,20 @@
-//! The user's model as a memsave [`Workload`], one measured training step under any
-//! combination of memsave's levers ([`step`]), and [`fit`]: the fastest configuration
-//! of those levers whose peak fits a byte budget, with the global batch kept.
+//! The user's model as a memsave [`Workload`] and one measured training step under any
+//! combination of memsave's levers ([`step`], or a [`Trainer`] in a loop of your own).
 //!
-//! The harness (`memsave-bench`) and `fit` share everything here: the harness's
-//! bundled models are workloads, its strategies resolve to a [`StepConfig`], and its
-//! measured step is [`step::f_step_with`].
+//! This is memsave's one step engine: the harness (`memsave-bench`), the planner
+//! (`memsave-fit`, which chooses a [`StepConfig`] for a byte budget), the examples and
+//! your own loop all run their steps here. The harness's bundled models are
+//! workloads, its strategies resolve to a [`StepConfig`], and its measured step is
+//! [`step::f_step_with`].
 //!
 //! Modules: [`workload`] (the trait and [`Batch`]), [`config`] (what a configuration
 //! changes in a step), [`levers`] (optimizer and saved-tensor settings), [`measure`]
-//! (peak phase, per-block trace), [`step`] (one measured step), [`optimizer`] (the
-//! optimizer of a run), [`fit`](mod@fit) (the planner).
+//! (peak phase, per-block trace), [`step`] (one measured step) and [`optimizer`] (the
+//! optimizer of a run).
 #![forbid(unsafe_code)]
 
 pub mod config;
 mod error;
-pub mod fit;
 pub mod levers;
 pub mod measure;
 pub mod optimizer;
@@ -26,7 +26,6 @@ pub mod workload;
 
 pub use config::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use error::StepError;
-pub use fit::{fit, Allow, Candidate, Choice, FitError, FitReport, FitRequest};
 pub use trainer::{Trainer, TrainerBuilder};
 
 pub use levers::{

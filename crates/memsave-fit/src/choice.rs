@@ -1,8 +1,8 @@
 //! A candidate configuration of `fit`: how the global batch is split and which levers
 //! are pulled, and the step configuration it runs as.
-use crate::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
-use crate::levers::{CompressDtype, OptimizerSpec, StatePrecision};
 use memsave_checkpoint::{Block, Plan, Schedule};
+use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
+use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePrecision};
 use serde::Serialize;
 use tch::Kind;
 

@@ -1,12 +1,12 @@
 //! `fit` on small models defined here: every choice measured within its budget, the
 //! prediction within 5% of the measurement, no configuration that fails to fit run,
 //! the global batch kept, and clear errors for impossible requests.
-mod common;
 
-use common::Mlp;
-use memsave_plan::optimizer::CaseOptimizer;
-use memsave_plan::step::{f_step, f_step_with};
-use memsave_plan::{fit, FitError, FitRequest, GradsAfter, OptimizerSpec, StepConfig, Workload};
+use crate::common::Mlp;
+use memsave_fit::{fit, FitError, FitRequest};
+use memsave_step::optimizer::CaseOptimizer;
+use memsave_step::step::{f_step, f_step_with};
+use memsave_step::{GradsAfter, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::{Device, Tensor};
 
@@ -19,7 +19,7 @@ fn baseline_peak(model: &mut Mlp) -> u64 {
     m.peak_bytes
 }
 
-fn check_report(report: &memsave_plan::FitReport, budget: u64, global: i64) {
+fn check_report(report: &memsave_fit::FitReport, budget: u64, global: i64) {
     assert!(
         report.measured_peak_bytes <= budget,
         "measured {} over the budget {budget}",

@@ -3,8 +3,9 @@
 //! lossless; and `fit` leaves the model bitwise as it found it (parameters, BatchNorm's
 //! running statistics, the CPU random generator's stream).
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_plan::step::f_step;
-use memsave_plan::{fit, Batch, FitRequest, OptimizerSpec, StepConfig, Workload};
+use memsave_fit::{fit, FitRequest};
+use memsave_step::step::f_step;
+use memsave_step::{Batch, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};

@@ -1,11 +1,11 @@
 //! Running one configuration for real on a batch of a given size: the peak above the
 //! parameters, input and optimizer's state, and the step time.
 use super::choice::Choice;
-use crate::optimizer::{CaseOptimizer, SavedWeights};
-use crate::step::{f_step_observed, StepEvent, StepObserver, Unobserved};
-use crate::workload::Workload;
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
+use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
+use memsave_step::step::{f_step_observed, StepEvent, StepObserver, Unobserved};
+use memsave_step::workload::Workload;
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};

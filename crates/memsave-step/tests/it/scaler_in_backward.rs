@@ -4,12 +4,11 @@
 //! Checked on the measured step (`f_step_with`) and on `CaseOptimizer::step` itself, for
 //! both update rules and several model widths; a disabled scaler, which scales nothing,
 //! is still accepted.
-mod common;
 
-use common::Mlp;
+use crate::common::Mlp;
 use memsave_amp::{GradScaler, GradScalerConfig};
-use memsave_plan::step::f_step_with;
-use memsave_plan::{CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
+use memsave_step::step::f_step_with;
+use memsave_step::{CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::{Device, Tensor};
 

@@ -1,10 +1,11 @@
 //! `fit` times every configuration with glibc's `malloc` settled: its mmap threshold
 //! raised to the cap, whatever ran before. In a process of its own (this file), so
 //! that the state before `fit` is glibc's own.
+#[path = "it/common.rs"]
 mod common;
 
 use common::Mlp;
-use memsave_plan::{fit, FitRequest};
+use memsave_fit::{fit, FitRequest};
 use memsave_sys::alloc::c_mapped_blocks;
 
 /// Whether glibc gives a fresh block of `bytes` a mapping of its own (freeing it raises

@@ -4,13 +4,12 @@
 //! backward. Each hyperparameter is shown to matter: the reference with that one left
 //! at its default is far from what the optimizer did. Then through the harness's step
 //! (`f_step_with`): the weight change of one SGD step scales with `lr`.
-mod common;
 
-use common::Mlp;
+use crate::common::Mlp;
 use memsave_optim::{AdamWConfig, SgdConfig};
-use memsave_plan::levers::OptimizerRule;
-use memsave_plan::step::f_step_with;
-use memsave_plan::{CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
+use memsave_step::levers::OptimizerRule;
+use memsave_step::step::f_step_with;
+use memsave_step::{CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::{Device, Kind, Tensor};
 

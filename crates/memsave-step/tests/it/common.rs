@@ -1,7 +1,6 @@
-//! The small model the integration tests of `fit` run on (each test file is a process
-//! of its own; this module is compiled into each that uses it).
+//! The small model the integration tests of memsave-step run on.
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_plan::{Batch, OptimizerSpec, Workload};
+use memsave_step::{Batch, OptimizerSpec, Workload};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 

@@ -63,7 +63,9 @@ pub trait StepObserver {
     fn step_event(&self, event: StepEvent);
 }
 
-pub(crate) struct Unobserved;
+/// The observer of a step nobody follows: every event is ignored.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unobserved;
 
 impl StepObserver for Unobserved {
     fn step_event(&self, _: StepEvent) {}

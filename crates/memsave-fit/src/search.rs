@@ -6,10 +6,10 @@ use super::predict::{profile_at, Affine};
 use super::probe::{probe, ProbeError};
 use super::state::ModelState;
 use super::{Candidate, FitError, FitEvent, FitReport, FitRequest};
-use crate::plan::f_profile;
-use crate::workload::Workload;
 use memsave_checkpoint::{predict, ChainProfile, Schedule, Solver};
 use memsave_meter::Bytes;
+use memsave_step::plan::f_profile;
+use memsave_step::workload::Workload;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -132,8 +132,8 @@ struct Rounds {
 /// rest of the process (see the module docs' traps).
 ///
 /// ```no_run
-/// # fn run(model: &mut dyn memsave_plan::Workload) -> Result<(), memsave_plan::FitError> {
-/// use memsave_plan::{fit, FitRequest};
+/// # fn run(model: &mut dyn memsave_step::Workload) -> Result<(), memsave_fit::FitError> {
+/// use memsave_fit::{fit, FitRequest};
 ///
 /// let report = fit(model, &FitRequest::new(24 << 20))?;
 /// println!("{}", report.to_text());

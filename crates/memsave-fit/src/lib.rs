@@ -108,7 +108,7 @@
 //! report's `why` names the op).
 //!
 //! Traps: the model is left bitwise as `fit` found it: its parameters, its
-//! [`buffers`](crate::Workload::buffers) (BatchNorm's running statistics, which every
+//! [`buffers`](memsave_step::Workload::buffers) (BatchNorm's running statistics, which every
 //! probe run updates; a workload that does not list them gets them back changed) and
 //! the CPU random generator's state (CUDA generators are not put back). Its checkpoint
 //! schedule is left as the choice's (that is the point) and its gradients are freed.
@@ -138,7 +138,7 @@ pub struct FitRequest {
     /// The most bytes the step may allocate above the parameters and the input.
     pub budget_bytes: u64,
     /// Examples per optimizer step; `None`: the workload's
-    /// [`global_batch`](crate::Workload::global_batch).
+    /// [`global_batch`](memsave_step::Workload::global_batch).
     pub global_batch: Option<i64>,
     /// The lossy levers the caller accepts.
     pub allow: Allow,

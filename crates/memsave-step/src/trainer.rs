@@ -15,7 +15,7 @@ use memsave_checkpoint::Schedule;
 ///
 /// ```
 /// use memsave_checkpoint::{CheckpointedSequential, Plan};
-/// use memsave_plan::{
+/// use memsave_step::{
 ///     Batch, OptimizerKind, OptimizerSpec, PlanChoice, StepConfig, TrainerBuilder, Workload,
 /// };
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
@@ -88,7 +88,7 @@ impl TrainerBuilder {
     }
 
     /// Follows `schedule` (`None`: recompute nothing) instead of the configuration's
-    /// plan: e.g. the schedule `fit` chose ([`Choice::schedule`](crate::Choice::schedule)).
+    /// plan: e.g. the schedule `fit` chose (`memsave_fit::Choice::schedule`).
     pub fn schedule(mut self, schedule: Option<Schedule>) -> Self {
         self.schedule = Some(schedule);
         self

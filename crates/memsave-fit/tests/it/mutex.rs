@@ -3,8 +3,9 @@
 //! that some probes exceed must not make a layer fail inside `fit` (which would poison
 //! its lock), and a successful `fit` prints nothing to stderr.
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_plan::step::f_step;
-use memsave_plan::{fit, Batch, FitRequest, StepConfig, Workload};
+use memsave_fit::{fit, FitRequest};
+use memsave_step::step::f_step;
+use memsave_step::{Batch, StepConfig, Workload};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
@@ -137,6 +138,7 @@ fn scenario() {
 }
 
 #[test]
+#[serial_test::serial]
 fn fit_on_layers_holding_a_mutex_returns_ok_and_leaves_the_locks_usable() {
     scenario();
 }

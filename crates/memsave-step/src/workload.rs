@@ -57,7 +57,7 @@ impl Batch {
 }
 
 /// A model memsave can measure (`memsave_bench::run_workload`) and plan for
-/// ([`fit`](crate::fit)): its layers as a [`CheckpointedSequential`] (so that a
+/// (`memsave_fit::fit`): its layers as a [`CheckpointedSequential`] (so that a
 /// checkpoint plan is only a setting), its parameters, a maker of input batches of
 /// any size, a loss and, optionally, an optimizer.
 ///
@@ -73,7 +73,7 @@ impl Batch {
 ///
 /// ```
 /// use memsave_checkpoint::CheckpointedSequential;
-/// use memsave_plan::{Batch, Workload};
+/// use memsave_step::{Batch, Workload};
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
 ///
 /// /// Three residual linear layers of width 16 and batches of 8 random rows.
@@ -137,7 +137,7 @@ pub trait Workload {
     fn batch(&self, size: i64) -> Result<Batch, TchError>;
 
     /// Tensors the step updates in place that are not parameters, e.g. BatchNorm's
-    /// running statistics; [`fit`](crate::fit) restores them after its probe runs, as
+    /// running statistics; `memsave_fit::fit` restores them after its probe runs, as
     /// it restores the parameters. None by default: a workload with BatchNorm layers
     /// should list them (e.g. the `VarStore`'s variables that are not trainable), or
     /// `fit` leaves them moved by its runs.

@@ -1,7 +1,7 @@
 //! The model's state as `fit` found it, put back when it ends: its parameters, its
 //! buffers (BatchNorm's running statistics, which every probe run moves) and the CPU
 //! random generator's state (dropout and the workload's own draws advance it).
-use crate::workload::Workload;
+use memsave_step::workload::Workload;
 use tch::{Device, TchError, Tensor};
 
 /// Host copies of the parameters and buffers, bitwise, and the CPU generator's state.

@@ -1,0 +1,71 @@
+//! The small model the integration tests of `fit` run on.
+use memsave_checkpoint::CheckpointedSequential;
+use memsave_step::{Batch, OptimizerSpec, Workload};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+/// A residual MLP: `layers` blocks of `x + W2 gelu(W1 x)` of width `hidden`.
+pub struct Mlp {
+    vs: nn::VarStore,
+    layers: CheckpointedSequential,
+    data: Tensor,
+    /// The loss fails: a workload whose step fails.
+    pub fail: bool,
+    /// The optimizer the workload asks for.
+    pub optimizer: Option<OptimizerSpec>,
+}
+
+impl Mlp {
+    pub fn new(layers: usize, hidden: i64, batch: i64, rows: i64) -> Mlp {
+        tch::manual_seed(7);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut seq = CheckpointedSequential::new();
+        for i in 0..layers {
+            let p = vs.root() / i;
+            let up = nn::linear(&p / "up", hidden, 2 * hidden, Default::default());
+            let down = nn::linear(&p / "down", 2 * hidden, hidden, Default::default());
+            seq = seq.add_fn(move |x| x + down.forward(&up.forward(x).gelu("none")));
+        }
+        let data = Tensor::rand([batch, rows, hidden], (Kind::Float, Device::Cpu));
+        Mlp {
+            vs,
+            layers: seq,
+            data,
+            fail: false,
+            optimizer: None,
+        }
+    }
+}
+
+impl Workload for Mlp {
+    fn name(&self) -> &str {
+        "mlp"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    fn global_batch(&self) -> i64 {
+        self.data.size()[0]
+    }
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    }
+    fn optimizer(&self) -> Option<OptimizerSpec> {
+        self.optimizer
+    }
+    fn loss(&self, output: &Tensor, _target: Option<&Tensor>) -> Result<Tensor, tch::TchError> {
+        if self.fail {
+            return Err(tch::TchError::Kind("this loss always fails".into()));
+        }
+        output.f_square()?.f_mean(Kind::Float)
+    }
+}

@@ -1,0 +1,9 @@
+//! The integration tests of memsave-fit, built as one test binary (one libtorch link
+//! instead of one per file). Every test that runs `fit` or measures a step is
+//! `#[serial]`: the meter and the allocator's state are process-wide. `allocator.rs`
+//! stays a binary of its own: it checks glibc's state as `fit` leaves it, which needs a
+//! process nothing else ran in.
+mod common;
+mod fit;
+mod mutex;
+mod sample_coupling;

@@ -1,0 +1,6 @@
+//! The integration tests of memsave-step, built as one test binary (one libtorch link
+//! instead of one per file). Tests that measure a step are `#[serial]`: the meter is
+//! process-wide.
+mod common;
+mod optimizer_hyperparameters;
+mod scaler_in_backward;
