@@ -668,7 +668,7 @@ impl RankCase {
             .f_narrow(rank as i64 * local_len, local_len)
             .map_err(failed)?;
         drop(whole);
-        apply_plan(&mut model, &local, &config, device)?;
+        apply_plan(&mut model, &local, &config, device).map_err(failed)?;
         if !model.set_residual(config.residual) {
             return Err(Outcome::Unavailable(format!(
                 "the model has no residual blocks for {:?}",

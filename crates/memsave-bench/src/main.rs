@@ -584,7 +584,10 @@ fn trace(args: TraceArgs) -> Result<()> {
     }
     // The trace (and the files) show where the step failed; the failure is the result.
     if let Err(e) = &case.step {
-        anyhow::bail!("the traced step failed: {}", memsave_bench::one_line(e));
+        anyhow::bail!(
+            "the traced step failed: {}",
+            memsave_bench::one_line(&e.to_string())
+        );
     }
     Ok(())
 }

@@ -540,7 +540,7 @@ fn measure_case(
             choice = Some(report.choice.strategy.clone());
         }
         Some(Search::Halving(spec)) => {
-            apply_plan(model, &x, config, device)?;
+            apply_plan(model, &x, config, device).map_err(|e| e.to_string())?;
             let budget = spec.budget.as_ref().map(|b| b.bytes).or(settings.memory_limit).ok_or(
                 "auto_batch needs a budget: give one ({policy: halving, budget: 40MiB}) or set the suite's memory_limit",
             )?;
@@ -548,7 +548,7 @@ fn measure_case(
             x = x.f_narrow(0, size).map_err(|e| e.to_string())?;
             tries = Some(count);
         }
-        None => apply_plan(model, &x, config, device)?,
+        None => apply_plan(model, &x, config, device).map_err(|e| e.to_string())?,
     }
     let x = &x;
     let config: &StepConfig = config;
@@ -567,13 +567,16 @@ fn measure_case(
         .transpose()
         .map_err(|e| e.to_string())?;
     let _weights = match config.optimizer {
-        Some(_) => Some(RestoreOnDrop(SavedWeights::save(&model.parameters())?)),
+        Some(_) => Some(RestoreOnDrop(
+            SavedWeights::save(&model.parameters()).map_err(|e| e.to_string())?,
+        )),
         None => None,
     };
     let mut optimizer = config
         .optimizer
         .map(|spec| CaseOptimizer::build(&spec, &model.parameters()))
-        .transpose()?;
+        .transpose()
+        .map_err(|e| e.to_string())?;
     for _ in 0..settings.warmup {
         f_step_with(
             model,
@@ -583,7 +586,8 @@ fn measure_case(
             false,
             scaler.as_mut(),
             optimizer.as_mut(),
-        )?;
+        )
+        .map_err(|e| e.to_string())?;
     }
     let mut times = Vec::with_capacity(settings.repeats);
     let mut last = None;
@@ -597,12 +601,13 @@ fn measure_case(
             record_trace,
             scaler.as_mut(),
             optimizer.as_mut(),
-        )?;
+        )
+        .map_err(|e| e.to_string())?;
         times.push(m.time_s);
         last = Some(m);
     }
     let last = last.ok_or("no measured repeat")?;
-    let grads = f_grads(&model.parameters())?;
+    let grads = f_grads(&model.parameters()).map_err(|e| e.to_string())?;
     let mut case = CaseResult {
         model: String::new(),
         strategy: String::new(),
@@ -672,7 +677,9 @@ fn halve_until_fits(
         tries += 1;
         let xs = x.f_narrow(0, size).map_err(|e| e.to_string())?;
         let weights = match config.optimizer {
-            Some(_) => Some(RestoreOnDrop(SavedWeights::save(&params)?)),
+            Some(_) => Some(RestoreOnDrop(
+                SavedWeights::save(&params).map_err(|e| e.to_string())?,
+            )),
             None => None,
         };
         let outcome = {
@@ -682,27 +689,30 @@ fn halve_until_fits(
             let mut optimizer = config
                 .optimizer
                 .map(|spec| CaseOptimizer::build(&spec, &params))
-                .transpose()?;
+                .transpose()
+                .map_err(|e| e.to_string())?;
             // A failed scalar operation in tch panics instead of returning the error.
             panic::catch_unwind(AssertUnwindSafe(|| {
                 f_step_with(model, &xs, config, device, false, None, optimizer.as_mut())
+                    .map_err(|e| (e.is_out_of_memory(), e.to_string()))
             }))
             .unwrap_or_else(|payload| {
-                Err(memsave_sys::checkpoint::panic_message(&*payload).to_string())
+                let message = memsave_sys::checkpoint::panic_message(&*payload).to_string();
+                Err((memsave_sys::is_out_of_memory_message(&message), message))
             })
         };
         drop(weights);
         let _ = memsave_accum::free_grads(&params);
         match outcome {
             Ok(_) => return Ok((size, tries)),
-            Err(e) if e.contains("out of memory") && size > 1 => size /= 2,
-            Err(e) if e.contains("out of memory") => {
+            Err((true, _)) if size > 1 => size /= 2,
+            Err((true, _)) => {
                 return Err(format!(
                 "auto_batch: even a batch of 1 does not fit the budget of {} after {tries} tries",
                 memsave_meter::Bytes(budget)
             ))
             }
-            Err(e) => return Err(e),
+            Err((false, e)) => return Err(e),
         }
     }
 }
@@ -729,8 +739,8 @@ fn baseline_grads(
         .layers_mut()
         .set_plan(Plan::None)
         .map_err(|e| e.to_string())?;
-    f_step(model, x, &config, device, false, None)?;
-    f_grads(&model.parameters())
+    f_step(model, x, &config, device, false, None).map_err(|e| e.to_string())?;
+    f_grads(&model.parameters()).map_err(|e| e.to_string())
 }
 
 /// Runs `f`, turning a panic into an error with its message; either way the error is

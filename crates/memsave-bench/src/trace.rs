@@ -31,7 +31,7 @@ pub struct TracedCase {
     pub trace: Trace,
     /// The recorded step's own measurement, or its error (the trace is kept either way:
     /// it shows where the step failed).
-    pub step: Result<StepMeasurement, String>,
+    pub step: Result<StepMeasurement, memsave_step::StepError>,
     /// Bytes of the model's parameters.
     pub parameter_bytes: u64,
 }
@@ -145,7 +145,8 @@ pub fn trace_case(
     crate::models::residual_available(spec, config.residual).map_err(TraceCaseError::Setup)?;
     model.ctx.set_residual(config.residual);
     let mut model = model;
-    apply_plan(&mut model, &x, &config, device).map_err(TraceCaseError::Setup)?;
+    apply_plan(&mut model, &x, &config, device)
+        .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     let mut scaler = config
         .scaler
         .map(GradScaler::new)
@@ -155,7 +156,7 @@ pub fn trace_case(
         .optimizer
         .map(|spec| CaseOptimizer::build(&spec, &model.params()))
         .transpose()
-        .map_err(TraceCaseError::Setup)?;
+        .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     for _ in 0..suite.warmup {
         // A failing strategy fails again in the recorded step, which reports it.
         let warm = f_step_with(

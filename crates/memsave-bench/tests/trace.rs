@@ -85,7 +85,7 @@ fn seed_saved_activations_and_gradients_match_the_harness_to_the_byte() {
 fn a_failing_step_is_traced_and_reported() {
     let quick = suite("quick");
     let traced = trace_case(&quick, "linear", "inplace_add").unwrap();
-    let error = traced.step.unwrap_err();
+    let error = traced.step.unwrap_err().to_string();
     assert!(error.contains("in-place operation"), "{error}");
     assert_adds_up(&traced.trace);
 }

@@ -150,14 +150,16 @@ pub(crate) fn probe(
     let params = workload.parameters();
     memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))?;
     let weights = match config.optimizer {
-        Some(_) => Some(SavedWeights::save(&params).map_err(ProbeError::Failed)?),
+        Some(_) => {
+            Some(SavedWeights::save(&params).map_err(|e| ProbeError::Failed(e.to_string()))?)
+        }
         None => None,
     };
     let mut optimizer = config
         .optimizer
         .map(|spec| CaseOptimizer::build(&spec, &params))
         .transpose()
-        .map_err(ProbeError::Failed)?;
+        .map_err(|e| ProbeError::Failed(e.to_string()))?;
     // The optimizer's state persists from step to step, like the parameters: it is
     // there before the step (a warm-up step of one example per micro-batch, outside
     // the budget, allocates it), and the peak is measured above it, as `memsave bench`
@@ -180,6 +182,7 @@ pub(crate) fn probe(
                             Some(optimizer),
                             &Unobserved,
                         )
+                        .map_err(|e| e.to_string())
                     }))
                     .unwrap_or_else(|payload| {
                         Err(format!(
@@ -207,7 +210,9 @@ pub(crate) fn probe(
         // Put the weights back (a step in backward may have moved some) before failing.
         let _ = memsave_accum::free_grads(&params);
         if let Some(weights) = weights {
-            weights.restore().map_err(ProbeError::Failed)?;
+            weights
+                .restore()
+                .map_err(|e| ProbeError::Failed(e.to_string()))?;
         }
         return Err(e);
     }
@@ -254,6 +259,7 @@ pub(crate) fn probe(
                     optimizer.as_mut(),
                     &clock,
                 )
+                .map_err(|e| e.to_string())
             }))
             .unwrap_or_else(|payload| {
                 Err(format!(
@@ -319,7 +325,9 @@ pub(crate) fn probe(
     drop(cap);
     let _ = memsave_accum::free_grads(&params);
     if let Some(weights) = weights {
-        weights.restore().map_err(ProbeError::Failed)?;
+        weights
+            .restore()
+            .map_err(|e| ProbeError::Failed(e.to_string()))?;
     }
     outcome
 }

@@ -1213,7 +1213,7 @@ impl Search<'_> {
                     .workload
                     .batch(size)
                     .map_err(|e| FitError::Step(e.to_string()))?;
-                f_profile(self.workload, &x).map_err(FitError::Step)
+                f_profile(self.workload, &x).map_err(|e| FitError::Step(e.to_string()))
             };
             let pa = at(a)?;
             let pb = if a == b { pa.clone() } else { at(b)? };

@@ -1,5 +1,6 @@
 //! The optimizer of a case (`optimizer:` technique): built once per case, stepped
 //! after backward or from inside it, and its state bytes reported.
+use crate::error::StepError;
 use crate::levers::{OptimizerRule, OptimizerSpec, StatePlacement};
 use memsave_amp::GradScaler;
 use memsave_hooks::OnComplete;
@@ -26,10 +27,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<R: Rule> Stepper<R> {
-    fn new(opt: Optimizer<R>, in_backward: bool, params: &[Tensor]) -> Result<Self, String> {
+    fn new(opt: Optimizer<R>, in_backward: bool, params: &[Tensor]) -> Result<Self, StepError> {
         if in_backward {
             Ok(Stepper::InBackward(
-                opt.step_in_backward(params).map_err(|e| e.to_string())?,
+                opt.step_in_backward(params).map_err(optimizer_error)?,
             ))
         } else {
             Ok(Stepper::After(opt))
@@ -39,12 +40,12 @@ impl<R: Rule> Stepper<R> {
     /// For an optimizer in backward whose gradients a `GradOffload` keeps: its hooks
     /// move to the offload (which gets the returned function as `on_complete`) and it
     /// stays stepped that way. `None` for an optimizer stepping after backward.
-    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError> {
         if let Stepper::InBackward(_) = self {
             let Stepper::InBackward(hooked) = std::mem::replace(self, Stepper::Switching) else {
                 unreachable!("matched above")
             };
-            let opt = hooked.into_inner().map_err(|e| e.to_string())?;
+            let opt = hooked.into_inner().map_err(optimizer_error)?;
             *self = Stepper::Offloaded(Arc::new(Mutex::new(opt)));
         }
         let Stepper::Offloaded(shared) = self else {
@@ -60,10 +61,13 @@ impl<R: Rule> Stepper<R> {
                         .iter()
                         .position(|q| q.data_ptr() == p.data_ptr() && q.size() == p.size())
                         .ok_or_else(|| {
-                            format!("a parameter of shape {:?} is not the optimizer's", p.size())
+                            StepError::invalid(format!(
+                                "a parameter of shape {:?} is not the optimizer's",
+                                p.size()
+                            ))
                         })
                 })
-                .collect::<Result<_, String>>()?
+                .collect::<Result<_, StepError>>()?
         };
         let shared = Arc::clone(shared);
         Ok(Some(Box::new(move |i: usize, p: &Tensor| {
@@ -75,23 +79,25 @@ impl<R: Rule> Stepper<R> {
         })))
     }
 
-    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError> {
         let Stepper::After(opt) = self else {
             // Stepped by the hooks during backward, from gradients a scaler would have
             // scaled: refused rather than passed over, so the mistake is not silent.
             if self.steps_in_backward() && scaler.is_some_and(|s| s.is_enabled()) {
-                return Err(SCALER_IN_BACKWARD.into());
+                return Err(StepError::invalid(SCALER_IN_BACKWARD));
             }
             return Ok(());
         };
         match scaler {
             Some(scaler) => {
-                opt.f_step_scaled(scaler).map_err(|e| e.to_string())?;
-                scaler.f_update().map_err(|e| e.to_string())?;
+                opt.f_step_scaled(scaler).map_err(optimizer_error)?;
+                scaler
+                    .f_update()
+                    .map_err(|e| StepError::lever("grad_scaler", e))?;
             }
-            None => opt.f_step().map_err(|e| e.to_string())?,
+            None => opt.f_step().map_err(optimizer_error)?,
         }
-        opt.f_zero_grad(true).map_err(|e| e.to_string())
+        opt.f_zero_grad(true).map_err(optimizer_error)
     }
 
     fn steps_in_backward(&self) -> bool {
@@ -135,16 +141,16 @@ pub struct CaseOptimizer {
 
 /// What the runner needs of either rule's [`Stepper`].
 trait Step {
-    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String>;
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError>;
     fn steps_in_backward(&self) -> bool;
     fn state_bytes(&self) -> u64;
     fn state_tensors(&self) -> Vec<Tensor>;
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>);
-    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String>;
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError>;
 }
 
 impl<R: Rule> Step for Stepper<R> {
-    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError> {
         Stepper::step(self, scaler)
     }
     fn steps_in_backward(&self) -> bool {
@@ -159,7 +165,7 @@ impl<R: Rule> Step for Stepper<R> {
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
         Stepper::set_observer(self, observer);
     }
-    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+    fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError> {
         Stepper::param_stepper(self, params)
     }
 }
@@ -169,26 +175,28 @@ impl CaseOptimizer {
     /// [`OptimizerSpec::rule`] (each one not given is the kind's default: `lr: 1e-3`
     /// for both kinds, PyTorch's defaults for the rest). An invalid spec (a negative
     /// `lr`, `momentum` with AdamW, ...) is an error here, before any step.
-    pub fn build(spec: &OptimizerSpec, params: &[Tensor]) -> Result<Self, String> {
-        let rule = spec.rule().map_err(|e| e.to_string())?;
+    pub fn build(spec: &OptimizerSpec, params: &[Tensor]) -> Result<Self, StepError> {
+        let rule = spec.rule().map_err(|e| StepError::invalid(e.to_string()))?;
         let dir = match spec.placement {
             StatePlacement::Disk => Some(
                 tempfile::Builder::new()
                     .prefix("memsave-optimizer-")
                     .tempdir()
-                    .map_err(|e| format!("cannot make a directory for the optimizer state: {e}"))?,
+                    .map_err(|source| StepError::Io {
+                        what: "cannot make a directory for the optimizer state".into(),
+                        source,
+                    })?,
             ),
             _ => None,
         };
         let options = spec.options(dir.as_ref().map(tempfile::TempDir::path));
         let stepper: Box<dyn Step> = match rule {
             OptimizerRule::AdamW(config) => {
-                let opt =
-                    AdamW::with_options(params, config, options).map_err(|e| e.to_string())?;
+                let opt = AdamW::with_options(params, config, options).map_err(optimizer_error)?;
                 Box::new(Stepper::new(opt, spec.in_backward, params)?)
             }
             OptimizerRule::Sgd(config) => {
-                let opt = Sgd::with_options(params, config, options).map_err(|e| e.to_string())?;
+                let opt = Sgd::with_options(params, config, options).map_err(optimizer_error)?;
                 Box::new(Stepper::new(opt, spec.in_backward, params)?)
             }
         };
@@ -204,7 +212,7 @@ impl CaseOptimizer {
     /// the default scale) and nothing here can undo that. [`crate::step::f_step_with`]
     /// refuses the combination before the forward, which is where to catch it; a
     /// disabled scaler, which scales nothing, is accepted.
-    pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), String> {
+    pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError> {
         self.stepper.step(scaler)
     }
 
@@ -221,7 +229,7 @@ impl CaseOptimizer {
     /// function to give the offload as `on_complete`, stepping one parameter of
     /// `params` and freeing its gradient. From then on the optimizer is stepped only
     /// that way. `None` for one stepping after backward.
-    pub fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, String> {
+    pub fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError> {
         self.stepper.param_stepper(params)
     }
 
@@ -252,18 +260,17 @@ pub struct SavedWeights {
 
 impl SavedWeights {
     /// Copies the values of `params` to host memory.
-    pub fn save(params: &[Tensor]) -> Result<Self, String> {
+    pub fn save(params: &[Tensor]) -> Result<Self, StepError> {
         let values = params
             .iter()
             .map(|p| {
                 let flat = p
                     .f_detach()
                     .and_then(|d| d.f_reshape([-1]))
-                    .and_then(|d| d.f_to_kind(tch::Kind::Float))
-                    .map_err(|e| e.to_string())?;
-                Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())
+                    .and_then(|d| d.f_to_kind(tch::Kind::Float))?;
+                Ok(Vec::<f32>::try_from(&flat)?)
             })
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_, StepError>>()?;
         Ok(Self {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             values,
@@ -271,17 +278,32 @@ impl SavedWeights {
     }
 
     /// Writes the saved values back into the parameters.
-    pub fn restore(&self) -> Result<(), String> {
+    pub fn restore(&self) -> Result<(), StepError> {
         let _no_grad = tch::no_grad_guard();
         for (p, values) in self.params.iter().zip(&self.values) {
             let saved = Tensor::from_slice(values)
                 .f_to_device(p.device())
                 .and_then(|t| t.f_to_kind(p.kind()))
-                .and_then(|t| t.f_view(p.size().as_slice()))
-                .map_err(|e| e.to_string())?;
+                .and_then(|t| t.f_view(p.size().as_slice()))?;
             let mut p = p.shallow_clone();
-            p.f_copy_(&saved).map_err(|e| e.to_string())?;
+            p.f_copy_(&saved)?;
         }
         Ok(())
+    }
+}
+
+/// An error of the optimizer (`memsave-optim`), as the step reports it: out of memory
+/// stays [`StepError::OutOfMemory`].
+fn optimizer_error(e: memsave_optim::OptimError) -> StepError {
+    if e.is_out_of_memory() {
+        StepError::OutOfMemory {
+            message: e.to_string(),
+            source: Box::new(e),
+        }
+    } else {
+        StepError::Lever {
+            lever: "optimizer",
+            source: Box::new(e),
+        }
     }
 }

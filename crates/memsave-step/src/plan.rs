@@ -1,19 +1,25 @@
 //! Setting a configuration's checkpoint plan on a workload, profiling the workload's
 //! layers first when the plan is a byte budget.
 use crate::config::{PlanChoice, StepConfig};
+use crate::error::StepError;
 use crate::levers::CompressDtype;
 use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
 use memsave_hooks::{Compress, DiskOffload};
+use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use tch::Device;
 
 /// Profiles `model`'s layers on `example` (per-layer bytes and times, the workload's
 /// loss as the chain's last element) and keeps the profile in the layers, as
-/// [`CheckpointedSequential::profile`] does. Parameter gradients are set to none.
-pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfile, String> {
+/// [`CheckpointedSequential::profile`] does. Parameter gradients are set to none. An
+/// error of the workload's loss is returned as it is.
+pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfile, StepError> {
+    /// Unwinds out of the profiler when the loss failed (its error kept aside).
+    struct LossFailed;
     let params = model.parameters();
+    let loss_error = RefCell::new(None);
     // The loss borrows the workload while its layers are profiled: take the layers out
     // for the time being, and put them back whatever happens (also on a panic).
     let mut layers = std::mem::replace(model.layers_mut(), CheckpointedSequential::new());
@@ -22,14 +28,24 @@ pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfi
         let model: &dyn Workload = &*model;
         panic::catch_unwind(AssertUnwindSafe(|| {
             layers
-                .profile(&example.input, &params, |y| {
-                    model.loss(y, target).unwrap_or_else(|e| panic!("{e}"))
+                .profile(&example.input, &params, |y| match model.loss(y, target) {
+                    Ok(loss) => loss,
+                    Err(e) => {
+                        *loss_error.borrow_mut() = Some(e);
+                        // Not a panic: no hook prints it; caught right below.
+                        panic::resume_unwind(Box::new(LossFailed))
+                    }
                 })
                 .cloned()
-                .map_err(|e| e.to_string())
+                .map_err(|e| StepError::lever("checkpoint", e))
         }))
     };
     *model.layers_mut() = layers;
+    // The profiler may catch the unwind itself and report a panicking layer: the
+    // loss's own error says more.
+    if let Some(e) = loss_error.borrow_mut().take() {
+        return Err(e.into());
+    }
     match outcome {
         Ok(result) => result,
         Err(payload) => panic::resume_unwind(payload),
@@ -44,7 +60,7 @@ pub fn apply_plan(
     x: &Batch,
     config: &StepConfig,
     device: Device,
-) -> Result<(), String> {
+) -> Result<(), StepError> {
     let (levers, budget) = match config.plan {
         PlanChoice::Fixed(_) => (Vec::new(), None),
         PlanChoice::Budget(bytes) => (Vec::new(), Some(bytes)),
@@ -63,9 +79,8 @@ pub fn apply_plan(
             let example = match config.micro_batches {
                 Some(count) => {
                     let first = memsave_accum::f_split(x.len(), memsave_accum::Split::Count(count))
-                        .map_err(|e| e.to_string())?[0];
-                    x.f_narrow(first.start, first.len)
-                        .map_err(|e| e.to_string())?
+                        .map_err(|e| StepError::lever("accumulation", e))?[0];
+                    x.f_narrow(first.start, first.len)?
                 }
                 None => x.shallow_clone(),
             };
@@ -73,13 +88,16 @@ pub fn apply_plan(
                 .autocast
                 .map(|kind| memsave_amp::AutocastGuard::new(device, kind))
                 .transpose()
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| StepError::lever("autocast", e))?;
             f_profile(model, &example)?;
             Plan::Budget(bytes)
         }
         (_, None) => unreachable!("every budget choice has a budget"),
     };
-    model.layers_mut().set_plan(plan).map_err(|e| e.to_string())
+    model
+        .layers_mut()
+        .set_plan(plan)
+        .map_err(|e| StepError::lever("checkpoint", e))
 }
 
 /// The boundary stores of a `checkpoint: {budget, offload, compress}` strategy: disk
@@ -88,14 +106,17 @@ pub fn apply_plan(
 fn lever_stores(
     offload: bool,
     compress: Option<CompressDtype>,
-) -> Result<Vec<Arc<dyn BoundaryStore>>, String> {
+) -> Result<Vec<Arc<dyn BoundaryStore>>, StepError> {
     let mut stores: Vec<Arc<dyn BoundaryStore>> = Vec::new();
     if offload {
         let dir = tempfile::Builder::new()
             .prefix("memsave-levers-")
             .tempdir()
-            .map_err(|e| format!("checkpoint offload: no temporary directory: {e}"))?;
-        let store = DiskOffload::new(dir.path()).map_err(|e| e.to_string())?;
+            .map_err(|source| StepError::Io {
+                what: "checkpoint offload: no temporary directory".into(),
+                source,
+            })?;
+        let store = DiskOffload::new(dir.path()).map_err(|e| StepError::lever("offload", e))?;
         stores.push(Arc::new(DirStore {
             store: store.prefetch(0),
             _dir: dir,

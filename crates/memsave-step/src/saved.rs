@@ -1,6 +1,7 @@
 //! The saved-tensor hooks of a `compress:` or `offload:` strategy, made fresh for each
 //! step, and what they report after it.
 use crate::config::SavedTensors;
+use crate::error::StepError;
 use crate::levers::{CompressDtype, OffloadSpec};
 use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
 use std::path::PathBuf;
@@ -58,16 +59,18 @@ pub(crate) fn codec(dtype: CompressDtype) -> Codec {
 }
 
 /// The default store: `memsave-offload` in the system's temporary directory.
-pub(crate) fn default_dir() -> Result<PathBuf, String> {
+pub(crate) fn default_dir() -> Result<PathBuf, StepError> {
     let dir = std::env::temp_dir().join("memsave-offload");
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| format!("offload directory {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|source| StepError::Io {
+        what: format!("offload directory {}", dir.display()),
+        source,
+    })?;
     Ok(dir)
 }
 
 impl StepHooks {
     /// Hooks for `choice` that pass `held` through (parameters and the step's input).
-    pub fn new(choice: &SavedTensors, held: &[Tensor]) -> Result<Self, String> {
+    pub fn new(choice: &SavedTensors, held: &[Tensor]) -> Result<Self, StepError> {
         Ok(match choice {
             SavedTensors::Compress(dtype) => {
                 StepHooks::Compress(Compress::new(codec(*dtype)).excluding(held))
@@ -77,7 +80,8 @@ impl StepHooks {
                     Some(dir) => PathBuf::from(dir),
                     None => default_dir()?,
                 };
-                let mut store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                let mut store =
+                    DiskOffload::new(dir).map_err(|e| StepError::lever("offload", e))?;
                 if let Some((bytes, _)) = max_in_flight {
                     store = store.max_in_flight_bytes(*bytes);
                 }
@@ -87,20 +91,29 @@ impl StepHooks {
                 StepHooks::Cpu(SaveOnCpu::new().excluding(held))
             }
             SavedTensors::OffloadSynchronous => {
-                let store = DiskOffload::new(default_dir()?).map_err(|e| e.to_string())?;
+                let store =
+                    DiskOffload::new(default_dir()?).map_err(|e| StepError::lever("offload", e))?;
                 StepHooks::Disk(store.excluding(held).synchronous(true).prefetch(0))
             }
         })
     }
 
     /// Makes these hooks handle what the calling thread saves until the guard exits.
-    pub fn enter(&self) -> Result<HooksGuard, String> {
+    pub fn enter(&self) -> Result<HooksGuard, StepError> {
         match self {
             StepHooks::Compress(h) => HooksGuard::new(h.clone()),
             StepHooks::Disk(h) => HooksGuard::new(h.clone()),
             StepHooks::Cpu(h) => HooksGuard::new(h.clone()),
         }
-        .map_err(|e| e.to_string())
+        .map_err(|e| StepError::lever(self.lever(), e))
+    }
+
+    /// The lever these hooks are, as a suite names it.
+    fn lever(&self) -> &'static str {
+        match self {
+            StepHooks::Compress(_) => "compress",
+            StepHooks::Disk(_) | StepHooks::Cpu(_) => "offload",
+        }
     }
 
     /// At the end of a forward: waits for a disk store's writer to finish what the
@@ -117,14 +130,18 @@ impl StepHooks {
 
     /// After the step: the bytes moved or shrunk; `Err` (naming the directory) when an
     /// offload write failed and tensors stayed in memory.
-    pub fn finish(&self) -> Result<SavedBytes, String> {
+    pub fn finish(&self) -> Result<SavedBytes, StepError> {
         Ok(match self {
-            StepHooks::Compress(h) => SavedBytes {
-                offloaded_bytes: None,
-                compressed_saved_bytes: Some(h.stats().saved_bytes()),
-            },
+            StepHooks::Compress(h) => {
+                // A policy naming an op no save matched is reported, not ignored.
+                h.check().map_err(|e| StepError::lever("compress", e))?;
+                SavedBytes {
+                    offloaded_bytes: None,
+                    compressed_saved_bytes: Some(h.stats().saved_bytes()),
+                }
+            }
             StepHooks::Disk(h) => {
-                h.flush().map_err(|e| e.to_string())?;
+                h.flush().map_err(|e| StepError::lever("offload", e))?;
                 SavedBytes {
                     offloaded_bytes: Some(h.stats().written_bytes),
                     compressed_saved_bytes: None,

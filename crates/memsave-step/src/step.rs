@@ -9,6 +9,7 @@
 //!   gradients accumulated so far;
 //! - the output is held until its backward has finished, as a Python variable would be.
 use crate::config::{GradsAfter, StepConfig};
+use crate::error::StepError;
 use crate::measure::{PeakPhase, TraceEntry};
 use crate::optimizer::CaseOptimizer;
 use crate::saved::{SavedBytes, StepHooks};
@@ -88,7 +89,7 @@ pub fn f_step(
     device: Device,
     record_trace: bool,
     scaler: Option<&mut GradScaler>,
-) -> Result<StepMeasurement, String> {
+) -> Result<StepMeasurement, StepError> {
     f_step_observed(
         model,
         x,
@@ -118,7 +119,7 @@ pub fn f_step_with(
     record_trace: bool,
     scaler: Option<&mut GradScaler>,
     optimizer: Option<&mut CaseOptimizer>,
-) -> Result<StepMeasurement, String> {
+) -> Result<StepMeasurement, StepError> {
     f_step_observed(
         model,
         x,
@@ -142,7 +143,7 @@ pub fn f_step_observed(
     mut scaler: Option<&mut GradScaler>,
     mut optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
-) -> Result<StepMeasurement, String> {
+) -> Result<StepMeasurement, StepError> {
     // Before anything runs: an optimizer in backward would step every parameter from
     // its scaled gradient.
     let scales = config.scaler.as_ref().is_some_and(|c| c.enabled)
@@ -152,13 +153,13 @@ pub fn f_step_observed(
             .as_deref()
             .is_some_and(CaseOptimizer::steps_in_backward)
     {
-        return Err(crate::optimizer::SCALER_IN_BACKWARD.into());
+        return Err(StepError::invalid(crate::optimizer::SCALER_IN_BACKWARD));
     }
     let params = model.parameters();
-    free_grads(&params).map_err(|e| e.to_string())?;
+    free_grads(&params).map_err(accumulation)?;
     let grad_offload = if config.offload_grads.is_some() {
         if config.scaler.is_some() || scaler.is_some() {
-            return Err("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once".into());
+            return Err(StepError::invalid("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once"));
         }
         let dir = crate::saved::default_dir()?;
         // First: an optimizer in backward gives up its hooks, whose slots the offload
@@ -167,7 +168,8 @@ pub fn f_step_observed(
             Some(o) => o.param_stepper(&params)?,
             None => None,
         };
-        let offload = GradOffload::new(&params, &dir).map_err(|e| e.to_string())?;
+        let offload =
+            GradOffload::new(&params, &dir).map_err(|e| StepError::lever("offload_grads", e))?;
         Some(match stepper {
             Some(f) => offload.on_complete(f),
             None => offload,
@@ -176,8 +178,8 @@ pub fn f_step_observed(
         None
     };
     let input = if config.residual.writes_input() {
-        let mut copy = x.input.f_empty_like().map_err(|e| e.to_string())?;
-        copy.f_copy_(&x.input).map_err(|e| e.to_string())?;
+        let mut copy = x.input.f_empty_like()?;
+        copy.f_copy_(&x.input)?;
         Batch {
             input: copy,
             target: x.target.as_ref().map(Tensor::shallow_clone),
@@ -200,46 +202,47 @@ pub fn f_step_observed(
     let mut trace = Vec::new();
     let (result, m) = measure(
         device,
-        |_| -> Result<(u64, f64, PeakPhase, SavedBytes), String> {
-            let start = f_memory_allocated(device).map_err(|e| e.to_string())?;
+        |_| -> Result<(u64, f64, PeakPhase, SavedBytes), StepError> {
+            let start = f_memory_allocated(device).map_err(meter)?;
             synchronize(device);
             let t0 = Instant::now();
             let mut retained = 0;
             let phases = PhaseTracker::new(device);
             // The forward and the loss of one pass; the output is returned so the caller
             // holds it until its backward has finished, as a Python variable would be.
-            let mut forward = |xin: &Batch, trace_this: bool| -> Result<(Tensor, Tensor), String> {
-                let _autocast = config
-                    .autocast
-                    .map(|kind| AutocastGuard::new(device, kind))
-                    .transpose()
-                    .map_err(|e| e.to_string())?;
-                observer.step_event(StepEvent::Forward);
-                if trace_this {
-                    model.start_trace();
-                }
-                let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
-                let out = model.layers().f_forward(&xin.input);
-                if let Some(guard) = hooks_guard {
-                    guard.exit().map_err(|e| e.to_string())?;
-                }
-                if let Some(hooks) = &hooks {
-                    hooks.settle();
-                }
-                if trace_this {
-                    trace = model.stop_trace();
-                }
-                let out = out.map_err(|e| e.to_string())?;
-                let now = f_memory_allocated(device).map_err(|e| e.to_string())?;
-                retained = retained.max(now.saturating_sub(start));
-                observer.step_event(StepEvent::ForwardDone);
-                let loss = model
-                    .loss(&out, xin.target.as_ref())
-                    .map_err(|e| e.to_string())?;
-                phases.ended(PeakPhase::Forward)?;
-                observer.step_event(StepEvent::Backward);
-                Ok((out, loss))
-            };
+            let mut forward =
+                |xin: &Batch, trace_this: bool| -> Result<(Tensor, Tensor), StepError> {
+                    let _autocast = config
+                        .autocast
+                        .map(|kind| AutocastGuard::new(device, kind))
+                        .transpose()
+                        .map_err(|e| StepError::lever("autocast", e))?;
+                    observer.step_event(StepEvent::Forward);
+                    if trace_this {
+                        model.start_trace();
+                    }
+                    let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
+                    let out = model.layers().f_forward(&xin.input);
+                    if let Some(guard) = hooks_guard {
+                        guard
+                            .exit()
+                            .map_err(|e| StepError::lever("saved tensors", e))?;
+                    }
+                    if let Some(hooks) = &hooks {
+                        hooks.settle();
+                    }
+                    if trace_this {
+                        trace = model.stop_trace();
+                    }
+                    let out = out.map_err(|e| StepError::lever("checkpoint", e))?;
+                    let now = f_memory_allocated(device).map_err(meter)?;
+                    retained = retained.max(now.saturating_sub(start));
+                    observer.step_event(StepEvent::ForwardDone);
+                    let loss = model.loss(&out, xin.target.as_ref())?;
+                    phases.ended(PeakPhase::Forward)?;
+                    observer.step_event(StepEvent::Backward);
+                    Ok((out, loss))
+                };
             match config.micro_batches {
                 None => {
                     let (out, loss) = forward(&input, record_trace)?;
@@ -248,21 +251,20 @@ pub fn f_step_observed(
                     }
                     match scaler.as_deref_mut() {
                         Some(scaler) => {
-                            let scaled = scaler.f_scale(&loss).map_err(|e| e.to_string())?;
-                            scaled.f_backward().map_err(|e| e.to_string())?;
+                            let scaled = scaler.f_scale(&loss).map_err(grad_scaler)?;
+                            scaled.f_backward()?;
                         }
-                        None => loss.f_backward().map_err(|e| e.to_string())?,
+                        None => loss.f_backward()?,
                     }
                     drop(loss);
                     drop(out);
                     phases.ended(PeakPhase::Backward)?;
                 }
                 Some(count) => {
-                    let batch = *input
-                        .input
-                        .size()
-                        .first()
-                        .ok_or("the input has no batch dimension")?;
+                    let batch =
+                        *input.input.size().first().ok_or_else(|| {
+                            StepError::invalid("the input has no batch dimension")
+                        })?;
                     let mut held: Option<Tensor> = None;
                     GradAccumulator::with_split(Split::Count(count))
                         .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
@@ -271,41 +273,37 @@ pub fn f_step_observed(
                             if mb.index > 0 {
                                 phases.ended(PeakPhase::Backward)?;
                             }
-                            let xin = input
-                                .f_narrow(mb.start, mb.len)
-                                .map_err(|e| e.to_string())?;
+                            let xin = input.f_narrow(mb.start, mb.len)?;
                             let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
                             if let Some(g) = &grad_offload {
                                 g.set_last_micro_batch(mb.end() == batch);
                             }
                             held = Some(out);
-                            Ok::<_, String>(loss)
+                            Ok::<_, StepError>(loss)
                         })
-                        .map_err(|e| e.to_string())?;
+                        .map_err(micro_batch_error)?;
                     drop(held);
                     phases.ended(PeakPhase::Backward)?;
                 }
             }
             if let Some(g) = &grad_offload {
-                g.complete_remaining().map_err(|e| e.to_string())?;
-                g.check().map_err(|e| e.to_string())?;
+                g.complete_remaining().map_err(offload_grads)?;
+                g.check().map_err(offload_grads)?;
             }
             match (optimizer, scaler) {
                 (Some(optimizer), scaler) => {
                     observer.step_event(StepEvent::Optimizer);
                     // An optimizer stepping after backward needs the gradients back.
                     if let Some(g) = &grad_offload {
-                        g.restore().map_err(|e| e.to_string())?;
+                        g.restore().map_err(offload_grads)?;
                     }
                     optimizer.step(scaler)?;
                     phases.ended(PeakPhase::Optimizer)?;
                 }
                 (None, Some(scaler)) => {
                     observer.step_event(StepEvent::Optimizer);
-                    scaler
-                        .f_unscale_params_(&params)
-                        .map_err(|e| e.to_string())?;
-                    scaler.f_update().map_err(|e| e.to_string())?;
+                    scaler.f_unscale_params_(&params).map_err(grad_scaler)?;
+                    scaler.f_update().map_err(grad_scaler)?;
                 }
                 (None, None) => {}
             }
@@ -323,7 +321,7 @@ pub fn f_step_observed(
     // Without an optimizer the gradients are the step's result: back into `.grad`,
     // after the measurement, as a caller reading them afterwards would do.
     if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
-        g.restore().map_err(|e| e.to_string())?;
+        g.restore().map_err(offload_grads)?;
     }
     let saved = saved.with_levers(&levers_before, &model.layers().lever_stats());
     Ok(StepMeasurement {
@@ -336,6 +334,36 @@ pub fn f_step_observed(
         offloaded_bytes: saved.offloaded_bytes,
         compressed_saved_bytes: saved.compressed_saved_bytes,
     })
+}
+
+fn accumulation(e: memsave_accum::AccumError) -> StepError {
+    StepError::lever("accumulation", e)
+}
+
+/// An error of the accumulation loop: a micro-batch's own [`StepError`] (raised in the
+/// step's closure) as it was, anything else as the accumulation's.
+fn micro_batch_error(e: memsave_accum::AccumError) -> StepError {
+    match e {
+        memsave_accum::AccumError::MicroBatch { source, .. } if source.is::<StepError>() => {
+            match source.downcast::<StepError>() {
+                Ok(step) => *step,
+                Err(other) => StepError::lever("accumulation", other),
+            }
+        }
+        other => accumulation(other),
+    }
+}
+
+fn offload_grads(e: memsave_hooks::OffloadError) -> StepError {
+    StepError::lever("offload_grads", e)
+}
+
+fn grad_scaler(e: memsave_amp::AmpError) -> StepError {
+    StepError::lever("grad_scaler", e)
+}
+
+fn meter(e: memsave_meter::MeterError) -> StepError {
+    StepError::lever("meter", e)
 }
 
 /// Which phase raised the running peak last, read when each phase ends (shared by
@@ -355,8 +383,8 @@ impl PhaseTracker {
         }
     }
 
-    fn ended(&self, phase: PeakPhase) -> Result<(), String> {
-        let peak = f_max_memory_allocated(self.device).map_err(|e| e.to_string())?;
+    fn ended(&self, phase: PeakPhase) -> Result<(), StepError> {
+        let peak = f_max_memory_allocated(self.device).map_err(meter)?;
         if peak > self.seen.get() {
             self.seen.set(peak);
             self.peak_phase.set(phase);
@@ -388,7 +416,7 @@ fn release_step_leftovers(input: &Tensor, config: &StepConfig) {
 
 /// The gradients of `params`, copied out of libtorch (so that keeping them does not
 /// count as allocated device memory); an undefined gradient reads as zeros.
-pub fn f_grads(params: &[Tensor]) -> Result<Vec<Vec<f32>>, String> {
+pub fn f_grads(params: &[Tensor]) -> Result<Vec<Vec<f32>>, tch::TchError> {
     params
         .iter()
         .map(|p| {
@@ -396,8 +424,7 @@ pub fn f_grads(params: &[Tensor]) -> Result<Vec<Vec<f32>>, String> {
             if !g.defined() {
                 return Ok(vec![0.0; p.numel()]);
             }
-            Vec::<f32>::try_from(&g.f_reshape([-1]).map_err(|e| e.to_string())?)
-                .map_err(|e| e.to_string())
+            Vec::<f32>::try_from(&g.f_reshape([-1])?)
         })
         .collect()
 }

@@ -131,16 +131,19 @@ impl TrainerBuilder {
                     _ => Some(model.batch(model.global_batch())?),
                 };
                 let empty = Batch::input(tch::Tensor::new());
-                crate::plan::apply_plan(model, example.as_ref().unwrap_or(&empty), &config, device)
-                    .map_err(StepError::from_message)?;
+                crate::plan::apply_plan(
+                    model,
+                    example.as_ref().unwrap_or(&empty),
+                    &config,
+                    device,
+                )?;
             }
         }
         let optimizer = config
             .optimizer
             .as_ref()
             .map(|spec| CaseOptimizer::build(spec, &model.parameters()))
-            .transpose()
-            .map_err(StepError::from_message)?;
+            .transpose()?;
         let scaler = config
             .scaler
             .map(GradScaler::new)
@@ -222,8 +225,7 @@ impl<'m, W: Workload> Trainer<'m, W> {
             self.scaler.as_mut(),
             self.optimizer.as_mut(),
             &Unobserved,
-        )
-        .map_err(StepError::from_message)?;
+        )?;
         self.steps += 1;
         Ok(m)
     }

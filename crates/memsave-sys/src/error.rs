@@ -22,8 +22,17 @@ impl Error {
 
     /// True when libtorch reported an out-of-memory error (also the simulated one).
     pub fn is_out_of_memory(&self) -> bool {
-        self.message.contains("out of memory")
+        is_out_of_memory_message(&self.message)
     }
+}
+
+/// True when `message` is one of libtorch's out-of-memory errors: CUDA's caching
+/// allocator ("CUDA out of memory"), the CPU allocator's ("DefaultCPUAllocator: not
+/// enough memory", when the system refuses the allocation) or memsave's simulated
+/// capacity ("out of memory"). Errors that only pass such a message on (e.g. a tch or
+/// optimizer error wrapping libtorch's text) are recognized by their text too.
+pub fn is_out_of_memory_message(message: &str) -> bool {
+    message.contains("out of memory") || message.contains("not enough memory")
 }
 
 /// The result of a bridge call.
@@ -69,4 +78,24 @@ pub(crate) fn check(status: i32) -> Result<()> {
     Err(Error {
         message: in_rust_terms(&message),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_s_out_of_memory_messages_are_recognized() {
+        for message in [
+            "DefaultCPUAllocator: not enough memory: you tried to allocate 1099511627776 bytes.",
+            "CUDA out of memory. Tried to allocate 20.00 MiB",
+            "memsave: out of memory: the simulated capacity of 4096 B is reached",
+        ] {
+            assert!(is_out_of_memory_message(message), "{message}");
+            assert!(Error::new(message).is_out_of_memory(), "{message}");
+        }
+        assert!(!is_out_of_memory_message(
+            "shape '[2, 3]' is invalid for input of size 7"
+        ));
+    }
 }

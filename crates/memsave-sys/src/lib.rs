@@ -35,4 +35,4 @@ pub mod rng;
 pub mod tensor;
 pub mod version;
 
-pub use error::{in_rust_terms, Error, Result};
+pub use error::{in_rust_terms, is_out_of_memory_message, Error, Result};

@@ -9,6 +9,7 @@ use crate::common::Mlp;
 use memsave_optim::{AdamWConfig, SgdConfig};
 use memsave_step::levers::OptimizerRule;
 use memsave_step::step::f_step_with;
+use memsave_step::StepError;
 use memsave_step::{CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::{Device, Kind, Tensor};
@@ -251,7 +252,14 @@ fn invalid_specs_are_refused_before_any_step() {
             Ok(_) => panic!("built {spec:?}"),
             Err(e) => e,
         };
-        assert!(e.contains(needle), "{spec:?}: expected '{needle}' in {e}");
+        assert!(
+            matches!(e, StepError::InvalidConfig(_)),
+            "{spec:?}: not an invalid configuration: {e:?}"
+        );
+        assert!(
+            e.to_string().contains(needle),
+            "{spec:?}: expected '{needle}' in {e}"
+        );
     }
 }
 
