@@ -209,7 +209,7 @@ impl CaseOptimizer {
     /// An enabled scaler with an optimizer that [steps in
     /// backward](Self::steps_in_backward) is an error: its hooks already stepped each
     /// parameter from the scaled gradient (steps `scale` times too large, 65,536 with
-    /// the default scale) and nothing here can undo that. [`crate::step::f_step_with`]
+    /// the default scale) and nothing here can undo that. [`f_step_with`](crate::f_step_with)
     /// refuses the combination before the forward, which is where to catch it; a
     /// disabled scaler, which scales nothing, is accepted.
     pub fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError> {
