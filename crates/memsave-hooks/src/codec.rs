@@ -91,7 +91,7 @@ impl Codec {
     /// `tensor` stored by this codec, or `None` when it is passed through (see the
     /// traps on [`Codec`]).
     pub fn f_encode(&self, tensor: &Tensor) -> Result<Option<Encoded>, TchError> {
-        self.f_encode_grouped(tensor, &[])
+        self.f_encode_grouped(tensor, &[], false)
     }
 
     /// [`f_encode`](Self::f_encode), with blocks that never mix two indices of the
@@ -99,11 +99,22 @@ impl Codec {
     /// range): `[1]` gives each channel of an `[N, C, H, W]` tensor blocks of its own.
     /// A group's elements are cut into blocks of equal size, at most the codec's block
     /// (`ceil(len / ceil(len / block))`), so a group pads less than one element per
-    /// block. Empty `groups`: `f_encode`'s blocks. Bf16 and fp16 have no blocks.
+    /// block. Empty `groups`: `f_encode`'s blocks (or, `centered`, one group). Bf16
+    /// and fp16 have no blocks.
+    ///
+    /// `centered` stores values relative to a midpoint of their own, for a tensor that
+    /// is read through its deviations from a mean (the input of a normalization that
+    /// subtracts one): blockwise codecs store each block relative to its midrange
+    /// `(max + min) / 2`, scaled by its half-range (a step never larger than absmax's),
+    /// bf16 and fp16 each group relative to its mean (an f32 per group). The error is
+    /// then a fraction of the values' spread instead of `|x|`, which is many times the
+    /// spread when a channel sits far from zero. Trap: a centered form restores no
+    /// value exactly, zero included (a ReLU's mask, `x > 0`, would flip).
     pub(crate) fn f_encode_grouped(
         &self,
         tensor: &Tensor,
         groups: &[usize],
+        centered: bool,
     ) -> Result<Option<Encoded>, TchError> {
         let kind = tensor.f_kind()?;
         if !is_float(kind) || tensor.numel() == 0 {
@@ -111,34 +122,51 @@ impl Codec {
         }
         let shape = tensor.size();
         let numel = tensor.numel() as i64;
-        let rows = Rows::of(&shape, groups);
+        let rows = match Rows::of(&shape, groups) {
+            None if centered => Some(Rows::whole(&shape)),
+            rows => rows,
+        };
+        let mut offset = None;
         let (data, scale) = match *self {
             Codec::Bf16 | Codec::Fp16 if kind.elt_size_in_bytes() <= 2 => return Ok(None),
-            Codec::Bf16 => (tensor.f_to_kind(Kind::BFloat16)?, None),
-            Codec::Fp16 => {
-                let high = tensor.f_max()?.f_double_value(&[])?;
-                let low = tensor.f_min()?.f_double_value(&[])?;
-                let range = high.abs().max(low.abs());
-                if range.is_nan() || range > 65504.0 {
-                    return Ok(None);
+            Codec::Bf16 | Codec::Fp16 => {
+                let mut values = tensor.shallow_clone();
+                if let (true, Some(rows)) = (centered, &rows) {
+                    let matrix = rows.f_matrix(tensor)?;
+                    let mean = matrix.f_mean_dim(Some([1i64].as_slice()), true, Kind::Float)?;
+                    // inf or NaN: stored as it is, uncentered.
+                    if mean.f_isfinite()?.f_all()?.f_int64_value(&[])? == 1 {
+                        values = matrix.f_sub(&mean)?;
+                        offset = Some(mean);
+                    }
                 }
-                (tensor.f_to_kind(Kind::Half)?, None)
+                if *self == Codec::Bf16 {
+                    (values.f_to_kind(Kind::BFloat16)?, None)
+                } else {
+                    let high = values.f_max()?.f_double_value(&[])?;
+                    let low = values.f_min()?.f_double_value(&[])?;
+                    let range = high.abs().max(low.abs());
+                    if range.is_nan() || range > 65504.0 {
+                        return Ok(None);
+                    }
+                    (values.f_to_kind(Kind::Half)?, None)
+                }
             }
             Codec::Fp8E4m3 { block } => {
-                let Some((blocks, scale)) = blockwise(tensor, &rows, block, 448.0)? else {
+                let Some(b) = blockwise(tensor, &rows, block, 448.0, centered)? else {
                     return Ok(None);
                 };
-                let data = blocks.f_div(&scale)?.f_to_kind(Kind::Float8e4m3fn)?;
-                (data, Some(scale))
+                offset = b.offset;
+                (b.values.f_to_kind(Kind::Float8e4m3fn)?, Some(b.scale))
             }
             Codec::Int8 {
                 block,
                 stochastic_rounding,
             } => {
-                let Some((blocks, scale)) = blockwise(tensor, &rows, block, 127.0)? else {
+                let Some(b) = blockwise(tensor, &rows, block, 127.0, centered)? else {
                     return Ok(None);
                 };
-                let mut v = blocks.f_div(&scale)?;
+                let mut v = b.values;
                 if stochastic_rounding {
                     let _ = v.f_add_(&v.f_rand_like()?)?.f_floor_()?;
                 } else {
@@ -147,22 +175,29 @@ impl Codec {
                 let _ = v.f_clamp_(-127, 127)?;
                 // Rounded to nearest, a nonzero value keeps its sign: rounded to zero it
                 // would turn a ReLU's mask off (`result > 0` in backward) at full
-                // gradient size. (Stochastic rounding stays unbiased instead.)
-                let v = if stochastic_rounding {
+                // gradient size. (Stochastic rounding stays unbiased instead; a
+                // centered form has no exact zero to keep.)
+                let v = if stochastic_rounding || b.offset.is_some() {
                     v
                 } else {
-                    v.f_where_self(&v.f_ne(0)?, &blocks.f_sign()?)?
+                    v.f_where_self(&v.f_ne(0)?, &b.raw.f_sign()?)?
                 };
-                (v.f_to_kind(Kind::Int8)?, Some(scale))
+                offset = b.offset;
+                (v.f_to_kind(Kind::Int8)?, Some(b.scale))
             }
         };
-        let rows = if scale.is_some() { rows } else { None };
+        let rows = if scale.is_some() || offset.is_some() {
+            rows
+        } else {
+            None
+        };
         Ok(Some(Encoded {
             kind,
             shape,
             numel,
             data,
             scale,
+            offset,
             rows,
         }))
     }
@@ -220,6 +255,24 @@ impl Rows {
         })
     }
 
+    /// The whole tensor as one row.
+    fn whole(shape: &[i64]) -> Rows {
+        Rows {
+            perm: (0..shape.len() as i64).collect(),
+            permuted: shape.to_vec(),
+            count: 1,
+            len: shape.iter().product(),
+        }
+    }
+
+    /// `tensor` (of the sizes this layout was made for) as f32 rows `[count, len]`.
+    fn f_matrix(&self, tensor: &Tensor) -> Result<Tensor, TchError> {
+        tensor
+            .f_permute(&self.perm)?
+            .f_reshape([self.count, self.len])?
+            .f_to_kind(Kind::Float)
+    }
+
     /// Blocks per row and elements per block: equal blocks of at most `block`.
     fn blocks(&self, block: i64) -> (i64, i64) {
         let per_row = (self.len + block - 1) / block;
@@ -236,18 +289,33 @@ impl Rows {
     }
 }
 
-/// `tensor` as f32 blocks `[n, block]` (zero-padded) and each block's scale
-/// `max|x| / top` (`[n, 1]`); `None` when a value is inf or NaN. Without `rows`, blocks
-/// of `block` consecutive elements (the last one padded); with them, each row cut
-/// into equal blocks (see [`Rows::blocks`]), each padded at its end.
+/// A tensor cut into blocks by [`blockwise`].
+struct Blocks {
+    /// The blocks as they were, f32 `[n, size]` (padded).
+    raw: Tensor,
+    /// `(raw - offset) / scale`: within `±top`.
+    values: Tensor,
+    /// Each block's scale, `[n, 1]`.
+    scale: Tensor,
+    /// Each block's midrange `(max + min) / 2`, `[n, 1]`, when centered.
+    offset: Option<Tensor>,
+}
+
+/// `tensor` as f32 blocks `[n, size]` and each block's scale: `max|x| / top`, or,
+/// `centered`, the half-range `(max - min) / 2 / top` around the block's midrange;
+/// `None` when a value is inf or NaN. Without `rows`, blocks of `block` consecutive
+/// elements (the last one zero-padded); with them, each row cut into equal blocks
+/// (see [`Rows::blocks`]), each row padded at its end with zeros or, centered, with
+/// its last value (a zero would widen the last block's range).
 fn blockwise(
     tensor: &Tensor,
     rows: &Option<Rows>,
     block: NonZeroUsize,
     top: f64,
-) -> Result<Option<(Tensor, Tensor)>, TchError> {
+    centered: bool,
+) -> Result<Option<Blocks>, TchError> {
     let block = block.get() as i64;
-    let blocks = match rows {
+    let raw = match rows {
         None => {
             let flat = tensor.f_reshape([-1])?.f_to_kind(Kind::Float)?;
             let numel = flat.size()[0];
@@ -261,29 +329,48 @@ fn blockwise(
         }
         Some(rows) => {
             let (per_row, size) = rows.blocks(block);
-            let matrix = tensor
-                .f_permute(&rows.perm)?
-                .f_reshape([rows.count, rows.len])?
-                .f_to_kind(Kind::Float)?;
-            let padded = if per_row * size > rows.len {
-                matrix.f_constant_pad_nd([0, per_row * size - rows.len])?
-            } else {
+            let matrix = rows.f_matrix(tensor)?;
+            let extra = per_row * size - rows.len;
+            let padded = if extra == 0 {
                 matrix
+            } else if centered {
+                let last = matrix
+                    .f_narrow(1, rows.len - 1, 1)?
+                    .f_expand([rows.count, extra], false)?;
+                Tensor::f_cat(&[matrix, last], 1)?
+            } else {
+                matrix.f_constant_pad_nd([0, extra])?
             };
             padded.f_reshape([rows.count * per_row, size])?
         }
     };
-    let absmax = blocks
-        .f_amax([1], true)?
-        .f_maximum(&blocks.f_amin([1], true)?.f_neg()?)?;
-    if !absmax.f_max()?.f_double_value(&[])?.is_finite() {
+    let high = raw.f_amax([1], true)?;
+    let low = raw.f_amin([1], true)?;
+    let (reach, offset) = if centered {
+        // Halved before adding: no overflow near f32's largest values.
+        let (high, low) = (high.f_div_scalar(2.0)?, low.f_div_scalar(2.0)?);
+        (high.f_sub(&low)?, Some(high.f_add(&low)?))
+    } else {
+        (high.f_maximum(&low.f_neg()?)?, None)
+    };
+    if !reach.f_max()?.f_double_value(&[])?.is_finite() {
         return Ok(None);
     }
-    // An all-zero block divides by the smallest normal f32 and stores zeros.
-    let scale = absmax
+    // An all-zero (or, centered, constant) block divides by the smallest normal f32
+    // and stores zeros.
+    let scale = reach
         .f_div_scalar(top)?
         .f_clamp_min(f64::from(f32::MIN_POSITIVE))?;
-    Ok(Some((blocks, scale)))
+    let values = match &offset {
+        None => raw.f_div(&scale)?,
+        Some(offset) => raw.f_sub(offset)?.f_div(&scale)?,
+    };
+    Ok(Some(Blocks {
+        raw,
+        values,
+        scale,
+        offset,
+    }))
 }
 
 /// A tensor stored by a [`Codec`]: the reduced data, the block scales, and what is
@@ -295,17 +382,27 @@ pub struct Encoded {
     numel: i64,
     data: Tensor,
     scale: Option<Tensor>,
-    /// The row layout of grouped blocks, `None` for consecutive ones.
+    /// What was subtracted before encoding (a centered form): per block for blockwise
+    /// codecs, per row otherwise.
+    offset: Option<Tensor>,
+    /// The row layout of grouped blocks or centered rows, `None` for consecutive
+    /// blocks or the tensor's own shape.
     rows: Option<Rows>,
 }
 
 impl Encoded {
     /// The tensor restored to its original shape and dtype.
     pub fn f_decode(&self) -> Result<Tensor, TchError> {
-        let Some(scale) = &self.scale else {
+        if self.scale.is_none() && self.offset.is_none() {
             return self.data.f_reshape(&self.shape)?.f_to_kind(self.kind);
-        };
-        let values = self.data.f_to_kind(Kind::Float)?.f_mul(scale)?;
+        }
+        let mut values = self.data.f_to_kind(Kind::Float)?;
+        if let Some(scale) = &self.scale {
+            values = values.f_mul(scale)?;
+        }
+        if let Some(offset) = &self.offset {
+            values = values.f_add(offset)?;
+        }
         match &self.rows {
             None => values
                 .f_reshape([-1])?
@@ -325,7 +422,9 @@ impl Encoded {
     /// Bytes held by the stored form (data and scales).
     pub fn stored_bytes(&self) -> u64 {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-        bytes(&self.data) + self.scale.as_ref().map_or(0, bytes)
+        bytes(&self.data)
+            + self.scale.as_ref().map_or(0, bytes)
+            + self.offset.as_ref().map_or(0, bytes)
     }
 
     /// Bytes of the original tensor.
@@ -382,7 +481,7 @@ mod tests {
                 scale = scale.where_self(&small.logical_not(), &Tensor::from(1e-4f32));
             }
             let x = Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu)) * &scale;
-            let e = codec.f_encode_grouped(&x, &groups).unwrap().unwrap();
+            let e = codec.f_encode_grouped(&x, &groups, false).unwrap().unwrap();
             let r = e.f_decode().unwrap();
             prop_assert_eq!(r.size(), shape.clone());
             prop_assert_eq!(r.kind(), Kind::Float);
@@ -402,11 +501,59 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// A centered form's error is a fraction of each group's spread, however far
+        /// the group sits from zero: int8 within half a step of its block's
+        /// half-range (at most the group's range / 254), bf16 and fp16 within their
+        /// relative precision of the distance to the group's mean. Uncentered, a group
+        /// of spread 1 around 1e3 would be off by up to 1e3 / 254 (int8) or 4 (bf16).
+        #[test]
+        fn centered_forms_follow_each_groups_spread(
+            groups in 1i64..6,
+            len in 1i64..3000,
+            offset in prop::sample::select(vec![0.0f64, 1e3, -1e5]),
+            codec in 0usize..3,
+            seed in 0i64..1000,
+        ) {
+            tch::manual_seed(seed);
+            let codec = [Codec::int8(), Codec::Bf16, Codec::Fp16][codec];
+            let shift = Tensor::randn([groups, 1], (Kind::Float, Device::Cpu)) * offset;
+            let x = Tensor::randn([groups, len], (Kind::Float, Device::Cpu)) + shift;
+            let Some(e) = codec.f_encode_grouped(&x, &[0], true).unwrap() else {
+                // fp16 passes a value beyond its range through.
+                prop_assert!(codec == Codec::Fp16 && offset.abs() > 6e4);
+                return Ok(());
+            };
+            let r = e.f_decode().unwrap();
+            prop_assert_eq!(r.size(), vec![groups, len]);
+            for g in 0..groups {
+                let (xv, rv) = (values(&x.get(g)), values(&r.get(g)));
+                let mean = xv.iter().sum::<f64>() / len as f64;
+                let high = xv.iter().cloned().fold(f64::MIN, f64::max);
+                let low = xv.iter().cloned().fold(f64::MAX, f64::min);
+                // f32 arithmetic around the offset.
+                let slack = 4.0 * f64::from(f32::EPSILON) * (mean.abs() + high - low);
+                for (v, r) in xv.iter().zip(&rv) {
+                    let bound = match codec {
+                        Codec::Bf16 => (v - mean).abs() / 256.0,
+                        Codec::Fp16 => (v - mean).abs() / 2048.0 + 6e-8,
+                        _ => (high - low) / 254.0,
+                    } + slack;
+                    prop_assert!((v - r).abs() <= bound, "{codec:?}, group {g} of {len} around {mean}: {v} as {r} (bound {bound})");
+                }
+            }
+        }
+    }
+
     #[test]
     fn grouped_blocks_split_each_group_evenly() {
         // 3 groups of 2,500 elements, block 1,024: 3 blocks of 834 per group.
         let x = Tensor::randn([3, 50, 50], (Kind::Float, Device::Cpu));
-        let e = Codec::int8().f_encode_grouped(&x, &[0]).unwrap().unwrap();
+        let e = Codec::int8()
+            .f_encode_grouped(&x, &[0], false)
+            .unwrap()
+            .unwrap();
         assert_eq!(e.stored_bytes(), 3 * (3 * 834 + 3 * 4));
         // Flat blocks: 8 of 1,024 for 7,500 elements.
         let e = Codec::int8().f_encode(&x).unwrap().unwrap();

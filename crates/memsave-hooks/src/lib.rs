@@ -18,9 +18,11 @@
 //! three; the batch only when you name it. [`Compress`] also keeps
 //! what backward is numerically sensitive to (the statistics of normalization ops)
 //! and tensors under 4 KiB, and compresses a normalization's input with blocks per
-//! channel or row: int8 over everything a batch-norm network saves made gradient
-//! errors of 0.29 (ResNet-18) to 2.13 (MobileNetV2), with no warning. A tensor that
-//! two nodes save is packed once.
+//! channel or row, each stored relative to its own midpoint: int8 over everything a
+//! batch-norm network saves made gradient errors of 0.29 (ResNet-18) to 2.13
+//! (MobileNetV2), with no warning, and a channel far from zero (small batches, deep
+//! layers) made bf16's 1.4e-2 on ResNet-18 at batch 4. A tensor that two nodes save is
+//! packed once.
 //!
 //! Gradients are not saved tensors, but they are the other half of what training keeps:
 //! [`GradOffload`] (post-accumulate-grad hooks) keeps the gradients accumulated over

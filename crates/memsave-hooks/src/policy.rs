@@ -22,7 +22,9 @@ pub const DEFAULT_MIN_BYTES: u64 = 4096;
 /// version and device. Their statistics are kept as they are and their input is
 /// compressed with blocks that never mix two channels (batch and instance norm), two
 /// (sample, channel) planes (group norm) or two rows (layer and RMS norm): backward
-/// divides each by its own spread.
+/// divides each by its own spread. Where the op subtracts a mean (all but RMS norm),
+/// the input is stored relative to each block's (int8, fp8) or group's (bf16, fp16)
+/// midpoint, since backward reads it only through `x - mean`.
 pub const NORM_OPS: &[&str] = &[
     "aten::native_batch_norm",
     "aten::_native_batch_norm_legit",
@@ -43,8 +45,28 @@ enum Norm {
     Channels,
     /// One per (sample, channel group): group norm; grouped here by (dim 0, dim 1).
     Planes,
-    /// One per row (all but the last dimension): layer and RMS norm.
+    /// One per row (all but the last dimension): layer norm.
     Rows,
+    /// One per row, without a mean: RMS norm (backward reads `x` itself, not its
+    /// deviation from a mean, so it is stored uncentered).
+    RmsRows,
+}
+
+impl Norm {
+    /// The dimensions whose indices must not share a codec block.
+    fn groups(self, dims: usize) -> Vec<usize> {
+        match self {
+            Norm::Channels => vec![1],
+            Norm::Planes => vec![0, 1],
+            Norm::Rows | Norm::RmsRows => (0..dims.saturating_sub(1)).collect(),
+        }
+    }
+
+    /// Whether the op subtracts a mean, so that backward reads its input only through
+    /// the deviations from it.
+    fn centered(self) -> bool {
+        self != Norm::RmsRows
+    }
 }
 
 fn norm_of(op: &str) -> Option<Norm> {
@@ -53,8 +75,10 @@ fn norm_of(op: &str) -> Option<Norm> {
     }
     Some(if op.contains("group_norm") {
         Norm::Planes
-    } else if op.contains("layer_norm") || op.contains("rms_norm") {
+    } else if op.contains("layer_norm") {
         Norm::Rows
+    } else if op.contains("rms_norm") {
+        Norm::RmsRows
     } else {
         Norm::Channels
     })
@@ -214,7 +238,7 @@ type PackIf = dyn Fn(&SavedInfo<'_>) -> bool + Send + Sync;
 ///    by the inverse std: int8 blocks shared across channels stored small ones as 0
 ///    or one step, and the gradients' relative L2 error reached 2.13 on MobileNetV2.
 ///    The input of these ops is packed, with blocks of its own per channel, plane or
-///    row (see [`NORM_OPS`]).
+///    row, centered where the op subtracts a mean (see [`NORM_OPS`]).
 /// 3. **Buffers**: floating-point tensors without a `grad_fn` (they do not require
 ///    grad) that have at most one dimension larger than 1: running statistics, other
 ///    per-channel buffers and scalars (alive anyway), and batch norm's saved mean
@@ -381,6 +405,7 @@ impl SavePolicy {
             Ok(Decision {
                 kept: Some(reason),
                 groups: Vec::new(),
+                centered: false,
             })
         };
         let always = if tensor.numel() == 0 {
@@ -413,6 +438,7 @@ impl SavePolicy {
         let shape = tensor.size();
         let kind = tensor.kind();
         let mut groups = Vec::new();
+        let mut centered = false;
         let default = if self
             .keep_ops
             .iter()
@@ -427,12 +453,10 @@ impl SavePolicy {
                 _ => requires_grad,
             }
         }) {
-            // The normalization's input: blocks that never mix two of its groups.
-            groups = match norm {
-                Norm::Channels => vec![1],
-                Norm::Planes => vec![0, 1],
-                Norm::Rows => (0..shape.len().saturating_sub(1)).collect(),
-            };
+            // The normalization's input: blocks that never mix two of its groups,
+            // stored relative to their midpoints where backward reads deviations.
+            groups = norm.groups(shape.len());
+            centered = norm.centered();
             (bytes < self.min_bytes).then_some(Kept::Small)
         } else if norm.is_some() {
             Some(Kept::Statistics)
@@ -464,7 +488,11 @@ impl SavePolicy {
                 }
             }
         };
-        Ok(Decision { kept, groups })
+        Ok(Decision {
+            kept,
+            groups,
+            centered,
+        })
     }
 }
 
@@ -483,6 +511,9 @@ pub(crate) struct Decision {
     /// For a normalization's input: the dimensions whose indices must not share a
     /// codec block.
     pub groups: Vec<usize>,
+    /// For the input of a normalization that subtracts a mean: store it relative to
+    /// midpoints of its own (see `Codec::f_encode_grouped`).
+    pub centered: bool,
 }
 
 /// A store's policy, its exclusions and what it kept so far (shared by clones).
@@ -682,6 +713,9 @@ mod tests {
         }
         assert_eq!(norm_of("aten::native_group_norm"), Some(Norm::Planes));
         assert_eq!(norm_of("aten::native_layer_norm"), Some(Norm::Rows));
+        assert_eq!(norm_of("aten::_fused_rms_norm"), Some(Norm::RmsRows));
+        assert!(Norm::Rows.centered() && Norm::Channels.centered() && Norm::Planes.centered());
+        assert!(!Norm::RmsRows.centered());
         assert_eq!(norm_of("aten::cudnn_batch_norm"), Some(Norm::Channels));
         assert_eq!(norm_of("aten::relu"), None);
     }
