@@ -29,6 +29,17 @@ pub fn version(t: &Tensor) -> Result<u64> {
     Ok(out.max(0) as u64)
 }
 
+/// Bytes of the tensor's elements as its shape sees them: `numel × element size`
+/// (PyTorch's `Tensor.nbytes`), with no call into libtorch.
+///
+/// Trap: this is the view's size, not its storage's. A slice counts only its own
+/// elements, an `expand`ed tensor counts every repeated element though they share one,
+/// and two views of one storage each count in full; to count memory held, count each
+/// storage once.
+pub fn nbytes(t: &Tensor) -> u64 {
+    t.numel() as u64 * t.kind().elt_size_in_bytes() as u64
+}
+
 /// Copies `data` into `t` (a contiguous CPU `Uint8` tensor) from byte `offset` on,
 /// with no temporary tensor. An `Err` if `t` is not such a tensor or the bytes would
 /// not fit in it. Trap: autograd's version counter is not bumped; fill a tensor you
@@ -267,5 +278,33 @@ mod anomaly_tests {
                 && !rust.contains("(True"),
             "{rust}"
         );
+    }
+}
+
+#[cfg(test)]
+mod nbytes_tests {
+    use super::nbytes;
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn nbytes_is_elements_times_element_size_for_each_kind() {
+        let cpu = Device::Cpu;
+        assert_eq!(nbytes(&Tensor::zeros([3, 5], (Kind::Float, cpu))), 60);
+        assert_eq!(nbytes(&Tensor::zeros([7], (Kind::BFloat16, cpu))), 14);
+        assert_eq!(nbytes(&Tensor::zeros([2, 3, 4], (Kind::Int8, cpu))), 24);
+        assert_eq!(nbytes(&Tensor::zeros([5], (Kind::Int64, cpu))), 40);
+        assert_eq!(nbytes(&Tensor::zeros([9], (Kind::Bool, cpu))), 9);
+        assert_eq!(nbytes(&Tensor::zeros([0, 8], (Kind::Float, cpu))), 0);
+        assert_eq!(nbytes(&Tensor::from(2.5f64)), 8);
+    }
+
+    #[test]
+    fn nbytes_of_a_view_counts_the_view_not_its_storage() {
+        let base = Tensor::zeros([10, 4], (Kind::Float, Device::Cpu));
+        assert_eq!(nbytes(&base.narrow(0, 1, 2)), 32);
+        assert_eq!(nbytes(&base.select(1, 0)), 40);
+        // One row's storage, a hundred rows seen.
+        let row = Tensor::zeros([1, 4], (Kind::Float, Device::Cpu));
+        assert_eq!(nbytes(&row.expand([100, 4], false)), 1600);
     }
 }
