@@ -2,9 +2,8 @@
 //! left, errors surfacing from backward, refusals and removable hooks.
 //!
 //! Every test is serial: the meter counts the whole process.
-mod common;
 
-use common::{assert_bitwise, net};
+use crate::common::{assert_bitwise, net};
 use memsave_meter::measure;
 use memsave_optim::{AdamW, AdamWConfig, OptimError, Options, Sgd, SgdConfig, State};
 use serial_test::serial;

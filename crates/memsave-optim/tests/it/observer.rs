@@ -1,9 +1,8 @@
 //! What an optimizer shows its observer: every gradient it reads, and each parameter's
 //! state tensors while they are in memory (also when they live on disk between steps
 //! or are created inside backward).
-mod common;
 
-use common::net;
+use crate::common::net;
 use memsave_optim::{AdamW, AdamWConfig, Observer, Options, Placement, State};
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
@@ -43,6 +42,7 @@ fn bytes(tensors: &[Tensor]) -> u64 {
 const NUMELS: [u64; 6] = [33 * 8, 33, 17 * 33, 17, 2 * 17, 2];
 
 #[test]
+#[serial_test::parallel]
 fn state_on_the_device_is_listed_and_shown_once_per_update() {
     let model = net(3);
     let params = model.params();
@@ -84,6 +84,7 @@ fn state_on_the_device_is_listed_and_shown_once_per_update() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn state_on_disk_is_shown_while_in_memory_and_gradients_inside_backward() {
     let dir = tempfile::tempdir().unwrap();
     let model = net(4);

@@ -10,6 +10,7 @@ fn leaf() -> Tensor {
 }
 
 #[test]
+#[serial_test::parallel]
 fn the_hook_sees_the_accumulated_gradient_once_per_backward_until_removed() {
     let w = leaf();
     let calls = Arc::new(AtomicUsize::new(0));
@@ -36,6 +37,7 @@ fn the_hook_sees_the_accumulated_gradient_once_per_backward_until_removed() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn a_panic_in_the_hook_is_an_error_from_backward_not_an_unwind_into_cpp() {
     let w = leaf();
     let _handle =
@@ -46,6 +48,7 @@ fn a_panic_in_the_hook_is_an_error_from_backward_not_an_unwind_into_cpp() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn only_leaves_that_require_grad_take_a_hook() {
     let w = leaf();
     let not_leaf = &w * 2.0;

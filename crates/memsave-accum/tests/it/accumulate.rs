@@ -89,6 +89,7 @@ proptest! {
     }
 
     #[test]
+    #[serial_test::parallel]
     fn splits_cover_the_batch_with_weights_summing_to_one(
         batch in 1i64..200,
         count in 1usize..50,

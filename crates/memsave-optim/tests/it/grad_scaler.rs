@@ -1,8 +1,7 @@
 //! The step under a GradScaler: skipped for every parameter on an inf/NaN gradient, as
 //! PyTorch's `scaler.step(optimizer)` does.
-mod common;
 
-use common::{assert_bitwise, net};
+use crate::common::{assert_bitwise, net};
 use memsave_amp::{GradScaler, GradScalerConfig, StepOutcome};
 use memsave_optim::{AdamW, AdamWConfig, Options, State};
 use tch::{Kind, Tensor};
@@ -12,6 +11,7 @@ fn snapshot(params: &[Tensor]) -> Vec<Tensor> {
 }
 
 #[test]
+#[serial_test::parallel]
 fn a_nan_gradient_skips_the_step_for_every_parameter_and_leaves_the_state_bitwise() {
     for state in [State::F32, State::Bf16, State::Int8Blockwise { block: 64 }] {
         let net = net(3);
@@ -62,6 +62,7 @@ fn a_nan_gradient_skips_the_step_for_every_parameter_and_leaves_the_state_bitwis
 }
 
 #[test]
+#[serial_test::parallel]
 fn finite_gradients_step_as_without_a_scaler() {
     let scaled_net = net(5);
     let plain_net = net(5);
@@ -91,6 +92,7 @@ fn finite_gradients_step_as_without_a_scaler() {
 /// Under a GradScaler the gradients of the scaled loss are `scale` times too large; a
 /// step inside backward would take them as they are (Trust II, finding 5).
 #[test]
+#[serial_test::parallel]
 fn an_optimizer_stepped_under_a_scaler_refuses_to_step_in_backward_before_any_step() {
     for state in [State::F32, State::Int8Blockwise { block: 64 }] {
         let net = net(7);
@@ -125,6 +127,7 @@ fn an_optimizer_stepped_under_a_scaler_refuses_to_step_in_backward_before_any_st
 }
 
 #[test]
+#[serial_test::parallel]
 fn the_step_under_a_scaler_is_refused_while_the_optimizer_steps_in_backward() {
     let net = net(8);
     let params = net.params();

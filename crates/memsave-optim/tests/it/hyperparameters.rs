@@ -54,6 +54,7 @@ fn two_groups() -> AdamW {
 }
 
 #[test]
+#[serial_test::parallel]
 fn set_lr_refuses_nan_negative_and_infinite_rates_and_changes_no_group() {
     for bad in [f64::NAN, -1e-3, -0.5, f64::INFINITY, f64::NEG_INFINITY] {
         let mut opt = two_groups();
@@ -86,6 +87,7 @@ fn set_lr_refuses_nan_negative_and_infinite_rates_and_changes_no_group() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn set_group_validates_like_the_constructor_and_names_a_missing_group() {
     let mut opt = two_groups();
     let bad = AdamWConfig {
@@ -125,6 +127,7 @@ proptest! {
     /// Whatever the values, an AdamW configuration is either refused (by the
     /// constructor, `set_group` and `set_lr` alike) or saved and loaded back bit for bit.
     #[test]
+    #[serial_test::parallel]
     fn adamw_hyper_parameters_are_refused_or_round_trip_exactly(
         lr in any_f64(), b1 in any_f64(), b2 in any_f64(), eps in any_f64(), wd in any_f64(),
     ) {
@@ -156,6 +159,7 @@ proptest! {
 
     /// The same for SGD.
     #[test]
+    #[serial_test::parallel]
     fn sgd_hyper_parameters_are_refused_or_round_trip_exactly(
         lr in any_f64(), momentum in any_f64(), dampening in any_f64(), wd in any_f64(),
         nesterov in any::<bool>(),

@@ -86,6 +86,7 @@ const SIZES: [i64; 5] = [1, 3, 64, 257, 5000];
 const STATES: [State; 3] = [State::F32, State::Bf16, State::Int8Blockwise { block: 64 }];
 
 #[test]
+#[serial_test::parallel]
 fn a_flipped_byte_anywhere_in_the_state_file_is_refused_naming_the_file() {
     for n in SIZES {
         for state in STATES {
@@ -109,6 +110,7 @@ fn a_flipped_byte_anywhere_in_the_state_file_is_refused_naming_the_file() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn extra_or_missing_bytes_are_refused_naming_the_file() {
     for n in SIZES {
         for state in STATES {
@@ -130,6 +132,7 @@ fn extra_or_missing_bytes_are_refused_naming_the_file() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn an_intact_state_file_still_steps_after_a_refused_one_is_restored() {
     let dir = tempfile::tempdir().unwrap();
     let (p, mut step) = stepped(100, State::Int8Blockwise { block: 64 }, dir.path(), false);

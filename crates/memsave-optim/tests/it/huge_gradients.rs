@@ -177,6 +177,7 @@ fn check(
 }
 
 #[test]
+#[serial_test::parallel]
 fn a_gradient_of_1e22_leaves_the_rest_of_its_block_finite_for_several_sizes() {
     for rule in [Rule::AdamW, Rule::SgdMomentum] {
         for (n, block, k) in [
@@ -197,6 +198,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
     #[test]
+    #[serial_test::parallel]
     fn one_huge_or_infinite_gradient_leaves_every_other_entry_finite_and_near_the_f32_run(
         n in 1i64..600,
         block in prop::sample::select(vec![1usize, 7, 64, 100, 256]),

@@ -1,9 +1,8 @@
 //! State precision, saving and loading, and state kept on disk.
 //!
 //! Every test is serial: the meter counts the whole process.
-mod common;
 
-use common::{assert_bitwise, net};
+use crate::common::{assert_bitwise, net};
 use memsave_meter::memory_allocated;
 use memsave_optim::{AdamW, AdamWConfig, OptimError, Options, Placement, Sgd, SgdConfig, State};
 use serial_test::serial;
@@ -25,7 +24,7 @@ fn adamw(params: &[Tensor], state: State, placement: Placement) -> AdamW {
 }
 
 /// Trains `net` with `opt` on batches `from..to`; returns the last loss.
-fn train(net: &common::Net, opt: &mut AdamW, from: i64, to: i64) -> f64 {
+fn train(net: &crate::common::Net, opt: &mut AdamW, from: i64, to: i64) -> f64 {
     let mut loss = f64::NAN;
     for step in from..to {
         opt.zero_grad(true);

@@ -1,7 +1,6 @@
 //! In f32 the optimizers match tch's own (libtorch's C++ optimizers) bit for bit.
-mod common;
 
-use common::{assert_bitwise, net};
+use crate::common::{assert_bitwise, net};
 use memsave_optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 use tch::nn::OptimizerConfig;
 
@@ -61,11 +60,13 @@ fn compare_sgd(config: SgdConfig, steps: i64) {
 }
 
 #[test]
+#[serial_test::parallel]
 fn adamw_matches_tch_for_100_steps_with_pytorch_defaults() {
     compare_adamw(AdamWConfig::default(), 100);
 }
 
 #[test]
+#[serial_test::parallel]
 fn adamw_matches_tch_without_weight_decay_and_other_betas() {
     compare_adamw(
         AdamWConfig {
@@ -79,6 +80,7 @@ fn adamw_matches_tch_without_weight_decay_and_other_betas() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn sgd_matches_tch_plain() {
     compare_sgd(
         SgdConfig {
@@ -90,6 +92,7 @@ fn sgd_matches_tch_plain() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn sgd_matches_tch_with_momentum_dampening_and_weight_decay() {
     compare_sgd(
         SgdConfig {
@@ -104,6 +107,7 @@ fn sgd_matches_tch_with_momentum_dampening_and_weight_decay() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn sgd_matches_tch_with_nesterov() {
     compare_sgd(
         SgdConfig {
@@ -118,6 +122,7 @@ fn sgd_matches_tch_with_nesterov() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn learning_rate_changes_match_tch() {
     let theirs = net(3);
     let ours = net(3);
@@ -278,6 +283,7 @@ fn free_grads(vs: &tch::nn::VarStore) {
 }
 
 #[test]
+#[serial_test::parallel]
 fn adamw_matches_tch_for_100_steps_on_the_transformer_example_model() {
     let config = AdamWConfig::default();
     compare_on_tiny_lm(
@@ -296,6 +302,7 @@ fn adamw_matches_tch_for_100_steps_on_the_transformer_example_model() {
 }
 
 #[test]
+#[serial_test::parallel]
 fn sgd_matches_tch_for_100_steps_on_the_transformer_example_model() {
     let config = SgdConfig {
         lr: 0.05,
