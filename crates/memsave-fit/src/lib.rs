@@ -7,6 +7,10 @@
 //! runs only the one it chooses at its real size, its peak measured to the byte and
 //! checked against the budget.
 //!
+//! Train with the choice in one call: [`FitReport::trainer`] (or
+//! [`Choice::trainer_builder`]) gives a `memsave_step::Trainer` with its levers,
+//! checkpoint schedule and the workload's optimizer.
+//!
 //! # What it considers
 //! - **micro-batches**: the global batch split into `k` micro-batches as evenly as
 //!   possible (sizes differ by at most one), gradients accumulated; the global batch,
@@ -125,6 +129,7 @@ mod predict;
 mod probe;
 mod search;
 mod state;
+mod train;
 
 pub use choice::Choice;
 pub use search::{fit, fit_with};

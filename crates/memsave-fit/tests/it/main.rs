@@ -7,3 +7,4 @@ mod common;
 mod fit;
 mod mutex;
 mod sample_coupling;
+mod trainer;

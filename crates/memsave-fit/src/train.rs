@@ -1,0 +1,110 @@
+//! Training with `fit`'s choice: a [`Trainer`] (or its builder) that carries everything
+//! the choice means, built in one call.
+use crate::{Choice, FitReport};
+use memsave_step::{OptimizerSpec, StepError, Trainer, TrainerBuilder, Workload};
+
+impl Choice {
+    /// A [`TrainerBuilder`] for this configuration: its [`StepConfig`] with `optimizer`
+    /// changed by the choice's optimizer levers ([`step_config`](Self::step_config):
+    /// micro-batches, offloaded activations, gradients in files, the step in backward,
+    /// and the allowed lossy levers), and its checkpoint
+    /// [`schedule`](Self::schedule) (recompute nothing when it has none), which
+    /// [`build`](TrainerBuilder::build) sets on the model's layers.
+    ///
+    /// Use it to add to the choice before building (e.g. a per-block
+    /// [`record_trace`](TrainerBuilder::record_trace)); [`FitReport::trainer`] builds
+    /// the trainer at once with the workload's own optimizer.
+    ///
+    /// Traps: pass the optimizer the workload was fitted with
+    /// ([`Workload::optimizer`]): the choice's peak was measured with it, and
+    /// `in_backward` or 8-bit state only mean something with one. Replacing it or the
+    /// levers afterwards (e.g. [`TrainerBuilder::optimizer`], which would drop the
+    /// choice's `in_backward`) leaves the budget unchecked. Offloaded activations are
+    /// written synchronously, as `fit` measured them, so that the peak stays the
+    /// measured one.
+    ///
+    /// [`StepConfig`]: memsave_step::StepConfig
+    pub fn trainer_builder(&self, optimizer: Option<OptimizerSpec>) -> TrainerBuilder {
+        TrainerBuilder::new(self.step_config(optimizer)).schedule(self.schedule().cloned())
+    }
+}
+
+impl FitReport {
+    /// A [`Trainer`] over `model` with the chosen configuration, in one call: the
+    /// choice's [`trainer_builder`](Choice::trainer_builder) with `model`'s own
+    /// [`optimizer`](Workload::optimizer), built. Each
+    /// [`step`](Trainer::step) then trains as the choice's measured step did, with its
+    /// peak within the budget for a batch of [`global_batch`](Self::global_batch)
+    /// examples.
+    ///
+    /// ```
+    /// use memsave_checkpoint::CheckpointedSequential;
+    /// use memsave_fit::{fit, FitRequest};
+    /// use memsave_step::{
+    ///     Batch, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload,
+    /// };
+    /// use tch::{nn, nn::Module, Device, Kind, Tensor};
+    ///
+    /// struct Mlp { vs: nn::VarStore, layers: CheckpointedSequential, data: Tensor }
+    /// impl Workload for Mlp {
+    ///     fn name(&self) -> &str { "mlp" }
+    ///     fn device(&self) -> Device { Device::Cpu }
+    ///     fn layers(&self) -> &CheckpointedSequential { &self.layers }
+    ///     fn layers_mut(&mut self) -> &mut CheckpointedSequential { &mut self.layers }
+    ///     fn parameters(&self) -> Vec<Tensor> { self.vs.trainable_variables() }
+    ///     fn global_batch(&self) -> i64 { 16 }
+    ///     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+    ///         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    ///     }
+    ///     fn optimizer(&self) -> Option<OptimizerSpec> {
+    ///         Some(OptimizerSpec { kind: OptimizerKind::Sgd, lr: Some(0.1), ..Default::default() })
+    ///     }
+    /// }
+    ///
+    /// memsave_meter::install();
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let mut layers = CheckpointedSequential::new();
+    /// for i in 0..4 {
+    ///     let lin = nn::linear(vs.root() / i, 64, 64, Default::default());
+    ///     layers = layers.add_fn(move |x| x + lin.forward(x).tanh());
+    /// }
+    /// let data = Tensor::rand([16, 32, 64], (Kind::Float, Device::Cpu));
+    /// let mut model = Mlp { vs, layers, data };
+    ///
+    /// // Half the plain step's peak (a trainer of the baseline, no optimizer: it only
+    /// // measures).
+    /// let budget = {
+    ///     let mut plain = TrainerBuilder::new(StepConfig::baseline()).build(&mut model)?;
+    ///     let batch = plain.model().batch(16)?;
+    ///     plain.step(&batch)?.peak_bytes / 2
+    /// };
+    /// let report = fit(&mut model, &FitRequest::new(budget))?;
+    /// let mut trainer = report.trainer(&mut model)?;
+    /// let batch = trainer.model().batch(report.global_batch)?;
+    /// for step in 0..3 {
+    ///     let m = trainer.step(&batch)?;
+    ///     // The first step also makes the optimizer's state (SGD without momentum
+    ///     // keeps none).
+    ///     assert!(m.peak_bytes <= budget, "step {step}: {}", m.peak_bytes);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// Traps: the budget holds for batches of the fitted size (the split into
+    /// micro-batches is a count: a larger batch makes larger micro-batches), and for the
+    /// model `fit` ran on or one built the same way. The optimizer's state is not in
+    /// the budget (see the [crate](crate) docs) and is made by the first step: that
+    /// step's peak can pass the budget by up to
+    /// [`optimizer_state_bytes`](Trainer::optimizer_state_bytes) (AdamW's is twice the
+    /// parameters); the steps after it stay within. Without `memsave_meter::install()`
+    /// the step measurements are not exact.
+    ///
+    /// # Errors
+    /// What [`TrainerBuilder::build`] refuses: [`StepError::InvalidConfig`] when the
+    /// choice's schedule is for another number of layers than `model` has (another
+    /// model than the one fitted), or the optimizer's state cannot be built.
+    pub fn trainer<'m, W: Workload>(&self, model: &'m mut W) -> Result<Trainer<'m, W>, StepError> {
+        let optimizer = model.optimizer();
+        self.choice.trainer_builder(optimizer).build(model)
+    }
+}

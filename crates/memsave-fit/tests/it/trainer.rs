@@ -1,0 +1,173 @@
+//! `FitReport::trainer`: the trainer built from `fit`'s choice in one call trains as
+//! the same configuration assembled by hand through `f_step_with` (the choice's step
+//! configuration with the workload's optimizer, its checkpoint schedule set on the
+//! layers), bitwise, and each of its steps peaks within the budget.
+use crate::common::Mlp;
+use memsave_checkpoint::Schedule;
+use memsave_fit::{fit, FitRequest};
+use memsave_step::optimizer::CaseOptimizer;
+use memsave_step::step::{f_step, f_step_with};
+use memsave_step::{OptimizerKind, OptimizerSpec, StepConfig, Workload};
+use serial_test::serial;
+use tch::{Device, Tensor};
+
+fn host(ts: &[Tensor]) -> Vec<Vec<f32>> {
+    ts.iter()
+        .map(|t| Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+        .collect()
+}
+
+/// Fits a fresh model of `make` to `budget(plain peak, gradient bytes)`, trains it 3
+/// steps with `report.trainer`, and a second fresh model 3 steps by hand; returns the
+/// choice's name and how many candidates recompute.
+fn trainer_matches_by_hand(
+    make: impl Fn() -> Mlp,
+    budget: impl Fn(u64, u64) -> u64,
+) -> (String, usize) {
+    memsave_meter::install();
+    let mut model = make();
+    let x = model.batch(model.global_batch()).unwrap();
+    let plain = f_step(
+        &model,
+        &x,
+        &StepConfig::baseline(),
+        Device::Cpu,
+        false,
+        None,
+    )
+    .unwrap()
+    .peak_bytes;
+    let grads: u64 = model
+        .parameters()
+        .iter()
+        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    memsave_accum::free_grads(&model.parameters()).unwrap();
+    let budget = budget(plain, grads);
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    let choice = &report.choice;
+    assert_ne!(choice.strategy, "baseline", "{}", report.to_text());
+    let spec = model.optimizer();
+    assert!(spec.is_some());
+    let before = host(&model.parameters());
+    // Every configuration fit considered builds a trainer with its levers and its
+    // schedule (not only the choice, whose schedule depends on the machine's speed).
+    let mut scheduled = 0;
+    for c in &report.candidates {
+        let trainer = c.choice.trainer_builder(spec).build(&mut model).unwrap();
+        assert_eq!(
+            trainer.config(),
+            &c.choice.step_config(spec),
+            "{}",
+            c.choice.strategy
+        );
+        let layers = trainer.model().layers().len();
+        let expected = c
+            .choice
+            .schedule()
+            .cloned()
+            .unwrap_or_else(|| Schedule::plain(layers));
+        assert_eq!(
+            trainer.model().layers().schedule(),
+            &expected,
+            "{}",
+            c.choice.strategy
+        );
+        scheduled += usize::from(c.choice.schedule().is_some());
+    }
+
+    let mut trainer = report.trainer(&mut model).unwrap();
+    // Everything the choice means: its levers, with the workload's optimizer...
+    assert_eq!(trainer.config(), &choice.step_config(spec));
+    // ... and its schedule on the layers (or none recomputed).
+    let layers = trainer.model().layers().len();
+    let schedule = choice
+        .schedule()
+        .cloned()
+        .unwrap_or_else(|| Schedule::plain(layers));
+    assert_eq!(trainer.model().layers().schedule(), &schedule);
+    let mut trainer_peaks = Vec::new();
+    for _ in 0..3 {
+        let m = trainer.step(&x).unwrap();
+        trainer_peaks.push(m.peak_bytes);
+    }
+    assert_eq!(trainer.steps(), 3);
+    let state = trainer.optimizer_state_bytes();
+    assert!(state > 0, "AdamW keeps two moments");
+    drop(trainer);
+    let trained = host(&model.parameters());
+    assert_ne!(trained, before, "the optimizer stepped");
+
+    // By hand, on a fresh model (fit left the first as it found it, bar the schedule).
+    let mut by_hand = make();
+    assert_eq!(host(&by_hand.parameters()), before);
+    by_hand.layers_mut().set_schedule(schedule.clone()).unwrap();
+    let xh = by_hand.batch(by_hand.global_batch()).unwrap();
+    let config = choice.step_config(by_hand.optimizer());
+    let params = by_hand.parameters();
+    let mut optimizer = config
+        .optimizer
+        .map(|s| CaseOptimizer::build(&s, &params).unwrap());
+    let mut hand_peaks = Vec::new();
+    for _ in 0..3 {
+        let m = f_step_with(
+            &by_hand,
+            &xh,
+            &config,
+            Device::Cpu,
+            false,
+            None,
+            optimizer.as_mut(),
+        )
+        .unwrap();
+        hand_peaks.push(m.peak_bytes);
+    }
+    assert!(
+        host(&params) == trained,
+        "parameters differ from the hand-assembled run's"
+    );
+    // fit's budget leaves out the optimizer's state (it persists, like the
+    // parameters): the first step allocates it, so only that step may pass the budget,
+    // by at most the state's bytes.
+    for (i, peak) in trainer_peaks.iter().enumerate() {
+        let allowed = if i == 0 { budget + state } else { budget };
+        assert!(
+            *peak <= allowed,
+            "step {i} of {} peaked at {peak}, over {allowed} (budget {budget}, optimizer state {state})",
+            choice.strategy
+        );
+    }
+    assert_eq!(trainer_peaks, hand_peaks);
+    (choice.strategy.clone(), scheduled)
+}
+
+fn adamw(mut model: Mlp) -> Mlp {
+    model.optimizer = Some(OptimizerSpec {
+        kind: OptimizerKind::Adamw,
+        lr: Some(1e-2),
+        ..Default::default()
+    });
+    model
+}
+
+#[test]
+#[serial]
+fn the_trainer_from_fit_s_choice_trains_as_the_choice_assembled_by_hand() {
+    // Half the plain step's peak: recompute, offload or the step in backward.
+    let (strategy, scheduled) =
+        trainer_matches_by_hand(|| adamw(Mlp::new(6, 32, 16, 32)), |plain, _| plain / 2);
+    assert!(scheduled > 0, "no candidate recomputes");
+    eprintln!("half the plain peak: {strategy}");
+}
+
+#[test]
+#[serial]
+fn the_trainer_from_fit_s_choice_steps_the_optimizer_in_backward_as_chosen() {
+    // Wide layers, few examples, a budget below the gradients' bytes: only a choice
+    // that never holds every gradient fits, so AdamW steps in backward (the choice's
+    // lever on the workload's optimizer), with gradients in files if need be.
+    let (strategy, _) =
+        trainer_matches_by_hand(|| adamw(Mlp::new(3, 96, 4, 2)), |_, grads| grads * 3 / 4);
+    assert!(strategy.contains("in_backward=true"), "{strategy}");
+    eprintln!("below the gradients: {strategy}");
+}
