@@ -137,7 +137,7 @@ impl RawHooks for Lever {
         let stored = self.0.store(tensor)?;
         let c = &self.1;
         c.tensors.fetch_add(1, Ordering::Relaxed);
-        let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+        let bytes = memsave_sys::tensor::nbytes(tensor);
         c.bytes.fetch_add(bytes, Ordering::Relaxed);
         match self.0.resident_bytes(&stored) {
             Some(b) => {

@@ -3,7 +3,7 @@ use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
 use memsave_meter::measure;
-use memsave_sys::tensor::{backward_with_grads, set_grad_none};
+use memsave_sys::tensor::{backward_with_grads, nbytes, set_grad_none};
 use std::time::Instant;
 use tch::Tensor;
 
@@ -54,16 +54,12 @@ impl ChainProfile {
     }
 }
 
-fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
-}
-
 fn grad_bytes(params: &[Tensor]) -> u64 {
     params
         .iter()
         .map(|p| p.grad())
         .filter(|g| g.defined())
-        .map(|g| tensor_bytes(&g))
+        .map(|g| nbytes(&g))
         .sum()
 }
 
@@ -118,8 +114,8 @@ fn profile_element(
     let backward_time_s = start.elapsed().as_secs_f64();
     result?;
     let profile = LayerProfile {
-        input_bytes: tensor_bytes(x),
-        output_bytes: tensor_bytes(&y),
+        input_bytes: nbytes(x),
+        output_bytes: nbytes(&y),
         retained_bytes: fwd.retained_bytes().max(0) as u64,
         forward_peak_bytes: fwd.peak_bytes,
         nograd_peak_bytes: nograd.peak_bytes,
@@ -144,10 +140,7 @@ fn checkpoint_overhead(x: &Tensor, options: Checkpoint) -> Result<u64> {
         options.run(&[&x], |xs| vec![xs[0].tanh().dropout(0.5, true)])
     });
     let out = out?;
-    let output_bytes = out
-        .iter()
-        .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
-        .sum::<u64>();
+    let output_bytes = out.iter().map(nbytes).sum::<u64>();
     let bytes = (m.retained_bytes().max(0) as u64).saturating_sub(output_bytes);
     drop(out);
     Ok(bytes)

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use memsave_sys::dist::{GlooGroup, Store};
+use memsave_sys::tensor::nbytes;
 use tch::{Device, Tensor};
 
 use crate::error::{DistError, Result};
@@ -305,10 +306,6 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<()> {
         Ok(self.inner.gloo.barrier()?)
     }
-}
-
-fn nbytes(t: &Tensor) -> u64 {
-    t.numel() as u64 * t.kind().elt_size_in_bytes() as u64
 }
 
 fn check_options(rank: usize, world_size: usize, options: &InitOptions) -> Result<()> {

@@ -63,7 +63,7 @@ pub(crate) fn apply(
     if in_place_allowed {
         // libtorch checks its arguments before writing, so an error leaves `x` as it was.
         drop(in_place(&mut x).map_err(|e| InplaceError::torch(op, e))?);
-        record_in_place(x.numel() as u64 * x.kind().elt_size_in_bytes() as u64);
+        record_in_place(memsave_sys::tensor::nbytes(&x));
         Ok(x)
     } else {
         let y = out_of_place(&x).map_err(|e| InplaceError::torch(op, e))?;

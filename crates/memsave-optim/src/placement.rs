@@ -193,7 +193,7 @@ fn read_buffers(path: &Path, layout: &BufferLayout, crc: Option<u32>) -> Result<
 pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.f_to_device(Device::Cpu)?.f_contiguous()?;
     let numel = t.numel();
-    let mut out = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    let mut out = vec![0u8; memsave_sys::tensor::nbytes(&t) as usize];
     t.f_copy_data_u8(&mut out, numel)?;
     Ok(out)
 }

@@ -192,7 +192,7 @@ impl Buffer {
     pub(crate) fn bytes(&self) -> u64 {
         self.parts()
             .iter()
-            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .map(|(_, t)| memsave_sys::tensor::nbytes(t))
             .sum()
     }
 
@@ -563,8 +563,7 @@ mod tests {
     }
 
     fn bits(t: &Tensor) -> Vec<u8> {
-        let n = t.numel() * t.kind().elt_size_in_bytes();
-        let mut out = vec![0u8; n];
+        let mut out = vec![0u8; memsave_sys::tensor::nbytes(t) as usize];
         t.copy_data_u8(&mut out, t.numel());
         out
     }
