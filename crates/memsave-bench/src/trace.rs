@@ -173,10 +173,7 @@ pub fn trace_case(
         }
     }
     let params = model.params();
-    let parameter_bytes = params
-        .iter()
-        .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
-        .sum();
+    let parameter_bytes = params.iter().map(memsave_sys::tensor::nbytes).sum();
     // State from the warm-up steps exists already; state created or fetched during the
     // step, and gradients an optimizer in backward frees, are shown to the session.
     let state = optimizer

@@ -168,7 +168,7 @@ impl SavedTensorHooks for Accounting {
     }
 
     fn pack_saved_by(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Tensor, HookError> {
-        let bytes = tensor.numel() as u64 * tensor.kind().elt_size_in_bytes() as u64;
+        let bytes = memsave_sys::tensor::nbytes(tensor);
         let producer = producer_of(tensor)?;
         let mut inner = self.lock();
         let counted = inner.seen.insert(tensor.data_ptr() as usize);

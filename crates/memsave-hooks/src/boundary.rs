@@ -70,7 +70,7 @@ impl BoundaryStore for Compress {
 
     fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
         stored.downcast_ref::<Compressed>().map(|c| match c {
-            Compressed::Kept(t) => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+            Compressed::Kept(t) => memsave_sys::tensor::nbytes(t),
             Compressed::Encoded(e) => e.stored_bytes(),
         })
     }

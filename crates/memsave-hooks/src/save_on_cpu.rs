@@ -117,15 +117,12 @@ impl SavedTensorHooks for SaveOnCpu {
             return Ok(kept());
         }
         let (base, expanded) = distinct(tensor)?;
-        let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
+        let bytes = memsave_sys::tensor::nbytes(&base);
         if self.select.decide(tensor, bytes, saved_by)?.kept.is_some() {
             return Ok(kept());
         }
         let host = base.f_to_device(Device::Cpu)?;
-        self.offloaded_bytes.fetch_add(
-            (base.numel() * base.kind().elt_size_in_bytes()) as u64,
-            Ordering::Relaxed,
-        );
+        self.offloaded_bytes.fetch_add(bytes, Ordering::Relaxed);
         let host = if self.pin_memory {
             host.f_pin_memory(device)?
         } else {

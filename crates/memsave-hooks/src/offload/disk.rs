@@ -445,12 +445,12 @@ impl Offloaded {
     /// Bytes this packed tensor keeps in memory now: all of it when passed through or
     /// kept after a failed write, what still waits for the writer, else 0.
     pub(crate) fn resident_bytes(&self) -> u64 {
-        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        use memsave_sys::tensor::nbytes;
         match &self.0 {
-            Packed::Kept(t) => bytes(t),
+            Packed::Kept(t) => nbytes(t),
             Packed::Stored(held, _) => match &*lock(&held.0.slot) {
                 Slot::Queued(t) | Slot::InMemory(t) | Slot::Prefetched { tensor: t, .. } => {
-                    bytes(t)
+                    nbytes(t)
                 }
                 _ => 0,
             },
@@ -501,7 +501,7 @@ impl SavedTensorHooks for DiskOffload {
         saved_by: Option<&str>,
     ) -> Result<Offloaded, HookError> {
         let (base, expanded) = distinct(tensor)?;
-        let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
+        let bytes = memsave_sys::tensor::nbytes(&base);
         if self.select.decide(tensor, bytes, saved_by)?.kept.is_some() {
             return Ok(Offloaded(Packed::Kept(tensor.shallow_clone())));
         }

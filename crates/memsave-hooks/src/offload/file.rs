@@ -227,7 +227,7 @@ impl Layout {
             kind: t.kind(),
             shape: t.size(),
             device: t.device(),
-            bytes: (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+            bytes: memsave_sys::tensor::nbytes(t),
         }
     }
 }
