@@ -66,10 +66,11 @@ impl fmt::Display for FitReport {
 /// empty):
 /// - **CPU**: each trial runs under the meter's simulated memory limit
 ///   ([`memsave_meter::f_set_memory_limit`]), so an allocation past the budget fails
-///   at once with an out-of-memory error, which counts as "does not fit". When a limit
-///   is already set and leaves less room than `budget_bytes`, that tighter limit is
-///   the budget (the report's `budget_bytes` says which applied). The limit in force
-///   before is restored when the search ends, also on an error or a panic.
+///   at once with an out-of-memory error, which counts as "does not fit" (so does an
+///   allocation the system refuses, "not enough memory"). When a limit is already set
+///   and leaves less room than `budget_bytes`, that tighter limit is the budget (the
+///   report's `budget_bytes` says which applied). The limit in force before is
+///   restored when the search ends, also on an error or a panic.
 /// - **CUDA**: libtorch has no byte limit for allocated memory there, so each trial
 ///   runs to completion and fits when its measured peak
 ///   ([`memsave_meter::f_measure`]) is within the budget; a trial the GPU itself
@@ -146,7 +147,7 @@ where
                 })
             }
             Err(payload) => match panic_message(&payload) {
-                Some(msg) if msg.contains("out of memory") => Some(msg.to_owned()),
+                Some(msg) if memsave_sys::is_out_of_memory_message(msg) => Some(msg.to_owned()),
                 _ => panic::resume_unwind(payload),
             },
         };
@@ -194,10 +195,12 @@ where
     })
 }
 
+/// Whether `e` or any of its causes is an out-of-memory error, by its text (the trial's
+/// error type is the caller's).
 fn is_out_of_memory(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut current = Some(e);
     while let Some(err) = current {
-        if err.to_string().contains("out of memory") {
+        if memsave_sys::is_out_of_memory_message(&err.to_string()) {
             return true;
         }
         current = err.source();

@@ -109,6 +109,37 @@ fn panicking_forwards_that_hit_the_limit_count_as_too_big() {
     assert_eq!(memory_limit(CPU), None);
 }
 
+/// An allocation the system refuses (libtorch's CPU allocator says "not enough memory",
+/// not "out of memory") counts as "does not fit" too: returned, under a context that
+/// hides it from the error's own text, or panicked.
+#[test]
+#[serial]
+fn allocations_the_system_refuses_count_as_too_big() {
+    const REFUSED: &str =
+        "DefaultCPUAllocator: not enough memory: you tried to allocate 1048576 bytes.";
+    let seed = Seed::new();
+    let params = seed.vs.trainable_variables();
+    let report = fit_micro_batch(1 << 30, MAX, &params, |n| {
+        if n > 5 {
+            return Err(anyhow::anyhow!(REFUSED).context("the forward of layer 2"));
+        }
+        Ok(seed.loss(n)?)
+    })
+    .unwrap();
+    assert_eq!(report.micro_batch, 5, "{report}");
+    assert_eq!(memory_limit(CPU), None);
+
+    let report = fit_micro_batch(1 << 30, MAX, &params, |n| {
+        if n > 5 {
+            panic!("{REFUSED}");
+        }
+        Ok::<_, tch::TchError>(seed.loss_panicking(n))
+    })
+    .unwrap();
+    assert_eq!(report.micro_batch, 5, "{report}");
+    assert_eq!(memory_limit(CPU), None);
+}
+
 #[test]
 #[serial]
 fn errors_and_panics_remove_the_limit_too() {
