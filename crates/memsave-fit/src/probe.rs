@@ -3,13 +3,15 @@
 use super::choice::Choice;
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
+use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
-use memsave_step::step::{f_step_observed, StepEvent, StepObserver, Unobserved};
-use memsave_step::workload::Workload;
+use memsave_step::step::{f_step_observed, StepEvent, StepMeasurement, StepObserver, Unobserved};
+use memsave_step::workload::{Batch, Workload};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
+use tch::{Device, Tensor};
 
 /// What running a configuration measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,6 +44,14 @@ impl ProbeError {
     pub(crate) fn message(&self) -> &str {
         match self {
             ProbeError::OutOfMemory(e) | ProbeError::Failed(e) => e,
+        }
+    }
+
+    /// The same error, its message prefixed with what was being done (`what`).
+    fn context(self, what: &str) -> ProbeError {
+        match self {
+            ProbeError::OutOfMemory(e) => ProbeError::OutOfMemory(format!("{what}: {e}")),
+            ProbeError::Failed(e) => ProbeError::Failed(format!("{what}: {e}")),
         }
     }
 }
@@ -133,201 +143,284 @@ pub(crate) fn probe(
     budget: Option<u64>,
     record: bool,
 ) -> Result<Probe, ProbeError> {
-    let device = workload.device();
-    let layers = workload.layers().len();
-    let schedule = choice
-        .schedule()
-        .cloned()
-        .unwrap_or_else(|| Schedule::plain(layers));
-    workload
-        .layers_mut()
-        .set_schedule(schedule)
-        .map_err(|e| ProbeError::Failed(e.to_string()))?;
-    let config = choice.probe_config(workload.optimizer(), micro_batches);
-    let x = workload
-        .batch(batch)
-        .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
-    let params = workload.parameters();
-    memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))?;
-    let weights = match config.optimizer {
-        Some(_) => {
-            Some(SavedWeights::save(&params).map_err(|e| ProbeError::Failed(e.to_string()))?)
-        }
-        None => None,
-    };
-    let mut optimizer = config
-        .optimizer
-        .map(|spec| CaseOptimizer::build(&spec, &params))
-        .transpose()
-        .map_err(|e| ProbeError::Failed(e.to_string()))?;
-    // The optimizer's state persists from step to step, like the parameters: it is
-    // there before the step (a warm-up step of one example per micro-batch, outside
-    // the budget, allocates it), and the peak is measured above it, as `memsave bench`
-    // measures it after its warm-up.
-    let warmed = match optimizer.as_mut() {
-        Some(optimizer) => {
-            let size = micro_batches.max(1) as i64;
-            workload
-                .batch(size)
-                .map_err(|e| format!("making a batch of {size}: {e}"))
-                .and_then(|warm| {
-                    panic::catch_unwind(AssertUnwindSafe(|| {
-                        f_step_observed(
-                            &*workload,
-                            &warm,
-                            &config,
-                            device,
-                            false,
-                            None,
-                            Some(optimizer),
-                            &Unobserved,
-                        )
-                        .map_err(|e| e.to_string())
-                    }))
-                    .unwrap_or_else(|payload| {
-                        Err(format!(
-                            "panicked: {}",
-                            memsave_sys::checkpoint::panic_message(&*payload)
-                        ))
-                    })
-                })
-                .map(|_| ())
-                .map_err(|e| {
-                    let e = format!("warming up the optimizer: {e}");
-                    if is_oom(&e) {
-                        ProbeError::OutOfMemory(e)
-                    } else {
-                        ProbeError::Failed(e)
-                    }
-                })
-        }
-        None => Ok(()),
-    };
-    let warmed = warmed.and_then(|()| {
-        memsave_accum::free_grads(&params).map_err(|e| ProbeError::Failed(e.to_string()))
-    });
-    if let Err(e) = warmed {
+    let mut setup = Setup::new(workload, choice, batch, micro_batches)?;
+    if let Err(e) = setup.warm_up(&*workload, micro_batches) {
         // Put the weights back (a step in backward may have moved some) before failing.
-        let _ = memsave_accum::free_grads(&params);
-        if let Some(weights) = weights {
-            weights
-                .restore()
-                .map_err(|e| ProbeError::Failed(e.to_string()))?;
-        }
+        setup.put_back()?;
         return Err(e);
     }
-    let base =
-        memsave_meter::f_memory_allocated(device).map_err(|e| ProbeError::Failed(e.to_string()))?;
-    // No budget as a simulated capacity (see `machine_memory`): only the machine's.
-    let cap = match (device, machine_memory()) {
-        (tch::Device::Cpu, Some(machine)) => Some(
-            MemoryLimitGuard::f_new(device, machine)
-                .map_err(|e| ProbeError::Failed(e.to_string()))?,
-        ),
-        _ => None,
-    };
-    let outcome = (|| {
-        let mut best: Option<Probe> = None;
-        let mut peak = 0;
-        let mut series = None;
-        let mut second = None;
-        let runs_started = Instant::now();
-        for run in 0..runs.max(1) {
-            if run >= 2 && runs_started.elapsed().as_secs_f64() > LONG_RUNS_S {
-                break;
-            }
-            let recording = record
-                && run == 0
-                && device == tch::Device::Cpu
-                && memsave_sys::alloc::start_recording().unwrap_or(false);
-            let clock = Clock {
-                optimizer_start: Cell::new(None),
-                forwards: Cell::new(0),
-                second_forward_at: Cell::new(None),
-            };
-            // The workload's code may panic (tch's short methods do on any error, and
-            // a failed operation on a scalar panics even in its `f_` form): catch it
-            // as the error it is.
-            let m = panic::catch_unwind(AssertUnwindSafe(|| {
-                f_step_observed(
-                    &*workload,
-                    &x,
-                    &config,
-                    device,
-                    false,
-                    None,
-                    optimizer.as_mut(),
-                    &clock,
-                )
-                .map_err(|e| e.to_string())
-            }))
-            .unwrap_or_else(|payload| {
-                Err(format!(
-                    "panicked: {}",
-                    memsave_sys::checkpoint::panic_message(&*payload)
-                ))
-            });
-            if recording {
-                let events = memsave_sys::alloc::stop_recording();
-                let initial = events.iter().take_while(|e| e.time_ns == 0).count();
-                second = clock
-                    .second_forward_at
-                    .get()
-                    .map(|at| at.saturating_sub(initial));
-                series = Some(Arc::new(
-                    events
-                        .iter()
-                        .filter(|e| e.time_ns != 0)
-                        .map(|e| e.allocated_after as i64 - base as i64)
-                        .collect::<Vec<i64>>(),
-                ));
-            }
-            let m = m.map_err(|e| {
-                if is_oom(&e) {
-                    ProbeError::OutOfMemory(e)
-                } else {
-                    ProbeError::Failed(e)
-                }
-            })?;
-            let end = Instant::now();
-            let optimizer_time_s = clock
-                .optimizer_start
-                .get()
-                .map(|t| end.duration_since(t).as_secs_f64().min(m.time_s))
-                .unwrap_or(0.0);
-            peak = peak.max((m.start_bytes + m.peak_bytes).saturating_sub(base));
-            if let Some(budget) = budget.filter(|b| peak > *b) {
-                // Over already: the runs left would only take the time (and memory).
-                return Err(ProbeError::OutOfMemory(format!(
-                    "the peak {} is above the budget {}",
-                    Bytes(peak),
-                    Bytes(budget)
-                )));
-            }
-            if best.as_ref().is_none_or(|b| m.time_s < b.time_s) {
-                best = Some(Probe {
-                    peak_bytes: 0,
-                    time_s: m.time_s,
-                    optimizer_time_s,
-                    series: None,
-                    second_micro_batch: None,
-                });
-            }
-        }
-        let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
-        Ok(Probe {
-            peak_bytes: peak,
-            series,
-            second_micro_batch: second,
-            ..best
-        })
-    })();
+    let base = memsave_meter::f_memory_allocated(setup.device).map_err(failed)?;
+    let cap = machine_cap(setup.device)?;
+    let outcome = measure(&mut setup, &*workload, runs, budget, record, base);
     drop(cap);
-    let _ = memsave_accum::free_grads(&params);
-    if let Some(weights) = weights {
-        weights
-            .restore()
-            .map_err(|e| ProbeError::Failed(e.to_string()))?;
-    }
+    setup.put_back()?;
     outcome
+}
+
+/// A probe's step, set up: its configuration and batch, and the parameters with their
+/// values before the probe (with an optimizer) and a fresh optimizer.
+struct Setup {
+    device: Device,
+    config: StepConfig,
+    x: Batch,
+    params: Vec<Tensor>,
+    /// The parameters' values before the probe, put back after it (an optimizer moves
+    /// them).
+    weights: Option<SavedWeights>,
+    optimizer: Option<CaseOptimizer>,
+}
+
+impl Setup {
+    /// Sets `choice`'s schedule on the layers and makes the batch of `batch` examples,
+    /// the step configuration for `micro_batches`, and its optimizer, the parameters'
+    /// gradients freed.
+    fn new(
+        workload: &mut dyn Workload,
+        choice: &Choice,
+        batch: i64,
+        micro_batches: usize,
+    ) -> Result<Setup, ProbeError> {
+        let device = workload.device();
+        let layers = workload.layers().len();
+        let schedule = choice
+            .schedule()
+            .cloned()
+            .unwrap_or_else(|| Schedule::plain(layers));
+        workload
+            .layers_mut()
+            .set_schedule(schedule)
+            .map_err(failed)?;
+        let config = choice.probe_config(workload.optimizer(), micro_batches);
+        let x = workload
+            .batch(batch)
+            .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
+        let params = workload.parameters();
+        memsave_accum::free_grads(&params).map_err(failed)?;
+        let weights = match config.optimizer {
+            Some(_) => Some(SavedWeights::save(&params).map_err(failed)?),
+            None => None,
+        };
+        let optimizer = config
+            .optimizer
+            .map(|spec| CaseOptimizer::build(&spec, &params))
+            .transpose()
+            .map_err(failed)?;
+        Ok(Setup {
+            device,
+            config,
+            x,
+            params,
+            weights,
+            optimizer,
+        })
+    }
+
+    /// With an optimizer, a warm-up step of one example per micro-batch (outside the
+    /// budget) that allocates its state; then the gradients freed. The optimizer's state
+    /// persists from step to step, like the parameters: it is there before the step,
+    /// and the peak is measured above it, as `memsave bench` measures it after its
+    /// warm-up.
+    fn warm_up(&mut self, workload: &dyn Workload, micro_batches: usize) -> Result<(), ProbeError> {
+        if let Some(optimizer) = self.optimizer.as_mut() {
+            let size = micro_batches.max(1) as i64;
+            let warm = workload
+                .batch(size)
+                .map_err(|e| step_error(format!("making a batch of {size}: {e}")))
+                .and_then(|warm| {
+                    step_caught(
+                        workload,
+                        &warm,
+                        &self.config,
+                        self.device,
+                        Some(optimizer),
+                        &Unobserved,
+                    )
+                });
+            warm.map_err(|e| e.context("warming up the optimizer"))?;
+        }
+        memsave_accum::free_grads(&self.params).map_err(failed)
+    }
+
+    /// Frees the gradients and puts the weights back as they were before the probe.
+    fn put_back(self) -> Result<(), ProbeError> {
+        let _ = memsave_accum::free_grads(&self.params);
+        if let Some(weights) = self.weights {
+            weights.restore().map_err(failed)?;
+        }
+        Ok(())
+    }
+}
+
+/// On the CPU, the machine's memory as a simulated capacity for the probe's runs: the
+/// one cap in force (see [`machine_memory`]); none elsewhere or where the system does
+/// not say.
+fn machine_cap(device: Device) -> Result<Option<MemoryLimitGuard>, ProbeError> {
+    // No budget as a simulated capacity (see `machine_memory`): only the machine's.
+    Ok(match (device, machine_memory()) {
+        (Device::Cpu, Some(machine)) => {
+            Some(MemoryLimitGuard::f_new(device, machine).map_err(failed)?)
+        }
+        _ => None,
+    })
+}
+
+/// The runs of a set-up probe (see [`probe`]): the peak over them all above `base` (the
+/// allocation before the first), the fastest one's times, and the first one's
+/// allocations when `record` asks.
+fn measure(
+    setup: &mut Setup,
+    workload: &dyn Workload,
+    runs: usize,
+    budget: Option<u64>,
+    record: bool,
+    base: u64,
+) -> Result<Probe, ProbeError> {
+    let mut best: Option<Probe> = None;
+    let mut peak = 0;
+    let mut series = None;
+    let mut second = None;
+    let runs_started = Instant::now();
+    for run in 0..runs.max(1) {
+        if run >= 2 && runs_started.elapsed().as_secs_f64() > LONG_RUNS_S {
+            break;
+        }
+        let Run {
+            step: m,
+            optimizer_time_s,
+            recorded,
+        } = run_once(setup, workload, record && run == 0, base)?;
+        if let Some((events, second_at)) = recorded {
+            series = Some(events);
+            second = second_at;
+        }
+        peak = peak.max((m.start_bytes + m.peak_bytes).saturating_sub(base));
+        if let Some(budget) = budget.filter(|b| peak > *b) {
+            // Over already: the runs left would only take the time (and memory).
+            return Err(ProbeError::OutOfMemory(format!(
+                "the peak {} is above the budget {}",
+                Bytes(peak),
+                Bytes(budget)
+            )));
+        }
+        if best.as_ref().is_none_or(|b| m.time_s < b.time_s) {
+            best = Some(Probe {
+                peak_bytes: 0,
+                time_s: m.time_s,
+                optimizer_time_s,
+                series: None,
+                second_micro_batch: None,
+            });
+        }
+    }
+    let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
+    Ok(Probe {
+        peak_bytes: peak,
+        series,
+        second_micro_batch: second,
+        ..best
+    })
+}
+
+/// One run of a probe's step.
+struct Run {
+    step: StepMeasurement,
+    /// Its optimizer time after backward, seconds.
+    optimizer_time_s: f64,
+    /// When it was recorded: the allocation above the start after every event, and
+    /// where in it the second micro-batch's forward begins (see [`Probe`]).
+    recorded: Option<(Arc<Vec<i64>>, Option<usize>)>,
+}
+
+/// Runs the set-up step once, recording its allocations when `record` asks and the
+/// device is the CPU (and no other recording is on).
+fn run_once(
+    setup: &mut Setup,
+    workload: &dyn Workload,
+    record: bool,
+    base: u64,
+) -> Result<Run, ProbeError> {
+    let recording = record
+        && setup.device == Device::Cpu
+        && memsave_sys::alloc::start_recording().unwrap_or(false);
+    let clock = Clock {
+        optimizer_start: Cell::new(None),
+        forwards: Cell::new(0),
+        second_forward_at: Cell::new(None),
+    };
+    let m = step_caught(
+        workload,
+        &setup.x,
+        &setup.config,
+        setup.device,
+        setup.optimizer.as_mut(),
+        &clock,
+    );
+    let recorded = recording.then(|| {
+        let events = memsave_sys::alloc::stop_recording();
+        let initial = events.iter().take_while(|e| e.time_ns == 0).count();
+        let second = clock
+            .second_forward_at
+            .get()
+            .map(|at| at.saturating_sub(initial));
+        let series = Arc::new(
+            events
+                .iter()
+                .filter(|e| e.time_ns != 0)
+                .map(|e| e.allocated_after as i64 - base as i64)
+                .collect::<Vec<i64>>(),
+        );
+        (series, second)
+    });
+    let m = m?;
+    let end = Instant::now();
+    let optimizer_time_s = clock
+        .optimizer_start
+        .get()
+        .map(|t| end.duration_since(t).as_secs_f64().min(m.time_s))
+        .unwrap_or(0.0);
+    Ok(Run {
+        step: m,
+        optimizer_time_s,
+        recorded,
+    })
+}
+
+/// One step of `workload`. The workload's code may panic (tch's short methods do on
+/// any error, and a failed operation on a scalar panics even in its `f_` form): the
+/// panic is caught as the error it is.
+fn step_caught(
+    workload: &dyn Workload,
+    x: &Batch,
+    config: &StepConfig,
+    device: Device,
+    optimizer: Option<&mut CaseOptimizer>,
+    observer: &dyn StepObserver,
+) -> Result<StepMeasurement, ProbeError> {
+    panic::catch_unwind(AssertUnwindSafe(|| {
+        f_step_observed(
+            workload, x, config, device, false, None, optimizer, observer,
+        )
+        .map_err(|e| e.to_string())
+    }))
+    .unwrap_or_else(|payload| {
+        Err(format!(
+            "panicked: {}",
+            memsave_sys::checkpoint::panic_message(&*payload)
+        ))
+    })
+    .map_err(step_error)
+}
+
+/// A step's failure as a probe's error: out of memory when its message says so.
+fn step_error(message: String) -> ProbeError {
+    if is_oom(&message) {
+        ProbeError::OutOfMemory(message)
+    } else {
+        ProbeError::Failed(message)
+    }
+}
+
+/// Anything but a step failing, as a probe's error.
+fn failed(e: impl std::fmt::Display) -> ProbeError {
+    ProbeError::Failed(e.to_string())
 }
