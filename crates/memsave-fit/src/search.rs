@@ -168,9 +168,9 @@ pub fn fit_with(
     // Every probe run moves the model (BatchNorm's running statistics, the random
     // generator, the weights under an optimizer): it is put back as found, whatever
     // the outcome.
-    let state = ModelState::save(&*workload).map_err(FitError::Step)?;
+    let state = ModelState::save(&*workload).map_err(|e| FitError::Step(e.to_string()))?;
     let outcome = search_fit(workload, request, progress, started, global);
-    let restored = state.restore().map_err(FitError::Step);
+    let restored = state.restore().map_err(|e| FitError::Step(e.to_string()));
     let report = outcome?;
     restored?;
     Ok(report)

@@ -4,6 +4,18 @@
 use memsave_step::workload::Workload;
 use tch::{Device, TchError, Tensor};
 
+/// Why the model's state could not be saved or put back: libtorch's error (copying a
+/// tensor, or the random generator's state).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StateError {
+    /// Saving it, before the first run.
+    #[error("saving the model's state: {0}")]
+    Save(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Putting it back, after the last run.
+    #[error("putting the model's state back: {0}")]
+    Restore(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
 /// Host copies of the parameters and buffers, bitwise, and the CPU generator's state.
 pub(crate) struct ModelState {
     /// (the tensor, a host copy of its values).
@@ -25,28 +37,27 @@ fn host_copy(t: &Tensor) -> Result<Tensor, TchError> {
 
 impl ModelState {
     /// Saves the state of `workload` and of the CPU generator.
-    pub(crate) fn save(workload: &dyn Workload) -> Result<Self, String> {
-        let what = |e: &dyn std::fmt::Display| format!("saving the model's state: {e}");
+    pub(crate) fn save(workload: &dyn Workload) -> Result<Self, StateError> {
         let tensors = workload
             .parameters()
             .into_iter()
             .chain(workload.buffers())
             .map(|t| host_copy(&t).map(|c| (t, c)))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| what(&e))?;
-        let rng = memsave_sys::rng::cpu_state().map_err(|e| what(&e))?;
+            .map_err(|e| StateError::Save(e.into()))?;
+        let rng = memsave_sys::rng::cpu_state().map_err(|e| StateError::Save(e.into()))?;
         Ok(Self { tensors, rng })
     }
 
     /// Writes the saved values back (in place: views and optimizers holding the
     /// tensors see them) and puts the generator's state back.
-    pub(crate) fn restore(&self) -> Result<(), String> {
-        let what = |e: &dyn std::fmt::Display| format!("putting the model's state back: {e}");
+    pub(crate) fn restore(&self) -> Result<(), StateError> {
         let _no_grad = tch::no_grad_guard();
         for (t, saved) in &self.tensors {
             let mut t = t.shallow_clone();
-            t.f_copy_(saved).map_err(|e| what(&e))?;
+            t.f_copy_(saved)
+                .map_err(|e| StateError::Restore(e.into()))?;
         }
-        memsave_sys::rng::set_cpu_state(&self.rng).map_err(|e| what(&e))
+        memsave_sys::rng::set_cpu_state(&self.rng).map_err(|e| StateError::Restore(e.into()))
     }
 }
