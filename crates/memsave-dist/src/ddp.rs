@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use memsave_sys::grad_hooks::GradHookHandle;
 use tch::Tensor;
 
+use crate::bucket::{copy_from_flat, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -52,18 +53,14 @@ impl Default for DdpConfig {
 pub struct DistributedDataParallel {
     // Dropped first: removing the hooks releases their references to `state`.
     _hooks: Vec<GradHookHandle>,
-    state: Arc<Mutex<Buckets>>,
+    state: Arc<Mutex<Reducer>>,
 }
 
 #[derive(Debug)]
-struct Buckets {
+struct Reducer {
     group: ProcessGroup,
     params: Vec<Tensor>,
-    /// Parameter indices of each bucket.
-    members: Vec<Vec<usize>>,
-    bucket_of: Vec<usize>,
-    ready: Vec<usize>,
-    next: usize,
+    buckets: Buckets,
     sync: bool,
     reductions: u64,
 }
@@ -81,38 +78,14 @@ impl DistributedDataParallel {
                 group.broadcast(p, 0)?;
             }
         }
-        let mut members: Vec<Vec<usize>> = Vec::new();
-        let mut filled = 0u64;
-        for index in (0..params.len()).rev() {
-            let p = &params[index];
-            let bytes = p.numel() as u64 * p.kind().elt_size_in_bytes() as u64;
-            if members.is_empty() || filled + bytes > config.bucket_cap_bytes {
-                members.push(Vec::new());
-                filled = 0;
-            }
-            members
-                .last_mut()
-                .expect("a bucket was just pushed")
-                .push(index);
-            filled += bytes;
-        }
-        let mut bucket_of = vec![0; params.len()];
-        for (b, m) in members.iter().enumerate() {
-            for &i in m {
-                bucket_of[i] = b;
-            }
-        }
-        let state = Arc::new(Mutex::new(Buckets {
+        let state = Arc::new(Mutex::new(Reducer {
             group: group.clone(),
             params: params.iter().map(Tensor::shallow_clone).collect(),
-            ready: vec![0; members.len()],
-            members,
-            bucket_of,
-            next: 0,
+            buckets: Buckets::new(params, config.bucket_cap_bytes),
             sync: true,
             reductions: 0,
         }));
-        let hooks = ready_hooks(params, &state, rank, Buckets::mark_ready)?;
+        let hooks = ready_hooks(params, &state, rank, Reducer::mark_ready)?;
         Ok(Self {
             _hooks: hooks,
             state,
@@ -149,48 +122,37 @@ impl DistributedDataParallel {
 
     /// Number of buckets.
     pub fn bucket_count(&self) -> usize {
-        self.lock().members.len()
+        self.lock().buckets.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Buckets> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Reducer> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-impl Buckets {
+impl Reducer {
     fn mark_ready(&mut self, index: usize) -> Result<()> {
         if !self.sync {
             return Ok(());
         }
-        self.ready[self.bucket_of[index]] += 1;
-        while self.next < self.members.len()
-            && self.ready[self.next] == self.members[self.next].len()
-        {
-            self.reduce(self.next)?;
-            self.next += 1;
-        }
-        if self.next == self.members.len() {
-            self.reset();
+        self.buckets.mark_ready(index);
+        while let Some(bucket) = self.buckets.next_complete() {
+            self.reduce(bucket)?;
+            self.buckets.advance();
         }
         Ok(())
     }
 
     /// Reduces the buckets not yet reduced in this backward, in order.
     fn flush(&mut self) -> Result<()> {
-        if !self.sync || self.ready.iter().all(|&r| r == 0) {
+        if !self.sync {
             return Ok(());
         }
-        while self.next < self.members.len() {
-            self.reduce(self.next)?;
-            self.next += 1;
+        while let Some(bucket) = self.buckets.next_owed() {
+            self.reduce(bucket)?;
+            self.buckets.advance();
         }
-        self.reset();
         Ok(())
-    }
-
-    fn reset(&mut self) {
-        self.next = 0;
-        self.ready.iter_mut().for_each(|r| *r = 0);
     }
 
     fn reduce(&mut self, bucket: usize) -> Result<()> {
@@ -201,8 +163,9 @@ impl Buckets {
             source,
         };
         let _no_grad = tch::no_grad_guard();
-        let mut grads = Vec::with_capacity(self.members[bucket].len());
-        for &i in &self.members[bucket] {
+        let members = self.buckets.members(bucket);
+        let mut grads = Vec::with_capacity(members.len());
+        for &i in members {
             let p = &self.params[i];
             let mut g = p.grad();
             if !g.defined() {
@@ -225,17 +188,7 @@ impl Buckets {
         let _ = flat
             .f_div_scalar_(self.group.world_size() as f64)
             .map_err(err)?;
-        let mut offset = 0;
-        for g in &mut grads {
-            let n = g.numel() as i64;
-            let src = flat
-                .f_narrow(0, offset, n)
-                .map_err(err)?
-                .f_view_as(g)
-                .map_err(err)?;
-            g.f_copy_(&src).map_err(err)?;
-            offset += n;
-        }
+        copy_from_flat(&flat, &grads).map_err(err)?;
         self.reductions += 1;
         Ok(())
     }

@@ -37,6 +37,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod bucket;
 mod check;
 mod ddp;
 mod error;

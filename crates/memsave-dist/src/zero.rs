@@ -5,8 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use memsave_optim::{Optimizer, Options, Placement, Rule, State};
 use memsave_sys::grad_hooks::GradHookHandle;
+use memsave_sys::tensor::nbytes;
 use tch::{Device, Kind, Tensor};
 
+use crate::bucket::{copy_from_flat, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -259,7 +261,7 @@ impl<R: Rule> ZeroOptimizer<R> {
 
     /// Number of stage 2 buckets (0 under stage 1).
     pub fn bucket_count(&self) -> usize {
-        self.reducer().map_or(0, |r| r.members.len())
+        self.reducer().map_or(0, |r| r.buckets.len())
     }
 
     fn reducer(&self) -> Option<MutexGuard<'_, Reducer>> {
@@ -328,18 +330,7 @@ impl<R: Rule> ZeroOptimizer<R> {
         }
         let gathered = Tensor::f_empty([self.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
         self.group.all_gather(&gathered, &self.shard.detach())?;
-        let mut offset = 0;
-        for p in &self.params {
-            let k = p.numel() as i64;
-            let mut dst = p.shallow_clone();
-            let src = gathered
-                .f_narrow(0, offset, k)
-                .and_then(|s| s.f_view_as(p))
-                .map_err(err)?;
-            dst.f_copy_(&src).map_err(err)?;
-            offset += k;
-        }
-        Ok(())
+        copy_from_flat(&gathered, &self.params).map_err(err)
     }
 
     /// Scales the shard's gradient so that the norm of the whole (all ranks') gradient
@@ -362,10 +353,6 @@ impl<R: Rule> ZeroOptimizer<R> {
     }
 }
 
-fn nbytes(t: &Tensor) -> u64 {
-    t.numel() as u64 * t.kind().elt_size_in_bytes() as u64
-}
-
 /// Stage 2's reduction of gradients in buckets during backward.
 #[derive(Debug)]
 struct Reducer {
@@ -373,14 +360,11 @@ struct Reducer {
     params: Vec<Tensor>,
     /// First value of each parameter in the flat vector.
     offsets: Vec<i64>,
-    /// Parameter indices of each bucket (consecutive parameters, last first).
-    members: Vec<Vec<usize>>,
+    /// Consecutive parameters in each bucket, last first.
+    buckets: Buckets,
     /// The flat range `[start, end)` of each bucket; the first (holding the last
     /// parameter) runs to the end of the padding.
     ranges: Vec<(i64, i64)>,
-    bucket_of: Vec<usize>,
-    ready: Vec<usize>,
-    next: usize,
     sync: bool,
     shard_len: i64,
     /// This rank's slice of the gradients summed over the ranks since the last step.
@@ -402,24 +386,10 @@ impl Reducer {
             offsets.push(offset);
             offset += p.numel() as i64;
         }
-        let mut members: Vec<Vec<usize>> = Vec::new();
-        let mut filled = 0u64;
-        for index in (0..params.len()).rev() {
-            let bytes = nbytes(&params[index]);
-            if members.is_empty() || filled + bytes > bucket_cap_bytes {
-                members.push(Vec::new());
-                filled = 0;
-            }
-            members
-                .last_mut()
-                .expect("a bucket was just pushed")
-                .push(index);
-            filled += bytes;
-        }
-        let ranges = members
-            .iter()
-            .enumerate()
-            .map(|(b, m)| {
+        let buckets = Buckets::new(params, bucket_cap_bytes);
+        let ranges = (0..buckets.len())
+            .map(|b| {
+                let m = buckets.members(b);
                 let first = *m.last().expect("buckets are not empty");
                 let last = m[0];
                 let end = if b == 0 {
@@ -430,21 +400,12 @@ impl Reducer {
                 (offsets[first], end)
             })
             .collect();
-        let mut bucket_of = vec![0; params.len()];
-        for (b, m) in members.iter().enumerate() {
-            for &i in m {
-                bucket_of[i] = b;
-            }
-        }
         Self {
             group: group.clone(),
             params: params.iter().map(Tensor::shallow_clone).collect(),
             offsets,
-            ready: vec![0; members.len()],
-            members,
+            buckets,
             ranges,
-            bucket_of,
-            next: 0,
             sync: true,
             shard_len,
             acc: None,
@@ -456,22 +417,12 @@ impl Reducer {
         if !self.sync {
             return Ok(());
         }
-        self.ready[self.bucket_of[index]] += 1;
-        while self.next < self.members.len()
-            && self.ready[self.next] == self.members[self.next].len()
-        {
-            self.reduce(self.next)?;
-            self.next += 1;
-        }
-        if self.next == self.members.len() {
-            self.reset();
+        self.buckets.mark_ready(index);
+        while let Some(bucket) = self.buckets.next_complete() {
+            self.reduce(bucket)?;
+            self.buckets.advance();
         }
         Ok(())
-    }
-
-    fn reset(&mut self) {
-        self.next = 0;
-        self.ready.iter_mut().for_each(|r| *r = 0);
     }
 
     /// Completes the reductions of the step: the buckets a backward left incomplete,
@@ -479,15 +430,12 @@ impl Reducer {
     /// `no_sync`, or none ran) or gradients are left in `.grad`, every bucket. Returns
     /// the slice's gradient summed over the ranks.
     fn finish_step(&mut self) -> Result<Tensor> {
-        if self.next > 0 || self.ready.iter().any(|&r| r > 0) {
-            while self.next < self.members.len() {
-                self.reduce(self.next)?;
-                self.next += 1;
-            }
-            self.reset();
+        while let Some(bucket) = self.buckets.next_owed() {
+            self.reduce(bucket)?;
+            self.buckets.advance();
         }
         if self.acc.is_none() || self.params.iter().any(|p| p.grad().defined()) {
-            for bucket in 0..self.members.len() {
+            for bucket in 0..self.buckets.len() {
                 self.reduce(bucket)?;
             }
         }
@@ -516,7 +464,7 @@ impl Reducer {
         let _no_grad = tch::no_grad_guard();
         let (start, end) = self.ranges[bucket];
         let flat = Tensor::f_zeros([end - start], (Kind::Float, Device::Cpu)).map_err(err)?;
-        for &i in &self.members[bucket] {
+        for &i in self.buckets.members(bucket) {
             let p = &self.params[i];
             let g = p.grad();
             if g.defined() {
