@@ -1,7 +1,8 @@
 //! `fit` on a model defined here: a small GELU MLP with a cross-entropy loss against
 //! class targets, trained with AdamW, planned for a budget of half its plain step's
-//! peak. Prints what `fit` chose, why, and the front; then trains a few steps with the
-//! choice and shows the loss falls with the peak within the budget.
+//! peak. Prints what `fit` chose, why, and the front; then trains with the choice (a
+//! `Trainer` built from `fit`'s report in one call) and shows the loss falls with each
+//! step's peak within the budget.
 //!
 //!   cargo run --release --example fit_budget
 //!   cargo run --release --example fit_budget -- --fraction 0.3
@@ -10,8 +11,7 @@ use clap::Parser;
 use memsave::checkpoint::CheckpointedSequential;
 use memsave::fit::{fit, FitRequest};
 use memsave::meter::{install, Bytes};
-use memsave::step::step::f_step_with;
-use memsave::step::{Batch, CaseOptimizer, OptimizerKind, OptimizerSpec, StepConfig, Workload};
+use memsave::step::{Batch, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -24,6 +24,9 @@ struct Args {
     /// Examples per optimizer step.
     #[arg(long, default_value_t = 32)]
     batch: i64,
+    /// Training steps with the choice.
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
 }
 
 /// Eight blocks of `x + W2 gelu(W1 x)` over 64 features, then 10 class scores.
@@ -99,78 +102,81 @@ impl Workload for Classifier {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     install();
-    let mut model = Classifier::new(args.batch);
 
-    // The plain step's peak, optimizer state included: what we want to cut.
-    let x = model.batch(args.batch)?;
-    let spec = model.optimizer();
-    let params = model.parameters();
-    let mut config = StepConfig::baseline();
-    config.optimizer = spec;
-    let mut optimizer = spec
-        .map(|s| CaseOptimizer::build(&s, &params))
-        .transpose()
-        .map_err(anyhow::Error::msg)?;
-    let plain = f_step_with(
-        &model,
-        &x,
-        &config,
-        Device::Cpu,
-        false,
-        None,
-        optimizer.as_mut(),
-    )
-    .map_err(anyhow::Error::msg)?;
-    let plain_peak = plain.peak_bytes + optimizer.as_ref().map_or(0, CaseOptimizer::state_bytes);
-    drop(optimizer);
+    // The plain step's peak, on a twin of the model (the same seed): its second step,
+    // once AdamW's state exists. Like fit's budget, it leaves out what persists from
+    // step to step: the parameters, the input and the optimizer's state.
+    let plain_peak = {
+        let mut twin = Classifier::new(args.batch);
+        let x = twin.batch(args.batch)?;
+        let spec = twin.optimizer();
+        let mut config = StepConfig::baseline();
+        config.optimizer = spec;
+        let mut plain = TrainerBuilder::new(config).build(&mut twin)?;
+        plain.step(&x)?;
+        plain.step(&x)?.peak_bytes
+    };
     let budget = (plain_peak as f64 * args.fraction) as u64;
     println!(
-        "plain step: peak {} (optimizer state included); budget {}",
+        "plain step: peak {} (above parameters, input and AdamW's state); budget {}",
         Bytes(plain_peak),
         Bytes(budget)
     );
 
+    let mut model = Classifier::new(args.batch);
+    let x = model.batch(args.batch)?;
+    let first = loss(&model)?;
     let report = fit(&mut model, &FitRequest::new(budget))?;
     println!("{}", report.to_text());
 
-    // Train with the choice (fit left its checkpoint schedule on the layers).
-    let config = report.choice.step_config(model.optimizer());
-    let params = model.parameters();
-    let mut optimizer = config
-        .optimizer
-        .map(|s| CaseOptimizer::build(&s, &params))
-        .transpose()
-        .map_err(anyhow::Error::msg)?;
-    let loss = |m: &Classifier| -> Result<f64> {
-        let _guard = tch::no_grad_guard();
-        let x = m.batch(m.global_batch())?;
-        let out = m.layers().f_forward(&x.input)?;
-        Ok(m.loss(&out, x.target.as_ref())?.double_value(&[]))
-    };
-    let first = loss(&model)?;
-    let mut highest = 0;
-    for _ in 0..30 {
-        let m = f_step_with(
-            &model,
-            &x,
-            &config,
-            Device::Cpu,
-            false,
-            None,
-            optimizer.as_mut(),
-        )
-        .map_err(anyhow::Error::msg)?;
-        highest = highest.max(m.start_bytes + m.peak_bytes);
+    // Train with the choice: its levers, its checkpoint schedule and the model's AdamW.
+    let mut trainer = report.trainer(&mut model)?;
+    let steps = (0..args.steps)
+        .map(|_| Ok((trainer.step(&x)?, loss(trainer.model())?)))
+        .collect::<Result<Vec<_>>>()?;
+
+    println!("training with {}:", report.choice.strategy);
+    let state = trainer.optimizer_state_bytes();
+    for (i, (m, loss)) in steps.iter().enumerate() {
+        let note = if i == 0 {
+            format!(
+                " (also makes AdamW's state, {}, outside the budget)",
+                Bytes(state)
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "  step {:>2}  loss {loss:.4}  peak {:>12}{note}",
+            i + 1,
+            Bytes(m.peak_bytes).to_string()
+        );
     }
-    let last = loss(&model)?;
-    println!(
-        "30 steps with {}: loss {first:.4} -> {last:.4}",
-        report.choice.strategy
-    );
-    println!(
-        "highest allocation while training: {} (parameters, input, optimizer state and the step)",
-        Bytes(highest)
+    let last = steps[steps.len() - 1].1;
+    let highest = steps.iter().skip(1).map(|(m, _)| m.peak_bytes).max();
+    println!("loss {first:.4} -> {last:.4}");
+    match highest {
+        Some(h) => println!(
+            "highest peak after the first step: {} of the budget {}",
+            Bytes(h),
+            Bytes(budget)
+        ),
+        None => println!("one step: its peak {}", Bytes(steps[0].0.peak_bytes)),
+    }
+    anyhow::ensure!(last < first, "the loss did not fall");
+    anyhow::ensure!(
+        steps[0].0.peak_bytes <= budget + state && highest.is_none_or(|h| h <= budget),
+        "a step's peak passed the budget"
     );
     Ok(())
+}
+
+/// The loss of the whole batch, without gradients.
+fn loss(model: &Classifier) -> Result<f64> {
+    let _guard = tch::no_grad_guard();
+    let x = model.batch(model.global_batch())?;
+    let out = model.layers().f_forward(&x.input)?;
+    Ok(model.loss(&out, x.target.as_ref())?.double_value(&[]))
 }

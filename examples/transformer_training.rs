@@ -1,22 +1,23 @@
 //! A small pre-LN transformer language model trained on synthetic tokens with all of
-//! memsave's utilities at once: checkpointed blocks, bf16 autocast, a GradScaler,
-//! gradient accumulation and memsave-optim's AdamW. Prints the loss falling and the
-//! peak memory of each step, then each utility's share of the saving, all measured with
-//! the meter. Last, it trains the same model again from the same seed on the same
-//! batches: with the optimizer's state in f32, bf16 and 8-bit blockwise codes, and
-//! plainly in f32 against its saved activations stored as int8 (memsave-hooks'
-//! `Compress`), and compares the final losses.
+//! memsave's utilities at once, through one `Trainer` (memsave-step): checkpointed
+//! layers, bf16 autocast, a GradScaler, gradient accumulation and memsave-optim's
+//! AdamW. Prints the loss falling and the peak memory of each step, then each utility's
+//! share of the saving, all measured with the meter. Last, it trains the same model
+//! again from the same seed on the same batches: with the optimizer's state in f32,
+//! bf16 and 8-bit blockwise codes, and plainly in f32 against its saved activations
+//! stored as int8 (memsave-hooks' `Compress`), and compares the held-out losses.
 //!
 //!   cargo run --release --example transformer_training
 //!   cargo run --release --example transformer_training -- --steps 60 --layers 6
 use anyhow::Result;
 use clap::Parser;
-use memsave::accum::{GradAccumulator, Split};
-use memsave::amp::{f_autocast, GradScaler};
+use memsave::amp::GradScalerConfig;
 use memsave::checkpoint::{CheckpointedSequential, Plan};
-use memsave::hooks::{saved_tensors_hooks, Codec, Compress};
-use memsave::meter::{install, measure, Bytes};
-use memsave::optim::{AdamW, AdamWConfig, Options, State};
+use memsave::meter::{install, Bytes};
+use memsave::step::{
+    Batch, CompressDtype, OptimizerKind, OptimizerSpec, PlanChoice, SavedTensors, StatePrecision,
+    StepConfig, Trainer, TrainerBuilder, Workload,
+};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -59,13 +60,38 @@ struct Utilities {
     micro_batches: usize,
 }
 
-/// Token and position embeddings, pre-LN blocks (in a CheckpointedSequential), LN + head.
-struct Model {
-    embed: nn::Embedding,
-    pos: Tensor,
-    blocks: CheckpointedSequential,
-    norm: nn::LayerNorm,
-    head: nn::Linear,
+impl Utilities {
+    /// The step configuration: these utilities, a GradScaler (with `scaler`) and AdamW
+    /// (learning rate 3e-3) with its state at `state`.
+    fn config(self, scaler: bool, state: StatePrecision) -> StepConfig {
+        let mut config = StepConfig::baseline();
+        if self.checkpoint {
+            config.plan = PlanChoice::Fixed(Plan::EveryLayer);
+        }
+        if self.autocast {
+            config.autocast = Some(Kind::BFloat16);
+        }
+        config.micro_batches = (self.micro_batches > 1).then_some(self.micro_batches);
+        if scaler {
+            config.scaler = Some(GradScalerConfig::default());
+        }
+        config.optimizer = Some(OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: Some(3e-3),
+            state,
+            ..Default::default()
+        });
+        config
+    }
+}
+
+/// The language model as a memsave workload: its layers (token and position
+/// embeddings, the pre-LN blocks, final norm and head) in a CheckpointedSequential,
+/// and one batch kept for `batch` (the trainer steps on the batches given to it).
+struct Lm {
+    vs: nn::VarStore,
+    layers: CheckpointedSequential,
+    data: Batch,
 }
 
 fn block(p: nn::Path, hidden: i64, heads: i64) -> impl Fn(&Tensor) -> Tensor + Send + 'static {
@@ -93,44 +119,72 @@ fn block(p: nn::Path, hidden: i64, heads: i64) -> impl Fn(&Tensor) -> Tensor + S
     }
 }
 
-impl Model {
-    fn new(vs: &nn::VarStore, args: &Args) -> Self {
+impl Lm {
+    /// A fresh model from seed 0 (its kept batch drawn right after, from the same
+    /// stream).
+    fn new(args: &Args) -> Lm {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(DEVICE);
         let root = vs.root();
-        let mut blocks = CheckpointedSequential::new();
+        let embed = nn::embedding(&root / "embed", VOCAB, args.hidden, Default::default());
+        let pos = root.randn("pos", &[args.seq, args.hidden], 0.0, 0.02);
+        let mut layers =
+            CheckpointedSequential::new().add_fn(move |tokens| embed.forward(tokens) + &pos);
         for i in 0..args.layers {
-            blocks = blocks.add_fn(block(&root / "block" / i, args.hidden, args.heads));
+            layers = layers.add_fn(block(&root / "block" / i, args.hidden, args.heads));
         }
-        Self {
-            embed: nn::embedding(&root / "embed", VOCAB, args.hidden, Default::default()),
-            pos: root.randn("pos", &[args.seq, args.hidden], 0.0, 0.02),
-            blocks,
-            norm: nn::layer_norm(&root / "norm", vec![args.hidden], Default::default()),
-            head: nn::linear(&root / "head", args.hidden, VOCAB, Default::default()),
-        }
+        let norm = nn::layer_norm(&root / "norm", vec![args.hidden], Default::default());
+        let head = nn::linear(&root / "head", args.hidden, VOCAB, Default::default());
+        layers = layers.add_fn(move |x| head.forward(&norm.forward(x)));
+        let data = batch(args);
+        Lm { vs, layers, data }
     }
+}
 
-    /// Mean next-token cross-entropy of `tokens` ([batch, seq + 1]).
-    fn loss(&self, tokens: &Tensor) -> Result<Tensor> {
-        let t = tokens.size()[1] - 1;
-        let inputs = tokens.narrow(1, 0, t);
-        let targets = tokens.narrow(1, 1, t);
-        let x = self.embed.forward(&inputs) + &self.pos;
-        let y = self.blocks.f_forward(&x)?;
-        let logits = self
-            .head
-            .forward(&self.norm.forward(&y))
-            .to_kind(Kind::Float);
-        Ok(logits
-            .view([-1, VOCAB])
-            .cross_entropy_for_logits(&targets.reshape([-1])))
+impl Workload for Lm {
+    fn name(&self) -> &str {
+        "transformer-lm"
+    }
+    fn device(&self) -> Device {
+        DEVICE
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    fn global_batch(&self) -> i64 {
+        self.data.len()
+    }
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        self.data.f_narrow(0, size)
+    }
+    /// Mean next-token cross-entropy, in f32.
+    fn loss(&self, logits: &Tensor, target: Option<&Tensor>) -> Result<Tensor, tch::TchError> {
+        let target = target.ok_or_else(|| tch::TchError::Kind("no next tokens".into()))?;
+        logits
+            .f_to_kind(Kind::Float)?
+            .f_reshape([-1, VOCAB])?
+            .f_cross_entropy_loss::<Tensor>(
+                &target.f_reshape([-1])?,
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )
     }
 }
 
 /// Sequences that mostly count upwards modulo the vocabulary: each next token is the
 /// previous one plus one with probability 3/4, else uniformly random. Learnable, with
 /// an entropy floor (about 1.39 nats per token) as natural text has, so that the final
-/// losses of two optimizers are compared at a level that means something.
-fn batch(args: &Args) -> Tensor {
+/// losses of two optimizers are compared at a level that means something. The input is
+/// each sequence's first `seq` tokens, the target its last `seq`.
+fn batch(args: &Args) -> Batch {
     let mut tokens = Vec::with_capacity(args.seq as usize + 1);
     tokens.push(Tensor::randint(VOCAB, [args.batch], (Kind::Int64, DEVICE)));
     for t in 1..=args.seq as usize {
@@ -139,82 +193,38 @@ fn batch(args: &Args) -> Tensor {
         let keep = Tensor::rand([args.batch], (Kind::Float, DEVICE)).lt(0.75);
         tokens.push(next.where_self(&keep, &jump));
     }
-    Tensor::stack(&tokens, 1)
+    let tokens = Tensor::stack(&tokens, 1);
+    Batch {
+        input: tokens.narrow(1, 0, args.seq).contiguous(),
+        target: Some(tokens.narrow(1, 1, args.seq).contiguous()),
+    }
 }
 
-/// One accumulated, scaled training step with the optimizer step (skipped on inf/NaN
-/// gradients) and the gradients freed; returns (loss, peak bytes above the start).
-fn train_step(
-    model: &Model,
-    opt: &mut AdamW,
-    scaler: &mut GradScaler,
-    tokens: &Tensor,
-    use_: Utilities,
-) -> Result<(f64, u64)> {
-    let accumulator = GradAccumulator::with_split(Split::Count(use_.micro_batches));
-    let batch_size = tokens.size()[0];
-    let params: Vec<Tensor> = opt.params().iter().map(Tensor::shallow_clone).collect();
-    let (result, m) = measure(DEVICE, |_| -> Result<f64> {
-        let micro_steps = accumulator.f_accumulate(
-            &params,
-            Some(&mut *scaler),
-            batch_size,
-            |mb| -> Result<Tensor> {
-                let micro = mb.f_narrow(tokens)?;
-                if use_.autocast {
-                    f_autocast(DEVICE, Kind::BFloat16, || model.loss(&micro))?
-                } else {
-                    model.loss(&micro)
-                }
-            },
-        )?;
-        opt.f_step_scaled(scaler)?;
-        scaler.f_update()?;
-        opt.f_zero_grad(true)?;
-        Ok(micro_steps
-            .iter()
-            .map(|s| s.loss * s.micro_batch.len as f64 / batch_size as f64)
-            .sum())
-    });
-    Ok((result?, m.peak_bytes))
+/// The model's loss on `batch` in f32, without gradients.
+fn loss(model: &Lm, batch: &Batch) -> Result<f64> {
+    let _guard = tch::no_grad_guard();
+    let logits = model.layers().f_forward(&batch.input)?;
+    Ok(model
+        .loss(&logits, batch.target.as_ref())?
+        .double_value(&[]))
 }
 
-/// A fresh model and optimizer from seed 0, with the optimizer's state at `state`.
-fn fresh(args: &Args, state: State) -> Result<(nn::VarStore, Model, AdamW)> {
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(DEVICE);
-    let model = Model::new(&vs, args);
-    let config = AdamWConfig {
-        lr: 3e-3,
-        ..Default::default()
-    };
-    let options = Options {
-        state,
-        ..Default::default()
-    };
-    let opt = AdamW::with_options(&vs.trainable_variables(), config, options)?;
-    Ok((vs, model, opt))
-}
-
-/// Trains `args.steps` steps with every utility; returns the losses.
-fn train(args: &Args, model: &mut Model, opt: &mut AdamW, verbose: bool) -> Result<Vec<f64>> {
-    let mut scaler = GradScaler::default();
-    let all = Utilities {
-        checkpoint: true,
-        autocast: true,
-        micro_batches: args.micro_batches,
-    };
-    model.blocks.set_plan(Plan::EveryLayer)?;
-    let mut losses = Vec::with_capacity(args.steps);
+/// Trains `args.steps` steps on fresh batches (the loss printed on a few, before their
+/// step, with `verbose`).
+fn train(args: &Args, trainer: &mut Trainer<'_, Lm>, verbose: bool) -> Result<()> {
     for step in 0..args.steps {
-        let tokens = batch(args);
-        let (loss, peak) = train_step(model, opt, &mut scaler, &tokens, all)?;
-        losses.push(loss);
-        if verbose && (step % 5 == 0 || step + 1 == args.steps) {
-            println!("step {step:>3}  loss {loss:.4}  peak {}", Bytes(peak));
+        let x = batch(args);
+        let before = if verbose && (step % 5 == 0 || step + 1 == args.steps) {
+            Some(loss(trainer.model(), &x)?)
+        } else {
+            None
+        };
+        let m = trainer.step(&x)?;
+        if let Some(l) = before {
+            println!("step {step:>3}  loss {l:.4}  peak {}", Bytes(m.peak_bytes));
         }
     }
-    Ok(losses)
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -225,25 +235,39 @@ fn main() -> Result<()> {
         "hidden must be a multiple of heads"
     );
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
-    let (_vs, mut model, mut opt) = fresh(&args, State::F32)?;
+    anyhow::ensure!(args.micro_batches > 0, "--micro-batches must be at least 1");
+    // A held-out batch for the losses compared below, the same for every run.
+    tch::manual_seed(1234);
+    let held_out = batch(&args);
+    let all = Utilities {
+        checkpoint: true,
+        autocast: true,
+        micro_batches: args.micro_batches,
+    };
 
+    let mut model = Lm::new(&args);
     println!(
-        "training {} blocks, width {}, batch {}x{} tokens, {} micro-batches, checkpointed blocks, bf16 autocast, GradScaler, AdamW",
+        "training {} blocks, width {}, batch {}x{} tokens, {} micro-batches, checkpointed layers, bf16 autocast, GradScaler, AdamW",
         args.layers, args.hidden, args.batch, args.seq, args.micro_batches
     );
-    let losses = train(&args, &mut model, &mut opt, true)?;
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    let first = loss(&model, &held_out)?;
+    let mut trainer =
+        TrainerBuilder::new(all.config(true, StatePrecision::F32)).build(&mut model)?;
+    train(&args, &mut trainer, true)?;
+    let last = loss(trainer.model(), &held_out)?;
     println!(
-        "loss {first:.3} -> {last:.3} ({})",
+        "held-out loss {first:.3} -> {last:.3} ({})",
         if last < first {
             "falling"
         } else {
             "not falling"
         }
     );
+    drop(trainer);
 
-    // Each utility's share: one step with none, each alone, and all together. The
-    // optimizer steps too (the same for all), so peaks include its update.
+    // Each utility's share: steps with none, each alone, and all together. The
+    // optimizer steps too (the same for all), so peaks include its update; each is the
+    // second step of its trainer, once AdamW's state exists.
     println!("\npeak memory of one training step (above the step's start):");
     let none = Utilities {
         checkpoint: false,
@@ -253,7 +277,7 @@ fn main() -> Result<()> {
     let variants = [
         ("none", none),
         (
-            "checkpoint (every block)",
+            "checkpoint (every layer)",
             Utilities {
                 checkpoint: true,
                 ..none
@@ -273,25 +297,15 @@ fn main() -> Result<()> {
                 ..none
             },
         ),
-        (
-            "all together",
-            Utilities {
-                checkpoint: true,
-                autocast: true,
-                micro_batches: args.micro_batches,
-            },
-        ),
+        ("all together", all),
     ];
-    let tokens = batch(&args);
-    let mut scaler = GradScaler::default();
+    let x = batch(&args);
     let mut baseline = None;
     for (label, use_) in variants {
-        model.blocks.set_plan(if use_.checkpoint {
-            Plan::EveryLayer
-        } else {
-            Plan::None
-        })?;
-        let (_, peak) = train_step(&model, &mut opt, &mut scaler, &tokens, use_)?;
+        let mut trainer =
+            TrainerBuilder::new(use_.config(true, StatePrecision::F32)).build(&mut model)?;
+        trainer.step(&x)?;
+        let peak = trainer.step(&x)?.peak_bytes;
         let base = *baseline.get_or_insert(peak);
         println!(
             "  {label:<26} {:>12}  saves {:>5.1}%",
@@ -303,67 +317,64 @@ fn main() -> Result<()> {
     // The optimizer's state: the same seed, data and steps with the two moments kept in
     // f32, bf16 and 8-bit blockwise codes.
     println!(
-        "\nAdamW state precision ({} steps from the same seed and data):",
+        "\nAdamW state precision ({} steps from the same seed and data, held-out loss):",
         args.steps
     );
     let mut reference = None;
     for (label, state) in [
-        ("f32", State::F32),
-        ("bf16", State::Bf16),
-        ("int8 blockwise (256)", State::Int8Blockwise { block: 256 }),
+        ("f32", StatePrecision::F32),
+        ("bf16", StatePrecision::Bf16),
+        ("int8 blockwise (256)", StatePrecision::Int8),
     ] {
-        let (_vs, mut model, mut opt) = fresh(&args, state)?;
-        let losses = train(&args, &mut model, &mut opt, false)?;
-        let last = losses[losses.len() - 1];
-        let (f32_loss, f32_bytes) = *reference.get_or_insert((last, opt.state_bytes()));
+        let mut model = Lm::new(&args);
+        let mut trainer = TrainerBuilder::new(all.config(true, state)).build(&mut model)?;
+        train(&args, &mut trainer, false)?;
+        let last = loss(trainer.model(), &held_out)?;
+        let bytes = trainer.optimizer_state_bytes();
+        let (f32_loss, f32_bytes) = *reference.get_or_insert((last, bytes));
         println!(
-            "  {label:<22} final loss {last:.4} ({:+.2}% vs f32)  state {:>12} ({:.3}x f32)",
+            "  {label:<22} loss {last:.4} ({:+.2}% vs f32)  state {:>12} ({:.3}x f32)",
             100.0 * (last - f32_loss) / f32_loss,
-            Bytes(opt.state_bytes()).to_string(),
-            opt.state_bytes() as f64 / f32_bytes as f64
+            Bytes(bytes).to_string(),
+            bytes as f64 / f32_bytes as f64
         );
     }
 
     println!(
-        "\nsaved activations as int8 (same seed, same batches, {} steps):",
+        "\nsaved activations as int8 (plain f32 steps, same seed, same batches, {} steps):",
         args.steps
     );
-    let (f32_loss, _) = train_plain(&args, None)?;
-    // Blocks of 64 values per scale (bitsandbytes' choice for activations-sized error).
-    let int8 = Compress::new(Codec::Int8 {
-        block: std::num::NonZeroUsize::new(64).expect("64 is not zero"),
-        stochastic_rounding: false,
-    });
-    let (int8_loss, saved) = train_plain(&args, Some(int8))?;
-    println!("  f32   final loss {f32_loss:.4}");
+    let (f32_loss, _) = train_plain(&args, &held_out, None)?;
+    let int8 = Some(SavedTensors::Compress(CompressDtype::Int8));
+    let (int8_loss, saved) = train_plain(&args, &held_out, int8)?;
+    println!("  f32   loss {f32_loss:.4}");
     println!(
-        "  int8  final loss {int8_loss:.4}  ({:+.2}% of f32; {} of saved activations stored as int8 per step)",
+        "  int8  loss {int8_loss:.4}  ({:+.2}% of f32; compression saved {} of saved activations per step)",
         100.0 * (int8_loss - f32_loss) / f32_loss,
         Bytes(saved)
     );
     Ok(())
 }
 
-/// Trains a fresh model (seed 0) for `args.steps` plain steps, with `compress` hooks
-/// around each forward if given; returns the last loss and the bytes compression
-/// saved in the last step.
-fn train_plain(args: &Args, compress: Option<Compress>) -> Result<(f64, u64)> {
-    let (_vs, model, mut opt) = fresh(args, State::F32)?;
-    let mut last = (0.0, 0);
+/// Trains a fresh model (seed 0) for `args.steps` plain steps (AdamW in f32, no other
+/// utility) with `saved` hooks around each forward if given; returns the held-out loss
+/// and the bytes compression saved in the last step.
+fn train_plain(args: &Args, held_out: &Batch, saved: Option<SavedTensors>) -> Result<(f64, u64)> {
+    let plain = Utilities {
+        checkpoint: false,
+        autocast: false,
+        micro_batches: 1,
+    };
+    let mut config = plain.config(false, StatePrecision::F32);
+    config.saved = saved;
+    let mut model = Lm::new(args);
+    let mut trainer = TrainerBuilder::new(config).build(&mut model)?;
+    let mut compressed = 0;
     for _ in 0..args.steps {
-        let tokens = batch(args);
-        let (loss, saved) = match &compress {
-            Some(hooks) => {
-                let before = hooks.stats().saved_bytes();
-                let loss = saved_tensors_hooks(hooks.clone(), || model.loss(&tokens))??;
-                (loss, hooks.stats().saved_bytes() - before)
-            }
-            None => (model.loss(&tokens)?, 0),
-        };
-        opt.f_zero_grad(true)?;
-        loss.f_backward()?;
-        opt.f_step()?;
-        last = (loss.double_value(&[]), saved);
+        compressed = trainer
+            .step(&batch(args))?
+            .compressed_saved_bytes
+            .unwrap_or(0);
     }
-    Ok(last)
+    Ok((loss(trainer.model(), held_out)?, compressed))
 }
