@@ -12,6 +12,7 @@ use crate::error::{CheckpointError, Result};
 use crate::layers::SharedLayer;
 use memsave_meter::measure;
 use memsave_sys::hooks::{Packed, RawHooks};
+use memsave_sys::CallbackError;
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,6 +21,12 @@ use tch::Tensor;
 
 /// What a store keeps in place of a boundary tensor.
 pub type Stored = Box<dyn Any + Send>;
+
+/// Why a store could not keep or give back a boundary: any error, boxed (`String`,
+/// `&str` and every `std::error::Error + Send + Sync` convert into it with `?` or
+/// `.into()`). A failure in the forward or the recompute fails the step with its
+/// text and causes ([`memsave_sys::callback_message`]).
+pub type StoreError = memsave_sys::CallbackError;
 
 /// Somewhere a checkpoint's input can wait for the recompute: a file, host memory, a
 /// compressed copy.
@@ -41,9 +48,9 @@ pub trait BoundaryStore: Send + Sync + 'static {
     /// True when `restore` gives back exactly the bits that were stored.
     fn is_lossless(&self) -> bool;
     /// Keeps `boundary` (or what rebuilds it); `Err` says why it could not.
-    fn store(&self, boundary: &Tensor) -> std::result::Result<Stored, String>;
+    fn store(&self, boundary: &Tensor) -> std::result::Result<Stored, StoreError>;
     /// Rebuilds the tensor from what [`store`](Self::store) kept.
-    fn restore(&self, stored: &Stored) -> std::result::Result<Tensor, String>;
+    fn restore(&self, stored: &Stored) -> std::result::Result<Tensor, StoreError>;
     /// Bytes `stored` keeps in memory, when the store can tell (for
     /// [`LeverStats::resident_bytes`]); `None` by default.
     fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
@@ -133,7 +140,7 @@ impl RawHooks for Lever {
         &self,
         tensor: &Tensor,
         _saved_by: Option<&str>,
-    ) -> std::result::Result<Packed, String> {
+    ) -> std::result::Result<Packed, CallbackError> {
         let stored = self.0.store(tensor)?;
         let c = &self.1;
         c.tensors.fetch_add(1, Ordering::Relaxed);
@@ -148,7 +155,7 @@ impl RawHooks for Lever {
         Ok(stored)
     }
 
-    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, String> {
+    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, CallbackError> {
         self.0.restore(packed)
     }
 }
@@ -168,10 +175,11 @@ fn min_time<T>(runs: usize, mut f: impl FnMut() -> T) -> (T, f64) {
 /// Measures `store` on one boundary tensor: store and restore, twice each for the time.
 fn measure_store(store: &dyn BoundaryStore, x: &Tensor) -> Result<BoundaryCost> {
     let device = x.device();
-    let fail = |what: &str, e: String| {
+    let fail = |what: &str, e: StoreError| {
         CheckpointError::Torch(format!(
-            "calibrating the boundary store {:?}: {what} failed: {e}",
-            store.name()
+            "calibrating the boundary store {:?}: {what} failed: {}",
+            store.name(),
+            memsave_sys::callback_message(&*e)
         ))
     };
     let (stored, store_time_s) = min_time(2, || tch::no_grad(|| store.store(x)));

@@ -63,7 +63,7 @@ mod solver;
 
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
-pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, Stored};
+pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, StoreError, Stored};
 pub use plan::Plan;
 pub use profile::{ChainProfile, LayerProfile};
 pub use schedule::{Block, Schedule, StoredBoundary};

@@ -22,7 +22,7 @@ pub(crate) fn ready_hooks<T: Send + 'static>(
             p,
             Box::new(move |_| {
                 let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
-                ready(&mut s, index).map_err(|e| e.to_string())
+                ready(&mut s, index).map_err(Into::into)
             }),
         )
         .map_err(|e| DistError::Config {

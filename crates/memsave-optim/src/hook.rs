@@ -96,8 +96,8 @@ impl<R: Rule> Optimizer<R> {
                     let mut opt = shared.try_lock().map_err(|_| {
                         "the optimizer is in use (is InBackward::optimizer() held during backward?)".to_owned()
                     })?;
-                    opt.step_param(index).map_err(|e| e.to_string())?;
-                    memsave_sys::tensor::set_grad_none(t).map_err(|e| e.to_string())
+                    opt.step_param(index)?;
+                    Ok(memsave_sys::tensor::set_grad_none(t)?)
                 }),
             )
             .map_err(|e| OptimError::Parameter {

@@ -141,10 +141,16 @@ impl BoundaryStore for DirStore {
     fn is_lossless(&self) -> bool {
         self.store.is_lossless()
     }
-    fn store(&self, boundary: &tch::Tensor) -> Result<memsave_checkpoint::Stored, String> {
+    fn store(
+        &self,
+        boundary: &tch::Tensor,
+    ) -> Result<memsave_checkpoint::Stored, memsave_checkpoint::StoreError> {
         BoundaryStore::store(&self.store, boundary)
     }
-    fn restore(&self, stored: &memsave_checkpoint::Stored) -> Result<tch::Tensor, String> {
+    fn restore(
+        &self,
+        stored: &memsave_checkpoint::Stored,
+    ) -> Result<tch::Tensor, memsave_checkpoint::StoreError> {
         self.store.restore(stored)
     }
     fn resident_bytes(&self, stored: &memsave_checkpoint::Stored) -> Option<u64> {

@@ -25,16 +25,9 @@ pub type CheckpointFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String> + S
 /// within a call on the same thread go through.
 type Shared = ReentrantMutex<CheckpointFn>;
 
-/// The text of a panic payload (`panic!` with a literal or a formatted message).
-pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_owned()
-    }
-}
+/// The text of a panic payload; kept here for the callers that name it by this path
+/// (it lives with the crate's errors: [`crate::panic_message`]).
+pub use crate::error::panic_message;
 
 fn report_failure(out: *mut c_void, message: &str) {
     let message = CString::new(message.replace('\0', " ")).unwrap_or_default();

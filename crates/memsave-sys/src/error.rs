@@ -38,6 +38,42 @@ pub fn is_out_of_memory_message(message: &str) -> bool {
 /// The result of a bridge call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What a callback that libtorch runs (a saved-tensor hook's pack or unpack, a
+/// post-accumulate-grad hook) returns when it fails: any error, boxed. `String`, `&str`
+/// and every `std::error::Error + Send + Sync` convert into it (with `?` or `.into()`).
+///
+/// The error crosses into C++ as text only: autograd's `backward` then fails with
+/// [`callback_message`]'s one line, the error and the causes its text leaves out.
+pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The text a failed callback hands to libtorch: the error's message, followed by
+/// each cause in its [`source`](std::error::Error::source) chain that the text does
+/// not already include (`: cause`), so nothing is lost and nothing said twice.
+pub fn callback_message(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_owned()
+    }
+}
+
 /// libtorch's messages give Python's calls as hints; these are the Rust ones.
 const PYTHON_HINTS: &[(&str, &str)] = &[
     (
@@ -83,6 +119,44 @@ pub(crate) fn check(status: i32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0}")]
+    struct Failed(&'static str, #[source] Option<Box<Failed>>);
+
+    #[test]
+    fn a_callback_s_message_adds_the_causes_its_text_leaves_out_once_each() {
+        let plain: CallbackError = "no space left".into();
+        assert_eq!(callback_message(&*plain), "no space left");
+        let chained = Failed(
+            "writing the gradient of parameter 3",
+            Some(Box::new(Failed(
+                "disk full",
+                Some(Box::new(Failed("errno 28", None))),
+            ))),
+        );
+        assert_eq!(
+            callback_message(&chained),
+            "writing the gradient of parameter 3: disk full: errno 28"
+        );
+        // A cause the text already quotes is not repeated.
+        let quoted = Failed(
+            "offload: disk full",
+            Some(Box::new(Failed("disk full", None))),
+        );
+        assert_eq!(callback_message(&quoted), "offload: disk full");
+    }
+
+    #[test]
+    fn panic_payloads_of_literals_and_formatted_messages_are_their_text() {
+        let literal = std::panic::catch_unwind(|| panic!("boom")).unwrap_err();
+        assert_eq!(panic_message(&*literal), "boom");
+        let n = 3;
+        let formatted = std::panic::catch_unwind(|| panic!("boom {n}")).unwrap_err();
+        assert_eq!(panic_message(&*formatted), "boom 3");
+        let other = std::panic::catch_unwind(|| std::panic::panic_any(7u8)).unwrap_err();
+        assert_eq!(panic_message(&*other), "unknown panic payload");
+    }
 
     #[test]
     fn libtorch_s_out_of_memory_messages_are_recognized() {

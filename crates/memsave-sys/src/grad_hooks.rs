@@ -8,8 +8,7 @@
 //! backward in which the tensor receives a gradient. An error or a panic in the
 //! closure makes that backward fail: tch's `f_backward` returns `Err` with the message.
 //! libtorch keeps one such hook per tensor, so registering a second one is refused.
-use crate::checkpoint::panic_message;
-use crate::error::check;
+use crate::error::{callback_message, check, panic_message, CallbackError};
 use crate::{ffi, Result};
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -17,8 +16,10 @@ use std::sync::Mutex;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-/// The closure of a hook: receives the tensor (whose `.grad` is set), or says why not.
-pub type GradHookFn = Box<dyn FnMut(&Tensor) -> Result<(), String> + Send>;
+/// The closure of a hook: receives the tensor (whose `.grad` is set), or says why not
+/// (any error: `String`s and `std::error::Error`s convert into [`CallbackError`]; the
+/// backward fails with [`callback_message`]'s text of it).
+pub type GradHookFn = Box<dyn FnMut(&Tensor) -> Result<(), CallbackError> + Send>;
 
 type Shared = Mutex<GradHookFn>;
 
@@ -47,7 +48,7 @@ unsafe extern "C" fn run(ctx: *mut c_void, tensor: *const C_tensor, status: *mut
     }));
     let message = match result {
         Ok(Ok(())) => return,
-        Ok(Err(message)) => message,
+        Ok(Err(e)) => callback_message(&*e),
         Err(payload) => format!("panicked: {}", panic_message(&*payload)),
     };
     let message = CString::new(message.replace('\0', " ")).unwrap_or_default();

@@ -6,8 +6,7 @@
 //! The first push installs memsave's autograd engine as libtorch's default: a subclass
 //! of libtorch's engine that behaves like it and, in addition, asks the calling thread's
 //! innermost frame for hooks whenever a tensor is saved.
-use crate::checkpoint::panic_message;
-use crate::error::check;
+use crate::error::{callback_message, check, panic_message, CallbackError};
 use crate::{ffi, Error, Result};
 use std::any::Any;
 use std::ffi::{c_char, c_void, CString};
@@ -28,16 +27,22 @@ type Stored = Mutex<Packed>;
 /// the tensor (the forward's), `unpack` on whichever thread runs that part of backward.
 pub trait RawHooks: Send + Sync + 'static {
     /// Keeps `tensor` (or what is needed to rebuild it); an `Err` is reported, naming
-    /// the tensor, when backward needs it. `saved_by` is the aten op that saved it
-    /// (`aten::addmm`) when [`records_ops`](Self::records_ops) is true.
-    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> std::result::Result<Packed, String>;
+    /// the tensor, when backward needs it (as [`callback_message`]'s text: libtorch
+    /// takes no Rust error). `saved_by` is the aten op that saved it (`aten::addmm`)
+    /// when [`records_ops`](Self::records_ops) is true.
+    fn pack(
+        &self,
+        tensor: &Tensor,
+        saved_by: Option<&str>,
+    ) -> std::result::Result<Packed, CallbackError>;
     /// Whether `pack` wants `saved_by`: tracking the running op costs a callback per op
     /// while the frame is pushed.
     fn records_ops(&self) -> bool {
         false
     }
     /// Rebuilds the tensor from what `pack` kept; it must have the packed shape and dtype.
-    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, String>;
+    /// An `Err` fails the backward with [`callback_message`]'s text.
+    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, CallbackError>;
 }
 
 type Ctx = Arc<dyn RawHooks>;
@@ -49,10 +54,13 @@ fn write_error(sink: *mut c_void, message: &str) {
 }
 
 /// The bridge status of a hook call: 0, or 1 after writing its error or panic to `error`.
-fn status(result: std::thread::Result<std::result::Result<(), String>>, error: *mut c_void) -> i32 {
+fn status(
+    result: std::thread::Result<std::result::Result<(), CallbackError>>,
+    error: *mut c_void,
+) -> i32 {
     let message = match result {
         Ok(Ok(())) => return 0,
-        Ok(Err(message)) => message,
+        Ok(Err(e)) => callback_message(&*e),
         Err(payload) => format!("panicked: {}", panic_message(&*payload)),
     };
     write_error(error, &message);

@@ -35,4 +35,7 @@ pub mod rng;
 pub mod tensor;
 pub mod version;
 
-pub use error::{in_rust_terms, is_out_of_memory_message, Error, Result};
+pub use error::{
+    callback_message, in_rust_terms, is_out_of_memory_message, panic_message, CallbackError, Error,
+    Result,
+};

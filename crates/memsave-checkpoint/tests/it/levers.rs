@@ -5,13 +5,13 @@
 use crate::common::*;
 use memsave_checkpoint::{
     predict, BoundaryStore, CheckpointError, CheckpointedSequential, Plan, Schedule, Solver,
-    Stored, StoredBoundary,
+    StoreError, Stored, StoredBoundary,
 };
 use memsave_meter::{measure, memory_allocated};
 use memsave_sys::tensor::backward_with_grads;
 use proptest::prelude::*;
 use serial_test::serial;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -48,12 +48,11 @@ impl BoundaryStore for HostStore {
     fn is_lossless(&self) -> bool {
         true
     }
-    fn store(&self, t: &Tensor) -> Result<Stored, String> {
+    fn store(&self, t: &Tensor) -> Result<Stored, StoreError> {
         let t = t.contiguous();
         let n = t.numel() * t.kind().elt_size_in_bytes();
         let mut bytes = vec![0u8; n];
-        t.f_copy_data_u8(&mut bytes, t.numel())
-            .map_err(|e| e.to_string())?;
+        t.f_copy_data_u8(&mut bytes, t.numel())?;
         self.alive.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(HostCopy {
             bytes,
@@ -62,9 +61,9 @@ impl BoundaryStore for HostStore {
             alive: Arc::clone(&self.alive),
         }))
     }
-    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
         let c = stored.downcast_ref::<HostCopy>().ok_or("not a host copy")?;
-        Tensor::f_from_data_size(&c.bytes, &c.shape, c.kind).map_err(|e| e.to_string())
+        Ok(Tensor::f_from_data_size(&c.bytes, &c.shape, c.kind)?)
     }
 }
 
@@ -78,10 +77,10 @@ impl BoundaryStore for Bf16Store {
     fn is_lossless(&self) -> bool {
         false
     }
-    fn store(&self, t: &Tensor) -> Result<Stored, String> {
+    fn store(&self, t: &Tensor) -> Result<Stored, StoreError> {
         Ok(Box::new((t.kind(), t.to_kind(Kind::BFloat16))))
     }
-    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
         let (kind, t) = stored
             .downcast_ref::<(Kind, Tensor)>()
             .ok_or("not a bf16 copy")?;
@@ -274,6 +273,87 @@ fn a_stored_boundary_leaves_memory_until_the_recompute() {
     assert_eq!(store.alive.load(Ordering::SeqCst), 0);
     clear_grads(&vs);
     assert_eq!(memory_allocated(CPU), start);
+}
+
+/// An I/O failure with the step it broke, whose text leaves the cause out.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}")]
+struct StoreFailed {
+    what: &'static str,
+    #[source]
+    cause: std::io::Error,
+}
+
+/// Keeps a boundary as it is until told to fail; then `store` or `restore` fails
+/// with a typed error and its cause.
+#[derive(Default)]
+struct FailingStore {
+    fail_store: AtomicBool,
+    fail_restore: AtomicBool,
+}
+
+impl BoundaryStore for FailingStore {
+    fn name(&self) -> String {
+        "failing".into()
+    }
+    fn is_lossless(&self) -> bool {
+        true
+    }
+    fn store(&self, t: &Tensor) -> Result<Stored, StoreError> {
+        if self.fail_store.load(Ordering::SeqCst) {
+            return Err(Box::new(StoreFailed {
+                what: "writing the boundary",
+                cause: std::io::Error::other("disk full"),
+            }));
+        }
+        Ok(Box::new(t.copy()))
+    }
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
+        if self.fail_restore.load(Ordering::SeqCst) {
+            return Err(Box::new(StoreFailed {
+                what: "reading the boundary back",
+                cause: std::io::Error::other("file removed"),
+            }));
+        }
+        Ok(stored
+            .downcast_ref::<Tensor>()
+            .ok_or("not a tensor")?
+            .copy())
+    }
+}
+
+#[test]
+#[serial]
+fn a_store_s_typed_error_fails_the_step_with_its_cause() {
+    let vs = nn::VarStore::new(CPU);
+    let x = rand(&[4, 16]);
+    let store = Arc::new(FailingStore::default());
+    store.fail_store.store(true, Ordering::SeqCst);
+    let mut seq = residual_net(&vs, 6, 16, 0.0)
+        .preserve_rng(false)
+        .with_levers(vec![store.clone()]);
+    let e = seq
+        .profile(&x, &vs.trainable_variables(), loss_of)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "calibrating the boundary store \"failing\": store failed: writing the boundary: disk full"
+        ),
+        "{e}"
+    );
+
+    store.fail_store.store(false, Ordering::SeqCst);
+    seq.profile(&x, &vs.trainable_variables(), loss_of).unwrap();
+    seq.set_schedule(every_layer_stored(6)).unwrap();
+    store.fail_restore.store(true, Ordering::SeqCst);
+    let loss = loss_of(&seq.f_forward(&x).unwrap());
+    let e = loss.f_backward().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("reading the boundary back: file removed"),
+        "{e}"
+    );
+    clear_grads(&vs);
 }
 
 #[test]

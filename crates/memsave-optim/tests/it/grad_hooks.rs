@@ -21,7 +21,7 @@ fn the_hook_sees_the_accumulated_gradient_once_per_backward_until_removed() {
             // Used twice in the graph, accumulated once: 2 + 3 per element.
             assert_eq!(t.grad().sum(Kind::Float).double_value(&[]), 15.0);
             seen.fetch_add(1, Ordering::SeqCst);
-            memsave_sys::tensor::set_grad_none(t).map_err(|e| e.to_string())
+            Ok(memsave_sys::tensor::set_grad_none(t)?)
         }),
     )
     .unwrap();

@@ -4,6 +4,7 @@
 //! the process's memory is `#[serial]`, and every other test that uses libtorch is
 //! `#[parallel]` so that it never runs beside a serial one.
 mod c_malloc;
+mod callback_errors;
 mod ffi_boundary;
 mod ops;
 mod tensor_bytes;
