@@ -11,7 +11,7 @@ use crate::error::{OptimError, Result};
 use crate::number::number;
 use crate::observe::{Observer, ObserverSlot};
 use crate::placement::{Placement, StateStore};
-use crate::state::{Buffer, Sign, State};
+use crate::state::{Buffer, BufferLayout, ParamState, Sign, State};
 
 /// An update rule with its hyper-parameters (one per parameter group): AdamW's or
 /// SGD's. The optimizer hands it f32 chunks of a parameter, its gradient and its state
@@ -62,19 +62,6 @@ pub struct Options {
     /// (PyTorch's `clip_grad_norm_` with `max_norm`). Needs every gradient before the
     /// first update, so [`Optimizer::step_in_backward`] refuses it.
     pub max_grad_norm: Option<f64>,
-}
-
-/// What the optimizer remembers of one parameter.
-#[derive(Debug, Default)]
-pub(crate) struct ParamState {
-    /// Number of updates so far.
-    pub(crate) step: u64,
-    /// The buffers in the rule's order; empty before the first step, and between steps
-    /// when they are kept on disk.
-    pub(crate) buffers: Vec<Buffer>,
-    /// With [`Placement::Disk`], the CRC-32 of the file as last written, checked when
-    /// it is read back.
-    pub(crate) disk_crc: Option<u32>,
 }
 
 /// An optimizer: an update rule applied to groups of parameters, with state kept at
@@ -496,14 +483,6 @@ fn parts(buffers: &[Buffer]) -> Vec<Tensor> {
         .iter()
         .flat_map(|b| b.parts().into_iter().map(|(_, t)| t.shallow_clone()))
         .collect()
-}
-
-/// What the state buffers of one parameter look like.
-pub(crate) struct BufferLayout {
-    pub(crate) state: State,
-    pub(crate) numel: i64,
-    pub(crate) signs: &'static [(&'static str, Sign)],
-    pub(crate) device: tch::Device,
 }
 
 /// True for a finite number >= 0; false for a negative one, an infinite one and NaN.

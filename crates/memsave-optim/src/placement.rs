@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{BufferLayout, ParamState};
-use crate::state::Buffer;
+use crate::state::{Buffer, BufferLayout, ParamState};
 
 /// Where the state buffers of an optimizer live between steps.
 ///

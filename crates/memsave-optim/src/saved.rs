@@ -5,9 +5,9 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
 use crate::error::{OptimError, Result};
-use crate::optimizer::{BufferLayout, Optimizer, ParamState, Rule};
+use crate::optimizer::{Optimizer, Rule};
 use crate::placement::{tensor_bytes, StateStore};
-use crate::state::{Buffer, State};
+use crate::state::{Buffer, BufferLayout, ParamState, State};
 
 /// Everything an optimizer needs to continue exactly where it was: hyper-parameters of
 /// each group, and each parameter's step count and state buffers, bit for bit at the

@@ -534,6 +534,27 @@ fn pad_to(t: &Tensor, len: i64) -> Result<Tensor> {
     Ok(t.f_constant_pad_nd([0, len - have].as_slice())?)
 }
 
+/// What the optimizer remembers of one parameter.
+#[derive(Debug, Default)]
+pub(crate) struct ParamState {
+    /// Number of updates so far.
+    pub(crate) step: u64,
+    /// The buffers in the rule's order; empty before the first step, and between steps
+    /// when they are kept on disk.
+    pub(crate) buffers: Vec<Buffer>,
+    /// With the state on disk (`Placement::Disk`), the CRC-32 of the file as last
+    /// written, checked when it is read back.
+    pub(crate) disk_crc: Option<u32>,
+}
+
+/// What the state buffers of one parameter look like.
+pub(crate) struct BufferLayout {
+    pub(crate) state: State,
+    pub(crate) numel: i64,
+    pub(crate) signs: &'static [(&'static str, Sign)],
+    pub(crate) device: tch::Device,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
