@@ -72,6 +72,7 @@ mod category;
 mod error;
 mod html;
 mod leak;
+mod note;
 mod recorder;
 mod snapshot;
 mod summary;

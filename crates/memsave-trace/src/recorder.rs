@@ -2,44 +2,13 @@
 //! says about its tensors (phases, marks, saves, gradients).
 use crate::category::{Category, Phase};
 use crate::error::TraceError;
+use crate::note::{Note, NoteKind};
 use crate::trace::Trace;
 use memsave_hooks::{saved_tensors_hooks, HookError, SavedTensorHooks};
 use memsave_sys::alloc;
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Device, Tensor};
-
-/// Something the step said, at a position of the event stream (before event `position`).
-#[derive(Debug, Clone)]
-pub(crate) struct Note {
-    pub position: usize,
-    pub what: NoteKind,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) enum NoteKind {
-    Phase(Phase),
-    Mark(String),
-    /// The storage holding `ptr` has this role from now on (and, retroactively, since
-    /// its allocation).
-    Role {
-        ptr: u64,
-        category: Category,
-    },
-    /// Autograd saved the tensor at `ptr` for backward.
-    Saved {
-        ptr: u64,
-        op: String,
-        producer: String,
-        mark: Option<String>,
-    },
-    /// Backward unpacked the saved tensor at `ptr` while running `node`, the autograd
-    /// node that saved it.
-    SavedFor {
-        ptr: u64,
-        node: String,
-    },
-}
 
 #[derive(Debug, Default)]
 pub(crate) struct State {

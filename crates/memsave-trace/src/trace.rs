@@ -1,6 +1,6 @@
 //! `Trace`: every allocation and free of a recorded step, each storage with its role.
 use crate::category::{Category, CategoryBytes, Phase};
-use crate::recorder::{Note, NoteKind};
+use crate::note::{Note, NoteKind};
 use memsave_sys::alloc::AllocEvent;
 use std::collections::BTreeMap;
 use tch::Device;
