@@ -202,7 +202,7 @@ fn check(config: &LaunchConfig) -> Result<Plan> {
             "-n {local}: more ranks than one launcher starts (at most {MAX_NPROC_PER_NODE} per node)"
         )));
     }
-    check_limits(local).map_err(invalid)?;
+    check_limits(local)?;
     if config.timeout == Some(Duration::ZERO) {
         return Err(invalid(
             "--timeout 0 would end the ranks as they start: give at least 1 second, or no timeout"
@@ -238,22 +238,23 @@ fn check(config: &LaunchConfig) -> Result<Plan> {
 /// kernel does not hold to it), a process and a thread a rank under the process limit.
 /// These are lower bounds: files or processes already in use can still run out part
 /// way, which then ends the ranks started.
-fn check_limits(local: usize) -> std::result::Result<(), String> {
+fn check_limits(local: usize) -> Result<()> {
+    let invalid = |reason: String| DistError::InvalidLaunch { reason };
     if let Ok((files, _)) = getrlimit(Resource::RLIMIT_NOFILE) {
         let needed = 2 * local as u64 + 3;
         if files != RLIM_INFINITY && needed > files {
-            return Err(format!(
+            return Err(invalid(format!(
                 "-n {local}: needs {needed} open files (two pipes a rank), over this process's limit of {files}; raise it (ulimit -n) or start fewer ranks"
-            ));
+            )));
         }
     }
     if !nix::unistd::geteuid().is_root() {
         if let Ok((procs, _)) = getrlimit(Resource::RLIMIT_NPROC) {
             let needed = 2 * local as u64 + 1;
             if procs != RLIM_INFINITY && needed > procs {
-                return Err(format!(
+                return Err(invalid(format!(
                     "-n {local}: needs {needed} processes and threads (a rank and the thread that waits for it), over this user's limit of {procs}; raise it (ulimit -u) or start fewer ranks"
-                ));
+                )));
             }
         }
     }
