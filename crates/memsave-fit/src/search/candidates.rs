@@ -1,0 +1,186 @@
+//! What the search considers: the lever sets (a first pass without the gradients in
+//! files, a second with), the splits of the global batch into micro-batches, and the
+//! small sizes each configuration is probed at. Recompute schedules are the solver's,
+//! found per split while predicting (`Runs::recompute`).
+use crate::choice::Choice;
+use crate::FitRequest;
+
+/// A set of levers besides micro-batching and recompute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub(super) struct Levers {
+    pub(super) offload: bool,
+    pub(super) offload_grads: bool,
+    pub(super) in_backward: bool,
+    pub(super) bf16: bool,
+    pub(super) compress: bool,
+    pub(super) int8_state: bool,
+}
+
+impl Levers {
+    /// `choice` with these levers.
+    pub(super) fn apply(&self, choice: Choice) -> Choice {
+        choice.with(|c| {
+            c.offload = self.offload;
+            c.offload_grads = self.offload_grads;
+            c.in_backward = self.in_backward;
+            c.autocast_bf16 = self.bf16;
+            c.compress_int8 = self.compress;
+            c.int8_state = self.int8_state;
+        })
+    }
+
+    /// Cheap to probe: neither offload nor compression, whose small runs are slow. The
+    /// search probes these first, and the slow ones last, where their cost over the
+    /// plain step cannot beat what already fits.
+    pub(super) fn is_cheap(&self) -> bool {
+        !self.offload && !self.compress
+    }
+}
+
+/// The lever sets to consider: plain and offload, each also with the optimizer step in
+/// backward when there is an optimizer; then the allowed lossy ones.
+pub(super) fn lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
+    let mut sets = Vec::new();
+    let mut push = |l: Levers| {
+        sets.push(l);
+        if has_optimizer {
+            sets.push(Levers {
+                in_backward: true,
+                ..l
+            });
+        }
+    };
+    push(Levers::default());
+    push(Levers {
+        offload: true,
+        ..Levers::default()
+    });
+    let allow = request.allow;
+    if allow.bf16 {
+        push(Levers {
+            bf16: true,
+            ..Levers::default()
+        });
+    }
+    if allow.compress {
+        push(Levers {
+            compress: true,
+            ..Levers::default()
+        });
+    }
+    if allow.int8_state && has_optimizer {
+        sets.push(Levers {
+            int8_state: true,
+            ..Levers::default()
+        });
+        sets.push(Levers {
+            int8_state: true,
+            in_backward: true,
+            ..Levers::default()
+        });
+    }
+    sets
+}
+
+/// The lever sets with the gradients in files (see [`lever_sets`]); with an
+/// optimizer only with its step in backward (stepping after backward needs every
+/// gradient back in memory at once).
+pub(super) fn grad_lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<Levers> {
+    let mut sets: Vec<Levers> = Vec::new();
+    for l in lever_sets(request, has_optimizer) {
+        let l = Levers {
+            offload_grads: true,
+            ..l
+        };
+        if (l.in_backward || !has_optimizer) && !sets.contains(&l) {
+            sets.push(l);
+        }
+    }
+    sets
+}
+
+/// Micro-batch counts giving distinct largest micro-batches, fewest first.
+pub(super) fn splits(global: i64) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut last = None;
+    for k in 1..=global {
+        let m = div_ceil(global, k);
+        if last != Some(m) {
+            // The fewest micro-batches with this largest size.
+            out.push(div_ceil(global, m) as usize);
+            last = Some(m);
+        }
+    }
+    out.dedup();
+    out
+}
+
+/// `a / b` rounded up (`b` at least 1).
+pub(super) fn div_ceil(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b.max(1)
+}
+
+/// The sizes of `k` micro-batches of `global` examples, as even as possible.
+pub(super) fn split_sizes(global: i64, k: usize) -> Vec<i64> {
+    let k = k.max(1) as i64;
+    (0..k)
+        .map(|i| global / k + i64::from(i < global % k))
+        .collect()
+}
+
+/// Two probe sizes below `largest`: about `largest / fraction` and twice that.
+/// Small probes are cheap and, when their allocations line up event for event, exact
+/// (see `Affine`); offloading ones do not line up (the writer thread's pace decides
+/// when memory is freed), so they are probed closer to the real size.
+pub(super) fn probe_sizes_of(largest: i64, fraction: i64) -> (i64, i64) {
+    let s2 = div_ceil(largest, fraction / 2).max(1);
+    let s1 = div_ceil(s2, 2).max(1);
+    if s1 == s2 && s2 < largest {
+        (s1, s2 + 1)
+    } else {
+        (s1, s2)
+    }
+}
+
+/// [`probe_sizes_of`] for `choice`.
+pub(super) fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
+    probe_sizes_of(largest, if choice.offload { 4 } else { 8 })
+}
+
+/// The levers of `c` as a key: configurations with the same levers share it (an
+/// affine model, a family in the race).
+pub(super) fn lever_key(c: &Choice) -> String {
+    format!(
+        "{}{}{}{}{}{}",
+        u8::from(c.offload),
+        u8::from(c.offload_grads),
+        u8::from(c.in_backward),
+        u8::from(c.autocast_bf16),
+        u8::from(c.compress_int8),
+        u8::from(c.int8_state)
+    )
+}
+
+/// The configuration `c` is one split of: its levers and recompute schedule.
+pub(super) fn family(c: &Choice) -> (String, Option<String>) {
+    (lever_key(c), c.checkpoint.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gradients_in_files_come_with_the_step_in_backward_when_there_is_an_optimizer() {
+        let request = FitRequest::new(1 << 20);
+        let without = grad_lever_sets(&request, false);
+        assert_eq!(without.len(), 2, "{without:?}");
+        assert!(without.iter().all(|l| l.offload_grads && !l.in_backward));
+        assert_eq!(without.iter().filter(|l| l.offload).count(), 1);
+        let with = grad_lever_sets(&request, true);
+        assert_eq!(with.len(), 2, "{with:?}");
+        assert!(with.iter().all(|l| l.offload_grads && l.in_backward));
+        // The first pass never keeps gradients in files.
+        assert!(lever_sets(&request, true).iter().all(|l| !l.offload_grads));
+    }
+}

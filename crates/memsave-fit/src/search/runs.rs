@@ -1,0 +1,375 @@
+//! The search's runs of the workload: each candidate predicted from small runs (an
+//! affine model of peak and time in the micro-batch size, per lever set and schedule,
+//! from runs at two small sizes, cached), the recompute schedules the solver finds for
+//! a split, and real-size runs. Every run's peak is checked against the budget, never
+//! enforced (see `crate::probe::probe`).
+use super::candidates::{div_ceil, lever_key, probe_sizes_for, probe_sizes_of, split_sizes};
+use super::tuning::{PROBE_RUNS, REAL_RUNS};
+use crate::choice::Choice;
+use crate::predict::{profile_at, Affine};
+use crate::probe::{probe, Probe, ProbeError};
+use crate::{Candidate, FitError, FitEvent};
+use memsave_checkpoint::{predict, ChainProfile, Schedule, Solver};
+use memsave_meter::Bytes;
+use memsave_step::plan::f_profile;
+use memsave_step::workload::Workload;
+use std::collections::HashMap;
+
+type AffineKey = (String, bool);
+
+/// The workload, the budget, and what running it has taught so far: the affine models,
+/// the layer profiles and the small runs, each made once.
+pub(super) struct Runs<'w> {
+    pub(super) workload: &'w mut dyn Workload,
+    budget: u64,
+    target: u64,
+    pub(super) global: i64,
+    affines: HashMap<AffineKey, Option<Affine>>,
+    profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
+    /// Small runs that did not fit the budget (retried at half the size).
+    pub(super) small_over: usize,
+    /// Small runs made so far, by configuration, size and micro-batch count.
+    probes: HashMap<(String, i64, usize), Option<Probe>>,
+    /// Told what the search is doing ([`fit_with`](crate::fit_with)).
+    pub(super) progress: &'w mut dyn FnMut(&FitEvent),
+    /// Micro-batches change this step (it couples the samples of a batch).
+    pub(super) lossy_split: bool,
+}
+
+impl<'w> Runs<'w> {
+    /// Runs of `workload` for a step of `global` examples whose peak must be within
+    /// `budget` bytes, predicted within `target` (the budget less the margin).
+    pub(super) fn new(
+        workload: &'w mut dyn Workload,
+        budget: u64,
+        target: u64,
+        global: i64,
+        progress: &'w mut dyn FnMut(&FitEvent),
+    ) -> Self {
+        Runs {
+            workload,
+            budget,
+            target,
+            global,
+            affines: HashMap::new(),
+            profiles: None,
+            small_over: 0,
+            probes: HashMap::new(),
+            progress,
+            lossy_split: false,
+        }
+    }
+}
+
+impl Runs<'_> {
+    /// The affine model of `choice` (its levers and schedule) with accumulation or
+    /// not, from two probes below `largest`; `None` when even one example per
+    /// micro-batch does not fit the budget.
+    fn affine(
+        &mut self,
+        choice: &Choice,
+        accumulate: bool,
+        largest: i64,
+        later: i64,
+    ) -> Result<Option<Affine>, FitError> {
+        // An offloading configuration with accumulation is run at its own micro-batch
+        // sizes, the first and a later one (a step of two micro-batches is cheaper than
+        // the whole step, and what follows the second adds nothing): what its store
+        // keeps does not line up from size to size to be extrapolated.
+        let at_size = choice.offload && accumulate;
+        let key = (
+            format!(
+                "{}|{:?}|{}",
+                lever_key(choice),
+                choice.checkpoint,
+                if at_size {
+                    format!("{largest}+{later}")
+                } else {
+                    String::new()
+                }
+            ),
+            accumulate,
+        );
+        if let Some(a) = self.affines.get(&key) {
+            return Ok(a.clone());
+        }
+        let n = if accumulate { 2 } else { 1 };
+        if at_size {
+            if let Some(p) = self.run_small(choice, largest + later, 2)? {
+                let runs = (largest + later) as f64 / largest as f64;
+                let a = Some(Affine::fit(largest, &p, largest, &p, runs));
+                self.affines.insert(key, a.clone());
+                return Ok(a);
+            }
+        }
+        let (mut s1, mut s2) = if at_size {
+            (div_ceil(largest, 2).min((largest - 1).max(1)), largest)
+        } else {
+            probe_sizes_for(choice, largest)
+        };
+        // The smallest micro-batch known not to fit the budget.
+        let mut fails_from = None;
+        // A probe already run at the size `s1` now names.
+        let mut carried: Option<(i64, Probe)> = None;
+        let affine = loop {
+            let p2 = match self.run_small(choice, s2 * n as i64, n)? {
+                Some(p) => p,
+                None if s2 == 1 => break None,
+                None => {
+                    // Too big already: everything from here on does not fit; halve.
+                    fails_from = Some(s2);
+                    let next = (s2 / 2).max(1);
+                    (s1, s2) = (div_ceil(next, 2).min(next), next);
+                    if s1 == s2 && s2 > 1 {
+                        s1 = s2 - 1;
+                    }
+                    continue;
+                }
+            };
+            let p1 = if s1 == s2 {
+                p2.clone()
+            } else if let Some((_, p)) = carried.take().filter(|(size, _)| *size == s1) {
+                p
+            } else {
+                match self.run_small(choice, s1 * n as i64, n)? {
+                    Some(p) => p,
+                    // Smaller but not fitting: memory does not grow with the batch here.
+                    None => break None,
+                }
+            };
+            let affine = Affine::fit(s1, &p1, s2, &p2, n as f64).failing_from(fails_from);
+            let recorded = p1.series.is_some() && p2.series.is_some();
+            if recorded && !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none() {
+                // The two runs (both recorded: on the CPU, with no other recording on)
+                // did not make the same allocations in the same order
+                // (libtorch picks kernels, and their scratch buffers, by size: a few
+                // bytes more at one size), so the peak could only be extrapolated
+                // along a line, which a peak that moves from the end of backward to
+                // its start as the batch grows overshoots downwards. Step up towards
+                // the real size, where the runs line up or the real size is measured.
+                carried = Some((s2, p2));
+                (s1, s2) = (s2, (s2 * 2).min(largest));
+                continue;
+            }
+            break Some(affine);
+        };
+        self.affines.insert(key, affine.clone());
+        Ok(affine)
+    }
+
+    /// One small probe, its peak checked against the budget: `None` when it did not fit.
+    fn run_small(
+        &mut self,
+        choice: &Choice,
+        batch: i64,
+        n: usize,
+    ) -> Result<Option<Probe>, FitError> {
+        // The same configuration at the same size is run once (accumulation with
+        // offload is probed at each split's own size, and those repeat).
+        let key = (
+            format!("{}|{:?}", lever_key(choice), choice.checkpoint),
+            batch,
+            n,
+        );
+        if let Some(known) = self.probes.get(&key) {
+            return Ok(known.clone());
+        }
+        let outcome = match probe(
+            self.workload,
+            choice,
+            batch,
+            n,
+            PROBE_RUNS,
+            Some(self.budget),
+            true,
+        ) {
+            Ok(p) => Some(p),
+            Err(ProbeError::OutOfMemory(_)) => {
+                self.small_over += 1;
+                None
+            }
+            Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+        };
+        self.probes.insert(key, outcome.clone());
+        Ok(outcome)
+    }
+
+    /// `choice` run at its real size, the global batch, its peak checked against the
+    /// budget (a confirmation, a runner-up, an exhaustive measurement).
+    pub(super) fn run_real(&mut self, choice: &Choice) -> Result<Probe, ProbeError> {
+        self.run_real_times(choice, REAL_RUNS)
+    }
+
+    /// `run_real` with `runs` steps (the fastest gives the time).
+    pub(super) fn run_real_times(
+        &mut self,
+        choice: &Choice,
+        runs: usize,
+    ) -> Result<Probe, ProbeError> {
+        probe(
+            self.workload,
+            choice,
+            self.global,
+            choice.micro_batches,
+            runs,
+            Some(self.budget),
+            false,
+        )
+    }
+
+    /// The candidate `choice` with `k` micro-batches of at most `m` examples.
+    pub(super) fn evaluate(
+        &mut self,
+        choice: &Choice,
+        m: i64,
+        k: usize,
+        largest: Option<i64>,
+    ) -> Result<Candidate, FitError> {
+        (self.progress)(&FitEvent::Probing {
+            strategy: choice.strategy.clone(),
+            micro_batches: k,
+            micro_batch: m,
+        });
+        let accumulate = k > 1;
+        let largest = largest.unwrap_or(if accumulate && !choice.offload {
+            div_ceil(self.global, 2)
+        } else if accumulate {
+            m
+        } else {
+            self.global
+        });
+        let later = split_sizes(self.global, k).get(1).copied().unwrap_or(m);
+        let affine = self.affine(choice, accumulate, largest, later)?;
+        Ok(match affine {
+            Some(a) if a.known_over(m) => Candidate {
+                choice: choice.clone(),
+                predicted_peak_bytes: None,
+                predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
+                predicted_fits: false,
+                measured_peak_bytes: None,
+                measured_step_time_s: None,
+                note: Some(format!(
+                    "over {}: a smaller micro-batch already was",
+                    Bytes(self.budget)
+                )),
+            },
+            Some(a) => {
+                let sizes = split_sizes(self.global, k);
+                let later = sizes.get(1).copied().unwrap_or(m);
+                let peak = if k > 1 {
+                    a.peak_split(m, later)
+                } else {
+                    a.peak(m)
+                };
+                Candidate {
+                    choice: choice.clone(),
+                    predicted_peak_bytes: peak,
+                    predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
+                    predicted_fits: peak.is_some_and(|p| p <= self.target),
+                    measured_peak_bytes: None,
+                    measured_step_time_s: None,
+                    note: peak.is_none().then(|| {
+                        format!(
+                            "only micro-batches of one example were measured within {}",
+                            Bytes(self.budget)
+                        )
+                    }),
+                }
+            }
+            None => Candidate {
+                choice: choice.clone(),
+                predicted_peak_bytes: None,
+                predicted_step_time_s: None,
+                predicted_fits: false,
+                measured_peak_bytes: None,
+                measured_step_time_s: None,
+                note: Some(format!(
+                    "a micro-batch of one example does not fit {}",
+                    Bytes(self.budget)
+                )),
+            },
+        })
+    }
+
+    /// The layer profile at micro-batch `m`, from two measured profiles.
+    pub(super) fn profile(&mut self, m: i64) -> Result<ChainProfile, FitError> {
+        if self.profiles.is_none() {
+            let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
+            (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
+            let mut at = |size: i64| -> Result<ChainProfile, FitError> {
+                let x = self
+                    .workload
+                    .batch(size)
+                    .map_err(|e| FitError::Step(e.to_string()))?;
+                f_profile(self.workload, &x).map_err(|e| FitError::Step(e.to_string()))
+            };
+            let pa = at(a)?;
+            let pb = if a == b { pa.clone() } else { at(b)? };
+            self.profiles = Some((pa, a, pb, b));
+        }
+        let (pa, a, pb, b) = self.profiles.as_ref().expect("profiled above");
+        Ok(profile_at(pa, *a, pb, *b, m))
+    }
+
+    /// The recompute candidate of `base` at `k` micro-batches of at most `m`: the
+    /// solver's schedule with the least recomputation whose real peak is predicted
+    /// within the target, adjusted until the prediction from real runs agrees.
+    pub(super) fn recompute(
+        &mut self,
+        base: &Choice,
+        m: i64,
+        k: usize,
+    ) -> Result<Option<Candidate>, FitError> {
+        let mut profile = self.profile(m)?;
+        if base.offload_grads {
+            // The gradients do not stay: the solver's model must not keep them.
+            for e in &mut profile.elements {
+                e.param_grad_bytes = 0;
+            }
+        }
+        let layers = self.workload.layers().len();
+        let plain = Schedule::plain(layers);
+        let model_plain = predict(&profile, &plain).peak_bytes;
+        // What the real step adds to the solver's model (accumulated gradients,
+        // optimizer state...), taken from the plain configuration's prediction.
+        let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
+            Some(real) => real.saturating_sub(model_plain),
+            None => 0,
+        };
+        let mut solver_budget = self.target.saturating_sub(extra);
+        let mut last = None;
+        for _ in 0..3 {
+            let schedule = match Solver::new(&profile).solve_budget(solver_budget) {
+                Ok(s) => s,
+                Err(_) => break,
+            };
+            if schedule == plain {
+                solver_budget = model_plain.saturating_sub(1);
+                continue;
+            }
+            let choice = base.clone().with_schedule(Some(schedule));
+            let candidate = self.evaluate(&choice, m, k, Some(m))?;
+            let fits = candidate.predicted_fits;
+            let over = candidate
+                .predicted_peak_bytes
+                .map(|p| p.saturating_sub(self.target));
+            last = Some(candidate);
+            match over {
+                _ if fits => break,
+                Some(over) => solver_budget = solver_budget.saturating_sub(over + 1),
+                None => break,
+            }
+        }
+        if last.is_none() {
+            // No schedule within the target: the one with the least memory, for the
+            // record (and for the smallest feasible budget).
+            if let Ok(schedule) = Solver::new(&profile).f_min_memory() {
+                if schedule != plain {
+                    let choice = base.clone().with_schedule(Some(schedule));
+                    last = Some(self.evaluate(&choice, m, k, Some(m))?);
+                }
+            }
+        }
+        Ok(last)
+    }
+}
