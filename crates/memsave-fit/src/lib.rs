@@ -132,7 +132,7 @@ mod state;
 mod train;
 
 pub use choice::Choice;
-pub use search::{fit, fit_with};
+pub use search::{fit, fit_with, table};
 
 use memsave_meter::Bytes;
 use serde::Serialize;
@@ -276,97 +276,6 @@ pub struct FitReport {
     pub fastest_measured: Option<Candidate>,
     /// Seconds `fit` took (the exhaustive runs included).
     pub fit_time_s: f64,
-}
-
-impl FitReport {
-    /// The choice, why, and the front, for a person to read.
-    pub fn to_text(&self) -> String {
-        let mut out = format!(
-            "{}: budget {}, global batch {}\nchoice: {}\n  predicted peak {}, measured {} ({:+.1}%)\n  predicted step {:.3} s, measured {:.3} s\n  tries {}\nwhy: {}\n",
-            self.model,
-            Bytes(self.budget_bytes),
-            self.global_batch,
-            self.choice.strategy,
-            Bytes(self.predicted_peak_bytes),
-            Bytes(self.measured_peak_bytes),
-            percent(self.predicted_peak_bytes, self.measured_peak_bytes),
-            self.predicted_step_time_s,
-            self.measured_step_time_s,
-            self.tries,
-            self.why,
-        );
-        out.push_str("\nPareto front (predicted):\n");
-        out.push_str(&table(&self.front));
-        out.push_str("\nEvery configuration considered:\n");
-        out.push_str(&table(&self.candidates));
-        if let Some(f) = &self.fastest_measured {
-            out.push_str(&format!(
-                "\nexhaustive: fastest measured within the budget: {} ({:.3} s); the choice measured {:.3} s ({:.2}x)\n",
-                f.choice.strategy,
-                f.measured_step_time_s.unwrap_or(f64::NAN),
-                self.measured_step_time_s,
-                self.measured_step_time_s / f.measured_step_time_s.unwrap_or(f64::NAN)
-            ));
-        }
-        out
-    }
-}
-
-fn percent(predicted: u64, measured: u64) -> f64 {
-    if measured == 0 {
-        0.0
-    } else {
-        (predicted as f64 / measured as f64 - 1.0) * 100.0
-    }
-}
-
-/// Candidates as a table.
-pub fn table(candidates: &[Candidate]) -> String {
-    let mut rows = vec![[
-        "strategy".to_owned(),
-        "micro".to_owned(),
-        "pred peak".to_owned(),
-        "pred time".to_owned(),
-        "fits".to_owned(),
-        "meas peak".to_owned(),
-        "meas time".to_owned(),
-    ]];
-    for c in candidates {
-        rows.push([
-            c.choice.strategy.clone(),
-            format!("{}x{}", c.choice.micro_batches, c.choice.micro_batch),
-            c.predicted_peak_bytes
-                .map_or("-".into(), |b| Bytes(b).to_string()),
-            c.predicted_step_time_s
-                .map_or("-".into(), |t| format!("{t:.3} s")),
-            if c.predicted_fits { "yes" } else { "no" }.to_owned(),
-            c.measured_peak_bytes
-                .map_or("-".into(), |b| Bytes(b).to_string()),
-            c.measured_step_time_s
-                .map_or("-".into(), |t| format!("{t:.3} s")),
-        ]);
-    }
-    let widths: Vec<usize> = (0..7)
-        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .enumerate()
-            .map(|(i, (cell, w))| {
-                if i == 0 {
-                    format!("{cell:<w$}")
-                } else {
-                    format!("{cell:>w$}")
-                }
-            })
-            .collect();
-        out.push_str(line.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
 }
 
 /// What [`fit_with`] is doing, told as each phase starts. Its `Display` is a line for a

@@ -10,7 +10,7 @@
 //! - `race`: which runners-up race the choice, and the rounds that compare the close
 //!   ones;
 //! - `infeasible`: the error for a budget nothing fits;
-//! - `explain`: the report's why and Pareto front;
+//! - `explain`: the report's why, Pareto front and text;
 //! - `tuning`: the numbers that tune the race and the rounds.
 mod candidates;
 mod explain;
@@ -18,6 +18,8 @@ mod infeasible;
 mod race;
 mod runs;
 mod tuning;
+
+pub use self::explain::table;
 
 use self::candidates::{div_ceil, grad_lever_sets, lever_sets, splits, Levers};
 use self::explain::{coupling_sentence, front, why};
