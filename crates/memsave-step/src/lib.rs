@@ -9,8 +9,9 @@
 //!
 //! Modules: [`workload`] (the trait and [`Batch`]), [`config`] (what a configuration
 //! changes in a step), [`levers`] (optimizer and saved-tensor settings), [`measure`]
-//! (peak phase, per-block trace), [`step`] (one measured step) and [`optimizer`] (the
-//! optimizer of a run).
+//! (peak phase, per-block trace), [`step`] (one measured step: [`StepRun`]),
+//! [`optimizer`] (the optimizer of a run) and [`parallel`] (the step on the ranks of a
+//! process group: data parallel and ZeRO, [`DataParallel`]).
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -18,6 +19,7 @@ mod error;
 pub mod levers;
 pub mod measure;
 pub mod optimizer;
+pub mod parallel;
 pub mod plan;
 mod saved;
 pub mod step;
@@ -32,6 +34,12 @@ pub use levers::{
     CompressDtype, OffloadSpec, OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision,
 };
 pub use measure::{PeakPhase, TraceEntry};
+/// The process group and the data parallel options a step takes (re-exported from
+/// `memsave-dist`).
+pub use memsave_dist::{DdpConfig, ProcessGroup, ZeroStage};
 pub use optimizer::{CaseOptimizer, SavedWeights};
-pub use step::{f_step, f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
+pub use parallel::{DataParallel, DataParallelHandle};
+pub use step::{
+    f_step, f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver, StepRun,
+};
 pub use workload::{mean_square, Batch, Workload};

@@ -3,6 +3,7 @@
 use crate::error::StepError;
 use crate::levers::{OptimizerRule, OptimizerSpec, StatePlacement};
 use memsave_amp::GradScaler;
+use memsave_dist::{ProcessGroup, ZeroOptimizer, ZeroStage};
 use memsave_hooks::OnComplete;
 use memsave_optim::{AdamW, InBackward, Observer, Optimizer, Rule, Sgd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,6 +11,12 @@ use tch::Tensor;
 
 /// Why an optimizer stepping in backward cannot run under an enabled `GradScaler`.
 pub(crate) const SCALER_IN_BACKWARD: &str = "a GradScaler cannot be combined with an optimizer stepping in backward (in_backward): each parameter's step would see its gradient multiplied by the loss scale; drop the scaler or step the optimizer after backward";
+
+/// Why an enabled `GradScaler` cannot run with a ZeRO optimizer.
+pub(crate) const SCALER_WITH_ZERO: &str = "grad_scaler cannot run with zero: the sharded optimizer's step has no unscale or inf/NaN check (each rank holds only its shard of the gradients); drop grad_scaler, or run data parallel without zero";
+
+/// Why an optimizer stepping in backward cannot be sharded (ZeRO).
+pub(crate) const IN_BACKWARD_ZERO: &str = "optimizer in_backward cannot run with zero: zero steps each rank's shard of the parameters after backward, from gradients reduced over the ranks; drop in_backward";
 
 /// The optimizer, stepping after backward or from hooks inside it.
 enum Stepper<R: Rule> {
@@ -73,9 +80,10 @@ impl<R: Rule> Stepper<R> {
         Ok(Some(Box::new(move |i: usize, p: &Tensor| {
             let mut opt = shared
                 .try_lock()
-                .map_err(|_| "the optimizer is in use during backward".to_owned())?;
-            opt.f_step_param(index[i]).map_err(|e| e.to_string())?;
-            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+                .map_err(|_| "the optimizer is in use during backward")?;
+            opt.f_step_param(index[i])?;
+            memsave_sys::tensor::set_grad_none(p)?;
+            Ok(())
         })))
     }
 
@@ -147,6 +155,43 @@ trait Step {
     fn state_tensors(&self) -> Vec<Tensor>;
     fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>);
     fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError>;
+    /// The ZeRO stage of a sharded optimizer; `None` for a whole one.
+    fn zero_stage(&self) -> Option<ZeroStage> {
+        None
+    }
+}
+
+/// A ZeRO optimizer (`memsave_dist::ZeroOptimizer`): this rank's shard of the state,
+/// stepped after backward from the gradients reduced over the ranks.
+struct Sharded<R: Rule>(ZeroOptimizer<R>);
+
+impl<R: Rule> Step for Sharded<R> {
+    fn step(&mut self, scaler: Option<&mut GradScaler>) -> Result<(), StepError> {
+        // A disabled scaler scales nothing; an enabled one is refused before the step.
+        if scaler.is_some_and(|s| s.is_enabled()) {
+            return Err(StepError::invalid(SCALER_WITH_ZERO));
+        }
+        self.0.f_step().map_err(zero_error)?;
+        self.0.f_zero_grad(true).map_err(zero_error)
+    }
+    fn steps_in_backward(&self) -> bool {
+        false
+    }
+    fn state_bytes(&self) -> u64 {
+        self.0.state_bytes()
+    }
+    fn state_tensors(&self) -> Vec<Tensor> {
+        self.0.state_tensors()
+    }
+    fn set_observer(&mut self, observer: Option<Arc<dyn Observer>>) {
+        self.0.inner_mut().set_observer(observer);
+    }
+    fn param_stepper(&mut self, _params: &[Tensor]) -> Result<Option<OnComplete>, StepError> {
+        Ok(None)
+    }
+    fn zero_stage(&self) -> Option<ZeroStage> {
+        Some(self.0.stage())
+    }
 }
 
 impl<R: Rule> Step for Stepper<R> {
@@ -177,18 +222,7 @@ impl CaseOptimizer {
     /// `lr`, `momentum` with AdamW, ...) is an error here, before any step.
     pub fn build(spec: &OptimizerSpec, params: &[Tensor]) -> Result<Self, StepError> {
         let rule = spec.rule().map_err(|e| StepError::invalid(e.to_string()))?;
-        let dir = match spec.placement {
-            StatePlacement::Disk => Some(
-                tempfile::Builder::new()
-                    .prefix("memsave-optimizer-")
-                    .tempdir()
-                    .map_err(|source| StepError::Io {
-                        what: "cannot make a directory for the optimizer state".into(),
-                        source,
-                    })?,
-            ),
-            _ => None,
-        };
+        let dir = state_dir(spec)?;
         let options = spec.options(dir.as_ref().map(tempfile::TempDir::path));
         let stepper: Box<dyn Step> = match rule {
             OptimizerRule::AdamW(config) => {
@@ -201,6 +235,45 @@ impl CaseOptimizer {
             }
         };
         Ok(Self { stepper, _dir: dir })
+    }
+
+    /// The optimizer `spec` asks for over `params`, sharded over the ranks of `group`
+    /// at ZeRO `stage` (`memsave_dist::ZeroOptimizer`): this rank keeps and updates
+    /// 1/N of the state (and, at stage 2, of the gradients), with `spec`'s state
+    /// precision and placement (`disk`: a temporary directory of this process's, the
+    /// shard's files in `rank-R` below it). Building it is a collective: every rank
+    /// builds it over the same parameters, and rank 0's values are copied to all.
+    ///
+    /// `in_backward` is refused (the shard is stepped after backward, from gradients
+    /// reduced over the ranks), as is any parameter that is not a contiguous f32 CPU
+    /// tensor requiring grad.
+    pub fn build_sharded(
+        spec: &OptimizerSpec,
+        params: &[Tensor],
+        group: &ProcessGroup,
+        stage: ZeroStage,
+    ) -> Result<Self, StepError> {
+        if spec.in_backward {
+            return Err(StepError::invalid(IN_BACKWARD_ZERO));
+        }
+        let rule = spec.rule().map_err(|e| StepError::invalid(e.to_string()))?;
+        let dir = state_dir(spec)?;
+        let options = spec.options(dir.as_ref().map(tempfile::TempDir::path));
+        let stepper: Box<dyn Step> = match rule {
+            OptimizerRule::AdamW(config) => Box::new(Sharded(
+                ZeroOptimizer::new(group, params, config, options, stage).map_err(zero_error)?,
+            )),
+            OptimizerRule::Sgd(config) => Box::new(Sharded(
+                ZeroOptimizer::new(group, params, config, options, stage).map_err(zero_error)?,
+            )),
+        };
+        Ok(Self { stepper, _dir: dir })
+    }
+
+    /// The ZeRO stage of an optimizer built by [`build_sharded`](Self::build_sharded);
+    /// `None` for a whole one.
+    pub fn zero_stage(&self) -> Option<ZeroStage> {
+        self.stepper.zero_stage()
     }
 
     /// The step after backward (nothing with `in_backward`: the hooks stepped), under
@@ -289,6 +362,30 @@ impl SavedWeights {
             p.f_copy_(&saved)?;
         }
         Ok(())
+    }
+}
+
+/// A temporary directory for `placement: disk`, removed when dropped.
+fn state_dir(spec: &OptimizerSpec) -> Result<Option<tempfile::TempDir>, StepError> {
+    match spec.placement {
+        StatePlacement::Disk => tempfile::Builder::new()
+            .prefix("memsave-optimizer-")
+            .tempdir()
+            .map(Some)
+            .map_err(|source| StepError::Io {
+                what: "cannot make a directory for the optimizer state".into(),
+                source,
+            }),
+        _ => Ok(None),
+    }
+}
+
+/// An error of a ZeRO optimizer: the sharded optimizer's own (out of memory stays
+/// [`StepError::OutOfMemory`]) or the collective's.
+fn zero_error(e: memsave_dist::DistError) -> StepError {
+    match e {
+        memsave_dist::DistError::Optim { source, .. } => optimizer_error(source),
+        other => StepError::lever("zero", other),
     }
 }
 

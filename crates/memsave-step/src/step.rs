@@ -12,13 +12,14 @@ use crate::config::{GradsAfter, StepConfig};
 use crate::error::StepError;
 use crate::measure::{PeakPhase, TraceEntry};
 use crate::optimizer::CaseOptimizer;
+use crate::parallel::{DataParallelHandle, SyncGuard};
 use crate::saved::{SavedBytes, StepHooks};
 use crate::workload::{Batch, Workload};
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
 use memsave_hooks::GradOffload;
 use memsave_meter::{f_max_memory_allocated, f_memory_allocated, measure};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::time::Instant;
 use tch::{Device, Tensor};
 
@@ -31,6 +32,12 @@ pub struct StepMeasurement {
     pub peak_bytes: u64,
     /// Allocated right after the forward minus `start_bytes`.
     pub retained_after_forward_bytes: u64,
+    /// Allocated when the last backward had ended (and, data parallel, the gradients
+    /// were averaged or reduced into their shards), before the optimizer's part, minus
+    /// `start_bytes`: mostly the gradients the optimizer steps from (this rank's shard
+    /// of them under ZeRO-2; none left by an optimizer in backward or offloaded
+    /// gradients).
+    pub after_backward_bytes: u64,
     /// Wall time of forward, loss and backward (and the scaler's unscale and update),
     /// between two device synchronizations.
     pub time_s: f64,
@@ -42,6 +49,10 @@ pub struct StepMeasurement {
     pub offloaded_bytes: Option<u64>,
     /// Bytes the strategy's compression hooks saved.
     pub compressed_saved_bytes: Option<u64>,
+    /// Bytes this rank's process group sent during the step (counted from the
+    /// collectives' sizes, see `memsave_dist::ProcessGroup::bytes_sent`), when the step
+    /// ran data parallel; `None` on one process.
+    pub bytes_sent: Option<u64>,
 }
 
 /// A point of a step that [`f_step_observed`] tells its observer about.
@@ -82,6 +93,9 @@ impl StepObserver for Unobserved {
 /// `grad_scaler`, and `config.scaler` is set) the losses go through
 /// `memsave_amp::GradScaler`, and the step ends with its unscale and update. Pass the
 /// same scaler to every step of a case, as a training loop would.
+///
+/// A thin form of [`StepRun`], which also takes an optimizer, an observer and data
+/// parallel.
 pub fn f_step(
     model: &dyn Workload,
     x: &Batch,
@@ -90,16 +104,10 @@ pub fn f_step(
     record_trace: bool,
     scaler: Option<&mut GradScaler>,
 ) -> Result<StepMeasurement, StepError> {
-    f_step_observed(
-        model,
-        x,
-        config,
-        device,
-        record_trace,
-        scaler,
-        None,
-        &Unobserved,
-    )
+    StepRun::new(device)
+        .record_trace(record_trace)
+        .scaler(scaler)
+        .f_step(model, x, config)
 }
 
 /// [`f_step`] that also steps `optimizer` (the case's, for a strategy with
@@ -120,16 +128,11 @@ pub fn f_step_with(
     scaler: Option<&mut GradScaler>,
     optimizer: Option<&mut CaseOptimizer>,
 ) -> Result<StepMeasurement, StepError> {
-    f_step_observed(
-        model,
-        x,
-        config,
-        device,
-        record_trace,
-        scaler,
-        optimizer,
-        &Unobserved,
-    )
+    StepRun::new(device)
+        .record_trace(record_trace)
+        .scaler(scaler)
+        .optimizer(optimizer)
+        .f_step(model, x, config)
 }
 
 /// [`f_step_with`], telling `observer` when each part of the step begins.
@@ -140,200 +143,461 @@ pub fn f_step_observed(
     config: &StepConfig,
     device: Device,
     record_trace: bool,
-    mut scaler: Option<&mut GradScaler>,
-    mut optimizer: Option<&mut CaseOptimizer>,
+    scaler: Option<&mut GradScaler>,
+    optimizer: Option<&mut CaseOptimizer>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, StepError> {
-    // Before anything runs: an optimizer in backward would step every parameter from
-    // its scaled gradient.
-    let scales = config.scaler.as_ref().is_some_and(|c| c.enabled)
-        || scaler.as_deref().is_some_and(GradScaler::is_enabled);
-    if scales
-        && optimizer
-            .as_deref()
-            .is_some_and(CaseOptimizer::steps_in_backward)
-    {
-        return Err(StepError::invalid(crate::optimizer::SCALER_IN_BACKWARD));
+    StepRun::new(device)
+        .record_trace(record_trace)
+        .scaler(scaler)
+        .optimizer(optimizer)
+        .observer(observer)
+        .f_step(model, x, config)
+}
+
+/// What one step runs with besides the model, its batch and its [`StepConfig`]: the
+/// live objects a configuration cannot hold (the case's `GradScaler` and optimizer, an
+/// observer, data parallel over a process group) and the device. Every step of memsave
+/// (the harness's, `fit`'s probes, a [`Trainer`](crate::Trainer)'s) runs through
+/// [`f_step`](Self::f_step); [`f_step`](fn@f_step), [`f_step_with`] and
+/// [`f_step_observed`] are short forms of it.
+///
+/// ```
+/// # use memsave_checkpoint::CheckpointedSequential;
+/// # use memsave_step::{Batch, StepConfig, Workload};
+/// # use tch::{nn, nn::Module, Device, Kind, Tensor};
+/// # struct Mlp { vs: nn::VarStore, layers: CheckpointedSequential, data: Tensor }
+/// # impl Workload for Mlp {
+/// #     fn name(&self) -> &str { "mlp" }
+/// #     fn device(&self) -> Device { Device::Cpu }
+/// #     fn layers(&self) -> &CheckpointedSequential { &self.layers }
+/// #     fn layers_mut(&mut self) -> &mut CheckpointedSequential { &mut self.layers }
+/// #     fn parameters(&self) -> Vec<Tensor> { self.vs.trainable_variables() }
+/// #     fn global_batch(&self) -> i64 { 8 }
+/// #     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+/// #         Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+/// #     }
+/// # }
+/// # let vs = nn::VarStore::new(Device::Cpu);
+/// # let lin = nn::linear(vs.root(), 16, 16, Default::default());
+/// # let layers = CheckpointedSequential::new().add_fn(move |x| lin.forward(x));
+/// # let model = Mlp { vs, layers, data: Tensor::rand([8, 16], (Kind::Float, Device::Cpu)) };
+/// use memsave_step::step::StepRun;
+///
+/// let x = model.batch(8)?;
+/// let m = StepRun::new(Device::Cpu).f_step(&model, &x, &StepConfig::baseline())?;
+/// assert_eq!(m.bytes_sent, None); // one process
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct StepRun<'a> {
+    device: Device,
+    record_trace: bool,
+    scaler: Option<&'a mut GradScaler>,
+    optimizer: Option<&'a mut CaseOptimizer>,
+    observer: &'a dyn StepObserver,
+    data_parallel: Option<&'a DataParallelHandle>,
+}
+
+impl std::fmt::Debug for StepRun<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepRun")
+            .field("device", &self.device)
+            .field("record_trace", &self.record_trace)
+            .field("scaler", &self.scaler.is_some())
+            .field("optimizer", &self.optimizer.is_some())
+            .field("data_parallel", &self.data_parallel.map(|d| d.mode()))
+            .finish_non_exhaustive()
     }
-    let params = model.parameters();
-    free_grads(&params).map_err(accumulation)?;
-    let grad_offload = if config.offload_grads.is_some() {
-        if config.scaler.is_some() || scaler.is_some() {
+}
+
+impl<'a> StepRun<'a> {
+    /// A step on `device` with no scaler, no optimizer, no observer, no trace and one
+    /// process.
+    pub fn new(device: Device) -> Self {
+        Self {
+            device,
+            record_trace: false,
+            scaler: None,
+            optimizer: None,
+            observer: &Unobserved,
+            data_parallel: None,
+        }
+    }
+
+    /// Records the per-block memory of the (first micro-batch's) forward into
+    /// [`StepMeasurement::trace`].
+    pub fn record_trace(mut self, on: bool) -> Self {
+        self.record_trace = on;
+        self
+    }
+
+    /// Scales the losses with `scaler` and ends the step with its unscale and update
+    /// (the case's scaler: pass the same one to every step).
+    pub fn scaler(mut self, scaler: Option<&'a mut GradScaler>) -> Self {
+        self.scaler = scaler;
+        self
+    }
+
+    /// Steps `optimizer` inside the measured step (see [`f_step_with`]).
+    pub fn optimizer(mut self, optimizer: Option<&'a mut CaseOptimizer>) -> Self {
+        self.optimizer = optimizer;
+        self
+    }
+
+    /// Tells `observer` when each part of the step begins.
+    pub fn observer(mut self, observer: &'a dyn StepObserver) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    /// Runs the step as this rank's part of a data parallel step over `data_parallel`'s
+    /// group (see [`crate::parallel`]): `x` is this rank's share of the batch, the
+    /// gradients are averaged over the ranks after the last micro-batch's backward
+    /// (DDP) or reduced into a ZeRO optimizer's shards, and
+    /// [`StepMeasurement::bytes_sent`] counts what the group sent. Under ZeRO the
+    /// optimizer must be the handle's ([`DataParallelHandle::optimizer`]).
+    pub fn data_parallel(mut self, data_parallel: Option<&'a DataParallelHandle>) -> Self {
+        self.data_parallel = data_parallel;
+        self
+    }
+
+    /// Runs one step of `model` on `x` as `config` says (see [`f_step`](fn@f_step) and
+    /// [`f_step_with`]).
+    ///
+    /// # Errors
+    /// [`StepError::InvalidConfig`] before anything runs for options that contradict
+    /// each other (a scaler with an optimizer in backward or with offloaded gradients,
+    /// data parallel options [`DataParallel::check`](crate::DataParallel::check)
+    /// refuses); [`StepError::OutOfMemory`] and the others when the step fails.
+    pub fn f_step(
+        mut self,
+        model: &dyn Workload,
+        x: &Batch,
+        config: &StepConfig,
+    ) -> Result<StepMeasurement, StepError> {
+        self.check(config)?;
+        let params = model.parameters();
+        free_grads(&params).map_err(accumulation)?;
+        let grad_offload = self.grad_offload(config, &params)?;
+        let input = step_input(x, config)?;
+        let hooks = step_hooks(config, &params, &input)?;
+        let levers_before = model.layers().lever_stats();
+        let sent_before = self.data_parallel.map(DataParallelHandle::bytes_sent);
+        let device = self.device;
+        let (result, m) = measure(device, |_| {
+            self.measured(
+                model,
+                config,
+                &params,
+                &input,
+                hooks.as_ref(),
+                grad_offload.as_ref(),
+            )
+        });
+        release_step_leftovers(&input.input, config);
+        let measured = result?;
+        // Without an optimizer the gradients are the step's result: back into `.grad`,
+        // after the measurement, as a caller reading them afterwards would do.
+        if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
+            g.restore().map_err(offload_grads)?;
+        }
+        let saved = measured
+            .saved
+            .with_levers(&levers_before, &model.layers().lever_stats());
+        Ok(StepMeasurement {
+            start_bytes: m.start_bytes,
+            peak_bytes: m.peak_bytes,
+            retained_after_forward_bytes: measured.retained,
+            after_backward_bytes: measured.after_backward,
+            time_s: measured.time_s,
+            trace: measured.trace,
+            peak_phase: measured.peak_phase,
+            offloaded_bytes: saved.offloaded_bytes,
+            compressed_saved_bytes: saved.compressed_saved_bytes,
+            bytes_sent: sent_before
+                .zip(self.data_parallel)
+                .map(|(before, dp)| dp.bytes_sent() - before),
+        })
+    }
+
+    /// Refuses, before anything runs, what cannot work together: an optimizer in
+    /// backward would step every parameter from its scaled gradient; unscaling needs
+    /// every gradient at once, which offloaded gradients are not; and what data
+    /// parallel refuses.
+    fn check(&self, config: &StepConfig) -> Result<(), StepError> {
+        let scales = config.scaler.as_ref().is_some_and(|c| c.enabled)
+            || self.scaler.as_deref().is_some_and(GradScaler::is_enabled);
+        let optimizer = self.optimizer.as_deref();
+        if scales && optimizer.is_some_and(CaseOptimizer::steps_in_backward) {
+            return Err(StepError::invalid(crate::optimizer::SCALER_IN_BACKWARD));
+        }
+        if scales && optimizer.is_some_and(|o| o.zero_stage().is_some()) {
+            return Err(StepError::invalid(crate::optimizer::SCALER_WITH_ZERO));
+        }
+        if config.offload_grads.is_some() && (config.scaler.is_some() || self.scaler.is_some()) {
             return Err(StepError::invalid("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once"));
         }
+        match self.data_parallel {
+            Some(dp) => dp.check_step(config, optimizer, scales),
+            None => Ok(()),
+        }
+    }
+
+    /// The gradient offload of `config.offload_grads`; an optimizer in backward gives
+    /// up its hooks first, whose slots the offload takes, and steps from its
+    /// `on_complete`.
+    fn grad_offload(
+        &mut self,
+        config: &StepConfig,
+        params: &[Tensor],
+    ) -> Result<Option<GradOffload>, StepError> {
+        if config.offload_grads.is_none() {
+            return Ok(None);
+        }
         let dir = crate::saved::default_dir()?;
-        // First: an optimizer in backward gives up its hooks, whose slots the offload
-        // takes.
-        let stepper = match optimizer.as_deref_mut() {
-            Some(o) => o.param_stepper(&params)?,
+        let stepper = match self.optimizer.as_deref_mut() {
+            Some(o) => o.param_stepper(params)?,
             None => None,
         };
         let offload =
-            GradOffload::new(&params, &dir).map_err(|e| StepError::lever("offload_grads", e))?;
-        Some(match stepper {
+            GradOffload::new(params, &dir).map_err(|e| StepError::lever("offload_grads", e))?;
+        Ok(Some(match stepper {
             Some(f) => offload.on_complete(f),
             None => offload,
-        })
-    } else {
-        None
-    };
-    let input = if config.residual.writes_input() {
-        let mut copy = x.input.f_empty_like()?;
-        copy.f_copy_(&x.input)?;
-        Batch {
-            input: copy,
-            target: x.target.as_ref().map(Tensor::shallow_clone),
-        }
-    } else {
-        x.shallow_clone()
-    };
-    // Compression and offload pass the parameters and the input through: both stay
-    // alive anyway.
-    let hooks = match &config.saved {
-        Some(choice) => {
-            let mut held: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
-            held.push(input.input.shallow_clone());
-            held.extend(input.target.as_ref().map(Tensor::shallow_clone));
-            Some(StepHooks::new(choice, &held)?)
-        }
-        None => None,
-    };
-    let levers_before = model.layers().lever_stats();
-    let mut trace = Vec::new();
-    let (result, m) = measure(
-        device,
-        |_| -> Result<(u64, f64, PeakPhase, SavedBytes), StepError> {
-            let start = f_memory_allocated(device).map_err(meter)?;
-            synchronize(device);
-            let t0 = Instant::now();
-            let mut retained = 0;
-            let phases = PhaseTracker::new(device);
-            // The forward and the loss of one pass; the output is returned so the caller
-            // holds it until its backward has finished, as a Python variable would be.
-            let mut forward =
-                |xin: &Batch, trace_this: bool| -> Result<(Tensor, Tensor), StepError> {
-                    let _autocast = config
-                        .autocast
-                        .map(|kind| AutocastGuard::new(device, kind))
-                        .transpose()
-                        .map_err(|e| StepError::lever("autocast", e))?;
-                    observer.step_event(StepEvent::Forward);
-                    if trace_this {
-                        model.start_trace();
-                    }
-                    let hooks_guard = hooks.as_ref().map(StepHooks::enter).transpose()?;
-                    let out = model.layers().f_forward(&xin.input);
-                    if let Some(guard) = hooks_guard {
-                        guard
-                            .exit()
-                            .map_err(|e| StepError::lever("saved tensors", e))?;
-                    }
-                    if let Some(hooks) = &hooks {
-                        hooks.settle();
-                    }
-                    if trace_this {
-                        trace = model.stop_trace();
-                    }
-                    let out = out.map_err(|e| StepError::lever("checkpoint", e))?;
-                    let now = f_memory_allocated(device).map_err(meter)?;
-                    retained = retained.max(now.saturating_sub(start));
-                    observer.step_event(StepEvent::ForwardDone);
-                    let loss = model.loss(&out, xin.target.as_ref())?;
-                    phases.ended(PeakPhase::Forward)?;
-                    observer.step_event(StepEvent::Backward);
-                    Ok((out, loss))
-                };
-            match config.micro_batches {
-                None => {
-                    let (out, loss) = forward(&input, record_trace)?;
-                    if let Some(g) = &grad_offload {
-                        g.set_last_micro_batch(true);
-                    }
-                    match scaler.as_deref_mut() {
-                        Some(scaler) => {
-                            let scaled = scaler.f_scale(&loss).map_err(grad_scaler)?;
-                            scaled.f_backward()?;
-                        }
-                        None => loss.f_backward()?,
-                    }
-                    drop(loss);
-                    drop(out);
-                    phases.ended(PeakPhase::Backward)?;
-                }
-                Some(count) => {
-                    let batch =
-                        *input.input.size().first().ok_or_else(|| {
-                            StepError::invalid("the input has no batch dimension")
-                        })?;
-                    let mut held: Option<Tensor> = None;
-                    GradAccumulator::with_split(Split::Count(count))
-                        .f_accumulate(&params, scaler.as_deref_mut(), batch, |mb| {
-                            // The previous micro-batch's output, alive until its backward ended.
-                            held = None;
-                            if mb.index > 0 {
-                                phases.ended(PeakPhase::Backward)?;
-                            }
-                            let xin = input.f_narrow(mb.start, mb.len)?;
-                            let (out, loss) = forward(&xin, record_trace && mb.index == 0)?;
-                            if let Some(g) = &grad_offload {
-                                g.set_last_micro_batch(mb.end() == batch);
-                            }
-                            held = Some(out);
-                            Ok::<_, StepError>(loss)
-                        })
-                        .map_err(micro_batch_error)?;
-                    drop(held);
-                    phases.ended(PeakPhase::Backward)?;
-                }
-            }
-            if let Some(g) = &grad_offload {
-                g.complete_remaining().map_err(offload_grads)?;
-                g.check().map_err(offload_grads)?;
-            }
-            match (optimizer, scaler) {
-                (Some(optimizer), scaler) => {
-                    observer.step_event(StepEvent::Optimizer);
-                    // An optimizer stepping after backward needs the gradients back.
-                    if let Some(g) = &grad_offload {
-                        g.restore().map_err(offload_grads)?;
-                    }
-                    optimizer.step(scaler)?;
-                    phases.ended(PeakPhase::Optimizer)?;
-                }
-                (None, Some(scaler)) => {
-                    observer.step_event(StepEvent::Optimizer);
-                    scaler.f_unscale_params_(&params).map_err(grad_scaler)?;
-                    scaler.f_update().map_err(grad_scaler)?;
-                }
-                (None, None) => {}
-            }
-            synchronize(device);
-            let time_s = t0.elapsed().as_secs_f64();
-            let saved = match &hooks {
-                Some(hooks) => hooks.finish()?,
-                None => SavedBytes::default(),
-            };
-            Ok((retained, time_s, phases.peak_phase.get(), saved))
-        },
-    );
-    release_step_leftovers(&input.input, config);
-    let (retained, time_s, peak_phase, saved) = result?;
-    // Without an optimizer the gradients are the step's result: back into `.grad`,
-    // after the measurement, as a caller reading them afterwards would do.
-    if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
-        g.restore().map_err(offload_grads)?;
+        }))
     }
-    let saved = saved.with_levers(&levers_before, &model.layers().lever_stats());
-    Ok(StepMeasurement {
-        start_bytes: m.start_bytes,
-        peak_bytes: m.peak_bytes,
-        retained_after_forward_bytes: retained,
-        time_s,
-        trace,
-        peak_phase,
-        offloaded_bytes: saved.offloaded_bytes,
-        compressed_saved_bytes: saved.compressed_saved_bytes,
+
+    /// The measured part of the step: the passes, the reduction of the gradients, the
+    /// optimizer, and what the hooks saved.
+    fn measured(
+        &mut self,
+        model: &dyn Workload,
+        config: &StepConfig,
+        params: &[Tensor],
+        input: &Batch,
+        hooks: Option<&StepHooks>,
+        grad_offload: Option<&GradOffload>,
+    ) -> Result<Measured, StepError> {
+        let device = self.device;
+        let start = f_memory_allocated(device).map_err(meter)?;
+        synchronize(device);
+        let t0 = Instant::now();
+        let pass = Pass {
+            model,
+            config,
+            device,
+            observer: self.observer,
+            hooks,
+            start,
+            retained: Cell::new(0),
+            trace: RefCell::new(Vec::new()),
+            phases: PhaseTracker::new(device),
+        };
+        self.passes(&pass, params, input, grad_offload)?;
+        if let Some(g) = grad_offload {
+            g.complete_remaining().map_err(offload_grads)?;
+            g.check().map_err(offload_grads)?;
+        }
+        if let Some(dp) = self.data_parallel {
+            dp.finish_backward()?;
+        }
+        let after_backward = f_memory_allocated(device)
+            .map_err(meter)?
+            .saturating_sub(start);
+        self.optimizer_part(&pass, params, grad_offload)?;
+        synchronize(device);
+        let time_s = t0.elapsed().as_secs_f64();
+        let saved = match hooks {
+            Some(hooks) => hooks.finish()?,
+            None => SavedBytes::default(),
+        };
+        Ok(Measured {
+            retained: pass.retained.get(),
+            after_backward,
+            time_s,
+            trace: pass.trace.into_inner(),
+            peak_phase: pass.phases.peak_phase.get(),
+            saved,
+        })
+    }
+
+    /// Forward, loss and backward of the whole batch, or of each micro-batch through
+    /// the accumulator; under DDP the backward of every micro-batch but the last only
+    /// accumulates locally.
+    fn passes(
+        &mut self,
+        pass: &Pass<'_>,
+        params: &[Tensor],
+        input: &Batch,
+        grad_offload: Option<&GradOffload>,
+    ) -> Result<(), StepError> {
+        let record_trace = self.record_trace;
+        let Some(count) = pass.config.micro_batches else {
+            let (out, loss) = pass.forward(input, record_trace)?;
+            if let Some(g) = grad_offload {
+                g.set_last_micro_batch(true);
+            }
+            match self.scaler.as_deref_mut() {
+                Some(scaler) => scaler.f_scale(&loss).map_err(grad_scaler)?.f_backward()?,
+                None => loss.f_backward()?,
+            }
+            drop(loss);
+            drop(out);
+            return pass.phases.ended(PeakPhase::Backward);
+        };
+        let batch = *input
+            .input
+            .size()
+            .first()
+            .ok_or_else(|| StepError::invalid("the input has no batch dimension"))?;
+        let data_parallel = self.data_parallel;
+        let _sync = SyncGuard(data_parallel);
+        let mut held: Option<Tensor> = None;
+        GradAccumulator::with_split(Split::Count(count))
+            .f_accumulate(params, self.scaler.as_deref_mut(), batch, |mb| {
+                // The previous micro-batch's output, alive until its backward ended.
+                held = None;
+                if mb.index > 0 {
+                    pass.phases.ended(PeakPhase::Backward)?;
+                }
+                let xin = input.f_narrow(mb.start, mb.len)?;
+                let (out, loss) = pass.forward(&xin, record_trace && mb.index == 0)?;
+                let last = mb.end() == batch;
+                if let Some(g) = grad_offload {
+                    g.set_last_micro_batch(last);
+                }
+                if let Some(dp) = data_parallel {
+                    dp.set_grad_sync(last);
+                }
+                held = Some(out);
+                Ok::<_, StepError>(loss)
+            })
+            .map_err(micro_batch_error)?;
+        drop(held);
+        pass.phases.ended(PeakPhase::Backward)
+    }
+
+    /// The optimizer's part: its step after backward (the offloaded gradients back
+    /// first), or the scaler's unscale and update without one.
+    fn optimizer_part(
+        &mut self,
+        pass: &Pass<'_>,
+        params: &[Tensor],
+        grad_offload: Option<&GradOffload>,
+    ) -> Result<(), StepError> {
+        match (self.optimizer.as_deref_mut(), self.scaler.as_deref_mut()) {
+            (Some(optimizer), scaler) => {
+                self.observer.step_event(StepEvent::Optimizer);
+                // An optimizer stepping after backward needs the gradients back.
+                if let Some(g) = grad_offload {
+                    g.restore().map_err(offload_grads)?;
+                }
+                optimizer.step(scaler)?;
+                pass.phases.ended(PeakPhase::Optimizer)
+            }
+            (None, Some(scaler)) => {
+                self.observer.step_event(StepEvent::Optimizer);
+                scaler.f_unscale_params_(params).map_err(grad_scaler)?;
+                scaler.f_update().map_err(grad_scaler)
+            }
+            (None, None) => Ok(()),
+        }
+    }
+}
+
+/// What the measured part of a step found.
+struct Measured {
+    retained: u64,
+    after_backward: u64,
+    time_s: f64,
+    trace: Vec<TraceEntry>,
+    peak_phase: PeakPhase,
+    saved: SavedBytes,
+}
+
+/// The forward and the loss of one pass (the batch, or a micro-batch), and what the
+/// passes of a step record: the largest allocation retained after a forward, the
+/// trace, the phase of the peak.
+struct Pass<'s> {
+    model: &'s dyn Workload,
+    config: &'s StepConfig,
+    device: Device,
+    observer: &'s dyn StepObserver,
+    hooks: Option<&'s StepHooks>,
+    start: u64,
+    retained: Cell<u64>,
+    trace: RefCell<Vec<TraceEntry>>,
+    phases: PhaseTracker,
+}
+
+impl Pass<'_> {
+    /// The forward and the loss of `xin`; the output is returned so the caller holds it
+    /// until its backward has finished, as a Python variable would be.
+    fn forward(&self, xin: &Batch, trace_this: bool) -> Result<(Tensor, Tensor), StepError> {
+        let model = self.model;
+        let _autocast = self
+            .config
+            .autocast
+            .map(|kind| AutocastGuard::new(self.device, kind))
+            .transpose()
+            .map_err(|e| StepError::lever("autocast", e))?;
+        self.observer.step_event(StepEvent::Forward);
+        if trace_this {
+            model.start_trace();
+        }
+        let hooks_guard = self.hooks.map(StepHooks::enter).transpose()?;
+        let out = model.layers().f_forward(&xin.input);
+        if let Some(guard) = hooks_guard {
+            guard
+                .exit()
+                .map_err(|e| StepError::lever("saved tensors", e))?;
+        }
+        if let Some(hooks) = self.hooks {
+            hooks.settle();
+        }
+        if trace_this {
+            *self.trace.borrow_mut() = model.stop_trace();
+        }
+        let out = out.map_err(|e| StepError::lever("checkpoint", e))?;
+        let now = f_memory_allocated(self.device).map_err(meter)?;
+        self.retained
+            .set(self.retained.get().max(now.saturating_sub(self.start)));
+        self.observer.step_event(StepEvent::ForwardDone);
+        let loss = model.loss(&out, xin.target.as_ref())?;
+        self.phases.ended(PeakPhase::Forward)?;
+        self.observer.step_event(StepEvent::Backward);
+        Ok((out, loss))
+    }
+}
+
+/// The step's input: `x`, or a copy of it for a residual update that writes into its
+/// input (so that the caller's batch stays intact).
+fn step_input(x: &Batch, config: &StepConfig) -> Result<Batch, StepError> {
+    if !config.residual.writes_input() {
+        return Ok(x.shallow_clone());
+    }
+    let mut copy = x.input.f_empty_like()?;
+    copy.f_copy_(&x.input)?;
+    Ok(Batch {
+        input: copy,
+        target: x.target.as_ref().map(Tensor::shallow_clone),
     })
+}
+
+/// The saved-tensor hooks of `config.saved`. Compression and offload pass the
+/// parameters and the input through: both stay alive anyway.
+fn step_hooks(
+    config: &StepConfig,
+    params: &[Tensor],
+    input: &Batch,
+) -> Result<Option<StepHooks>, StepError> {
+    let Some(choice) = &config.saved else {
+        return Ok(None);
+    };
+    let mut held: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+    held.push(input.input.shallow_clone());
+    held.extend(input.target.as_ref().map(Tensor::shallow_clone));
+    StepHooks::new(choice, &held).map(Some)
 }
 
 fn accumulation(e: memsave_accum::AccumError) -> StepError {

@@ -4,10 +4,12 @@ use crate::config::{PlanChoice, StepConfig};
 use crate::error::StepError;
 use crate::levers::OptimizerSpec;
 use crate::optimizer::CaseOptimizer;
-use crate::step::{f_step_observed, StepMeasurement, Unobserved};
+use crate::parallel::{DataParallel, DataParallelHandle};
+use crate::step::{StepMeasurement, StepRun};
 use crate::workload::{Batch, Workload};
 use memsave_amp::{GradScaler, GradScalerConfig};
 use memsave_checkpoint::Schedule;
+use memsave_dist::ProcessGroup;
 
 /// Builds a [`Trainer`]: the configuration's levers (a [`StepConfig`]), and optionally
 /// an optimizer, a `GradScaler` and an explicit checkpoint schedule. Contradictory
@@ -60,6 +62,7 @@ pub struct TrainerBuilder {
     config: StepConfig,
     schedule: Option<Option<Schedule>>,
     record_trace: bool,
+    data_parallel: Option<(ProcessGroup, DataParallel)>,
 }
 
 impl TrainerBuilder {
@@ -71,6 +74,7 @@ impl TrainerBuilder {
             config,
             schedule: None,
             record_trace: false,
+            data_parallel: None,
         }
     }
 
@@ -101,49 +105,51 @@ impl TrainerBuilder {
         self
     }
 
+    /// Runs every step as this process's rank of `group` (see [`crate::parallel`]):
+    /// data parallel ([`DataParallel::Ddp`]: gradients averaged over the ranks) or ZeRO
+    /// ([`DataParallel::Zero`]: the optimizer's state, and at stage 2 the gradients,
+    /// sharded). Each rank passes its own share of the batch to
+    /// [`Trainer::step`]; a budget plan is profiled on `global_batch / world_size`
+    /// examples.
+    ///
+    /// Trap: [`build`](Self::build) is then a collective (every rank builds its trainer
+    /// over the same model at the same point, and rank 0's parameters are copied to
+    /// every rank), and so is every step.
+    pub fn data_parallel(mut self, group: &ProcessGroup, mode: DataParallel) -> Self {
+        self.data_parallel = Some((group.clone(), mode));
+        self
+    }
+
     /// Checks the options, sets the checkpoint plan (or schedule) on `model`'s layers,
     /// and builds the optimizer over `model`'s parameters and the scaler.
     ///
     /// # Errors
     /// [`StepError::InvalidConfig`] for contradictory options (a `GradScaler` with the
     /// optimizer in backward or with offloaded gradients, zero micro-batches, a schedule
-    /// for another number of layers, ...), before anything runs; others when the plan's
-    /// profile or the optimizer's state cannot be built.
+    /// for another number of layers, data parallel options
+    /// [`DataParallel::check`] refuses, ...), before anything runs; others when the
+    /// plan's profile or the optimizer's state cannot be built.
     pub fn build<W: Workload>(self, model: &mut W) -> Result<Trainer<'_, W>, StepError> {
         let config = self.config;
         validate(&config)?;
-        let device = model.device();
-        match self.schedule {
-            Some(schedule) => {
-                let n = model.layers().len();
-                let schedule = match schedule {
-                    Some(s) => s,
-                    None => Schedule::plain(n),
-                };
-                model
-                    .layers_mut()
-                    .set_schedule(schedule)
-                    .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
-            }
-            None => {
-                let example = match config.plan {
-                    PlanChoice::Fixed(_) => None,
-                    _ => Some(model.batch(model.global_batch())?),
-                };
-                let empty = Batch::input(tch::Tensor::new());
-                crate::plan::apply_plan(
-                    model,
-                    example.as_ref().unwrap_or(&empty),
-                    &config,
-                    device,
-                )?;
-            }
+        if let Some((_, mode)) = &self.data_parallel {
+            mode.check(&config)?;
         }
-        let optimizer = config
-            .optimizer
+        let world_size = self
+            .data_parallel
             .as_ref()
-            .map(|spec| CaseOptimizer::build(spec, &model.parameters()))
+            .map_or(1, |(group, _)| group.world_size());
+        set_plan(model, &config, self.schedule, world_size)?;
+        let params = model.parameters();
+        let data_parallel = self
+            .data_parallel
+            .map(|(group, mode)| DataParallelHandle::new(&group, mode, &params))
             .transpose()?;
+        let optimizer = match (&config.optimizer, &data_parallel) {
+            (Some(spec), Some(dp)) => Some(dp.optimizer(spec, &params)?),
+            (Some(spec), None) => Some(CaseOptimizer::build(spec, &params)?),
+            (None, _) => None,
+        };
         let scaler = config
             .scaler
             .map(GradScaler::new)
@@ -154,10 +160,39 @@ impl TrainerBuilder {
             config,
             optimizer,
             scaler,
+            data_parallel,
             record_trace: self.record_trace,
             steps: 0,
         })
     }
+}
+
+/// Sets `schedule` (`Some(None)`: recompute nothing) or else `config`'s plan on
+/// `model`'s layers; a budget plan is profiled on a rank's share of the global batch.
+fn set_plan<W: Workload>(
+    model: &mut W,
+    config: &StepConfig,
+    schedule: Option<Option<Schedule>>,
+    world_size: usize,
+) -> Result<(), StepError> {
+    if let Some(schedule) = schedule {
+        let n = model.layers().len();
+        let schedule = schedule.unwrap_or_else(|| Schedule::plain(n));
+        return model
+            .layers_mut()
+            .set_schedule(schedule)
+            .map_err(|e| StepError::InvalidConfig(e.to_string()));
+    }
+    let example = match config.plan {
+        PlanChoice::Fixed(_) => None,
+        _ => {
+            let share = (model.global_batch() / world_size.max(1) as i64).max(1);
+            Some(model.batch(share)?)
+        }
+    };
+    let empty = Batch::input(tch::Tensor::new());
+    let device = model.device();
+    crate::plan::apply_plan(model, example.as_ref().unwrap_or(&empty), config, device)
 }
 
 fn validate(config: &StepConfig) -> Result<(), StepError> {
@@ -187,6 +222,7 @@ pub struct Trainer<'m, W: Workload> {
     config: StepConfig,
     optimizer: Option<CaseOptimizer>,
     scaler: Option<GradScaler>,
+    data_parallel: Option<DataParallelHandle>,
     record_trace: bool,
     steps: u64,
 }
@@ -211,21 +247,23 @@ impl<'m, W: Workload> Trainer<'m, W> {
     /// any) steps at the end or in backward. The measurement's bytes are exact (the
     /// meter's) when memsave's allocator is installed.
     ///
+    /// Data parallel ([`TrainerBuilder::data_parallel`]): `batch` is this rank's share;
+    /// the gradients are averaged over the ranks (or reduced into the ZeRO shards)
+    /// before the optimizer steps, and [`StepMeasurement::bytes_sent`] says what this
+    /// rank sent.
+    ///
     /// # Errors
     /// [`StepError::OutOfMemory`] when the step does not fit; [`StepError::Torch`] for
-    /// other failures. Either way the next step can run.
+    /// other failures. Either way the next step can run on one process; data parallel,
+    /// the other ranks are left waiting in a collective until the group's timeout.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMeasurement, StepError> {
         let device = self.model.device();
-        let m = f_step_observed(
-            &*self.model,
-            batch,
-            &self.config,
-            device,
-            self.record_trace,
-            self.scaler.as_mut(),
-            self.optimizer.as_mut(),
-            &Unobserved,
-        )?;
+        let m = StepRun::new(device)
+            .record_trace(self.record_trace)
+            .scaler(self.scaler.as_mut())
+            .optimizer(self.optimizer.as_mut())
+            .data_parallel(self.data_parallel.as_ref())
+            .f_step(&*self.model, batch, &self.config)?;
         self.steps += 1;
         Ok(m)
     }

@@ -2,6 +2,7 @@
 //! instead of one per file). Tests that measure a step are `#[serial]`: the meter is
 //! process-wide.
 mod common;
+mod data_parallel;
 mod errors;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
