@@ -3,6 +3,8 @@
 //! bucket (all-reduce and copy back, or all-to-all into a shard) is the caller's.
 use tch::Tensor;
 
+use crate::error::Result;
+
 /// Parameters grouped into buckets, and the progress of the current backward.
 ///
 /// Buckets are filled in reverse parameter order (the order backward usually produces
@@ -95,6 +97,45 @@ impl Buckets {
     }
 }
 
+/// A reduction of gradients bucket by bucket as backward produces them: data parallel's
+/// all-reduce, ZeRO-2's all-to-all into the shards. It supplies its buckets and how one
+/// bucket is reduced; the order in which buckets are reduced is this trait's.
+pub(crate) trait BucketReduce {
+    /// The buckets and the current backward's progress through them.
+    fn buckets(&mut self) -> &mut Buckets;
+
+    /// Whether backward reduces now (false inside `no_sync`).
+    fn syncing(&self) -> bool;
+
+    /// Reduces bucket `bucket`.
+    fn reduce(&mut self, bucket: usize) -> Result<()>;
+
+    /// Counts parameter `index`'s gradient ready, then reduces, in order, every bucket
+    /// now complete whose predecessors are all reduced: the post-accumulate-grad hook's
+    /// work. Nothing inside `no_sync`.
+    fn mark_ready(&mut self, index: usize) -> Result<()> {
+        if !self.syncing() {
+            return Ok(());
+        }
+        self.buckets().mark_ready(index);
+        while let Some(bucket) = self.buckets().next_complete() {
+            self.reduce(bucket)?;
+            self.buckets().advance();
+        }
+        Ok(())
+    }
+
+    /// Reduces, in order, every bucket the current backward has not reduced, complete
+    /// or not; nothing when no gradient was marked ready since the last backward ended.
+    fn reduce_owed(&mut self) -> Result<()> {
+        while let Some(bucket) = self.buckets().next_owed() {
+            self.reduce(bucket)?;
+            self.buckets().advance();
+        }
+        Ok(())
+    }
+}
+
 /// Copies consecutive slices of `flat` into `tensors`, each viewed in its shape: the
 /// first `numel` values into the first tensor, the next into the second, and so on.
 pub(crate) fn copy_from_flat(flat: &Tensor, tensors: &[Tensor]) -> Result<(), tch::TchError> {
@@ -176,6 +217,56 @@ mod tests {
         }
         assert_eq!(owed, [0, 1, 2]);
         assert_eq!(b.next_owed(), None);
+    }
+
+    /// Records the buckets it is asked to reduce.
+    struct Recorder {
+        buckets: Buckets,
+        syncing: bool,
+        reduced: Vec<usize>,
+    }
+
+    impl BucketReduce for Recorder {
+        fn buckets(&mut self) -> &mut Buckets {
+            &mut self.buckets
+        }
+        fn syncing(&self) -> bool {
+            self.syncing
+        }
+        fn reduce(&mut self, bucket: usize) -> Result<()> {
+            self.reduced.push(bucket);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn backward_reduces_buckets_in_order_as_they_complete() {
+        let mut r = Recorder {
+            buckets: Buckets::new(&params(&[10, 2, 6, 4, 1]), 32),
+            syncing: true,
+            reduced: Vec::new(),
+        };
+        for index in [1, 2, 4] {
+            r.mark_ready(index).unwrap();
+        }
+        assert_eq!(r.reduced, [] as [usize; 0]);
+        r.mark_ready(3).unwrap();
+        assert_eq!(r.reduced, [0, 1]);
+        r.mark_ready(0).unwrap();
+        assert_eq!(r.reduced, [0, 1, 2]);
+        // Complete: nothing is owed, and the next backward starts over.
+        r.reduce_owed().unwrap();
+        assert_eq!(r.reduced, [0, 1, 2]);
+        r.mark_ready(0).unwrap();
+        r.reduce_owed().unwrap();
+        assert_eq!(r.reduced, [0, 1, 2, 0, 1, 2]);
+        // Inside no_sync nothing is counted.
+        r.syncing = false;
+        for index in 0..5 {
+            r.mark_ready(index).unwrap();
+        }
+        r.reduce_owed().unwrap();
+        assert_eq!(r.reduced.len(), 6);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use memsave_sys::grad_hooks::GradHookHandle;
 use tch::Tensor;
 
-use crate::bucket::{copy_from_flat, Buckets};
+use crate::bucket::{copy_from_flat, BucketReduce, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -102,34 +102,6 @@ impl DistributedDataParallel {
         out
     }
 
-    /// Turns the reduction in backward on or off (PyTorch's
-    /// `require_backward_grad_sync`): off, backward only accumulates gradients locally,
-    /// as inside [`no_sync`](Self::no_sync). For a backward this type does not run
-    /// itself, e.g. the one a gradient accumulator runs for each micro-batch: off
-    /// before every micro-batch's backward but the last, on before the last, then
-    /// [`f_flush`](Self::f_flush).
-    ///
-    /// Trap: it stays as set; a step that fails while it is off must turn it back on,
-    /// or the next step's gradients are never averaged.
-    pub fn set_require_backward_grad_sync(&self, on: bool) {
-        self.lock().sync = on;
-    }
-
-    /// Whether backward reduces the gradients now (see
-    /// [`set_require_backward_grad_sync`](Self::set_require_backward_grad_sync)).
-    pub fn require_backward_grad_sync(&self) -> bool {
-        self.lock().sync
-    }
-
-    /// Reduces every bucket the last backward left incomplete (a parameter without a
-    /// gradient gets zeros), so that every rank has issued the same collectives and
-    /// holds the averaged gradients: what [`f_backward`](Self::f_backward) does after
-    /// its backward, for a backward run some other way. Nothing when every bucket was
-    /// reduced already, or inside `no_sync`.
-    pub fn f_flush(&self) -> Result<()> {
-        self.lock().flush()
-    }
-
     /// Backward from `loss`, then reduces any bucket backward left incomplete (a
     /// parameter without a gradient gets zeros), so that every rank has issued the same
     /// collectives. Inside [`DistributedDataParallel::no_sync`] it only runs backward.
@@ -158,29 +130,13 @@ impl DistributedDataParallel {
     }
 }
 
-impl Reducer {
-    fn mark_ready(&mut self, index: usize) -> Result<()> {
-        if !self.sync {
-            return Ok(());
-        }
-        self.buckets.mark_ready(index);
-        while let Some(bucket) = self.buckets.next_complete() {
-            self.reduce(bucket)?;
-            self.buckets.advance();
-        }
-        Ok(())
+impl BucketReduce for Reducer {
+    fn buckets(&mut self) -> &mut Buckets {
+        &mut self.buckets
     }
 
-    /// Reduces the buckets not yet reduced in this backward, in order.
-    fn flush(&mut self) -> Result<()> {
-        if !self.sync {
-            return Ok(());
-        }
-        while let Some(bucket) = self.buckets.next_owed() {
-            self.reduce(bucket)?;
-            self.buckets.advance();
-        }
-        Ok(())
+    fn syncing(&self) -> bool {
+        self.sync
     }
 
     fn reduce(&mut self, bucket: usize) -> Result<()> {
@@ -219,5 +175,15 @@ impl Reducer {
         copy_from_flat(&flat, &grads).map_err(err)?;
         self.reductions += 1;
         Ok(())
+    }
+}
+
+impl Reducer {
+    /// Reduces the buckets not yet reduced in this backward, in order.
+    fn flush(&mut self) -> Result<()> {
+        if !self.sync {
+            return Ok(());
+        }
+        self.reduce_owed()
     }
 }

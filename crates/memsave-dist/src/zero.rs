@@ -8,7 +8,7 @@ use memsave_sys::grad_hooks::GradHookHandle;
 use memsave_sys::tensor::nbytes;
 use tch::{Device, Kind, Tensor};
 
-use crate::bucket::{copy_from_flat, Buckets};
+use crate::bucket::{copy_from_flat, BucketReduce, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -413,27 +413,12 @@ impl Reducer {
         }
     }
 
-    fn mark_ready(&mut self, index: usize) -> Result<()> {
-        if !self.sync {
-            return Ok(());
-        }
-        self.buckets.mark_ready(index);
-        while let Some(bucket) = self.buckets.next_complete() {
-            self.reduce(bucket)?;
-            self.buckets.advance();
-        }
-        Ok(())
-    }
-
     /// Completes the reductions of the step: the buckets a backward left incomplete,
     /// then, when nothing was reduced since the last step (every backward ran inside
     /// `no_sync`, or none ran) or gradients are left in `.grad`, every bucket. Returns
     /// the slice's gradient summed over the ranks.
     fn finish_step(&mut self) -> Result<Tensor> {
-        while let Some(bucket) = self.buckets.next_owed() {
-            self.reduce(bucket)?;
-            self.buckets.advance();
-        }
+        self.reduce_owed()?;
         if self.acc.is_none() || self.params.iter().any(|p| p.grad().defined()) {
             for bucket in 0..self.buckets.len() {
                 self.reduce(bucket)?;
@@ -452,6 +437,16 @@ impl Reducer {
                 })
             }
         }
+    }
+}
+
+impl BucketReduce for Reducer {
+    fn buckets(&mut self) -> &mut Buckets {
+        &mut self.buckets
+    }
+
+    fn syncing(&self) -> bool {
+        self.sync
     }
 
     /// Sends each rank its part of bucket `bucket`'s gradients (zeros for parameters
