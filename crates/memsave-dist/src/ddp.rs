@@ -102,6 +102,34 @@ impl DistributedDataParallel {
         out
     }
 
+    /// Turns the reduction in backward on or off (PyTorch's
+    /// `require_backward_grad_sync`): off, backward only accumulates gradients locally,
+    /// as inside [`no_sync`](Self::no_sync). For a backward this type does not run
+    /// itself, e.g. the one a gradient accumulator runs for each micro-batch: off
+    /// before every micro-batch's backward but the last, on before the last, then
+    /// [`f_flush`](Self::f_flush).
+    ///
+    /// Trap: it stays as set; a step that fails while it is off must turn it back on,
+    /// or the next step's gradients are never averaged.
+    pub fn set_require_backward_grad_sync(&self, on: bool) {
+        self.lock().sync = on;
+    }
+
+    /// Whether backward reduces the gradients now (see
+    /// [`set_require_backward_grad_sync`](Self::set_require_backward_grad_sync)).
+    pub fn require_backward_grad_sync(&self) -> bool {
+        self.lock().sync
+    }
+
+    /// Reduces every bucket the last backward left incomplete (a parameter without a
+    /// gradient gets zeros), so that every rank has issued the same collectives and
+    /// holds the averaged gradients: what [`f_backward`](Self::f_backward) does after
+    /// its backward, for a backward run some other way. Nothing when every bucket was
+    /// reduced already, or inside `no_sync`.
+    pub fn f_flush(&self) -> Result<()> {
+        self.lock().flush()
+    }
+
     /// Backward from `loss`, then reduces any bucket backward left incomplete (a
     /// parameter without a gradient gets zeros), so that every rank has issued the same
     /// collectives. Inside [`DistributedDataParallel::no_sync`] it only runs backward.
