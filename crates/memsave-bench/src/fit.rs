@@ -129,7 +129,10 @@ pub fn fit_model_with(
         })?;
     if let Some(batch) = request.global_batch {
         spec.with_global_batch(batch)
-            .map_err(|reason| FitCaseError::GlobalBatch { batch, reason })?;
+            .map_err(|reason| FitCaseError::GlobalBatch {
+                batch,
+                reason: reason.to_string(),
+            })?;
     }
     let least = least_memory(spec, request, optimizer.as_ref());
     check_least(

@@ -74,15 +74,16 @@ pub use fit::{
 };
 pub use memsave_step::{optimizer, step};
 pub use message::one_line;
-pub use plot::{fit_svg, write_plots, PlotError};
+pub use plot::{fit_svg, write_plots, DrawError, PlotError};
 pub use report::{CaseResult, PeakPhase, Report, Status, StepTime, TraceEntry, SCHEMA_VERSION};
 pub use runner::{
     availability, run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError,
     RunOptions, Silent,
 };
-pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig, Unavailable};
 pub use suite::{
-    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, OptimizerKind, OptimizerSpec,
-    ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite, SuiteError, Technique,
+    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ModelSpecError, OptimizerKind,
+    OptimizerSpec, ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite,
+    SuiteError, Technique,
 };
 pub use trace::{trace_case, TraceCaseError, TracedCase};

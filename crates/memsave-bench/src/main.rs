@@ -240,24 +240,21 @@ enum FitOptimizer {
     None,
 }
 
-fn parse_margin(text: &str) -> Result<f64, String> {
+fn parse_margin(text: &str) -> Result<f64> {
     let m: f64 = text
         .parse()
-        .map_err(|_| format!("'{text}' is not a number"))?;
-    if (0.0..1.0).contains(&m) {
-        Ok(m)
-    } else {
-        Err(format!(
-            "the margin must be at least 0 and below 1, got {text}"
-        ))
+        .map_err(|_| anyhow::anyhow!("'{text}' is not a number"))?;
+    if !(0.0..1.0).contains(&m) {
+        anyhow::bail!("the margin must be at least 0 and below 1, got {text}");
     }
+    Ok(m)
 }
 
 /// `--memory-limit`: a size, positive as in a suite's `memory_limit`.
-fn parse_memory_limit(text: &str) -> Result<Bytes, String> {
-    let bytes: Bytes = text.parse().map_err(|e| format!("{e}"))?;
+fn parse_memory_limit(text: &str) -> Result<Bytes> {
+    let bytes: Bytes = text.parse()?;
     if bytes.0 == 0 {
-        return Err(format!("a size must be positive, got '{text}'"));
+        anyhow::bail!("a size must be positive, got '{text}'");
     }
     Ok(bytes)
 }
@@ -415,11 +412,11 @@ fn bench(args: BenchArgs) -> Result<()> {
     let suite = load(args.suite.as_deref().unwrap_or(BUNDLED[0].name))?;
     for (flag, path) in [("--json", &args.json), ("--csv", &args.csv)] {
         if let Some(path) = path {
-            check_writable_file(flag, path).map_err(invalid)?;
+            check_writable_file(flag, path)?;
         }
     }
     if let Some(dir) = &args.plot {
-        check_writable_dir("--plot", dir).map_err(invalid)?;
+        check_writable_dir("--plot", dir)?;
     }
     let options = RunOptions {
         filter: args.filter,
@@ -476,7 +473,7 @@ fn fit(args: FitArgs) -> Result<()> {
     let suite = load(&args.suite)?;
     for (flag, path) in [("--json", &args.json), ("--plot", &args.plot)] {
         if let Some(path) = path {
-            check_writable_file(flag, path).map_err(invalid)?;
+            check_writable_file(flag, path)?;
         }
     }
     let mut request = memsave_fit::FitRequest::new(args.budget.0);
@@ -555,7 +552,7 @@ fn trace(args: TraceArgs) -> Result<()> {
         ("--svg", &args.svg),
     ] {
         if let Some(path) = path {
-            check_writable_file(flag, path).map_err(invalid)?;
+            check_writable_file(flag, path)?;
         }
     }
     if let Some(world_size) = suite.world_size {
@@ -657,28 +654,36 @@ fn names<'a>(names: impl Iterator<Item = &'a str>) -> String {
 
 /// Checks before the run that `path` can be written as a file: it is not a directory,
 /// its directory exists, and a file can be created there (the results are written to
-/// a temporary file in that directory, then renamed).
-fn check_writable_file(flag: &str, path: &Path) -> Result<(), String> {
+/// a temporary file in that directory, then renamed). Its errors are [`Invalid`].
+fn check_writable_file(flag: &str, path: &Path) -> Result<()> {
     let shown = path.display();
     if path.is_dir() {
-        return Err(format!("{flag} {shown}: is a directory, not a file"));
+        return Err(invalid(format!(
+            "{flag} {shown}: is a directory, not a file"
+        )));
     }
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
     if !dir.is_dir() {
-        return Err(format!(
+        return Err(invalid(format!(
             "{flag} {shown}: the directory {} does not exist",
             dir.display()
-        ));
+        )));
     }
-    probe(dir).map_err(|e| format!("{flag} {shown}: cannot write in {}: {e}", dir.display()))
+    probe(dir).map_err(|e| {
+        invalid(format!(
+            "{flag} {shown}: cannot write in {}: {e}",
+            dir.display()
+        ))
+    })
 }
 
 /// Checks before the run that files can be written in `dir`, or in the nearest
-/// existing directory above it (the plots create the rest).
-fn check_writable_dir(flag: &str, dir: &Path) -> Result<(), String> {
+/// existing directory above it (the plots create the rest). Its errors are
+/// [`Invalid`].
+fn check_writable_dir(flag: &str, dir: &Path) -> Result<()> {
     let shown = dir.display();
     let existing = dir
         .ancestors()
@@ -692,16 +697,16 @@ fn check_writable_dir(flag: &str, dir: &Path) -> Result<(), String> {
         .find(|a| a.exists())
         .unwrap_or(Path::new("."));
     if !existing.is_dir() {
-        return Err(format!(
+        return Err(invalid(format!(
             "{flag} {shown}: {} is not a directory",
             existing.display()
-        ));
+        )));
     }
     probe(existing).map_err(|e| {
-        format!(
+        invalid(format!(
             "{flag} {shown}: cannot write in {}: {e}",
             existing.display()
-        )
+        ))
     })
 }
 

@@ -8,7 +8,7 @@
 //! before and after each block (the seed's `mem_before`/`mem_after`). The recorder is
 //! off during checkpoint recomputation in backward, so the trace is the real forward.
 use crate::report::TraceEntry;
-use crate::strategies::ResidualUpdate;
+use crate::strategies::{ResidualUpdate, Unavailable};
 use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_meter::f_memory_allocated;
@@ -126,20 +126,19 @@ impl LayerContext {
     /// `CheckpointedSequential::f_forward` turns the panic into an `Err`.
     fn residual(&self, x: &Tensor, fx: &Tensor) -> Tensor {
         let result = match self.residual_update() {
-            ResidualUpdate::Add => x.f_add(fx).map_err(|e| e.to_string()),
+            ResidualUpdate::Add => x.f_add(fx),
             ResidualUpdate::InplaceAdd => {
                 let mut y = x.shallow_clone();
-                y.f_add_(fx).map_err(|e| e.to_string())
+                y.f_add_(fx)
             }
-            ResidualUpdate::AddOut => x.f_add_out(x, fx).map_err(|e| e.to_string()),
-            ResidualUpdate::Safe => safe_residual(x, fx),
+            ResidualUpdate::AddOut => x.f_add_out(x, fx),
+            ResidualUpdate::Safe => {
+                return memsave_inplace::f_residual_add(x.shallow_clone(), fx)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            }
         };
         result.unwrap_or_else(|e| panic!("{e}"))
     }
-}
-
-fn safe_residual(x: &Tensor, fx: &Tensor) -> Result<Tensor, String> {
-    memsave_inplace::f_residual_add(x.shallow_clone(), fx).map_err(|e| e.to_string())
 }
 
 /// A built model: parameters, the layer chain, the context its blocks read, and the
@@ -313,13 +312,16 @@ impl Drop for RandomStreamGuard {
 /// [`Workload::set_residual`] of its built [`Model`] answers), and if not why: the
 /// zoo's networks have no residual update to choose, so `inplace_add`, `add_out` and
 /// `safe_residual` are unavailable on them.
-pub(crate) fn residual_available(spec: &ModelSpec, update: ResidualUpdate) -> Result<(), String> {
+pub(crate) fn residual_available(
+    spec: &ModelSpec,
+    update: ResidualUpdate,
+) -> Result<(), Unavailable> {
     if spec.kind.architecture().is_some() && update != ResidualUpdate::Add {
-        return Err(format!(
-            "the model '{}' ({}) has no residual blocks to apply {update:?} to (the zoo's blocks add as their architecture does)",
-            spec.name,
-            spec.kind.as_str()
-        ));
+        return Err(Unavailable::NoResidualBlocks {
+            model: spec.name.clone(),
+            kind: spec.kind.as_str(),
+            update,
+        });
     }
     Ok(())
 }

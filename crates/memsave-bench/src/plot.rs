@@ -4,16 +4,35 @@
 use crate::atomic::write_atomic;
 use crate::report::{CaseResult, Report, Status};
 use plotters::coord::ranged1d::SegmentValue;
+use plotters::drawing::DrawingAreaErrorKind;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 
 /// A plot could not be drawn or written.
 #[derive(Debug, thiserror::Error)]
-#[error("{path}: {message}")]
-pub struct PlotError {
-    path: String,
-    message: String,
+pub enum PlotError {
+    /// The chart of this file could not be drawn.
+    #[error("{path}: {source}")]
+    Draw {
+        /// The file it was for.
+        path: String,
+        /// Why.
+        source: DrawError,
+    },
+    /// The directory could not be made, or the file written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The directory or file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
 }
+
+/// A chart could not be drawn: plotters' SVG backend failed.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct DrawError(#[from] DrawingAreaErrorKind<std::io::Error>);
 
 const MIB: f64 = 1024.0 * 1024.0;
 const SIZE: (u32, u32) = (960, 600);
@@ -22,9 +41,9 @@ const SIZE: (u32, u32) = (960, 600);
 /// model of `report` into `dir` (created if missing); returns the files written.
 pub fn write_plots(report: &Report, dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, PlotError> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(|e| PlotError {
+    std::fs::create_dir_all(dir).map_err(|source| PlotError::Io {
         path: dir.display().to_string(),
-        message: e.to_string(),
+        source,
     })?;
     let mut models: Vec<&str> = Vec::new();
     for case in &report.cases {
@@ -49,12 +68,14 @@ pub fn write_plots(report: &Report, dir: impl AsRef<Path>) -> Result<Vec<PathBuf
             ("peak", peak_svg(model, &cases)),
         ] {
             let path = dir.join(format!("{stem}-{suffix}.svg"));
-            let fail = |message: String| PlotError {
+            let svg = svg.map_err(|source| PlotError::Draw {
                 path: path.display().to_string(),
-                message,
-            };
-            let svg = svg.map_err(fail)?;
-            write_atomic(&path, svg).map_err(|e| fail(e.to_string()))?;
+                source,
+            })?;
+            write_atomic(&path, svg).map_err(|source| PlotError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
             written.push(path);
         }
     }
@@ -75,13 +96,9 @@ fn file_stem(model: &str) -> String {
         .collect()
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 /// Memory above the step's start after each layer of the forward, one line per
 /// strategy.
-fn trace_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
+fn trace_svg(model: &str, cases: &[&CaseResult]) -> Result<String, DrawError> {
     let series: Vec<(&str, Vec<(f64, f64)>)> = cases
         .iter()
         .filter(|c| !c.trace.is_empty())
@@ -105,7 +122,7 @@ fn trace_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
                 format!("{model}: memory during the forward"),
@@ -114,22 +131,19 @@ fn trace_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d(0.0..layers.max(1.0), 0.0..top * 1.05)
-            .map_err(err)?;
+            .build_cartesian_2d(0.0..layers.max(1.0), 0.0..top * 1.05)?;
         chart
             .configure_mesh()
             .x_desc("layers done")
             .y_desc("MiB above the step's start")
-            .draw()
-            .map_err(err)?;
+            .draw()?;
         for (i, (name, points)) in series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             chart
                 .draw_series(LineSeries::new(
                     points.iter().copied(),
                     color.stroke_width(2),
-                ))
-                .map_err(err)?
+                ))?
                 .label(*name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
         }
@@ -138,16 +152,15 @@ fn trace_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
             .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+            .draw()?;
+        root.present()?;
     }
     Ok(svg)
 }
 
 /// Peak memory against median step time; the front joins the strategies no other
 /// beats in both.
-fn pareto_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
+fn pareto_svg(model: &str, cases: &[&CaseResult]) -> Result<String, DrawError> {
     let points: Vec<(&str, f64, f64)> = cases
         .iter()
         .filter_map(|c| {
@@ -164,7 +177,7 @@ fn pareto_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
                 format!("{model}: peak memory against step time"),
@@ -173,33 +186,27 @@ fn pareto_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d(0.0..max_t * 1.25, 0.0..max_m * 1.1)
-            .map_err(err)?;
+            .build_cartesian_2d(0.0..max_t * 1.25, 0.0..max_m * 1.1)?;
         chart
             .configure_mesh()
             .x_desc("step time (s, median)")
             .y_desc("peak MiB above the step's start")
-            .draw()
-            .map_err(err)?;
+            .draw()?;
         chart
-            .draw_series(LineSeries::new(front, RED.stroke_width(1)))
-            .map_err(err)?
+            .draw_series(LineSeries::new(front, RED.stroke_width(1)))?
             .label("Pareto front")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
-        chart
-            .draw_series(points.iter().map(|&(name, t, m)| {
-                EmptyElement::at((t, m))
-                    + Circle::new((0, 0), 4, BLUE.filled())
-                    + Text::new(name.to_owned(), (6, -6), ("sans-serif", 12))
-            }))
-            .map_err(err)?;
+        chart.draw_series(points.iter().map(|&(name, t, m)| {
+            EmptyElement::at((t, m))
+                + Circle::new((0, 0), 4, BLUE.filled())
+                + Text::new(name.to_owned(), (6, -6), ("sans-serif", 12))
+        }))?;
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+            .draw()?;
+        root.present()?;
     }
     Ok(svg)
 }
@@ -219,7 +226,7 @@ fn pareto_front(points: &[(&str, f64, f64)]) -> Vec<(f64, f64)> {
 }
 
 /// One horizontal bar per strategy: its peak.
-fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
+fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, DrawError> {
     let bars: Vec<(&str, f64)> = cases
         .iter()
         .filter_map(|c| Some((c.strategy.as_str(), c.peak_bytes? as f64 / MIB)))
@@ -236,7 +243,7 @@ fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
                 format!("{model}: peak memory per strategy"),
@@ -245,36 +252,32 @@ fn peak_svg(model: &str, cases: &[&CaseResult]) -> Result<String, String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(220)
-            .build_cartesian_2d(0.0..max_m * 1.1, (0..n).into_segmented())
-            .map_err(err)?;
+            .build_cartesian_2d(0.0..max_m * 1.1, (0..n).into_segmented())?;
         chart
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(n as usize)
             .y_label_formatter(&label)
             .x_desc("peak MiB above the step's start")
-            .draw()
-            .map_err(err)?;
-        chart
-            .draw_series(bars.iter().enumerate().map(|(i, &(_, m))| {
-                let i = i as u32;
-                Rectangle::new(
-                    [
-                        (0.0, SegmentValue::Exact(i)),
-                        (m, SegmentValue::Exact(i + 1)),
-                    ],
-                    Palette99::pick(i as usize).filled(),
-                )
-            }))
-            .map_err(err)?;
-        root.present().map_err(err)?;
+            .draw()?;
+        chart.draw_series(bars.iter().enumerate().map(|(i, &(_, m))| {
+            let i = i as u32;
+            Rectangle::new(
+                [
+                    (0.0, SegmentValue::Exact(i)),
+                    (m, SegmentValue::Exact(i + 1)),
+                ],
+                Palette99::pick(i as usize).filled(),
+            )
+        }))?;
+        root.present()?;
     }
     Ok(svg)
 }
 
 /// `memsave fit --plot`: every candidate's predicted step time and peak, the Pareto
 /// front, the budget, and the choice.
-pub fn fit_svg(report: &memsave_fit::FitReport) -> Result<String, String> {
+pub fn fit_svg(report: &memsave_fit::FitReport) -> Result<String, DrawError> {
     let points: Vec<(&str, f64, f64, bool)> = report
         .candidates
         .iter()
@@ -303,7 +306,7 @@ pub fn fit_svg(report: &memsave_fit::FitReport) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
                 format!(
@@ -315,46 +318,39 @@ pub fn fit_svg(report: &memsave_fit::FitReport) -> Result<String, String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d(0.0..max_t * 1.25, 0.0..max_m * 1.1)
-            .map_err(err)?;
+            .build_cartesian_2d(0.0..max_t * 1.25, 0.0..max_m * 1.1)?;
         chart
             .configure_mesh()
             .x_desc("predicted step time (s)")
             .y_desc("predicted peak MiB above parameters and input")
-            .draw()
-            .map_err(err)?;
+            .draw()?;
         chart
             .draw_series(LineSeries::new(
                 vec![(0.0, budget), (max_t * 1.25, budget)],
                 BLACK.stroke_width(1),
-            ))
-            .map_err(err)?
+            ))?
             .label("budget")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
         chart
-            .draw_series(LineSeries::new(front, RED.stroke_width(1)))
-            .map_err(err)?
+            .draw_series(LineSeries::new(front, RED.stroke_width(1)))?
             .label("Pareto front")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
-        chart
-            .draw_series(points.iter().map(|&(name, t, m, chosen)| {
-                let color = if chosen {
-                    GREEN.filled()
-                } else {
-                    BLUE.filled()
-                };
-                EmptyElement::at((t, m))
-                    + Circle::new((0, 0), if chosen { 6 } else { 4 }, color)
-                    + Text::new(name.to_owned(), (6, -6), ("sans-serif", 11))
-            }))
-            .map_err(err)?;
+        chart.draw_series(points.iter().map(|&(name, t, m, chosen)| {
+            let color = if chosen {
+                GREEN.filled()
+            } else {
+                BLUE.filled()
+            };
+            EmptyElement::at((t, m))
+                + Circle::new((0, 0), if chosen { 6 } else { 4 }, color)
+                + Text::new(name.to_owned(), (6, -6), ("sans-serif", 11))
+        }))?;
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+            .draw()?;
+        root.present()?;
     }
     Ok(svg)
 }
@@ -375,6 +371,31 @@ mod tests {
             pareto_front(&points),
             [(1.0, 100.0), (2.0, 50.0), (4.0, 10.0)]
         );
+    }
+
+    #[test]
+    fn a_directory_that_cannot_be_made_is_an_io_error_naming_it_with_its_cause() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("not-a-directory");
+        std::fs::write(&file, b"").unwrap();
+        let dir = file.join("plots");
+        let report = Report {
+            schema_version: crate::report::SCHEMA_VERSION,
+            suite: "s".into(),
+            device: "cpu".into(),
+            libtorch_version: "2".into(),
+            threads: 1,
+            cases: Vec::new(),
+        };
+        let e = write_plots(&report, &dir).unwrap_err();
+        let shown = dir.display().to_string();
+        assert!(
+            matches!(&e, PlotError::Io { path, source } if *path == shown
+                && source.kind() == std::io::ErrorKind::NotADirectory),
+            "{e:?}"
+        );
+        assert!(e.to_string().starts_with(&format!("{shown}: ")), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]

@@ -131,7 +131,8 @@ pub fn availability(
 ) -> Result<(), String> {
     match world_size {
         None => resolve(strategy)
-            .and_then(|config| crate::models::residual_available(model, config.residual)),
+            .and_then(|config| crate::models::residual_available(model, config.residual))
+            .map_err(String::from),
         Some(n) => crate::distributed::rank_config(model, strategy, n).map(|_| ()),
     }
 }
@@ -476,7 +477,7 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
     let config = match resolve(strategy) {
         Ok(config) => config,
         Err(reason) => {
-            return CaseResult::failed(&name, &strategy.name, Status::Unavailable, reason)
+            return CaseResult::failed(&name, &strategy.name, Status::Unavailable, reason.into())
         }
     };
     if !model.set_residual(config.residual) {

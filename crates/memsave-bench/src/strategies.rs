@@ -5,7 +5,7 @@ use memsave_checkpoint::Plan;
 pub use memsave_step::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 
 /// The step of `strategy`, or why it cannot run in this build.
-pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
+pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, Unavailable> {
     let mut config = StepConfig::baseline();
     for technique in &strategy.techniques {
         match technique {
@@ -37,23 +37,59 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, String> {
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
             Technique::OffloadGrads => config.offload_grads = Some(GradsAfter::Restored),
-            Technique::Zero(_) => {
-                return Err("zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)".into())
-            }
+            Technique::Zero(_) => return Err(Unavailable::ZeroNeedsRanks),
             // The runner searches for these (runner.rs); the step itself is plain.
             Technique::AutoBatch(_) | Technique::Fit(_) => {}
         }
     }
     if config.offload_grads.is_some() && config.scaler.is_some() {
-        return Err("offload_grads keeps gradients in files, but grad_scaler must check every gradient for inf/NaN at once; drop one".into());
+        return Err(Unavailable::OffloadGradsWithScaler);
     }
     if config.optimizer.is_some_and(|o| o.in_backward) {
         if config.micro_batches.is_some() && config.offload_grads.is_none() {
-            return Err("optimizer in_backward steps at every backward, so it cannot accumulate over micro-batches in memory; drop accumulate or in_backward, or add offload_grads: {to: disk}".into());
+            return Err(Unavailable::InBackwardWithAccumulation);
         }
         if config.scaler.is_some() {
-            return Err("optimizer in_backward cannot check every gradient for inf/NaN before the first update, so it cannot run with grad_scaler; drop one".into());
+            return Err(Unavailable::InBackwardWithScaler);
         }
     }
     Ok(config)
+}
+
+/// Why a strategy cannot run (on a model): the case is reported `unavailable`, and
+/// `memsave check` refuses the suite.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unavailable {
+    /// `zero` on a suite without `world_size`.
+    #[error(
+        "zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)"
+    )]
+    ZeroNeedsRanks,
+    /// `offload_grads` with `grad_scaler`.
+    #[error("offload_grads keeps gradients in files, but grad_scaler must check every gradient for inf/NaN at once; drop one")]
+    OffloadGradsWithScaler,
+    /// An optimizer `in_backward` with `accumulate` but without `offload_grads`.
+    #[error("optimizer in_backward steps at every backward, so it cannot accumulate over micro-batches in memory; drop accumulate or in_backward, or add offload_grads: {{to: disk}}")]
+    InBackwardWithAccumulation,
+    /// An optimizer `in_backward` with `grad_scaler`.
+    #[error("optimizer in_backward cannot check every gradient for inf/NaN before the first update, so it cannot run with grad_scaler; drop one")]
+    InBackwardWithScaler,
+    /// A residual update (`inplace_add`, `add_out`, `safe_residual`) on a zoo network.
+    #[error("the model '{model}' ({kind}) has no residual blocks to apply {update:?} to (the zoo's blocks add as their architecture does)")]
+    NoResidualBlocks {
+        /// The model's name.
+        model: String,
+        /// Its kind (`resnet`, ...).
+        kind: &'static str,
+        /// The update asked for.
+        update: ResidualUpdate,
+    },
+}
+
+/// The message, for the callers that still carry reasons as text (the runner's
+/// availability and the distributed ranks' configuration).
+impl From<Unavailable> for String {
+    fn from(e: Unavailable) -> String {
+        e.to_string()
+    }
 }

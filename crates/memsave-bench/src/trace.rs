@@ -13,7 +13,7 @@ use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
 use crate::runner::{apply_plan, LimitGuard};
 use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
-use crate::strategies::resolve;
+use crate::strategies::{resolve, Unavailable};
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
 use memsave_optim::Observer;
@@ -58,6 +58,10 @@ pub enum TraceCaseError {
     /// The case cannot be set up (plan, device, scaler).
     #[error("{0}")]
     Setup(String),
+    /// The strategy cannot run on the model (what `memsave bench` reports
+    /// `unavailable`).
+    #[error(transparent)]
+    Unavailable(#[from] Unavailable),
     /// The recorder failed.
     #[error(transparent)]
     Record(#[from] memsave_trace::TraceError),
@@ -134,7 +138,7 @@ pub fn trace_case(
     if let Some(n) = suite.threads {
         tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
     }
-    let config = resolve(strategy_spec).map_err(TraceCaseError::Setup)?;
+    let config = resolve(strategy_spec)?;
     // The suite's simulated capacity, as `memsave bench` applies it: over the model,
     // its input and the steps.
     let _limit = LimitGuard::set(device, suite.memory_limit.as_ref().map(|s| s.bytes))
@@ -142,7 +146,7 @@ pub fn trace_case(
     tch::manual_seed(suite.seed as i64);
     let model = Model::build(spec, device).map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     let x = model.data();
-    crate::models::residual_available(spec, config.residual).map_err(TraceCaseError::Setup)?;
+    crate::models::residual_available(spec, config.residual)?;
     model.ctx.set_residual(config.residual);
     let mut model = model;
     apply_plan(&mut model, &x, &config, device)

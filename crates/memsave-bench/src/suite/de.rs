@@ -6,162 +6,17 @@
 //! by the list that holds them: the list hands the set of names seen so far to each
 //! entry's deserializer (a `DeserializeSeed`), so no state outlives one parse.
 use super::model::{
-    DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
-    MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS, MAX_WORLD_SIZE,
+    DeviceChoice, ModelKind, ModelSpec, ModelSpecError, Suite, MAX_DIMENSION, MAX_LAYERS,
+    MAX_THREADS, MAX_WORLD_SIZE,
 };
-use super::strategy::{claim_name, deserialize_strategy, StrategySpec};
-use memsave_meter::Bytes;
+use super::strategy::{deserialize_strategy, StrategySpec};
+use super::values::{claim_name, Positive, Size};
 use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
-use serde::de::value::MapAccessDeserializer;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
 use std::fmt;
 use std::marker::PhantomData;
-
-/// Deserializes a mapping into `R` with serde's derive, then checks it with `check`;
-/// a failed check is reported at the mapping's position.
-pub(super) fn validated_map<'de, D, R, T, F>(
-    deserializer: D,
-    expecting: &'static str,
-    check: F,
-) -> Result<T, D::Error>
-where
-    D: Deserializer<'de>,
-    R: Deserialize<'de>,
-    F: FnOnce(R) -> Result<T, String>,
-{
-    struct Checked<R, F> {
-        expecting: &'static str,
-        check: F,
-        raw: PhantomData<R>,
-    }
-    impl<'de, R, T, F> Visitor<'de> for Checked<R, F>
-    where
-        R: Deserialize<'de>,
-        F: FnOnce(R) -> Result<T, String>,
-    {
-        type Value = T;
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str(self.expecting)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
-            let raw = R::deserialize(MapAccessDeserializer::new(map))?;
-            (self.check)(raw).map_err(de::Error::custom)
-        }
-    }
-    deserializer.deserialize_map(Checked {
-        expecting,
-        check,
-        raw: PhantomData,
-    })
-}
-
-/// A strictly positive integer of at most `MAX` (sizes, counts), reported at its own
-/// position when out of range.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Positive<const MAX: u64 = { u64::MAX }>(pub(super) u64);
-
-impl<'de, const MAX: u64> Deserialize<'de> for Positive<MAX> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<const MAX: u64>;
-        impl<const MAX: u64> Visitor<'_> for V<MAX> {
-            type Value = Positive<MAX>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a positive integer")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Positive<MAX>, E> {
-                if v == 0 {
-                    Err(E::custom("must be positive, got 0"))
-                } else if v > MAX {
-                    Err(E::custom(format!("must be at most {MAX}, got {v}")))
-                } else {
-                    Ok(Positive(v))
-                }
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Positive<MAX>, E> {
-                match u64::try_from(v) {
-                    Ok(v) => self.visit_u64(v),
-                    Err(_) => Err(E::custom(format!("must be positive, got {v}"))),
-                }
-            }
-        }
-        d.deserialize_any(V::<MAX>)
-    }
-}
-
-impl<const MAX: u64> Positive<MAX> {
-    pub(super) fn usize(self) -> usize {
-        usize::try_from(self.0).unwrap_or(usize::MAX)
-    }
-
-    pub(super) fn i64(self) -> i64 {
-        i64::try_from(self.0).unwrap_or(i64::MAX)
-    }
-}
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Size;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a size such as 60MiB, 8 GiB or a number of bytes")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Size, E> {
-                if v == 0 {
-                    return Err(E::custom("a size must be positive, got 0"));
-                }
-                Ok(Size {
-                    bytes: v,
-                    text: v.to_string(),
-                })
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Size, E> {
-                Err(E::custom(format!("a size must be positive, got {v}")))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Size, E> {
-                let bytes: Bytes = v.parse().map_err(E::custom)?;
-                if bytes.0 == 0 {
-                    return Err(E::custom(format!("a size must be positive, got '{v}'")));
-                }
-                Ok(Size {
-                    bytes: bytes.0,
-                    text: v.trim().to_owned(),
-                })
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Dtype {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Dtype;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a dtype: bf16 or fp16")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Dtype, E> {
-                let kind = match v {
-                    "bf16" | "bfloat16" => tch::Kind::BFloat16,
-                    "fp16" | "f16" | "float16" | "half" => tch::Kind::Half,
-                    _ => {
-                        return Err(E::custom(format!(
-                            "unknown dtype '{v}', expected bf16 or fp16"
-                        )))
-                    }
-                };
-                Ok(Dtype {
-                    kind,
-                    text: v.to_owned(),
-                })
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
 
 /// A model of the harness's own kinds as written (the zoo's are read by
 /// [`ModelFields::finish`]).
@@ -177,38 +32,33 @@ struct RawModel {
 }
 
 impl RawModel {
-    fn check(self) -> Result<ModelSpec, String> {
-        let name = &self.name;
+    fn check(self) -> Result<ModelSpec, ModelSpecError> {
+        let model = || self.name.clone();
         if self.batch.is_empty() {
-            return Err(format!(
-                "model '{name}': batch must list at least one dimension"
-            ));
+            return Err(ModelSpecError::EmptyBatch { model: model() });
         }
         if self.expansion.is_some() && self.kind != ModelKind::ResidualMlp {
-            return Err(format!(
-                "model '{name}': expansion only applies to kind residual_mlp"
-            ));
+            return Err(ModelSpecError::ExpansionNotApplicable { model: model() });
         }
         match (&self.kind, self.heads) {
             (ModelKind::Transformer, None) => {
-                return Err(format!("model '{name}': a transformer needs heads"))
+                return Err(ModelSpecError::TransformerNeedsHeads { model: model() })
             }
             (ModelKind::Transformer, Some(heads)) if self.hidden.0 % heads.0 != 0 => {
-                return Err(format!(
-                    "model '{name}': heads ({}) must divide hidden ({})",
-                    heads.0, self.hidden.0
-                ))
+                return Err(ModelSpecError::HeadsMustDivideHidden {
+                    model: model(),
+                    heads: heads.0,
+                    hidden: self.hidden.0,
+                })
             }
             (ModelKind::Transformer, _) if self.batch.len() != 2 => {
-                return Err(format!(
-                    "model '{name}': a transformer's batch is [batch, sequence], got {} dimensions",
-                    self.batch.len()
-                ))
+                return Err(ModelSpecError::TransformerBatch {
+                    model: model(),
+                    dimensions: self.batch.len(),
+                })
             }
             (kind, Some(_)) if *kind != ModelKind::Transformer => {
-                return Err(format!(
-                    "model '{name}': heads only applies to kind transformer"
-                ))
+                return Err(ModelSpecError::HeadsNotApplicable { model: model() })
             }
             _ => {}
         }
@@ -222,48 +72,8 @@ impl RawModel {
             heads: self.heads.map(Positive::i64),
             enabled: self.enabled,
         };
-        check_size(&spec)?;
+        spec.check_limits()?;
         Ok(spec)
-    }
-}
-
-/// The limits on the whole model, in checked arithmetic (each dimension is already
-/// within its own limit).
-pub(super) fn check_size(spec: &ModelSpec) -> Result<(), String> {
-    let name = &spec.name;
-    // What to reduce, in the keys of the model's kind.
-    let (shrink_parameters, shrink_input) = match spec.kind.architecture() {
-        None => ("layers, hidden or expansion", "batch or hidden"),
-        Some(Architecture::ResNet(_)) => ("depth or classes", "batch or image"),
-        Some(Architecture::MobileNetV2(_)) => ("classes", "batch or image"),
-        Some(Architecture::Llama(_)) => ("vocab, dim, layers or hidden", "batch or seq"),
-        Some(Architecture::Vit(_)) => ("dim, layers, mlp or classes", "batch or image"),
-    };
-    match spec.parameter_count() {
-        Some(n) if n <= MAX_PARAMETERS => {}
-        Some(n) => {
-            return Err(format!(
-                "model '{name}': {n} parameters, more than the limit of {MAX_PARAMETERS} (16 GiB in f32); \
-                 reduce {shrink_parameters}"
-            ))
-        }
-        None => {
-            return Err(format!(
-                "model '{name}': the parameter count overflows 64 bits (limit {MAX_PARAMETERS}); \
-                 reduce {shrink_parameters}"
-            ))
-        }
-    }
-    match spec.input_elements() {
-        Some(n) if n <= MAX_INPUT_ELEMENTS => Ok(()),
-        Some(n) => Err(format!(
-            "model '{name}': an input of {n} elements, more than the limit of {MAX_INPUT_ELEMENTS} \
-             (16 GiB in f32); reduce {shrink_input}"
-        )),
-        None => Err(format!(
-            "model '{name}': the input's element count overflows 64 bits (limit {MAX_INPUT_ELEMENTS}); \
-             reduce {shrink_input}"
-        )),
     }
 }
 
@@ -603,7 +413,7 @@ impl ModelFields {
             heads: None,
             enabled,
         };
-        check_size(&spec).map_err(E::custom)?;
+        spec.check_limits().map_err(E::custom)?;
         Ok(spec)
     }
 }

@@ -133,10 +133,11 @@ mod error;
 mod model;
 mod optimizer;
 mod strategy;
+mod values;
 
 pub use error::SuiteError;
 pub use model::{
-    DeviceChoice, Dtype, ModelKind, ModelSpec, Size, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
+    DeviceChoice, ModelKind, ModelSpec, ModelSpecError, Suite, MAX_DIMENSION, MAX_INPUT_ELEMENTS,
     MAX_LAYERS, MAX_PARAMETERS, MAX_THREADS, MAX_WORLD_SIZE,
 };
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
@@ -144,6 +145,7 @@ pub use strategy::{
     AutoBatchSpec, CheckpointSpec, CompressDtype, FitSpec, OffloadSpec, ScalerSpec, StrategySpec,
     Technique,
 };
+pub use values::{Dtype, Size};
 
 use std::path::Path;
 

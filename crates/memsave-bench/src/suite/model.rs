@@ -1,5 +1,6 @@
 //! The data model of a suite: what the YAML describes once it is parsed and checked.
 use super::strategy::StrategySpec;
+use super::values::Size;
 use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
 
 /// Most blocks a model may have. Building a model is linear in its depth; this keeps a
@@ -213,12 +214,10 @@ impl ModelSpec {
     /// of the suite's, under the limits a suite's model is held to ([`MAX_DIMENSION`]
     /// for the dimension, [`MAX_INPUT_ELEMENTS`] for the input), with the same messages
     /// (`memsave fit --global-batch` checks its value so).
-    pub fn with_global_batch(&self, batch: i64) -> Result<ModelSpec, String> {
+    pub fn with_global_batch(&self, batch: i64) -> Result<ModelSpec, ModelSpecError> {
         match u64::try_from(batch) {
-            Ok(0) | Err(_) => return Err(format!("must be positive, got {batch}")),
-            Ok(b) if b > MAX_DIMENSION => {
-                return Err(format!("must be at most {MAX_DIMENSION}, got {b}"))
-            }
+            Ok(0) | Err(_) => return Err(ModelSpecError::BatchNotPositive { batch }),
+            Ok(b) if b > MAX_DIMENSION => return Err(ModelSpecError::BatchTooLarge { batch: b }),
             Ok(_) => {}
         }
         let mut spec = self.clone();
@@ -226,27 +225,161 @@ impl ModelSpec {
             Some(first) => *first = batch,
             None => spec.batch.push(batch),
         }
-        super::de::check_size(&spec)?;
+        spec.check_limits()?;
         Ok(spec)
+    }
+
+    /// The limits on the whole model ([`MAX_PARAMETERS`], [`MAX_INPUT_ELEMENTS`]), in
+    /// checked arithmetic (each dimension is already within its own limit).
+    pub(super) fn check_limits(&self) -> Result<(), ModelSpecError> {
+        // What to reduce, in the keys of the model's kind.
+        let (shrink_parameters, shrink_input) = match self.kind.architecture() {
+            None => ("layers, hidden or expansion", "batch or hidden"),
+            Some(Architecture::ResNet(_)) => ("depth or classes", "batch or image"),
+            Some(Architecture::MobileNetV2(_)) => ("classes", "batch or image"),
+            Some(Architecture::Llama(_)) => ("vocab, dim, layers or hidden", "batch or seq"),
+            Some(Architecture::Vit(_)) => ("dim, layers, mlp or classes", "batch or image"),
+        };
+        let model = || self.name.clone();
+        match self.parameter_count() {
+            Some(n) if n <= MAX_PARAMETERS => {}
+            Some(parameters) => {
+                return Err(ModelSpecError::TooManyParameters {
+                    model: model(),
+                    parameters,
+                    reduce: shrink_parameters,
+                })
+            }
+            None => {
+                return Err(ModelSpecError::ParameterCountOverflow {
+                    model: model(),
+                    reduce: shrink_parameters,
+                })
+            }
+        }
+        match self.input_elements() {
+            Some(n) if n <= MAX_INPUT_ELEMENTS => Ok(()),
+            Some(elements) => Err(ModelSpecError::InputTooLarge {
+                model: model(),
+                elements,
+                reduce: shrink_input,
+            }),
+            None => Err(ModelSpecError::InputOverflow {
+                model: model(),
+                reduce: shrink_input,
+            }),
+        }
     }
 }
 
-/// A byte size as written in the suite (`60MiB`, `8 GiB`, `1048576`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Size {
-    /// The size in bytes.
-    pub bytes: u64,
-    /// The text as written, used in canonical names.
-    pub text: String,
-}
-
-/// A reduced-precision dtype for autocast, with the spelling the suite used.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dtype {
-    /// The libtorch kind (`BFloat16` or `Half`).
-    pub kind: tch::Kind,
-    /// The text as written (`bf16`, `fp16`, ...).
-    pub text: String,
+/// Why a model entry is invalid, or a batch it is asked to run at
+/// ([`ModelSpec::with_global_batch`]) is out of the limits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelSpecError {
+    /// `batch: []`.
+    #[error("model '{model}': batch must list at least one dimension")]
+    EmptyBatch {
+        /// The model's name.
+        model: String,
+    },
+    /// `expansion` on a kind other than `residual_mlp`.
+    #[error("model '{model}': expansion only applies to kind residual_mlp")]
+    ExpansionNotApplicable {
+        /// The model's name.
+        model: String,
+    },
+    /// A transformer without `heads`.
+    #[error("model '{model}': a transformer needs heads")]
+    TransformerNeedsHeads {
+        /// The model's name.
+        model: String,
+    },
+    /// `heads` that does not divide `hidden`.
+    #[error("model '{model}': heads ({heads}) must divide hidden ({hidden})")]
+    HeadsMustDivideHidden {
+        /// The model's name.
+        model: String,
+        /// `heads:`.
+        heads: u64,
+        /// `hidden:`.
+        hidden: u64,
+    },
+    /// A transformer's `batch` that is not `[batch, sequence]`.
+    #[error(
+        "model '{model}': a transformer's batch is [batch, sequence], got {dimensions} dimensions"
+    )]
+    TransformerBatch {
+        /// The model's name.
+        model: String,
+        /// How many `batch` lists.
+        dimensions: usize,
+    },
+    /// `heads` on a kind other than `transformer`.
+    #[error("model '{model}': heads only applies to kind transformer")]
+    HeadsNotApplicable {
+        /// The model's name.
+        model: String,
+    },
+    /// More parameters than [`MAX_PARAMETERS`].
+    #[error(
+        "model '{model}': {parameters} parameters, more than the limit of {MAX_PARAMETERS} \
+         (16 GiB in f32); reduce {reduce}"
+    )]
+    TooManyParameters {
+        /// The model's name.
+        model: String,
+        /// How many.
+        parameters: u64,
+        /// The keys to make smaller.
+        reduce: &'static str,
+    },
+    /// A parameter count past 64 bits.
+    #[error(
+        "model '{model}': the parameter count overflows 64 bits (limit {MAX_PARAMETERS}); \
+         reduce {reduce}"
+    )]
+    ParameterCountOverflow {
+        /// The model's name.
+        model: String,
+        /// The keys to make smaller.
+        reduce: &'static str,
+    },
+    /// An input of more than [`MAX_INPUT_ELEMENTS`] elements.
+    #[error(
+        "model '{model}': an input of {elements} elements, more than the limit of \
+         {MAX_INPUT_ELEMENTS} (16 GiB in f32); reduce {reduce}"
+    )]
+    InputTooLarge {
+        /// The model's name.
+        model: String,
+        /// How many.
+        elements: u64,
+        /// The keys to make smaller.
+        reduce: &'static str,
+    },
+    /// An input element count past 64 bits.
+    #[error(
+        "model '{model}': the input's element count overflows 64 bits (limit \
+         {MAX_INPUT_ELEMENTS}); reduce {reduce}"
+    )]
+    InputOverflow {
+        /// The model's name.
+        model: String,
+        /// The keys to make smaller.
+        reduce: &'static str,
+    },
+    /// A batch asked for (`--global-batch`) of 0 or less.
+    #[error("must be positive, got {batch}")]
+    BatchNotPositive {
+        /// The batch asked for.
+        batch: i64,
+    },
+    /// A batch asked for above [`MAX_DIMENSION`].
+    #[error("must be at most {MAX_DIMENSION}, got {batch}")]
+    BatchTooLarge {
+        /// The batch asked for.
+        batch: u64,
+    },
 }
 
 /// One example's shape: the image for the convolutional nets and the ViT, `[seq]`

@@ -5,7 +5,7 @@
 //! Each hyperparameter is checked at its own position (`lr: -1` is reported at the
 //! `-1`); what depends on two keys (momentum with adamw, betas or eps with sgd, a state
 //! precision for sgd without momentum) at the position of the `optimizer:` mapping.
-use super::de::validated_map;
+use super::values::validated_map;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::fmt;
@@ -124,7 +124,7 @@ struct RawOptimizer {
 
 impl RawOptimizer {
     /// The checks that need two keys.
-    fn check(self) -> Result<OptimizerSpec, String> {
+    fn check(self) -> Result<OptimizerSpec, OptimizerArgsError> {
         let spec = OptimizerSpec {
             kind: self.kind,
             state: self.state,
@@ -138,31 +138,39 @@ impl RawOptimizer {
         };
         match spec.kind {
             OptimizerKind::Adamw if spec.momentum.is_some() => {
-                return Err(
-                    "optimizer: momentum is for kind sgd; adamw's moments decay by betas: [b1, b2]"
-                        .into(),
-                )
+                return Err(OptimizerArgsError::MomentumWithAdamw)
             }
             OptimizerKind::Sgd if spec.betas.is_some() || spec.eps.is_some() => {
-                return Err(
-                    "optimizer: betas and eps are for kind adamw; sgd takes lr, momentum and weight_decay"
-                        .into(),
-                )
+                return Err(OptimizerArgsError::BetasWithSgd)
             }
             OptimizerKind::Sgd
                 if spec.state != StatePrecision::F32 && spec.momentum.unwrap_or(0.0) == 0.0 =>
             {
-                return Err(
-                    "optimizer: sgd without momentum keeps no state, so state must stay f32 (give momentum > 0 for a momentum buffer)"
-                        .into(),
-                )
+                return Err(OptimizerArgsError::StateWithoutMomentum)
             }
             _ => {}
         }
         // The same rules the optimizer will apply, so nothing fails later.
-        spec.rule().map_err(|e| e.to_string())?;
+        spec.rule()?;
         Ok(spec)
     }
+}
+
+/// Why `optimizer:` arguments are invalid together (each key alone is checked where
+/// it is read).
+#[derive(Debug, thiserror::Error)]
+enum OptimizerArgsError {
+    #[error("optimizer: momentum is for kind sgd; adamw's moments decay by betas: [b1, b2]")]
+    MomentumWithAdamw,
+    #[error(
+        "optimizer: betas and eps are for kind adamw; sgd takes lr, momentum and weight_decay"
+    )]
+    BetasWithSgd,
+    #[error("optimizer: sgd without momentum keeps no state, so state must stay f32 (give momentum > 0 for a momentum buffer)")]
+    StateWithoutMomentum,
+    /// The optimizer's own checks refuse the hyperparameters.
+    #[error(transparent)]
+    Rule(#[from] memsave_optim::OptimError),
 }
 
 /// `{optimizer: {...}}`, checked where it is written.

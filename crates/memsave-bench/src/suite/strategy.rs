@@ -1,9 +1,8 @@
 //! The strategy grammar: techniques, their canonical names, and how a `strategies:`
 //! entry (a name, a one-key mapping, or `{name, with: [...]}`) becomes a
 //! [`StrategySpec`].
-use super::de::{validated_map, Positive};
-use super::model::{Dtype, Size};
 use super::optimizer::{OptimizerArgs, OptimizerSpec};
+use super::values::{claim_name, validated_map, Dtype, Positive, Size};
 use memsave_amp::GradScalerConfig;
 pub use memsave_step::{CompressDtype, OffloadSpec};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -101,15 +100,13 @@ struct OffloadGradsArgs {
     to: String,
 }
 
-fn compress_args<E: de::Error>(args: CompressArgs) -> Result<CompressDtype, E> {
+fn compress_args(args: CompressArgs) -> Result<CompressDtype, StrategyError> {
     match args.dtype.as_str() {
         "bf16" => Ok(CompressDtype::Bf16),
         "fp16" => Ok(CompressDtype::Fp16),
         "fp8" => Ok(CompressDtype::Fp8),
         "int8" => Ok(CompressDtype::Int8),
-        other => Err(E::custom(format!(
-            "compress: unknown dtype '{other}', expected one of bf16, fp16, fp8, int8"
-        ))),
+        _ => Err(StrategyError::UnknownCompressDtype { dtype: args.dtype }),
     }
 }
 
@@ -377,7 +374,7 @@ struct RawCheckpoint {
 }
 
 impl RawCheckpoint {
-    fn check(self) -> Result<CheckpointSpec, String> {
+    fn check(self) -> Result<CheckpointSpec, StrategyError> {
         let mut plans = Vec::new();
         if let Some(k) = self.segments {
             plans.push(CheckpointSpec::Segments(k.usize()));
@@ -388,32 +385,23 @@ impl RawCheckpoint {
         ] {
             match flag {
                 Some(true) => plans.push(plan),
-                Some(false) => {
-                    return Err(format!(
-                        "checkpoint: {key} must be true (leave the strategy out instead)"
-                    ))
-                }
+                Some(false) => return Err(StrategyError::CheckpointFlagFalse { key }),
                 None => {}
             }
         }
         let offload = self.offload.unwrap_or(false);
         let compress = match self.compress {
             Some(dtype) => Some(
-                compress_args::<de::value::Error>(CompressArgs { dtype })
-                    .map_err(|e| format!("checkpoint {e}"))?,
+                compress_args(CompressArgs { dtype })
+                    .map_err(|e| StrategyError::InCheckpoint(Box::new(e)))?,
             ),
             None => None,
         };
         if self.budget.is_none() && (self.offload.is_some() || compress.is_some()) {
-            return Err(
-                "checkpoint: offload and compress are levers of the budget planner: give a budget too"
-                    .into(),
-            );
+            return Err(StrategyError::LeversWithoutBudget);
         }
         if self.offload == Some(false) && compress.is_none() {
-            return Err(
-                "checkpoint: offload must be true (leave it out for recomputation alone)".into(),
-            );
+            return Err(StrategyError::OffloadFalse);
         }
         if let Some(size) = self.budget {
             plans.push(if offload || compress.is_some() {
@@ -428,10 +416,8 @@ impl RawCheckpoint {
         }
         match plans.len() {
             1 => Ok(plans.remove(0)),
-            0 => Err("checkpoint needs one of segments, every_layer, nested, budget".into()),
-            _ => {
-                Err("checkpoint takes exactly one of segments, every_layer, nested, budget".into())
-            }
+            0 => Err(StrategyError::NoCheckpointPlan),
+            _ => Err(StrategyError::SeveralCheckpointPlans),
         }
     }
 }
@@ -451,10 +437,7 @@ fn scaler_args<'de, D: Deserializer<'de>>(d: D) -> Result<ScalerSpec, D::Error> 
     validated_map(
         d,
         "grad_scaler arguments: {init_scale, growth_factor, backoff_factor, growth_interval}",
-        |spec: ScalerSpec| {
-            spec.config().validate().map_err(|e| e.to_string())?;
-            Ok(spec)
-        },
+        |spec: ScalerSpec| spec.config().validate().map(|()| spec),
     )
 }
 
@@ -551,7 +534,9 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
         },
         "grad_scaler" => Technique::GradScaler(map.next_value::<ScalerArgs>()?.0),
         "optimizer" => Technique::Optimizer(map.next_value::<OptimizerArgs>()?.0),
-        "compress" => Technique::Compress(compress_args(map.next_value::<CompressArgs>()?)?),
+        "compress" => Technique::Compress(
+            compress_args(map.next_value::<CompressArgs>()?).map_err(de::Error::custom)?,
+        ),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
         "offload_grads" => match map.next_value::<OffloadGradsArgs>()?.to.as_str() {
             "disk" => Technique::OffloadGrads,
@@ -641,26 +626,25 @@ impl<'de> Deserialize<'de> for WithItem {
     }
 }
 
-fn combine(name: Option<String>, techniques: Vec<Technique>) -> Result<StrategySpec, String> {
+fn combine(
+    name: Option<String>,
+    techniques: Vec<Technique>,
+) -> Result<StrategySpec, StrategyError> {
     if techniques.is_empty() {
-        return Err("`with` must list at least one technique".into());
+        return Err(StrategyError::EmptyWith);
     }
     for (i, t) in techniques.iter().enumerate() {
         if t.group() == "baseline" && techniques.len() > 1 {
-            return Err("baseline cannot be combined with other techniques".into());
+            return Err(StrategyError::BaselineCombined);
         }
         if t.group() == "fit" && techniques.len() > 1 {
-            return Err(
-                "fit chooses every lever itself, so it cannot be combined with other techniques"
-                    .into(),
-            );
+            return Err(StrategyError::FitCombined);
         }
         if techniques[..i].iter().any(|u| u.group() == t.group()) {
-            return Err(format!(
-                "a strategy can apply only one {}; '{}' repeats it",
-                t.group(),
-                t.canonical_name()
-            ));
+            return Err(StrategyError::Repeated {
+                group: t.group(),
+                technique: t.canonical_name(),
+            });
         }
     }
     let name = name.unwrap_or_else(|| {
@@ -671,23 +655,64 @@ fn combine(name: Option<String>, techniques: Vec<Technique>) -> Result<StrategyS
             .join("+")
     });
     if name.trim().is_empty() {
-        return Err("a strategy name cannot be empty".into());
+        return Err(StrategyError::EmptyName);
     }
     Ok(StrategySpec { name, techniques })
 }
 
-/// Claims `name` in `seen` (the names of the list being read, when there is one).
-pub(super) fn claim_name(
-    seen: Option<&mut HashSet<String>>,
-    what: &str,
-    name: &str,
-) -> Result<(), String> {
-    match seen.map(|seen| seen.insert(name.to_owned())) {
-        Some(false) => Err(format!(
-            "duplicate {what} name '{name}': names must be unique within a suite"
-        )),
-        _ => Ok(()),
-    }
+/// Why a `strategies:` entry (or a technique's arguments) is invalid, where serde's
+/// own errors (an unknown key, a wrong type) do not say it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum StrategyError {
+    /// `compress: {dtype: ...}` with a dtype the codecs do not have.
+    #[error("compress: unknown dtype '{dtype}', expected one of bf16, fp16, fp8, int8")]
+    UnknownCompressDtype {
+        /// The dtype as written.
+        dtype: String,
+    },
+    /// An error in the arguments of `checkpoint:` (its `compress:` lever).
+    #[error("checkpoint {0}")]
+    InCheckpoint(Box<StrategyError>),
+    /// `checkpoint: {every_layer: false}` or `{nested: false}`.
+    #[error("checkpoint: {key} must be true (leave the strategy out instead)")]
+    CheckpointFlagFalse {
+        /// `every_layer` or `nested`.
+        key: &'static str,
+    },
+    /// `offload:` or `compress:` in `checkpoint:` without `budget:`.
+    #[error(
+        "checkpoint: offload and compress are levers of the budget planner: give a budget too"
+    )]
+    LeversWithoutBudget,
+    /// `checkpoint: {budget: ..., offload: false}` without `compress:`.
+    #[error("checkpoint: offload must be true (leave it out for recomputation alone)")]
+    OffloadFalse,
+    /// `checkpoint: {}`.
+    #[error("checkpoint needs one of segments, every_layer, nested, budget")]
+    NoCheckpointPlan,
+    /// More than one plan in one `checkpoint:`.
+    #[error("checkpoint takes exactly one of segments, every_layer, nested, budget")]
+    SeveralCheckpointPlans,
+    /// `with: []`.
+    #[error("`with` must list at least one technique")]
+    EmptyWith,
+    /// `baseline` with other techniques.
+    #[error("baseline cannot be combined with other techniques")]
+    BaselineCombined,
+    /// `fit` with other techniques.
+    #[error("fit chooses every lever itself, so it cannot be combined with other techniques")]
+    FitCombined,
+    /// Two techniques of one group.
+    #[error("a strategy can apply only one {group}; '{technique}' repeats it")]
+    Repeated {
+        /// The group both belong to.
+        group: &'static str,
+        /// The canonical name of the second.
+        technique: String,
+    },
+    /// `name: ""` (or only spaces).
+    #[error("a strategy name cannot be empty")]
+    EmptyName,
 }
 
 /// Reads one strategy; with `seen`, a name already in it is an error at this entry.
