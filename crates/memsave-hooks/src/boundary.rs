@@ -1,15 +1,18 @@
 //! The built-in stores as levers of `memsave-checkpoint`'s budget planner: a
 //! checkpoint's input kept on disk or compressed until its recompute.
 use crate::compress::{Compress, Compressed};
+use crate::error::HooksError;
 use crate::offload::{DiskOffload, Offloaded};
 use crate::scope::SavedTensorHooks;
-use memsave_checkpoint::{BoundaryStore, Stored};
+use memsave_checkpoint::{BoundaryStore, StoreError, Stored};
 use tch::Tensor;
 
-fn downcast<'a, T: 'static>(stored: &'a Stored, store: &str) -> Result<&'a T, String> {
+/// What `store` (named so) kept in `stored`; [`HooksError::Foreign`] when another
+/// store made it.
+fn downcast<'a, T: 'static>(stored: &'a Stored, store: &'static str) -> Result<&'a T, HooksError> {
     stored
         .downcast_ref::<T>()
-        .ok_or_else(|| format!("{store}: the stored value was not made by this store"))
+        .ok_or(HooksError::Foreign { store })
 }
 
 /// Disk offload as a lever: the boundary is written before `store` returns (so the
@@ -27,16 +30,16 @@ impl BoundaryStore for DiskOffload {
         true
     }
 
-    fn store(&self, boundary: &Tensor) -> Result<Stored, String> {
-        let packed = self.pack(boundary).map_err(|e| e.to_string())?;
+    fn store(&self, boundary: &Tensor) -> Result<Stored, StoreError> {
+        let packed = self.pack(boundary)?;
         // A failed write keeps the tensor in memory; the stats say so.
         let _ = self.flush();
         Ok(Box::new(packed))
     }
 
-    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
         let packed = downcast::<Offloaded>(stored, "offload to disk")?;
-        self.unpack(packed).map_err(|e| e.to_string())
+        self.unpack(packed)
     }
 
     fn resident_bytes(&self, stored: &Stored) -> Option<u64> {
@@ -58,14 +61,13 @@ impl BoundaryStore for Compress {
         false
     }
 
-    fn store(&self, boundary: &Tensor) -> Result<Stored, String> {
-        let packed = self.pack(boundary).map_err(|e| e.to_string())?;
-        Ok(Box::new(packed))
+    fn store(&self, boundary: &Tensor) -> Result<Stored, StoreError> {
+        Ok(Box::new(self.pack(boundary)?))
     }
 
-    fn restore(&self, stored: &Stored) -> Result<Tensor, String> {
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
         let packed = downcast::<Compressed>(stored, "compress")?;
-        self.unpack(packed).map_err(|e| e.to_string())
+        self.unpack(packed)
     }
 
     fn resident_bytes(&self, stored: &Stored) -> Option<u64> {

@@ -69,7 +69,7 @@ mod scope;
 pub use accounting::{producer_of, Accounting, SavedRecord};
 pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
 pub use compress::{Compress, CompressStats, Compressed, SharedEncoded};
-pub use error::{HookError, HooksError, OffloadError, PolicyError};
+pub use error::{FileError, HookError, HooksError, OffloadError, PolicyError, SharedError};
 pub use offload::{
     DiskOffload, GradOffload, GradOffloadStats, OffloadStats, Offloaded, OnComplete,
     DEFAULT_MAX_IN_FLIGHT_BYTES,

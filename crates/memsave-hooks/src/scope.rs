@@ -1,6 +1,7 @@
 //! The hook scope: a pack/unpack pair on the calling thread's stack.
 use crate::error::{HookError, HooksError};
 use memsave_sys::hooks::{self as raw, HookFrame, Packed, RawHooks};
+use memsave_sys::CallbackError;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -85,22 +86,22 @@ pub trait SavedTensorHooks: Send + Sync + 'static {
 struct Erased<H>(H);
 
 impl<H: SavedTensorHooks> RawHooks for Erased<H> {
-    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, String> {
+    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, CallbackError> {
         let packed = if self.0.records_ops() {
-            self.0.pack_saved_by(tensor, saved_by)
+            self.0.pack_saved_by(tensor, saved_by)?
         } else {
-            self.0.pack(tensor)
+            self.0.pack(tensor)?
         };
-        packed
-            .map(|p| Box::new(p) as Packed)
-            .map_err(|e| e.to_string())
+        Ok(Box::new(packed))
     }
 
-    fn unpack(&self, packed: &Packed) -> Result<Tensor, String> {
+    fn unpack(&self, packed: &Packed) -> Result<Tensor, CallbackError> {
         let packed = packed
             .downcast_ref::<H::Packed>()
-            .ok_or_else(|| "the packed value has an unexpected type".to_owned())?;
-        self.0.unpack(packed).map_err(|e| e.to_string())
+            .ok_or(HooksError::Foreign {
+                store: std::any::type_name::<H>(),
+            })?;
+        self.0.unpack(packed)
     }
 
     fn records_ops(&self) -> bool {

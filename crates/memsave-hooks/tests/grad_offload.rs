@@ -131,9 +131,10 @@ fn the_last_micro_batch_hands_each_whole_gradient_over() {
     let offload = GradOffload::new(&n.params(), dir.path())
         .unwrap()
         .on_complete(Box::new(move |index, p| {
-            let g = Vec::<f32>::try_from(&p.grad().reshape([-1])).map_err(|e| e.to_string())?;
+            let g = Vec::<f32>::try_from(&p.grad().reshape([-1]))?;
             sink.lock().unwrap().push((index, g));
-            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+            memsave_sys::tensor::set_grad_none(p)?;
+            Ok(())
         }));
     let start = f_memory_allocated(Device::Cpu).unwrap();
     let chunks = x.chunk(3, 0);
@@ -187,8 +188,9 @@ fn a_bad_directory_or_a_taken_hook_slot_is_an_err() {
     let dir = tempfile::tempdir().unwrap();
     let first = GradOffload::new(&n.params(), dir.path()).unwrap();
     match GradOffload::new(&n.params(), dir.path()) {
-        Err(OffloadError::Param { index, reason, .. }) => {
+        Err(OffloadError::Param { index, source, .. }) => {
             assert_eq!(index, 0);
+            let reason = source.to_string();
             assert!(reason.contains("post-accumulate-grad hook"), "{reason}");
         }
         other => panic!("expected a parameter error, got {other:?}"),
@@ -213,7 +215,8 @@ fn a_parameter_unused_by_the_last_micro_batch_is_handed_over_after_it() {
         .on_complete(Box::new(move |index, p| {
             assert!(p.grad().defined());
             sink.lock().unwrap().push(index);
-            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())
+            memsave_sys::tensor::set_grad_none(p)?;
+            Ok(())
         }));
     // The first micro-batch uses both, the last only the first.
     (x.mm(&used).sum(Kind::Float) + x.mm(&skipped).sum(Kind::Float)).backward();
@@ -226,6 +229,61 @@ fn a_parameter_unused_by_the_last_micro_batch_is_handed_over_after_it() {
     assert_eq!(files_in(dir.path()), 0);
 }
 
+/// `on_complete`'s own error type, to find it again as the error's source.
+#[derive(Debug)]
+struct StepRefused(usize);
+
+impl std::fmt::Display for StepRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "step refused for parameter {}", self.0)
+    }
+}
+
+impl std::error::Error for StepRefused {}
+
+/// An error of `on_complete` is kept as the cause: `complete_remaining` returns
+/// `OffloadError::OnComplete` naming the parameter, whose source is the closure's own
+/// error (downcast back to its type); in backward, the error names both.
+#[test]
+#[serial]
+fn an_error_of_on_complete_is_kept_as_the_cause() {
+    let used = Tensor::ones([3, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let skipped = Tensor::ones([2, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    let y = Tensor::ones([4, 2], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let offload = GradOffload::new(&[used.shallow_clone(), skipped.shallow_clone()], dir.path())
+        .unwrap()
+        .on_complete(Box::new(|index, _| Err(Box::new(StepRefused(index)))));
+    (x.mm(&used).sum(Kind::Float) + y.mm(&skipped).sum(Kind::Float)).backward();
+    offload.set_last_micro_batch(true);
+    let err = x
+        .mm(&used)
+        .sum(Kind::Float)
+        .f_backward()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "parameter 0 (shape [3, 2]): on_complete failed: step refused for parameter 0"
+        ),
+        "{err}"
+    );
+    match offload.complete_remaining() {
+        Err(e @ OffloadError::OnComplete { index: 1, .. }) => {
+            let source = std::error::Error::source(&e).expect("a source");
+            let refused = source
+                .downcast_ref::<StepRefused>()
+                .expect("the closure's error");
+            assert_eq!(refused.0, 1);
+            assert_eq!(
+                e.to_string(),
+                "parameter 1 (shape [2, 5]): on_complete failed: step refused for parameter 1"
+            );
+        }
+        other => panic!("expected on_complete's error, got {other:?}"),
+    }
+}
 /// How a test damages a gradient file.
 #[derive(Debug, Clone, Copy)]
 enum Damage {
@@ -307,8 +365,9 @@ proptest! {
                 prop_assert!(err.contains(&path), "{}", err);
             }
             match offload.restore() {
-                Err(OffloadError::Param { index, reason, .. }) => {
+                Err(OffloadError::GradLost { index, source, .. }) => {
                     prop_assert_eq!(index, lost);
+                    let reason = source.to_string();
                     prop_assert!(reason.contains(&path), "{}", reason);
                 }
                 other => prop_assert!(false, "restore gave {:?}", other),
@@ -376,9 +435,10 @@ fn gradients_that_cannot_be_written_stay_in_memory_and_check_says_so_once() {
     let count = 3 * n.params().len() as u64;
     match offload.check() {
         Err(OffloadError::KeptInMemory {
-            count: c, reason, ..
+            count: c, first, ..
         }) => {
             assert_eq!(c, count);
+            let reason = first.to_string();
             assert!(reason.contains(&dir.display().to_string()), "{reason}");
         }
         other => panic!("expected the failed writes, got {other:?}"),

@@ -232,7 +232,7 @@ fn a_truncated_store_file_fails_backward_naming_it() {
         f.set_len(7).unwrap();
     });
     assert!(
-        err.contains("was truncated or changed between forward and backward: 7 bytes"),
+        err.contains("was truncated or changed after it was written: 7 bytes, expected"),
         "{err}"
     );
     assert!(err.contains("memsave-"), "{err}");

@@ -1,6 +1,6 @@
 //! `DiskOffload`: saved activations written to files by a background thread and read
 //! back, ahead of need, in backward.
-use super::file::{self, Layout, ReadError, StoreDir};
+use super::file::{self, Layout, StoreDir};
 use super::{lock, WriteFailures};
 use crate::compress::{distinct, Expanded};
 use crate::error::{HookError, OffloadError, PolicyError};
@@ -326,10 +326,10 @@ impl DiskOffload {
         let mut state = shared.wait_written();
         match state.failures.report() {
             None => Ok(()),
-            Some((count, reason)) => Err(OffloadError::KeptInMemory {
+            Some((count, first)) => Err(OffloadError::KeptInMemory {
                 dir: shared.dir.path().to_path_buf(),
                 count,
-                reason,
+                first,
             }),
         }
     }
@@ -403,13 +403,13 @@ impl Shared {
                     state.stats.tensors_written += 1;
                     state.stats.written_bytes += bytes;
                 }
-                Err(reason) => {
+                Err(e) => {
                     let _ = std::fs::remove_file(&entry.path);
                     let tensor = tensor.shallow_clone();
                     *slot = Slot::InMemory(tensor);
                     let mut state = lock(&self.state);
                     state.stats.kept_in_memory += 1;
-                    state.failures.record(reason);
+                    state.failures.record(e);
                 }
             }
         }
@@ -599,25 +599,9 @@ impl DiskOffload {
             }
         };
         self.read_ahead_of(entry.id);
-        let tensor = file::read(&entry.path, &entry.layout, crc).map_err(|e| entry.damaged(e))?;
+        let tensor = file::read(&entry.path, &entry.layout, crc)
+            .map_err(|source| OffloadError::Damaged { source })?;
         lock(&self.store.shared.state).stats.read_bytes += entry.layout.bytes;
         Ok(tensor)
-    }
-}
-
-impl Entry {
-    /// Why this entry's file could not be read back, naming it.
-    fn damaged(&self, e: ReadError) -> String {
-        let path = self.path.display();
-        match e {
-            ReadError::Io(e) => format!("offload store file {path} {e}"),
-            ReadError::Length { found } => format!(
-                "offload store file {path} was truncated or changed between forward and backward: {found} bytes, expected {}",
-                self.layout.bytes
-            ),
-            ReadError::Checksum => format!(
-                "offload store file {path} was changed between forward and backward (checksum mismatch); refusing to compute gradients from it"
-            ),
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! A store's own directory, and one tensor as a file in it: raw bytes written and
 //! read in chunks, with a CRC-32 so that a file changed after it was written is caught.
-use crate::error::OffloadError;
+use crate::error::{FileError, OffloadError};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -233,8 +233,7 @@ impl Layout {
 }
 
 /// Writes the bytes of `t` (contiguous, any device) to `path`; returns their CRC-32.
-pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, String> {
-    let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
+pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, FileError> {
     // One element may carry any stride (0 after an `expand`); viewing it as bytes
     // needs stride 1.
     let flat = |t: &Tensor| match t.numel() {
@@ -243,9 +242,9 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, String> {
     };
     let bytes = flat(t)
         .and_then(|flat| flat.f_view_dtype(Kind::Uint8))
-        .map_err(|e| fail("cannot view the tensor for", &e))?;
+        .map_err(|e| FileError::io("view the tensor as bytes for", path, e))?;
     let total = bytes.numel();
-    let mut file = File::create(path).map_err(|e| fail("cannot create", &e))?;
+    let mut file = File::create(path).map_err(|e| FileError::io("create", path, e))?;
     let mut crc = crc32fast::Hasher::new();
     let mut buf = vec![0u8; CHUNK.min(total)];
     for start in (0..total).step_by(CHUNK) {
@@ -253,59 +252,55 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, String> {
         bytes
             .f_narrow(0, start as i64, len as i64)
             .and_then(|chunk| chunk.f_copy_data_u8(&mut buf[..len], len))
-            .map_err(|e| fail("cannot copy the tensor for", &e))?;
+            .map_err(|e| FileError::io("copy the tensor's bytes for", path, e))?;
         crc.update(&buf[..len]);
         file.write_all(&buf[..len])
-            .map_err(|e| fail("cannot write", &e))?;
+            .map_err(|e| FileError::io("write", path, e))?;
     }
     Ok(crc.finalize())
 }
 
-/// Why a file could not be read back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ReadError {
-    /// It cannot be opened or read, or the tensor rebuilt ("cannot be opened: ...",
-    /// with the system's or libtorch's message).
-    Io(String),
-    /// It holds `found` bytes instead of the tensor's.
-    Length { found: u64 },
-    /// Its bytes differ from those written (CRC-32 mismatch).
-    Checksum,
-}
-
 /// Reads the tensor `layout` describes back from `path`, checking its length and its
 /// CRC-32 against `crc`.
-pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, ReadError> {
-    let io = |what: &str, e: &dyn std::fmt::Display| ReadError::Io(format!("{what}: {e}"));
-    let mut file = File::open(path).map_err(|e| io("cannot be opened", &e))?;
-    let found = file.metadata().map_err(|e| io("cannot be read", &e))?.len();
+pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, FileError> {
+    let mut file = File::open(path).map_err(|e| FileError::io("open", path, e))?;
+    let found = file
+        .metadata()
+        .map_err(|e| FileError::io("read", path, e))?
+        .len();
     if found != layout.bytes {
-        return Err(ReadError::Length { found });
+        return Err(FileError::Length {
+            path: path.to_path_buf(),
+            found,
+            expected: layout.bytes,
+        });
     }
     let total = layout.bytes as usize;
-    let tch_err = |e: tch::TchError| io("cannot be restored", &e);
-    let out = Tensor::f_empty([total as i64], (Kind::Uint8, Device::Cpu)).map_err(tch_err)?;
+    let restore = |e: tch::TchError| FileError::io("restore the tensor from", path, e);
+    let out = Tensor::f_empty([total as i64], (Kind::Uint8, Device::Cpu)).map_err(restore)?;
     let mut hasher = crc32fast::Hasher::new();
     let mut buf = vec![0u8; CHUNK.min(total)];
     for start in (0..total).step_by(CHUNK) {
         let n = CHUNK.min(total - start);
         file.read_exact(&mut buf[..n])
-            .map_err(|e| io("cannot be read", &e))?;
+            .map_err(|e| FileError::io("read", path, e))?;
         hasher.update(&buf[..n]);
         // Straight into the restored tensor: a chunk tensor in between would add its
         // size to the peak of backward.
         memsave_sys::tensor::write_bytes(&out, start, &buf[..n])
-            .map_err(|e| io("cannot be restored", &e))?;
+            .map_err(|e| FileError::io("restore the tensor from", path, e))?;
     }
     if hasher.finalize() != crc {
-        return Err(ReadError::Checksum);
+        return Err(FileError::Checksum {
+            path: path.to_path_buf(),
+        });
     }
     let t = out
         .f_view_dtype(layout.kind)
         .and_then(|t| t.f_reshape(&layout.shape))
-        .map_err(tch_err)?;
+        .map_err(restore)?;
     match layout.device {
         Device::Cpu => Ok(t),
-        device => t.f_to_device(device).map_err(tch_err),
+        device => t.f_to_device(device).map_err(restore),
     }
 }

@@ -1,8 +1,8 @@
 //! `GradOffload`: parameters' gradients kept in files between backward passes, so that
 //! accumulating them over micro-batches does not hold them all in memory.
-use super::file::{self, Layout, ReadError, StoreDir};
+use super::file::{self, Layout, StoreDir};
 use super::{lock, WriteFailures};
-use crate::error::OffloadError;
+use crate::error::{FileError, OffloadError, SharedError};
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,9 +10,12 @@ use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
 /// What [`GradOffload::on_complete`] runs on a parameter whose gradient is whole: its
-/// index among the parameters and the parameter (its `.grad` set). An `Err` fails the
-/// backward.
-pub type OnComplete = Box<dyn FnMut(usize, &Tensor) -> Result<(), String> + Send>;
+/// index among the parameters and the parameter (its `.grad` set). An `Err` (any
+/// error: `?` converts a typed error, or a `String`) fails the backward, and
+/// [`complete_remaining`](GradOffload::complete_remaining) returns it as
+/// [`OffloadError::OnComplete`], its source.
+pub type OnComplete =
+    Box<dyn FnMut(usize, &Tensor) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + Send>;
 
 /// Gradients accumulated in files instead of memory (ZeRO-Offload's gradient
 /// offload, to disk), for gradient accumulation over micro-batches that would not fit
@@ -115,7 +118,7 @@ enum Sum {
     /// In its file, with the file's tensor and checksum.
     Stored { layout: Layout, crc: u32 },
     /// Its file was damaged: the sum is gone. Why, naming the file.
-    Lost(String),
+    Lost(FileError),
 }
 
 struct Shared {
@@ -123,6 +126,8 @@ struct Shared {
     dir: StoreDir,
     /// Per parameter.
     sums: Mutex<Vec<Sum>>,
+    /// The parameters' shapes, for errors.
+    shapes: Vec<Vec<i64>>,
     last: AtomicBool,
     on_complete: Mutex<Option<OnComplete>>,
     written: AtomicU64,
@@ -139,10 +144,10 @@ impl Shared {
     /// The stored sum of parameter `index` read back (`None` when none is stored),
     /// its file removed when `remove`. A file that cannot be read back makes the sum
     /// lost, for good: `Err` now and at every later call.
-    fn read(&self, index: usize, remove: bool) -> Result<Option<Tensor>, String> {
+    fn read(&self, index: usize, remove: bool) -> Result<Option<Tensor>, OffloadError> {
         let (layout, crc) = match &lock(&self.sums)[index] {
             Sum::Empty => return Ok(None),
-            Sum::Lost(reason) => return Err(reason.clone()),
+            Sum::Lost(e) => return Err(self.lost(index, e.clone())),
             Sum::Stored { layout, crc } => (layout.clone(), *crc),
         };
         // Read without the lock: the hooks of parameters on other devices run on
@@ -160,11 +165,34 @@ impl Shared {
                 Ok(Some(t))
             }
             Err(e) => {
-                let reason = lost(index, &path, &layout, e);
-                sums[index] = Sum::Lost(reason.clone());
+                sums[index] = Sum::Lost(e.clone());
                 let _ = std::fs::remove_file(&path);
-                Err(reason)
+                Err(self.lost(index, e))
             }
+        }
+    }
+
+    /// Parameter `index`'s sum lost to `e`.
+    fn lost(&self, index: usize, e: FileError) -> OffloadError {
+        OffloadError::GradLost {
+            index,
+            shape: self.shapes[index].clone(),
+            source: e,
+        }
+    }
+
+    /// libtorch's failure `source` to `action` parameter `index`'s gradient.
+    fn grad_error(
+        &self,
+        index: usize,
+        action: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> OffloadError {
+        OffloadError::Grad {
+            index,
+            shape: self.shapes[index].clone(),
+            action,
+            source: SharedError::new(source),
         }
     }
 
@@ -172,20 +200,22 @@ impl Shared {
     /// what is there (the new gradient plus the sum, as plain accumulation adds), or
     /// as the gradient when there is none; its file is removed. A lost sum frees
     /// `.grad` (a part of the sum) and is an `Err`.
-    fn put_back(&self, index: usize, p: &Tensor) -> Result<(), String> {
+    fn put_back(&self, index: usize, p: &Tensor) -> Result<(), OffloadError> {
         let stored = match self.read(index, true) {
             Ok(Some(stored)) => stored,
             Ok(None) => return Ok(()),
-            Err(reason) => {
+            Err(e) => {
                 let _ = memsave_sys::tensor::set_grad_none(p);
-                return Err(reason);
+                return Err(e);
             }
         };
         let mut grad = p.grad();
         if grad.defined() {
-            grad.f_add_(&stored).map(|_| ()).map_err(|e| e.to_string())
+            grad.f_add_(&stored)
+                .map(|_| ())
+                .map_err(|e| self.grad_error(index, "add the stored sum to", e))
         } else {
-            memsave_sys::tensor::set_grad(p, &stored).map_err(|e| e.to_string())
+            memsave_sys::tensor::set_grad(p, &stored).map_err(|e| self.grad_error(index, "set", e))
         }
     }
 
@@ -209,8 +239,17 @@ impl Shared {
         }
     }
 
+    /// Runs `f` (the `on_complete`) on parameter `index`, its error kept as the cause.
+    fn complete(&self, f: &mut OnComplete, index: usize, p: &Tensor) -> Result<(), OffloadError> {
+        f(index, p).map_err(|source| OffloadError::OnComplete {
+            index,
+            shape: self.shapes[index].clone(),
+            source: SharedError::from(source),
+        })
+    }
+
     /// The hook of parameter `index`, `p` with its `.grad` just accumulated.
-    fn on_grad(&self, index: usize, p: &Tensor) -> Result<(), String> {
+    fn on_grad(&self, index: usize, p: &Tensor) -> Result<(), OffloadError> {
         let _no_grad = tch::no_grad_guard();
         if !p.grad().defined() {
             return Ok(());
@@ -220,33 +259,15 @@ impl Shared {
         if self.last.load(Ordering::Relaxed) {
             if let Some(f) = lock(&self.on_complete).as_mut() {
                 drop(grad);
-                return f(index, p);
+                return self.complete(f, index, p);
             }
         }
         if self.store(index, &grad) {
             drop(grad);
-            memsave_sys::tensor::set_grad_none(p).map_err(|e| e.to_string())?;
+            memsave_sys::tensor::set_grad_none(p).map_err(|e| self.grad_error(index, "free", e))?;
         }
         Ok(())
     }
-}
-
-/// Why parameter `index`'s sum in `path` is lost, with what to do.
-fn lost(index: usize, path: &Path, layout: &Layout, e: ReadError) -> String {
-    let path = path.display();
-    let what = match e {
-        ReadError::Io(e) => e,
-        ReadError::Length { found } => format!(
-            "was truncated or changed after it was written ({found} bytes, expected {})",
-            layout.bytes
-        ),
-        ReadError::Checksum => {
-            "failed its checksum (the file changed after it was written)".to_owned()
-        }
-    };
-    format!(
-        "gradient sum of parameter {index} in {path} {what}; the accumulated gradient is lost: rerun the accumulation with a new GradOffload"
-    )
 }
 
 impl GradOffload {
@@ -259,6 +280,7 @@ impl GradOffload {
         let shared = Arc::new(Shared {
             dir: StoreDir::create(dir.as_ref())?,
             sums: Mutex::new(vec![Sum::Empty; params.len()]),
+            shapes: params.iter().map(Tensor::size).collect(),
             last: AtomicBool::new(false),
             on_complete: Mutex::new(None),
             written: AtomicU64::new(0),
@@ -270,12 +292,12 @@ impl GradOffload {
             let s = Arc::clone(&shared);
             let hook = register_post_accumulate_grad_hook(
                 p,
-                Box::new(move |t: &Tensor| s.on_grad(index, t)),
+                Box::new(move |t: &Tensor| Ok(s.on_grad(index, t)?)),
             )
-            .map_err(|e| OffloadError::Param {
+            .map_err(|source| OffloadError::Param {
                 index,
                 shape: p.size(),
-                reason: e.to_string(),
+                source,
             })?;
             hooks.push(hook);
         }
@@ -323,10 +345,8 @@ impl GradOffload {
             if matches!(lock(&self.shared.sums)[index], Sum::Empty) {
                 continue;
             }
-            self.shared
-                .put_back(index, p)
-                .map_err(|reason| self.param_error(index, reason))?;
-            f(index, p).map_err(|reason| self.param_error(index, reason))?;
+            self.shared.put_back(index, p)?;
+            self.shared.complete(f, index, p)?;
         }
         Ok(())
     }
@@ -337,9 +357,7 @@ impl GradOffload {
         if index >= self.params.len() {
             return Ok(None);
         }
-        self.shared
-            .read(index, false)
-            .map_err(|reason| self.param_error(index, reason))
+        self.shared.read(index, false)
     }
 
     /// Puts every stored gradient back: into `.grad`, added to what is there (the sum
@@ -350,8 +368,8 @@ impl GradOffload {
         let _no_grad = tch::no_grad_guard();
         let mut first = None;
         for (index, p) in self.params.iter().enumerate() {
-            if let Err(reason) = self.shared.put_back(index, p) {
-                first.get_or_insert(self.param_error(index, reason));
+            if let Err(e) = self.shared.put_back(index, p) {
+                first.get_or_insert(e);
             }
         }
         first.map_or(Ok(()), Err)
@@ -366,18 +384,18 @@ impl GradOffload {
             .iter()
             .enumerate()
             .find_map(|(index, sum)| match sum {
-                Sum::Lost(reason) => Some((index, reason.clone())),
+                Sum::Lost(e) => Some((index, e.clone())),
                 _ => None,
             });
-        if let Some((index, reason)) = lost {
-            return Err(self.param_error(index, reason));
+        if let Some((index, e)) = lost {
+            return Err(self.shared.lost(index, e));
         }
         match lock(&self.shared.failures).report() {
             None => Ok(()),
-            Some((count, reason)) => Err(OffloadError::KeptInMemory {
+            Some((count, first)) => Err(OffloadError::KeptInMemory {
                 dir: self.dir().to_path_buf(),
                 count,
-                reason,
+                first,
             }),
         }
     }
@@ -396,14 +414,6 @@ impl GradOffload {
             read_bytes: self.shared.read.load(Ordering::Relaxed),
             stored_bytes,
             kept_in_memory: lock(&self.shared.failures).total,
-        }
-    }
-
-    fn param_error(&self, index: usize, reason: String) -> OffloadError {
-        OffloadError::Param {
-            index,
-            shape: self.params[index].size(),
-            reason,
         }
     }
 }

@@ -19,22 +19,22 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct WriteFailures {
     /// Every failure so far.
     total: u64,
-    /// How many since the last report, and the first one's reason.
-    unreported: Option<(u64, String)>,
+    /// How many since the last report, and the first one's error.
+    unreported: Option<(u64, crate::error::FileError)>,
 }
 
 impl WriteFailures {
-    fn record(&mut self, reason: String) {
+    fn record(&mut self, error: crate::error::FileError) {
         self.total += 1;
         match &mut self.unreported {
             Some((count, _)) => *count += 1,
-            None => self.unreported = Some((1, reason)),
+            None => self.unreported = Some((1, error)),
         }
     }
 
-    /// The failures since the last report (how many, the first one's reason), now
+    /// The failures since the last report (how many, the first one's error), now
     /// reported.
-    fn report(&mut self) -> Option<(u64, String)> {
+    fn report(&mut self) -> Option<(u64, crate::error::FileError)> {
         self.unreported.take()
     }
 }
