@@ -58,6 +58,7 @@ mod alive;
 mod boundary;
 mod codec;
 mod compress;
+mod distinct;
 mod error;
 mod offload;
 mod pass_through;

@@ -378,7 +378,7 @@ impl SavePolicy {
     /// saves it now; `None`: it packs it. A tensor without a `grad_fn` is a
     /// [`Kept::Constant`] once a hook scope on this thread that has ended saved it.
     pub fn keeps(&self, tensor: &Tensor, op: Option<&str>) -> Result<Option<Kept>, HookError> {
-        let base = crate::compress::distinct(tensor)?.0;
+        let base = crate::distinct::distinct(tensor)?.0;
         let bytes = (base.numel() * base.kind().elt_size_in_bytes()) as u64;
         Ok(self
             .decide(&PassThrough::new(), tensor, bytes, op, |_, _| ())?

@@ -1,5 +1,5 @@
 //! `SaveOnCpu`: keep saved CUDA activations in host memory until backward.
-use crate::compress::{distinct, Expanded};
+use crate::distinct::{distinct, Expanded};
 use crate::error::{HookError, PolicyError};
 use crate::policy::{KeptStats, SavePolicy, Selector};
 use crate::scope::SavedTensorHooks;

@@ -2,7 +2,7 @@
 //! back, ahead of need, in backward.
 use super::file::{self, Layout, StoreDir};
 use super::{lock, WriteFailures};
-use crate::compress::{distinct, Expanded};
+use crate::distinct::{distinct, Expanded};
 use crate::error::{HookError, OffloadError, PolicyError};
 use crate::policy::{KeptStats, SavePolicy, Selector};
 use crate::saved_once::{Lookup, SavedOnce};
