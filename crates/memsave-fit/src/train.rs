@@ -93,7 +93,7 @@ impl FitReport {
     /// Traps: the budget holds for batches of the fitted size (the split into
     /// micro-batches is a count: a larger batch makes larger micro-batches), and for the
     /// model `fit` ran on or one built the same way. The optimizer's state is not in
-    /// the budget (see the [crate](crate) docs) and is made by the first step: that
+    /// the budget (see the [crate docs](crate)) and is made by the first step: that
     /// step's peak can pass the budget by up to
     /// [`optimizer_state_bytes`](Trainer::optimizer_state_bytes) (AdamW's is twice the
     /// parameters); the steps after it stay within. Without `memsave_meter::install()`
