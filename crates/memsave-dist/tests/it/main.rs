@@ -7,6 +7,7 @@
 //! is `#[parallel]` so that it never runs beside a serial one.
 mod common;
 mod errors;
+mod fsdp;
 mod launch;
 mod parity;
 mod zero_disk;

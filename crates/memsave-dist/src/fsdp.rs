@@ -1,0 +1,738 @@
+//! ZeRO stage 3, fully sharded data parallel (PyTorch's FSDP2, DeepSpeed's ZeRO-3):
+//! each rank keeps 1/N of every parameter and gathers a unit's weights only while it
+//! runs.
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
+use memsave_sys::hooks::{Packed, RawHooks};
+use memsave_sys::CallbackError;
+use tch::nn::ModuleT;
+use tch::{Device, Kind, Tensor};
+
+use crate::check::same_shapes_everywhere;
+use crate::error::{DistError, Result};
+use crate::group::ProcessGroup;
+
+/// Options of [`Fsdp`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FsdpConfig {
+    /// Free a unit's gathered weights right after its forward and gather them again in
+    /// backward (default `true`, as FSDP2's `reshard_after_forward`): one unit's full
+    /// weights at a time, for one more all-gather per unit and step. `false` keeps them
+    /// from the forward until the unit's gradients are reduced in backward: every
+    /// unit's full weights are held at the end of the forward, and backward gathers
+    /// nothing.
+    pub reshard_after_forward: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            reshard_after_forward: true,
+        }
+    }
+}
+
+/// What one rank's fully sharded units hold and have sent, for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FsdpStats {
+    /// Bytes of parameters this rank keeps between uses: its shard of every unit
+    /// (padding included) and the 4-byte zero that freed parameters read as.
+    pub parameter_bytes: u64,
+    /// Values of padding in this rank's shards (see [`Fsdp`]'s padding rule).
+    pub padding_values: u64,
+    /// Bytes of full (gathered) weights held now.
+    pub gathered_bytes: u64,
+    /// The most gathered bytes held at once since the last
+    /// [`Fsdp::reset_gathered_peak`].
+    pub gathered_peak_bytes: u64,
+    /// Units gathered (all-gathers) so far.
+    pub gathers: u64,
+    /// Units whose gradients were reduce-scattered so far.
+    pub reductions: u64,
+}
+
+/// Fully sharded data parallel training over a process group: the units' parameters
+/// are sharded across the ranks and gathered only while a unit runs (ZeRO-3).
+///
+/// ```text
+/// let mut fsdp = Fsdp::new(&group, FsdpConfig::default());
+/// for each layer:  seq = seq.add(fsdp.fully_shard(layer, &layer_params)?);
+/// let mut opt = AdamW::new(&fsdp.parameters(), config)?;    // the shards
+/// per step:
+///     let loss = fsdp.forward(|| loss_of(seq.forward(&x)))?;   // each micro-batch
+///     loss.backward();
+///     fsdp.f_finish_backward()?;
+///     opt.f_step()?; opt.zero_grad(true);
+/// ```
+///
+/// **Units and shards.** [`Fsdp::fully_shard`] takes a module and the parameters it
+/// uses (a unit; every rank registers the same units, in the same order) and returns a
+/// module to use in its place ([`FsdpUnit`], a tch `ModuleT`: add it to a
+/// `CheckpointedSequential` or an `nn::Sequential`). The unit's P values, in order, form
+/// one flat f32 vector padded with zeros to N × ceil(P/N) values (N the world size);
+/// rank r keeps values r × S to (r+1) × S, S = ceil(P/N), in a shard tensor
+/// ([`Fsdp::parameters`], one per unit). **Padding rule**: each unit is padded on its
+/// own, to a multiple of N, so any world size works; a rank holds Σ ceil(P_u/N) values,
+/// which is ceil(P/N) plus fewer padding values than there are units. Rank 0's values
+/// are broadcast when a unit is sharded, so the ranks start equal.
+///
+/// **Parameters between uses.** The parameter tensors the module holds (tch layers keep
+/// their weight `Tensor`s) stay the same objects: their data is swapped in place. Outside
+/// their unit's forward and backward they keep their shape but read as zeros (a
+/// broadcast view of one 4-byte zero): read the weights with
+/// [`Fsdp::f_full_parameters`], and use a parameter only inside its unit (tied weights
+/// across units are refused when saved for backward).
+///
+/// **Forward.** A unit's forward all-gathers its shard into one flat buffer, points
+/// each parameter at its slice (so autograd records the full weights and gradients land
+/// in the parameters' `.grad`), runs the module, and with
+/// [`FsdpConfig::reshard_after_forward`] frees the buffer. Autograd would keep the
+/// weights it saves for backward (a linear layer saves `weight.t()`, a view of the
+/// buffer); inside [`Fsdp::forward`] a saved-tensor hook keeps only where such a tensor
+/// lies in the buffer, so the buffer can go. Without grad (evaluation) the buffer is
+/// always freed after the forward.
+///
+/// **Backward.** A unit is gathered again when backward first needs one of its weights
+/// (the first saved weight it unpacks) or, in a checkpointed unit, when the
+/// recomputation runs its forward; units are gathered one at a time, never prefetched:
+/// the collectives are blocking on the thread that runs backward, so gathering the
+/// next unit early would only hold two units at once without overlapping anything.
+/// A unit whose backward reads no weight (the first layer when its input needs no
+/// gradient) is not gathered again. When every parameter of a unit has its gradient
+/// (post-accumulate-grad hooks), the gradients are flattened, reduce-scattered (summed
+/// into each rank's slice), divided by N (gradients are averaged, as in DDP) and added
+/// to the shard's `.grad`; the full gradients and weights are freed.
+///
+/// **Bytes sent per micro-batch**: an all-gather per unit in forward and in backward,
+/// and a reduce-scatter, each (N-1)/N of the unit's padded bytes: 3 (N-1)/N of the
+/// padded weight bytes, less (N-1)/N of each unit not gathered again; 2 (N-1)/N
+/// without `reshard_after_forward`.
+///
+/// **Gradient accumulation**: every backward reduce-scatters (FSDP's default with
+/// gradient sync on, rather than accumulating full gradients under `no_sync`):
+/// communication per micro-batch, but a rank never holds more than one unit's full
+/// gradients. Accumulating whole gradients would keep every unit's full gradient
+/// (P × 4 bytes per rank) between micro-batches, the memory ZeRO-3 exists to remove.
+///
+/// **The step**: build any `memsave-optim` optimizer over [`Fsdp::parameters`] (the
+/// shards); it steps only this rank's shard, with any rule, state precision or
+/// placement. Call [`Fsdp::f_finish_backward`] after a step's last backward: it
+/// reduces the units some of whose parameters got no gradient (with zeros for those)
+/// and frees any weights still gathered.
+///
+/// Traps: every rank must run the same units in the same order, forward and backward,
+/// or the collectives wait on each other until the group's timeout. Parameters must be
+/// contiguous f32 CPU tensors that require grad, each in one unit. The optimizer's
+/// `max_grad_norm` would clip by this rank's shard alone; clip outside it. Its
+/// `step_in_backward` is not supported (the shards' gradients are not set by
+/// autograd). With `Placement::Disk`, give each rank its own directory. Each parameter
+/// carries one post-accumulate-grad hook, so it cannot also be given to data parallel
+/// or ZeRO-2. Keep the `Fsdp` alive while its units are used: dropping it removes the
+/// hooks that reduce the gradients.
+pub struct Fsdp {
+    // Dropped first: removing the hooks releases their references to the state.
+    hooks: Vec<GradHookHandle>,
+    shared: Arc<Mutex<Shared>>,
+    group: ProcessGroup,
+}
+
+impl fmt::Debug for Fsdp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.state();
+        f.debug_struct("Fsdp")
+            .field("rank", &self.group.rank())
+            .field("world_size", &self.group.world_size())
+            .field("units", &s.units.len())
+            .field("config", &s.config)
+            .finish()
+    }
+}
+
+/// A module whose parameters [`Fsdp`] shards: gathers them for its forward and frees
+/// them after (see [`Fsdp`]). Use it where the module was used.
+pub struct FsdpUnit {
+    shared: Arc<Mutex<Shared>>,
+    unit: usize,
+    module: Box<dyn ModuleT>,
+}
+
+impl fmt::Debug for FsdpUnit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FsdpUnit")
+            .field("unit", &self.unit)
+            .field("module", &self.module)
+            .finish()
+    }
+}
+
+/// The state the units, the hooks and the saved-tensor hook share.
+pub(crate) struct Shared {
+    pub(crate) group: ProcessGroup,
+    config: FsdpConfig,
+    /// One f32 zero: what freed parameters are views of.
+    placeholder: Tensor,
+    pub(crate) units: Vec<Unit>,
+    gathered_bytes: u64,
+    gathered_peak_bytes: u64,
+    gathers: u64,
+    reductions: u64,
+    /// Units whose gathered weights something still held after a resharding forward.
+    held_after_forward: Vec<usize>,
+}
+
+/// One unit's parameters and shard.
+pub(crate) struct Unit {
+    /// The module's parameter tensors (the same `TensorImpl`s).
+    pub(crate) params: Vec<Tensor>,
+    /// Values of the unit, without padding.
+    pub(crate) numel: i64,
+    /// This rank's slice: `shard_len` values.
+    pub(crate) shard: Tensor,
+    pub(crate) shard_len: i64,
+    /// The full flat weights (world size × shard_len values) while gathered.
+    gathered: Option<Tensor>,
+    /// Which parameters got their gradient in the current backward.
+    ready: Vec<bool>,
+    /// Some gradient arrived that is not reduced yet.
+    owed: bool,
+}
+
+fn tensor_err(rank: usize, context: &'static str) -> impl Fn(tch::TchError) -> DistError + Copy {
+    move |source| DistError::Tensor {
+        rank,
+        context,
+        source,
+    }
+}
+
+fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Fsdp {
+    /// No units yet: register them with [`Fsdp::fully_shard`].
+    pub fn new(group: &ProcessGroup, config: FsdpConfig) -> Result<Self> {
+        let err = tensor_err(group.rank(), "the freed-parameter placeholder");
+        let placeholder = Tensor::f_zeros([1], (Kind::Float, Device::Cpu)).map_err(err)?;
+        Ok(Self {
+            hooks: Vec::new(),
+            shared: Arc::new(Mutex::new(Shared {
+                group: group.clone(),
+                config,
+                placeholder,
+                units: Vec::new(),
+                gathered_bytes: 0,
+                gathered_peak_bytes: 0,
+                gathers: 0,
+                reductions: 0,
+                held_after_forward: Vec::new(),
+            })),
+            group: group.clone(),
+        })
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, Shared> {
+        lock(&self.shared)
+    }
+
+    /// Shards `params` (the parameters `module` uses) as the next unit and returns the
+    /// module that gathers them around its forward (FSDP2's `fully_shard`). A
+    /// collective: every rank calls it for the same units in the same order.
+    ///
+    /// Checks first, on every rank, that the parameters are contiguous f32 CPU tensors
+    /// that require grad and belong to no other unit, and that every rank gives
+    /// parameters of the same shapes (an `Err` naming the rank that differs, before
+    /// anything changes). Then copies rank 0's values to every rank, keeps this rank's
+    /// slice and frees the full tensors.
+    pub fn fully_shard<M: ModuleT + 'static>(
+        &mut self,
+        module: M,
+        params: &[Tensor],
+    ) -> Result<FsdpUnit> {
+        let rank = self.group.rank();
+        let unit = self.state().units.len();
+        for (index, p) in params.iter().enumerate() {
+            if p.kind() != Kind::Float
+                || p.device() != Device::Cpu
+                || !p.is_contiguous()
+                || !p.requires_grad()
+            {
+                return Err(DistError::Config {
+                    rank,
+                    reason: format!(
+                        "unit {unit}, parameter {index} (shape {:?}, {:?} on {:?}): fully_shard needs contiguous f32 CPU parameters that require grad",
+                        p.size(),
+                        p.kind(),
+                        p.device()
+                    ),
+                });
+            }
+        }
+        self.check_distinct(unit, params)?;
+        same_shapes_everywhere(&self.group, params).map_err(|e| match e {
+            DistError::Mismatch {
+                rank,
+                other,
+                what,
+                detail,
+            } => DistError::Mismatch {
+                rank,
+                other,
+                what,
+                detail: format!("unit {unit}: {detail}"),
+            },
+            e => e,
+        })?;
+        let err = tensor_err(rank, "sharding a unit");
+        let n = self.group.world_size() as i64;
+        let numel: i64 = params.iter().map(|p| p.numel() as i64).sum();
+        let shard_len = (numel + n - 1) / n;
+        let shard = {
+            let _no_grad = tch::no_grad_guard();
+            for p in params {
+                self.group.broadcast(p, 0)?;
+            }
+            let flat = Tensor::f_zeros([shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let mut offset = 0;
+            for p in params {
+                let k = p.numel() as i64;
+                flat.f_narrow(0, offset, k)
+                    .and_then(|mut dst| dst.f_copy_(&p.f_reshape([-1])?))
+                    .map_err(err)?;
+                offset += k;
+            }
+            flat.f_narrow(0, rank as i64 * shard_len, shard_len)
+                .and_then(|s| s.f_detach_copy())
+                .map_err(err)?
+                .set_requires_grad(true)
+        };
+        let mut state = self.state();
+        state.units.push(Unit {
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            numel,
+            shard,
+            shard_len,
+            gathered: None,
+            ready: vec![false; params.len()],
+            owed: false,
+        });
+        state.free(unit)?;
+        drop(state);
+        for (index, p) in params.iter().enumerate() {
+            let shared = Arc::clone(&self.shared);
+            let hook = register_post_accumulate_grad_hook(
+                p,
+                Box::new(move |_| {
+                    lock(&shared)
+                        .mark_ready(unit, index)
+                        .map_err(CallbackError::from)
+                }),
+            )
+            .map_err(|e| DistError::Config {
+                rank,
+                reason: format!("unit {unit}, parameter {index}: {e}"),
+            })?;
+            self.hooks.push(hook);
+        }
+        Ok(FsdpUnit {
+            shared: Arc::clone(&self.shared),
+            unit,
+            module: Box::new(module),
+        })
+    }
+
+    /// Refuses a parameter given twice, or already in a unit.
+    fn check_distinct(&self, unit: usize, params: &[Tensor]) -> Result<()> {
+        let state = self.state();
+        let taken: Vec<(usize, &Tensor)> = state
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, x)| x.params.iter().map(move |p| (u, p)))
+            .collect();
+        for (index, p) in params.iter().enumerate() {
+            let same = |q: &Tensor| q.data_ptr() == p.data_ptr();
+            let reason = if let Some(&(u, _)) = taken.iter().find(|(_, q)| same(q)) {
+                Some(format!("is already in unit {u}"))
+            } else {
+                params[..index]
+                    .iter()
+                    .position(same)
+                    .map(|first| format!("is the same tensor as parameter {first}"))
+            };
+            if let Some(reason) = reason {
+                return Err(DistError::Config {
+                    rank: self.group.rank(),
+                    reason: format!("unit {unit}, parameter {index} {reason}; each parameter belongs to one unit, once"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The shards this rank keeps, one flat f32 tensor per unit in the order of
+    /// [`Fsdp::fully_shard`]: give them to the optimizer. Their `.grad` holds the
+    /// averaged gradients of this rank's slice after backward.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.state()
+            .units
+            .iter()
+            .map(|u| u.shard.shallow_clone())
+            .collect()
+    }
+
+    /// Number of units.
+    pub fn len(&self) -> usize {
+        self.state().units.len()
+    }
+
+    /// Whether there are no units.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` (a forward, with its loss) so that the weights autograd saves inside
+    /// fully sharded units can be freed after each unit's forward: a saved-tensor hook
+    /// keeps where each such tensor lies in its unit's gathered buffer instead of the
+    /// tensor, and backward gathers the unit again when it needs one. Other saved
+    /// tensors are kept as they are.
+    ///
+    /// A checkpointed unit (`CheckpointedSequential`'s plans, `memsave_checkpoint`'s
+    /// checkpoint) needs no such hook: the checkpoint's own hooks, innermost, keep
+    /// nothing of its forward. Without `forward`, an unchecked unit's weights stay held
+    /// by autograd until its backward: correct, but no memory saved, and
+    /// [`Fsdp::f_finish_backward`] says so (unless `reshard_after_forward` is off).
+    ///
+    /// Trap: saved-tensor hooks entered inside `f` (offload, compression) are innermost
+    /// and see the units' weights first; those that keep the weights make
+    /// `f_finish_backward` refuse as above.
+    pub fn forward<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let hooks = Arc::new(GatheredSaves {
+            shared: Arc::clone(&self.shared),
+        });
+        let frame = memsave_sys::hooks::push(hooks)?;
+        let out = f();
+        frame.exit()?;
+        Ok(out)
+    }
+
+    /// Ends a step's backward(s): reduce-scatters the gradients of units some of whose
+    /// parameters got no gradient (zeros for those), frees any gathered weights, and
+    /// refuses when a unit's weights could not be freed after its forward (see
+    /// [`Fsdp::forward`]). A collective; call it after the last backward of a step,
+    /// before the optimizer step.
+    pub fn f_finish_backward(&self) -> Result<()> {
+        let mut state = self.state();
+        for unit in 0..state.units.len() {
+            if state.units[unit].owed {
+                state.reduce(unit)?;
+            }
+        }
+        for unit in 0..state.units.len() {
+            state.free(unit)?;
+        }
+        if !state.held_after_forward.is_empty() {
+            let held = std::mem::take(&mut state.held_after_forward);
+            return Err(DistError::Config {
+                rank: self.group.rank(),
+                reason: format!(
+                    "units {held:?}: their gathered weights were still held after their forward (saved for backward by autograd or kept by a hook), so reshard_after_forward could not free them; run the forward inside Fsdp::forward, or turn reshard_after_forward off"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every unit's full parameters, in the order they were given to
+    /// [`Fsdp::fully_shard`], as new tensors (copies, without grad). A collective: one
+    /// all-gather per unit not gathered now.
+    pub fn f_full_parameters(&self) -> Result<Vec<Tensor>> {
+        let state = self.state();
+        let rank = self.group.rank();
+        let err = tensor_err(rank, "gathering the full parameters");
+        let _no_grad = tch::no_grad_guard();
+        let mut out = Vec::new();
+        for unit in &state.units {
+            let flat = match &unit.gathered {
+                Some(flat) => flat.shallow_clone(),
+                None => state.all_gather(unit)?,
+            };
+            let mut offset = 0;
+            for p in &unit.params {
+                let k = p.numel() as i64;
+                out.push(
+                    flat.f_narrow(0, offset, k)
+                        .and_then(|t| t.f_reshape(p.size()))
+                        .and_then(|t| t.f_detach_copy())
+                        .map_err(err)?,
+                );
+                offset += k;
+            }
+        }
+        Ok(out)
+    }
+
+    /// What this rank holds and has done (see [`FsdpStats`]).
+    pub fn stats(&self) -> FsdpStats {
+        let state = self.state();
+        let shard_values: i64 = state.units.iter().map(|u| u.shard_len).sum();
+        let n = self.group.world_size() as i64;
+        FsdpStats {
+            parameter_bytes: 4 * shard_values as u64 + 4,
+            padding_values: (shard_values as u64)
+                - (state.units.iter().map(|u| u.numel).sum::<i64>() as u64).div_ceil(n as u64),
+            gathered_bytes: state.gathered_bytes,
+            gathered_peak_bytes: state.gathered_peak_bytes,
+            gathers: state.gathers,
+            reductions: state.reductions,
+        }
+    }
+
+    /// Starts [`FsdpStats::gathered_peak_bytes`] again from the bytes gathered now.
+    pub fn reset_gathered_peak(&self) {
+        let mut state = self.state();
+        state.gathered_peak_bytes = state.gathered_bytes;
+    }
+}
+
+impl Shared {
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// All-gathers `unit`'s shards into a new flat buffer.
+    fn all_gather(&self, unit: &Unit) -> Result<Tensor> {
+        let err = tensor_err(self.rank(), "gathering a unit");
+        let n = self.group.world_size() as i64;
+        let flat =
+            Tensor::f_empty([unit.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+        self.group.all_gather(&flat, &unit.shard.detach())?;
+        Ok(flat)
+    }
+
+    /// Gathers `unit`'s weights and points its parameters at them, unless gathered.
+    fn gather(&mut self, unit: usize) -> Result<()> {
+        if self.units[unit].gathered.is_some() {
+            return Ok(());
+        }
+        let err = tensor_err(self.rank(), "gathering a unit");
+        let _no_grad = tch::no_grad_guard();
+        let flat = self.all_gather(&self.units[unit])?;
+        let mut offset = 0;
+        for p in &self.units[unit].params {
+            let k = p.numel() as i64;
+            let view = flat
+                .f_narrow(0, offset, k)
+                .and_then(|t| t.f_view(p.size().as_slice()))
+                .map_err(err)?;
+            p.shallow_clone().f_set_data(&view).map_err(err)?;
+            offset += k;
+        }
+        let bytes = memsave_sys::tensor::nbytes(&flat);
+        self.units[unit].gathered = Some(flat);
+        self.gathers += 1;
+        self.gathered_bytes += bytes;
+        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
+        Ok(())
+    }
+
+    /// Points `unit`'s parameters at the placeholder and drops its gathered buffer.
+    fn free(&mut self, unit: usize) -> Result<()> {
+        let err = tensor_err(self.rank(), "freeing a unit's weights");
+        let scalar = self.placeholder.f_reshape([0i64; 0]).map_err(err)?;
+        for p in &self.units[unit].params {
+            let zeros = scalar.f_expand(p.size(), false).map_err(err)?;
+            p.shallow_clone().f_set_data(&zeros).map_err(err)?;
+        }
+        if let Some(flat) = self.units[unit].gathered.take() {
+            self.gathered_bytes -= memsave_sys::tensor::nbytes(&flat);
+        }
+        Ok(())
+    }
+
+    /// After `unit`'s forward: frees its weights unless backward will want them and
+    /// the configuration keeps them (see [`FsdpConfig::reshard_after_forward`]).
+    fn after_forward(&mut self, unit: usize, grad: bool, in_backward: bool) -> Result<()> {
+        if grad && (in_backward || !self.config.reshard_after_forward) {
+            return Ok(());
+        }
+        let flat = self.units[unit]
+            .gathered
+            .as_ref()
+            .map(Tensor::shallow_clone);
+        self.free(unit)?;
+        if let Some(flat) = flat {
+            // `flat` here and nothing else: the buffer goes with it.
+            if memsave_sys::tensor::storage_use_count(&flat)? > 1
+                && !self.held_after_forward.contains(&unit)
+            {
+                self.held_after_forward.push(unit);
+            }
+        }
+        Ok(())
+    }
+
+    /// The post-accumulate-grad hook of `unit`'s parameter `index`: reduces the unit
+    /// once every parameter has its gradient.
+    fn mark_ready(&mut self, unit: usize, index: usize) -> Result<()> {
+        let u = &mut self.units[unit];
+        u.ready[index] = true;
+        u.owed = true;
+        if u.ready.iter().all(|&r| r) {
+            self.reduce(unit)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters `unit`'s gradients (zeros where a parameter has none) into its
+    /// shard's `.grad` (averaged over the ranks, added to what is there), and frees the
+    /// full gradients and weights.
+    fn reduce(&mut self, unit: usize) -> Result<()> {
+        let rank = self.rank();
+        let err = tensor_err(rank, "reducing a unit's gradients");
+        let n = self.group.world_size() as i64;
+        let _no_grad = tch::no_grad_guard();
+        {
+            let u = &self.units[unit];
+            let flat =
+                Tensor::f_zeros([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let mut offset = 0;
+            for p in &u.params {
+                let k = p.numel() as i64;
+                let g = p.grad();
+                if g.defined() {
+                    flat.f_narrow(0, offset, k)
+                        .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
+                        .map_err(err)?;
+                    memsave_sys::tensor::set_grad_none(p)?;
+                }
+                offset += k;
+            }
+            let mut mine =
+                Tensor::f_empty([u.shard_len], (Kind::Float, Device::Cpu)).map_err(err)?;
+            self.group.reduce_scatter(&mine, &flat)?;
+            drop(flat);
+            let _ = mine.f_div_scalar_(n as f64).map_err(err)?;
+            let g = u.shard.grad();
+            if g.defined() {
+                let mut g = g;
+                let _ = g.f_add_(&mine).map_err(err)?;
+            } else {
+                memsave_sys::tensor::set_grad(&u.shard, &mine)?;
+            }
+        }
+        let u = &mut self.units[unit];
+        u.ready.iter_mut().for_each(|r| *r = false);
+        u.owed = false;
+        self.reductions += 1;
+        self.free(unit)
+    }
+
+    /// The unit whose gathered buffer holds the memory at `ptr`, and the value offset.
+    fn locate(&self, ptr: usize) -> Option<(usize, i64)> {
+        self.units.iter().enumerate().find_map(|(index, u)| {
+            let flat = u.gathered.as_ref()?;
+            let base = flat.data_ptr() as usize;
+            let end = base + memsave_sys::tensor::nbytes(flat) as usize;
+            (base..end)
+                .contains(&ptr)
+                .then(|| (index, ((ptr - base) / 4) as i64))
+        })
+    }
+}
+
+impl FsdpUnit {
+    /// The unit's index in its [`Fsdp`].
+    pub fn index(&self) -> usize {
+        self.unit
+    }
+
+    /// Gathers the unit's weights, runs the module, and frees them (see [`Fsdp`]); a
+    /// failed collective is an `Err`.
+    pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let grad = memsave_sys::tensor::grad_mode_enabled();
+        let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
+        lock(&self.shared).gather(self.unit)?;
+        // The lock is not held while the module runs: the saved-tensor hook takes it.
+        let y = self.module.forward_t(x, train);
+        lock(&self.shared).after_forward(self.unit, grad, in_backward)?;
+        Ok(y)
+    }
+}
+
+impl ModuleT for FsdpUnit {
+    /// # Panics
+    /// When a collective fails; use [`FsdpUnit::f_forward_t`] for a `Result`.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// What the saved-tensor hook of [`Fsdp::forward`] keeps for a tensor that lies in a
+/// unit's gathered weights.
+#[derive(Debug)]
+struct GatheredSlice {
+    unit: usize,
+    offset: i64,
+    size: Vec<i64>,
+    stride: Vec<i64>,
+}
+
+/// Saved-tensor hooks that keep the gathered weights' place instead of the weights.
+struct GatheredSaves {
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl RawHooks for GatheredSaves {
+    fn pack(
+        &self,
+        tensor: &Tensor,
+        _saved_by: Option<&str>,
+    ) -> std::result::Result<Packed, CallbackError> {
+        if tensor.device() == Device::Cpu && tensor.numel() > 0 {
+            let state = lock(&self.shared);
+            let ptr = tensor.data_ptr() as usize;
+            if ptr == state.placeholder.data_ptr() as usize {
+                return Err(DistError::Config {
+                    rank: state.rank(),
+                    reason: "a fully sharded parameter is used outside its unit's forward (tied weights across units?); use each parameter in one unit".to_owned(),
+                }
+                .into());
+            }
+            if tensor.kind() == Kind::Float {
+                if let Some((unit, offset)) = state.locate(ptr) {
+                    return Ok(Box::new(GatheredSlice {
+                        unit,
+                        offset,
+                        size: tensor.size(),
+                        stride: tensor.stride(),
+                    }));
+                }
+            }
+        }
+        Ok(Box::new(tensor.shallow_clone()))
+    }
+
+    fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, CallbackError> {
+        if let Some(slice) = packed.downcast_ref::<GatheredSlice>() {
+            let mut state = lock(&self.shared);
+            state.gather(slice.unit)?;
+            let flat = state.units[slice.unit]
+                .gathered
+                .as_ref()
+                .expect("just gathered");
+            return Ok(flat.f_as_strided(
+                slice.size.as_slice(),
+                slice.stride.as_slice(),
+                slice.offset,
+            )?);
+        }
+        match packed.downcast_ref::<Tensor>() {
+            Some(t) => Ok(t.shallow_clone()),
+            None => Err("fsdp: a saved tensor of an unknown kind".into()),
+        }
+    }
+}
