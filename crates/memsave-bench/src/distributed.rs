@@ -1,51 +1,59 @@
 //! Suites with `world_size: N`: every case runs on N ranks, processes on 127.0.0.1
 //! started by `memsave_dist`'s launcher, each training on its 1/N of the model's batch.
 //!
-//! A strategy without `zero` runs data parallel (`memsave_dist::DistributedDataParallel`,
-//! gradients averaged in buckets during backward, `no_sync` on the micro-batches of
-//! `accumulate` before the last) with its `optimizer` on every rank. With `zero: 1` or
-//! `zero: 2` the `optimizer` is a `memsave_dist::ZeroOptimizer` of that stage (stage 2
-//! reduces the gradients in buckets during backward, every micro-batch). `checkpoint`
-//! and the residual updates apply on every rank as on one process, and so does the
-//! optimizer's `placement` (with `disk`, each rank keeps its state in a directory of its
-//! own); `autocast`, `grad_scaler`, `compress`, `offload`, `in_backward` are reported
-//! unavailable under `world_size` (decided from the suite alone, before any rank
-//! starts, by the function `memsave check` uses: [`crate::availability`]).
+//! Each rank runs memsave's one step engine (`memsave_step::step::StepRun`) with data
+//! parallel over the ranks' process group (`memsave_step::parallel`): a strategy
+//! without `zero` runs data parallel (gradients averaged in buckets during backward,
+//! `no_sync` on the micro-batches of `accumulate` before the last) with its `optimizer`
+//! whole on every rank; with `zero: 1` or `zero: 2` the `optimizer` is sharded over the
+//! ranks at that ZeRO stage (stage 2 reduces the gradients in buckets during backward,
+//! every micro-batch). Every other technique acts on each rank as on one process:
+//! `checkpoint` (a budget is solved on the rank's share), the residual updates,
+//! `autocast`, `grad_scaler` (unscaled after the gradients are averaged, so every rank
+//! skips the same steps), `compress`, `offload`, `accumulate`, and the optimizer's
+//! `state` and `placement` (with `disk`, each rank keeps its state in a directory of its
+//! own).
+//!
+//! Reported unavailable, with the reason, before any rank starts (decided from the
+//! suite alone by the function `memsave check` uses: [`crate::availability`]): what
+//! the step engine refuses under data parallel (`memsave_step::DataParallel::check`:
+//! optimizer `in_backward`, `offload_grads` except with `zero: 1`, `grad_scaler` with
+//! `zero`, `zero` without an optimizer), the harness's own searches (`auto_batch`,
+//! `fit`), and a batch that does not divide among the ranks.
 //!
 //! `memsave trace` of a suite with `world_size` runs the case on its ranks the same
 //! way and records rank 0's step ([`trace_on_ranks`]).
 //!
-//! Each rank is the program of [`RunOptions::rank_program`] (the `memsave` binary: its
-//! hidden `rank` subcommand calls [`run_rank`]), which writes its figures as JSON
+//! Each rank is the program of [`RankSettings::rank_program`] (the `memsave` binary:
+//! its hidden `rank` subcommand calls [`run_rank`]), which writes its figures as JSON
 //! ([`RankFigures`]) to a file; the case then reports `world_size`, the largest
 //! per-rank `start_bytes` and `peak_bytes`, and per rank (the largest over the ranks)
 //! `optimizer_state_bytes`, `gradient_bytes` (what backward left allocated, by the
-//! meter) and `bytes_sent_per_step` (what the process group counted). Gradients are not
-//! compared with a baseline (each rank holds its own until the step).
+//! meter), `bytes_sent_per_step` (what the process group counted), and the step's
+//! `retained_after_forward_bytes`, `offloaded_bytes` and `compressed_saved_bytes`.
+//! Gradients are not compared with a baseline (each rank holds its own until the step).
 //!
 //! Traps: the model's batch (its first dimension) must divide by the world size, and
 //! each rank's share by `accumulate`'s micro-batches, or the case is unavailable.
 //! `threads` applies to each rank: N ranks with 2 threads each use 2N cores.
 use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
-use crate::runner::{apply_plan, selected_cases, Observer, RunError, RunOptions};
 use crate::strategies::{resolve, StepConfig};
 use crate::suite::{ModelSpec, StrategySpec, Suite, Technique};
-use memsave_dist::{
-    init_process_group, DdpConfig, DistributedDataParallel, InitOptions, LaunchConfig,
-    ProcessGroup, ZeroOptimizer, ZeroStage,
+use memsave_amp::GradScaler;
+use memsave_dist::{init_process_group, DistError, InitOptions, LaunchConfig, ProcessGroup};
+use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
+use memsave_step::{
+    Batch, CaseOptimizer, DataParallel, DataParallelHandle, DdpConfig, StepError, Workload,
+    ZeroStage,
 };
-use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
-use memsave_optim::{AdamW, Optimizer, Rule, Sgd};
-use memsave_step::levers::OptimizerRule;
-use memsave_step::{Batch, OptimizerSpec, StatePlacement, Workload};
 use memsave_trace::{Phase, Recorder, Session};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use tch::{Device, Tensor};
+use std::time::Duration;
+use tch::Device;
 
 /// What one rank measured in a case's last measured step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,8 +68,8 @@ pub struct RankFigures {
     pub start_bytes: u64,
     /// Highest allocation during the step minus `start_bytes`.
     pub peak_bytes: u64,
-    /// Allocated after the last backward minus before the first forward: the
-    /// gradients the rank holds when the optimizer steps.
+    /// Allocated after the last backward (and the gradients' reduction) minus before
+    /// the first forward: the gradients the rank holds when the optimizer steps.
     pub gradient_bytes: u64,
     /// Bytes of optimizer state the rank holds, when there is an optimizer.
     pub optimizer_state_bytes: Option<u64>,
@@ -69,102 +77,289 @@ pub struct RankFigures {
     pub bytes_sent_per_step: u64,
     /// Seconds of each measured step.
     pub step_times_s: Vec<f64>,
+    /// Allocated right after the forward minus `start_bytes` (the largest over the
+    /// micro-batches).
+    #[serde(default)]
+    pub retained_after_forward_bytes: u64,
+    /// Bytes the rank's offload hooks wrote, with `offload`.
+    #[serde(default)]
+    pub offloaded_bytes: Option<u64>,
+    /// Bytes the rank's compression saved, with `compress`.
+    #[serde(default)]
+    pub compressed_saved_bytes: Option<u64>,
 }
 
-/// Runs every selected case of `suite` on `world_size` ranks.
+impl RankFigures {
+    /// The figures of a rank that cannot run the case: every figure 0.
+    fn unavailable(rank: usize, world_size: usize, reason: String) -> Self {
+        Self {
+            rank,
+            world_size,
+            unavailable: Some(reason),
+            start_bytes: 0,
+            peak_bytes: 0,
+            gradient_bytes: 0,
+            optimizer_state_bytes: None,
+            bytes_sent_per_step: 0,
+            step_times_s: Vec::new(),
+            retained_after_forward_bytes: 0,
+            offloaded_bytes: None,
+            compressed_saved_bytes: None,
+        }
+    }
+}
+
+/// Why a case cannot run on ranks, decided from the suite alone, before any rank
+/// starts ([`rank_config`]); the reason names the technique.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct RanksUnavailable {
+    /// What cannot run and why.
+    pub reason: String,
+}
+
+impl RanksUnavailable {
+    fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Why a distributed run, a rank or a traced case failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistributedError {
+    /// The case cannot run on ranks (found before any rank started).
+    #[error(transparent)]
+    Unavailable(#[from] RanksUnavailable),
+    /// The suite has no YAML source for its ranks to read.
+    #[error("the suite was not parsed from YAML (Suite::from_yaml), so its ranks cannot read it")]
+    NoSource,
+    /// A file or directory of the run could not be made, written or read.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, naming the path.
+        what: String,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The launcher or the ranks failed; [`interrupted_by`](Self::interrupted_by) says
+    /// whether a signal ended them.
+    #[error("the ranks failed: {0}")]
+    Launch(#[source] DistError),
+    /// A rank could not join its group or its group failed.
+    #[error("{0}")]
+    Group(#[source] DistError),
+    /// A rank wrote no readable figures.
+    #[error("rank {rank}: no figures in {}: {source}", path.display())]
+    Figures {
+        /// The rank.
+        rank: usize,
+        /// The file it should have written.
+        path: PathBuf,
+        /// Why it cannot be read.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The suite has no model or strategy of the name a rank was given.
+    #[error("no {what} '{name}' in the suite")]
+    Unknown {
+        /// `model` or `strategy`.
+        what: &'static str,
+        /// The name given.
+        name: String,
+    },
+    /// The model could not be built.
+    #[error(transparent)]
+    Build(#[from] crate::models::BuildError),
+    /// libtorch failed outside the step (the rank's share of the batch).
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+    /// A rank's step, or the building of its optimizer or data parallel, failed.
+    #[error(transparent)]
+    Step(#[from] StepError),
+    /// The figures could not be written as JSON.
+    #[error("rank figures: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Recording rank 0's step failed.
+    #[error(transparent)]
+    Trace(#[from] memsave_trace::TraceError),
+}
+
+impl DistributedError {
+    /// The signal (SIGINT, SIGTERM, SIGHUP) that interrupted the launcher, which sent
+    /// it on to every rank and ended them: the caller should end too, with 128 + the
+    /// signal as shells do, rather than go on to its next case.
+    pub fn interrupted_by(&self) -> Option<i32> {
+        match self {
+            DistributedError::Launch(DistError::Interrupted { signal, .. }) => Some(*signal),
+            _ => None,
+        }
+    }
+
+    fn io(what: String) -> impl FnOnce(std::io::Error) -> DistributedError {
+        move |source| DistributedError::Io { what, source }
+    }
+}
+
+/// How the ranks of a distributed run measure: the run's overrides of the suite's
+/// settings, and the program of a rank.
+#[derive(Debug, Clone, Default)]
+pub struct RankSettings {
+    /// Warm-up steps instead of the suite's.
+    pub warmup: Option<usize>,
+    /// Measured steps instead of the suite's.
+    pub repeats: Option<usize>,
+    /// libtorch threads (per rank) instead of the suite's.
+    pub threads: Option<usize>,
+    /// The program whose hidden `rank` subcommand runs one rank (default: this
+    /// process's executable, which must then be the `memsave` binary).
+    pub rank_program: Option<PathBuf>,
+}
+
+/// A point of a distributed run, told to the caller's progress.
+#[derive(Debug)]
+pub enum CaseEvent<'a> {
+    /// The run is about to start `total` cases.
+    Started {
+        /// Cases in the run.
+        total: usize,
+    },
+    /// A case begins.
+    CaseStarted {
+        /// The model's name.
+        model: &'a str,
+        /// The strategy's name.
+        strategy: &'a str,
+    },
+    /// A case ended (in any status).
+    CaseFinished(&'a CaseResult),
+}
+
+/// Runs the `selected` cases of `suite` on `world_size` ranks each, telling `progress`.
+///
+/// # Errors
+/// When the run cannot start (no program, no temporary directory), and
+/// [`DistributedError::Launch`] when a signal interrupted a case's ranks (see
+/// [`DistributedError::interrupted_by`]): the run ends there. Any other failure of a
+/// case is that case's `error`, and the run goes on.
 pub(crate) fn run_cases(
     suite: &Suite,
-    options: &RunOptions,
+    selected: &[(&ModelSpec, Vec<&StrategySpec>)],
+    settings: &RankSettings,
     world_size: usize,
-    observer: &mut dyn Observer,
-) -> Result<Vec<CaseResult>, RunError> {
-    let program = rank_program(options.rank_program.as_deref()).map_err(RunError::Distributed)?;
-    let (dir, suite_file) = suite_for_ranks(suite).map_err(RunError::Distributed)?;
-    let selected = selected_cases(suite, options);
-    observer.started(selected.iter().map(|(_, s)| s.len()).sum());
+    progress: &mut dyn FnMut(CaseEvent<'_>),
+) -> Result<Vec<CaseResult>, DistributedError> {
+    let program = rank_program(settings.rank_program.as_deref())?;
+    let (dir, suite_file) = suite_for_ranks(suite)?;
+    progress(CaseEvent::Started {
+        total: selected.iter().map(|(_, s)| s.len()).sum(),
+    });
+    let ranks = Ranks {
+        program: &program,
+        suite_file: &suite_file,
+        dir: dir.path(),
+        settings,
+        world_size,
+    };
     let mut cases = Vec::new();
     for (model, strategies) in selected {
         for strategy in strategies {
-            observer.case_started(&model.name, &strategy.name);
-            let mut case = run_case(
-                &program,
-                &suite_file,
-                dir.path(),
-                model,
-                strategy,
-                options,
-                world_size,
-            );
+            progress(CaseEvent::CaseStarted {
+                model: &model.name,
+                strategy: &strategy.name,
+            });
+            let mut case = match ranks.run_case(model, strategy) {
+                Ok(case) => case,
+                Err(e) if e.interrupted_by().is_some() => return Err(e),
+                Err(DistributedError::Unavailable(why)) => {
+                    CaseResult::failed(&model.name, &strategy.name, Status::Unavailable, why.reason)
+                }
+                Err(e) => {
+                    CaseResult::failed(&model.name, &strategy.name, Status::Error, e.to_string())
+                }
+            };
             case.is_baseline = strategy.is_baseline();
             case.world_size = Some(world_size);
-            observer.case_finished(&case);
+            progress(CaseEvent::CaseFinished(&case));
             cases.push(case);
         }
     }
     Ok(cases)
 }
 
-fn run_case(
-    program: &Path,
-    suite_file: &Path,
-    dir: &Path,
-    model: &ModelSpec,
-    strategy: &StrategySpec,
-    options: &RunOptions,
+/// What every case of a distributed run launches with.
+struct Ranks<'r> {
+    program: &'r Path,
+    suite_file: &'r Path,
+    dir: &'r Path,
+    settings: &'r RankSettings,
     world_size: usize,
-) -> CaseResult {
-    let failed =
-        |status, error: String| CaseResult::failed(&model.name, &strategy.name, status, error);
-    // Decided here as the ranks decide it, without starting them.
-    if let Err(reason) = rank_config(model, strategy, world_size) {
-        return failed(Status::Unavailable, reason);
-    }
-    let out = dir.join(format!("case-{}", unique()));
-    if let Err(e) = std::fs::create_dir_all(&out) {
-        return failed(Status::Error, format!("cannot make {}: {e}", out.display()));
-    }
-    let mut args = rank_args(suite_file, &model.name, &strategy.name, &out);
-    for (flag, value) in [
-        ("--warmup", options.warmup),
-        ("--repeats", options.repeats),
-        ("--threads", options.threads),
-    ] {
-        if let Some(v) = value {
-            args.push(flag.into());
-            args.push(v.to_string().into());
-        }
-    }
-    if let Err(e) = launch_ranks(program, &args, world_size) {
-        return failed(Status::Error, format!("the ranks failed: {e}"));
-    }
-    let mut ranks = Vec::with_capacity(world_size);
-    for rank in 0..world_size {
-        let path = out.join(format!("rank{rank}.json"));
-        let figures = std::fs::read_to_string(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| serde_json::from_str::<RankFigures>(&text).map_err(|e| e.to_string()));
-        match figures {
-            Ok(f) => ranks.push(f),
-            Err(e) => {
-                return failed(
-                    Status::Error,
-                    format!("rank {rank}: no figures in {}: {e}", path.display()),
-                )
+}
+
+impl Ranks<'_> {
+    /// One case on the ranks: refused before they start when [`rank_config`] refuses
+    /// it, else their figures combined.
+    fn run_case(
+        &self,
+        model: &ModelSpec,
+        strategy: &StrategySpec,
+    ) -> Result<CaseResult, DistributedError> {
+        rank_config(model, strategy, self.world_size)?;
+        let out = self.dir.join(format!("case-{}", unique()));
+        std::fs::create_dir_all(&out).map_err(DistributedError::io(format!(
+            "cannot make {}",
+            out.display()
+        )))?;
+        let mut args = rank_args(self.suite_file, &model.name, &strategy.name, &out);
+        for (flag, value) in [
+            ("--warmup", self.settings.warmup),
+            ("--repeats", self.settings.repeats),
+            ("--threads", self.settings.threads),
+        ] {
+            if let Some(v) = value {
+                args.push(flag.into());
+                args.push(v.to_string().into());
             }
         }
+        launch_ranks(self.program, &args, self.world_size)?;
+        let ranks = (0..self.world_size)
+            .map(|rank| read_figures(&out, rank))
+            .collect::<Result<Vec<_>, _>>()?;
+        let _ = std::fs::remove_dir_all(&out);
+        if let Some(reason) = ranks.iter().find_map(|r| r.unavailable.clone()) {
+            return Err(RanksUnavailable::new(reason).into());
+        }
+        Ok(combine(&model.name, &strategy.name, &ranks))
     }
-    let _ = std::fs::remove_dir_all(&out);
-    if let Some(reason) = ranks.iter().find_map(|r| r.unavailable.clone()) {
-        return failed(Status::Unavailable, reason);
-    }
+}
+
+/// The figures rank `rank` wrote in `out`.
+fn read_figures(out: &Path, rank: usize) -> Result<RankFigures, DistributedError> {
+    let path = out.join(format!("rank{rank}.json"));
+    let figures = std::fs::read_to_string(&path)
+        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .and_then(|text| serde_json::from_str::<RankFigures>(&text).map_err(|e| e.into()));
+    figures.map_err(|source| DistributedError::Figures { rank, path, source })
+}
+
+/// The case's figures from its ranks': the largest over the ranks, and each step's
+/// time that of its slowest rank.
+fn combine(model: &str, strategy: &str, ranks: &[RankFigures]) -> CaseResult {
     let max = |f: fn(&RankFigures) -> u64| ranks.iter().map(f).max();
-    let mut case = failed(Status::Ok, String::new());
+    let max_some = |f: fn(&RankFigures) -> Option<u64>| ranks.iter().filter_map(f).max();
+    let mut case = CaseResult::failed(model, strategy, Status::Ok, String::new());
     case.error = None;
     case.start_bytes = max(|r| r.start_bytes);
     case.peak_bytes = max(|r| r.peak_bytes);
+    case.retained_after_forward_bytes = max(|r| r.retained_after_forward_bytes);
     case.gradient_bytes = max(|r| r.gradient_bytes);
     case.bytes_sent_per_step = max(|r| r.bytes_sent_per_step);
-    case.optimizer_state_bytes = ranks.iter().filter_map(|r| r.optimizer_state_bytes).max();
+    case.optimizer_state_bytes = max_some(|r| r.optimizer_state_bytes);
+    case.offloaded_bytes = max_some(|r| r.offloaded_bytes);
+    case.compressed_saved_bytes = max_some(|r| r.compressed_saved_bytes);
     // The slowest rank sets the pace of each step.
     let repeats = ranks
         .iter()
@@ -180,26 +375,31 @@ fn run_case(
 
 /// The program whose hidden `rank` subcommand runs one rank: `given`, or this
 /// process's executable (which must then be the `memsave` binary).
-pub(crate) fn rank_program(given: Option<&Path>) -> Result<PathBuf, String> {
+pub(crate) fn rank_program(given: Option<&Path>) -> Result<PathBuf, DistributedError> {
     match given {
         Some(p) => Ok(p.to_path_buf()),
-        None => std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}")),
+        None => std::env::current_exe()
+            .map_err(DistributedError::io("cannot find this executable".into())),
     }
 }
 
 /// A temporary directory holding the suite's YAML as `suite.yaml`, for its ranks to
 /// read (removed when the directory is dropped).
-pub(crate) fn suite_for_ranks(suite: &Suite) -> Result<(tempfile::TempDir, PathBuf), String> {
-    let source = suite.source.as_deref().ok_or(
-        "the suite was not parsed from YAML (Suite::from_yaml), so its ranks cannot read it",
-    )?;
+pub(crate) fn suite_for_ranks(
+    suite: &Suite,
+) -> Result<(tempfile::TempDir, PathBuf), DistributedError> {
+    let source = suite.source.as_deref().ok_or(DistributedError::NoSource)?;
     let dir = tempfile::Builder::new()
         .prefix("memsave-distributed-")
         .tempdir()
-        .map_err(|e| format!("cannot make a temporary directory: {e}"))?;
+        .map_err(DistributedError::io(
+            "cannot make a temporary directory".into(),
+        ))?;
     let suite_file = dir.path().join("suite.yaml");
-    std::fs::write(&suite_file, source)
-        .map_err(|e| format!("cannot write {}: {e}", suite_file.display()))?;
+    std::fs::write(&suite_file, source).map_err(DistributedError::io(format!(
+        "cannot write {}",
+        suite_file.display()
+    )))?;
     Ok((dir, suite_file))
 }
 
@@ -221,22 +421,20 @@ fn rank_args(suite_file: &Path, model: &str, strategy: &str, out: &Path) -> Vec<
 /// (at most ten minutes).
 ///
 /// A SIGINT, SIGTERM or SIGHUP while they run ends the ranks (the launcher passes it
-/// on) and then this process, with 128 + the signal's number as shells do: a run the
-/// user interrupted does not go on to its next case.
-fn launch_ranks(program: &Path, args: &[OsString], world_size: usize) -> Result<(), String> {
+/// on); the error then says so ([`DistributedError::interrupted_by`]), so that the
+/// caller ends too, with 128 + the signal's number as shells do: a run the user
+/// interrupted does not go on to its next case.
+fn launch_ranks(
+    program: &Path,
+    args: &[OsString],
+    world_size: usize,
+) -> Result<(), DistributedError> {
     let config = LaunchConfig {
         nproc_per_node: world_size,
         timeout: Some(Duration::from_secs(600)),
         ..Default::default()
     };
-    match memsave_dist::launch(&config, program.as_os_str(), args) {
-        Ok(()) => Ok(()),
-        Err(e @ memsave_dist::DistError::Interrupted { signal, .. }) => {
-            eprintln!("error: {e}");
-            std::process::exit(128 + signal)
-        }
-        Err(e) => Err(e.to_string()),
-    }
+    memsave_dist::launch(&config, program.as_os_str(), args).map_err(DistributedError::Launch)
 }
 
 fn unique() -> String {
@@ -287,7 +485,7 @@ pub struct RankTrace {
 /// Runs one case of `suite` as the rank the environment names (`RANK`, `WORLD_SIZE`,
 /// `MASTER_ADDR`, `MASTER_PORT`, set by the launcher) and writes its
 /// [`RankFigures`] to `rank{RANK}.json` in `args.out_dir`.
-pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), String> {
+pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), DistributedError> {
     memsave_meter::install();
     if let Some(n) = args.threads.or(suite.threads) {
         tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
@@ -296,78 +494,83 @@ pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), String> {
         timeout: Duration::from_secs(120),
         ..Default::default()
     };
-    let group = init_process_group(&options).map_err(|e| e.to_string())?;
+    let group = init_process_group(&options).map_err(DistributedError::Group)?;
     let (rank, world_size) = (group.rank(), group.world_size());
+    let unknown = |what, name: &str| DistributedError::Unknown {
+        what,
+        name: name.to_owned(),
+    };
     let model = suite
         .models
         .iter()
         .find(|m| m.name == args.model)
-        .ok_or_else(|| format!("no model '{}' in the suite", args.model))?;
+        .ok_or_else(|| unknown("model", &args.model))?;
     let strategy = suite
         .strategies
         .iter()
         .find(|s| s.name == args.strategy)
-        .ok_or_else(|| format!("no strategy '{}' in the suite", args.strategy))?;
+        .ok_or_else(|| unknown("strategy", &args.strategy))?;
     let warmup = args.warmup.unwrap_or(suite.warmup);
     let repeats = args.repeats.unwrap_or(suite.repeats).max(1);
     if let Some(request) = &args.trace {
-        return trace_rank(
-            &group,
-            suite.seed,
-            model,
-            strategy,
-            warmup,
-            request,
-            &args.out_dir,
-        );
+        let case = RankCase::build(&group, suite.seed, model, strategy)?;
+        return trace_rank(&group, case, warmup, request, &args.out_dir);
     }
-    let figures = match measure(&group, suite.seed, model, strategy, warmup, repeats) {
-        Ok(f) => f,
-        Err(Outcome::Unavailable(reason)) => RankFigures {
-            rank,
-            world_size,
-            unavailable: Some(reason),
-            start_bytes: 0,
-            peak_bytes: 0,
-            gradient_bytes: 0,
-            optimizer_state_bytes: None,
-            bytes_sent_per_step: 0,
-            step_times_s: Vec::new(),
-        },
-        Err(Outcome::Failed(error)) => return Err(error),
+    let figures = match RankCase::build(&group, suite.seed, model, strategy) {
+        Ok(case) => measure(&group, case, warmup, repeats)?,
+        Err(DistributedError::Unavailable(why)) => {
+            RankFigures::unavailable(rank, world_size, why.reason)
+        }
+        Err(e) => return Err(e),
     };
     let path = args.out_dir.join(format!("rank{rank}.json"));
-    let text = serde_json::to_string(&figures).map_err(|e| e.to_string())?;
-    std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))
+    let text = serde_json::to_string(&figures)?;
+    std::fs::write(&path, text).map_err(DistributedError::io(format!("writing {}", path.display())))
+}
+
+/// Tells a recording session the phases of a rank's step.
+struct Phases<'s>(&'s Session);
+
+impl StepObserver for Phases<'_> {
+    fn step_event(&self, event: StepEvent) {
+        match event {
+            StepEvent::Forward => self.0.phase(Phase::Forward),
+            StepEvent::ForwardDone => self.0.mark(crate::trace::END_OF_FORWARD),
+            StepEvent::Backward => {
+                self.0.phase(Phase::Backward);
+                self.0.mark("backward");
+            }
+            StepEvent::Optimizer => {
+                self.0.phase(Phase::Optimizer);
+                self.0.mark("optimizer");
+            }
+        }
+    }
 }
 
 /// The rank's side of `memsave trace` (see [`RankTrace`]).
 fn trace_rank(
     group: &ProcessGroup,
-    seed: u64,
-    spec: &ModelSpec,
-    strategy: &StrategySpec,
+    mut case: RankCase,
     warmup: usize,
     request: &RankTrace,
     out_dir: &Path,
-) -> Result<(), String> {
-    let outcome_text = |o: Outcome| match o {
-        Outcome::Unavailable(reason) | Outcome::Failed(reason) => reason,
-    };
-    let mut case = RankCase::build(group, seed, spec, strategy).map_err(outcome_text)?;
+) -> Result<(), DistributedError> {
     for _ in 0..warmup {
-        case.step(group, None).map_err(outcome_text)?;
+        case.step(&Unobserved)?;
     }
     if group.rank() != 0 {
-        return case.step(group, None).map(|_| ()).map_err(outcome_text);
+        case.step(&Unobserved)?;
+        return Ok(());
     }
     let state = case
         .optimizer
         .as_ref()
-        .map(|o| o.state_tensors())
+        .map(CaseOptimizer::state_tensors)
         .unwrap_or_default();
+    let params = case.model.parameters();
     let (step, trace) = Recorder::new(Device::Cpu)
-        .parameters(&case.params)
+        .parameters(&params)
         .inputs(&[case.local.input.shallow_clone()])
         .optimizer_state(&state)
         .record(|session| {
@@ -375,14 +578,18 @@ fn trace_rank(
             case.model
                 .ctx
                 .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
-            let step = case.step(group, Some(session));
+            let step = case.step(&Phases(session));
             case.model.ctx.set_block_observer(None);
+            if let Some(o) = &case.optimizer {
+                session.optimizer_state(&o.state_tensors());
+            }
+            session.phase(Phase::Other);
             step
-        })
-        .map_err(|e| e.to_string())?;
+        })?;
     let write = |name: &str, bytes: &[u8]| {
         let path = out_dir.join(name);
-        std::fs::write(&path, bytes).map_err(|e| format!("writing {}: {e}", path.display()))
+        std::fs::write(&path, bytes)
+            .map_err(DistributedError::io(format!("writing {}", path.display())))
     };
     write("trace-summary.txt", trace.summary(request.top).as_bytes())?;
     if request.html {
@@ -392,16 +599,13 @@ fn trace_rank(
         )?;
     }
     if request.snapshot {
-        write(
-            "trace.pickle",
-            &trace.to_snapshot_pickle().map_err(|e| e.to_string())?,
-        )?;
+        write("trace.pickle", &trace.to_snapshot_pickle()?)?;
     }
     if request.svg {
         write("trace.svg", trace.timeline_svg().as_bytes())?;
     }
     if let Err(e) = step {
-        write("trace-step-error.txt", outcome_text(e).as_bytes())?;
+        write("trace-step-error.txt", e.to_string().as_bytes())?;
     }
     Ok(())
 }
@@ -427,7 +631,8 @@ pub struct RanksTrace {
 /// `rank_program`, default this executable, which must be the `memsave` binary), as
 /// `memsave trace` does for a suite with `world_size`: rank 0's step is recorded after
 /// the suite's warm-up steps. A case the ranks cannot run (see
-/// [`crate::availability`]) is an error with the reason, found before any rank starts.
+/// [`crate::availability`]) is [`DistributedError::Unavailable`], found before any rank
+/// starts.
 pub fn trace_on_ranks(
     suite: &Suite,
     model: &ModelSpec,
@@ -435,12 +640,15 @@ pub fn trace_on_ranks(
     world_size: usize,
     request: &RankTrace,
     rank_program: Option<&Path>,
-) -> Result<RanksTrace, String> {
+) -> Result<RanksTrace, DistributedError> {
     rank_config(model, strategy, world_size)?;
     let program = self::rank_program(rank_program)?;
     let (dir, suite_file) = suite_for_ranks(suite)?;
     let out = dir.path().join("trace");
-    std::fs::create_dir_all(&out).map_err(|e| format!("cannot make {}: {e}", out.display()))?;
+    std::fs::create_dir_all(&out).map_err(DistributedError::io(format!(
+        "cannot make {}",
+        out.display()
+    )))?;
     let mut args = rank_args(&suite_file, &model.name, &strategy.name, &out);
     args.extend(["--trace-top".into(), request.top.to_string().into()]);
     args.extend(["--trace-title".into(), request.title.clone().into()]);
@@ -453,10 +661,13 @@ pub fn trace_on_ranks(
             args.push(flag.into());
         }
     }
-    launch_ranks(&program, &args, world_size).map_err(|e| format!("the ranks failed: {e}"))?;
-    let read = |name: &str| -> Result<Vec<u8>, String> {
+    launch_ranks(&program, &args, world_size)?;
+    let read = |name: &str| -> Result<Vec<u8>, DistributedError> {
         let path = out.join(name);
-        std::fs::read(&path).map_err(|e| format!("rank 0 wrote no {}: {e}", path.display()))
+        std::fs::read(&path).map_err(DistributedError::io(format!(
+            "rank 0 wrote no {}",
+            path.display()
+        )))
     };
     let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
     let step_error = out
@@ -480,85 +691,37 @@ pub fn trace_on_ranks(
     })
 }
 
-enum Outcome {
-    Unavailable(String),
-    Failed(String),
-}
-
-impl From<String> for Outcome {
-    fn from(e: String) -> Self {
-        Outcome::Failed(e)
-    }
-}
-
-fn failed(e: impl std::fmt::Display) -> Outcome {
-    Outcome::Failed(e.to_string())
-}
-
-/// The optimizer of a rank: a whole one (data parallel) or a ZeRO shard.
-trait RankOptimizer {
-    fn step(&mut self) -> Result<(), String>;
-    fn state_bytes(&self) -> u64;
-    fn state_tensors(&self) -> Vec<Tensor>;
-}
-
-impl<R: Rule> RankOptimizer for Optimizer<R> {
-    fn step(&mut self) -> Result<(), String> {
-        self.f_step().map_err(|e| e.to_string())?;
-        self.f_zero_grad(true).map_err(|e| e.to_string())
-    }
-    fn state_bytes(&self) -> u64 {
-        Optimizer::state_bytes(self)
-    }
-    fn state_tensors(&self) -> Vec<Tensor> {
-        Optimizer::state_tensors(self)
-    }
-}
-
-impl<R: Rule> RankOptimizer for ZeroOptimizer<R> {
-    fn step(&mut self) -> Result<(), String> {
-        self.f_step().map_err(|e| e.to_string())?;
-        self.f_zero_grad(true).map_err(|e| e.to_string())
-    }
-    fn state_bytes(&self) -> u64 {
-        ZeroOptimizer::state_bytes(self)
-    }
-    fn state_tensors(&self) -> Vec<Tensor> {
-        ZeroOptimizer::state_tensors(self)
-    }
-}
-
-/// Whether a technique can run on ranks, and why not.
-fn unsupported(technique: &Technique) -> Option<&'static str> {
+/// Techniques of the harness itself, which have no step to run on ranks, and why.
+fn harness_only(technique: &Technique) -> Option<&'static str> {
     match technique {
-        Technique::Autocast(_) => Some("autocast"),
-        Technique::GradScaler(_) => Some("grad_scaler"),
-        Technique::Compress(_) => Some("compress"),
-        Technique::Offload(_) => Some("offload"),
-        Technique::OffloadGrads => Some("offload_grads"),
-        Technique::AutoBatch(_) => Some("auto_batch"),
-        Technique::Fit(_) => Some("fit"),
+        Technique::AutoBatch(_) => Some("auto_batch is not supported with world_size: it searches for a batch that fits one process, by halving the batch on each out-of-memory error"),
+        Technique::Fit(_) => Some("fit is not supported with world_size: it plans and measures its candidates on one process"),
         _ => None,
     }
 }
 
-/// The step every rank of a case runs and its ZeRO stage, or why `strategy` cannot
-/// run on `model` over `world_size` ranks (the case is then `unavailable`). It reads
-/// only the suite, so `memsave check` and the parent of the ranks decide as the ranks do.
+/// The step every rank of a case runs and how the ranks share it, or why `strategy`
+/// cannot run on `model` over `world_size` ranks (the case is then `unavailable`). It
+/// reads only the suite, so `memsave check` and the parent of the ranks decide as the
+/// ranks do, before any rank starts.
 pub(crate) fn rank_config(
     model: &ModelSpec,
     strategy: &StrategySpec,
     world_size: usize,
-) -> Result<(StepConfig, Option<ZeroStage>), String> {
+) -> Result<(StepConfig, DataParallel), RanksUnavailable> {
     let n = world_size.max(1);
-    if let Some(name) = strategy.techniques.iter().find_map(unsupported) {
-        return Err(format!("{name} is not supported with world_size yet"));
+    if let Some(reason) = strategy.techniques.iter().find_map(harness_only) {
+        return Err(RanksUnavailable::new(reason));
     }
-    let zero = strategy.techniques.iter().find_map(|t| match t {
-        Technique::Zero(1) => Some(ZeroStage::One),
-        Technique::Zero(_) => Some(ZeroStage::Two),
-        _ => None,
-    });
+    let mode = strategy
+        .techniques
+        .iter()
+        .find_map(|t| match t {
+            Technique::Zero(1) => Some(DataParallel::Zero(ZeroStage::One)),
+            Technique::Zero(_) => Some(DataParallel::Zero(ZeroStage::Two)),
+            _ => None,
+        })
+        .unwrap_or(DataParallel::Ddp(DdpConfig::default()));
     let rest = StrategySpec {
         name: strategy.name.clone(),
         techniques: strategy
@@ -568,84 +731,70 @@ pub(crate) fn rank_config(
             .cloned()
             .collect(),
     };
-    let config = resolve(&rest)?;
-    crate::models::residual_available(model, config.residual)?;
-    if let Some(o) = config.optimizer {
-        if o.in_backward {
-            return Err("optimizer in_backward is not supported with world_size (each parameter's one post-accumulate-grad hook reduces its gradient)".into());
-        }
-    }
-    if zero.is_some() && config.optimizer.is_none() {
-        return Err("zero shards the optimizer's state: add an optimizer, e.g. with: [{zero: 2}, {optimizer: {kind: adamw}}]".into());
-    }
+    let config = resolve(&rest).map_err(RanksUnavailable::new)?;
+    crate::models::residual_available(model, config.residual).map_err(RanksUnavailable::new)?;
+    mode.check(&config).map_err(|e| match e {
+        StepError::InvalidConfig(reason) => RanksUnavailable::new(reason),
+        other => RanksUnavailable::new(other.to_string()),
+    })?;
     let global = model.batch.first().copied().unwrap_or(0);
     if global % n as i64 != 0 {
-        return Err(format!(
+        return Err(RanksUnavailable::new(format!(
             "the batch of {global} examples does not divide by world_size {n}"
-        ));
+        )));
     }
     let local_len = global / n as i64;
     let micro = config.micro_batches.unwrap_or(1) as i64;
     if local_len % micro != 0 {
-        return Err(format!(
+        return Err(RanksUnavailable::new(format!(
             "a rank's {local_len} examples do not divide into {micro} micro-batches"
-        ));
+        )));
     }
-    Ok((config, zero))
+    Ok((config, mode))
 }
 
+/// The case's warm-up and measured steps on this rank; the figures of the last.
 fn measure(
     group: &ProcessGroup,
-    seed: u64,
-    spec: &ModelSpec,
-    strategy: &StrategySpec,
+    mut case: RankCase,
     warmup: usize,
     repeats: usize,
-) -> Result<RankFigures, Outcome> {
-    let mut case = RankCase::build(group, seed, spec, strategy)?;
-    let mut last = None;
+) -> Result<RankFigures, DistributedError> {
+    let mut last: Option<StepMeasurement> = None;
     let mut times = Vec::with_capacity(repeats);
     for i in 0..warmup + repeats {
-        let step = case.step(group, None)?;
+        let step = case.step(&Unobserved)?;
         if i >= warmup {
             times.push(step.time_s);
             last = Some(step);
         }
     }
-    let last = last.ok_or_else(|| failed("no measured step"))?;
-    Ok(RankFigures {
-        rank: group.rank(),
-        world_size: group.world_size(),
-        unavailable: None,
-        start_bytes: last.start_bytes,
-        peak_bytes: last.peak_bytes,
-        gradient_bytes: last.gradient_bytes,
-        optimizer_state_bytes: case.optimizer.as_ref().map(|o| o.state_bytes()),
-        bytes_sent_per_step: last.bytes_sent,
-        step_times_s: times,
-    })
+    let mut figures = RankFigures::unavailable(group.rank(), group.world_size(), String::new());
+    figures.unavailable = None;
+    if let Some(last) = last {
+        figures.start_bytes = last.start_bytes;
+        figures.peak_bytes = last.peak_bytes;
+        figures.retained_after_forward_bytes = last.retained_after_forward_bytes;
+        figures.gradient_bytes = last.after_backward_bytes;
+        figures.bytes_sent_per_step = last.bytes_sent.unwrap_or(0);
+        figures.offloaded_bytes = last.offloaded_bytes;
+        figures.compressed_saved_bytes = last.compressed_saved_bytes;
+    }
+    figures.optimizer_state_bytes = case.optimizer.as_ref().map(CaseOptimizer::state_bytes);
+    figures.step_times_s = times;
+    Ok(figures)
 }
 
-/// One rank's side of a case, built: the model, the rank's share of the batch, data
-/// parallel or ZeRO, the optimizer (and the directory of its state on disk).
+/// One rank's side of a case, built: the model with its plan, the rank's share of the
+/// batch, the step's configuration, data parallel over the group, and the scaler and
+/// optimizer (whole, or this rank's ZeRO shard).
 struct RankCase {
     model: Model,
-    params: Vec<Tensor>,
     local: Batch,
-    micro: i64,
-    ddp: Option<DistributedDataParallel>,
-    // Dropped before the directory its state files are in.
-    optimizer: Option<Box<dyn RankOptimizer>>,
-    _state_dir: Option<tempfile::TempDir>,
-}
-
-/// What one step of a rank measured.
-struct RankStep {
-    start_bytes: u64,
-    peak_bytes: u64,
-    gradient_bytes: u64,
-    bytes_sent: u64,
-    time_s: f64,
+    config: StepConfig,
+    scaler: Option<GradScaler>,
+    optimizer: Option<CaseOptimizer>,
+    data_parallel: DataParallelHandle,
 }
 
 impl RankCase {
@@ -654,155 +803,54 @@ impl RankCase {
         seed: u64,
         spec: &ModelSpec,
         strategy: &StrategySpec,
-    ) -> Result<RankCase, Outcome> {
+    ) -> Result<RankCase, DistributedError> {
         let (rank, n) = (group.rank(), group.world_size());
-        let (config, zero) = rank_config(spec, strategy, n).map_err(Outcome::Unavailable)?;
+        let (config, mode) = rank_config(spec, strategy, n)?;
         let device = Device::Cpu;
         tch::manual_seed(seed as i64);
-        let mut model = Model::build(spec, device).map_err(failed)?;
+        let mut model = Model::build(spec, device)?;
         let global = model.global_batch();
         let local_len = global / n as i64;
-        let micro = config.micro_batches.unwrap_or(1) as i64;
-        let whole = model.batch(global).map_err(failed)?;
-        let local = whole
-            .f_narrow(rank as i64 * local_len, local_len)
-            .map_err(failed)?;
-        drop(whole);
-        apply_plan(&mut model, &local, &config, device).map_err(failed)?;
+        let local = model
+            .batch(global)?
+            .f_narrow(rank as i64 * local_len, local_len)?;
+        memsave_step::plan::apply_plan(&mut model, &local, &config, device)?;
         if !model.set_residual(config.residual) {
-            return Err(Outcome::Unavailable(format!(
+            return Err(RanksUnavailable::new(format!(
                 "the model has no residual blocks for {:?}",
                 config.residual
-            )));
+            ))
+            .into());
         }
         let params = model.parameters();
-        // Each rank is a process with a directory of its own: ranks never share the
-        // files of their state (ZeroOptimizer also keeps each rank in `rank-R` below
-        // a directory it is given).
-        let state_dir = match config.optimizer.map(|o| o.placement) {
-            Some(StatePlacement::Disk) => Some(
-                tempfile::Builder::new()
-                    .prefix(&format!("memsave-rank{rank}-optimizer-"))
-                    .tempdir()
-                    .map_err(|e| {
-                        failed(format!(
-                            "cannot make a directory for the optimizer state: {e}"
-                        ))
-                    })?,
-            ),
-            _ => None,
-        };
-        let options = |o: &OptimizerSpec| o.options(state_dir.as_ref().map(|d| d.path()));
-        let mut ddp = None;
-        let rule = config
+        let data_parallel = DataParallelHandle::new(group, mode, &params)?;
+        let optimizer = config
             .optimizer
-            .map(|o| o.rule().map(|rule| (o, rule)))
+            .map(|o| data_parallel.optimizer(&o, &params))
+            .transpose()?;
+        let scaler = config
+            .scaler
+            .map(GradScaler::new)
             .transpose()
-            .map_err(failed)?;
-        let optimizer: Option<Box<dyn RankOptimizer>> = match (rule, zero) {
-            (Some((o, rule)), Some(stage)) => Some(match rule {
-                OptimizerRule::AdamW(c) => Box::new(
-                    ZeroOptimizer::new(group, &params, c, options(&o), stage).map_err(failed)?,
-                ),
-                OptimizerRule::Sgd(c) => Box::new(
-                    ZeroOptimizer::new(group, &params, c, options(&o), stage).map_err(failed)?,
-                ),
-            }),
-            (o, _) => {
-                ddp = Some(
-                    DistributedDataParallel::new(group, &params, DdpConfig::default())
-                        .map_err(failed)?,
-                );
-                match o {
-                    Some((o, rule)) => Some(match rule {
-                        OptimizerRule::AdamW(c) => {
-                            Box::new(AdamW::with_options(&params, c, options(&o)).map_err(failed)?)
-                        }
-                        OptimizerRule::Sgd(c) => {
-                            Box::new(Sgd::with_options(&params, c, options(&o)).map_err(failed)?)
-                        }
-                    }),
-                    None => None,
-                }
-            }
-        };
+            .map_err(|e| StepError::lever("grad_scaler", e))?;
         Ok(RankCase {
             model,
-            params,
             local,
-            micro,
-            ddp,
+            config,
+            scaler,
             optimizer,
-            _state_dir: state_dir,
+            data_parallel,
         })
     }
 
-    /// One training step of the rank's share, its phases told to `session` when it is
-    /// recorded.
-    fn step(
-        &mut self,
-        group: &ProcessGroup,
-        session: Option<&Session>,
-    ) -> Result<RankStep, Outcome> {
-        let device = Device::Cpu;
-        let phase = |p: Phase| {
-            if let Some(s) = session {
-                s.phase(p);
-            }
-        };
-        let mark = |m: &str| {
-            if let Some(s) = session {
-                s.mark(m);
-            }
-        };
-        let per_micro = self.local.len() / self.micro;
-        let start = memory_allocated(device);
-        reset_peak_memory_stats(device);
-        let sent = group.bytes_sent();
-        let began = Instant::now();
-        for m in 0..self.micro {
-            let batch = self
-                .local
-                .f_narrow(m * per_micro, per_micro)
-                .map_err(failed)?;
-            phase(Phase::Forward);
-            let loss = micro_loss(&self.model, &batch, self.micro)?;
-            mark(crate::trace::END_OF_FORWARD);
-            phase(Phase::Backward);
-            mark("backward");
-            match &self.ddp {
-                Some(ddp) if m + 1 < self.micro => {
-                    ddp.no_sync(|| loss.f_backward()).map_err(failed)?
-                }
-                Some(ddp) => ddp.f_backward(&loss).map_err(failed)?,
-                None => loss.f_backward().map_err(failed)?,
-            }
-        }
-        let gradient_bytes = memory_allocated(device).saturating_sub(start);
-        phase(Phase::Optimizer);
-        mark("optimizer");
-        match self.optimizer.as_mut() {
-            Some(o) => o.step()?,
-            None => memsave_accum::free_grads(&self.params).map_err(failed)?,
-        }
-        if let (Some(s), Some(o)) = (session, self.optimizer.as_ref()) {
-            s.optimizer_state(&o.state_tensors());
-        }
-        phase(Phase::Other);
-        Ok(RankStep {
-            time_s: began.elapsed().as_secs_f64(),
-            peak_bytes: max_memory_allocated(device).saturating_sub(start),
-            start_bytes: start,
-            gradient_bytes,
-            bytes_sent: group.bytes_sent() - sent,
-        })
+    /// One step of the rank's share through memsave's step engine, told to
+    /// `observer`.
+    fn step(&mut self, observer: &dyn StepObserver) -> Result<StepMeasurement, StepError> {
+        StepRun::new(Device::Cpu)
+            .scaler(self.scaler.as_mut())
+            .optimizer(self.optimizer.as_mut())
+            .observer(observer)
+            .data_parallel(Some(&self.data_parallel))
+            .f_step(&self.model, &self.local, &self.config)
     }
-}
-
-/// The loss of one micro-batch, weighted so that the micro-batches add up to the mean
-/// over the rank's examples.
-fn micro_loss(model: &Model, batch: &Batch, micro: i64) -> Result<Tensor, Outcome> {
-    let out = model.layers().f_forward(&batch.input).map_err(failed)?;
-    let loss = model.loss(&out, batch.target.as_ref()).map_err(failed)?;
-    loss.f_div_scalar(micro as f64).map_err(failed)
 }

@@ -283,6 +283,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => match e.downcast::<Invalid>() {
+        // A signal ended a distributed case's ranks: end as the shells do.
+        Err(e) if interrupted_by(&e).is_some() => {
+            eprintln!("error: {}", memsave_bench::one_line(&format!("{e:#}")));
+            let signal = interrupted_by(&e).unwrap_or(0);
+            ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
+        }
             Ok(Invalid(e)) => {
                 for line in e.lines() {
                     eprintln!("error: {}", memsave_bench::one_line(line));
@@ -447,6 +453,14 @@ fn bench(args: BenchArgs) -> Result<()> {
 }
 
 /// `memsave rank`: one rank of a distributed case.
+/// The signal that interrupted the ranks of a distributed case, if that is why the
+/// command failed.
+fn interrupted_by(e: &anyhow::Error) -> Option<i32> {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<memsave_bench::distributed::DistributedError>())
+        .and_then(memsave_bench::distributed::DistributedError::interrupted_by)
+}
+
 fn rank(args: RankCli) -> Result<()> {
     let suite = Suite::from_file(&args.suite).map_err(invalid)?;
     let rank_args = memsave_bench::distributed::RankArgs {
@@ -466,7 +480,7 @@ fn rank(args: RankCli) -> Result<()> {
                 svg: args.trace_svg,
             }),
     };
-    memsave_bench::distributed::run_rank(&suite, &rank_args).map_err(anyhow::Error::msg)
+    Ok(memsave_bench::distributed::run_rank(&suite, &rank_args)?)
 }
 
 fn fit(args: FitArgs) -> Result<()> {
@@ -629,8 +643,7 @@ fn trace_on_ranks(suite: &Suite, args: &TraceArgs, world_size: usize) -> Result<
     };
     let traced = memsave_bench::distributed::trace_on_ranks(
         suite, model, strategy, world_size, &request, None,
-    )
-    .map_err(anyhow::Error::msg)?;
+    )?;
     println!("rank 0 of {world_size} (the suite's world_size):");
     print!("{}", traced.summary);
     for (path, bytes) in [

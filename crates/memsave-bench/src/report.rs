@@ -22,7 +22,7 @@
 //!   `optimizer:`, as `pytorch_suite.py` reports it), `null` when not measured.
 //!
 //! - per case `world_size`, `gradient_bytes` and `bytes_sent_per_step`, for a suite
-//!   with `world_size` (see [`crate::distributed`]); `null` otherwise. The CSV does not
+//!   with `world_size` (see the `distributed` module); `null` otherwise. The CSV does not
 //!   carry them.
 //!
 //! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new

@@ -70,9 +70,10 @@ pub enum RunError {
     /// The memory limit cannot be applied.
     #[error("cannot apply the memory limit: {0}")]
     MemoryLimit(String),
-    /// A distributed run (`world_size`) cannot start.
+    /// A distributed run (`world_size`) cannot start, or a signal interrupted it
+    /// (`DistributedError::interrupted_by`).
     #[error("distributed run: {0}")]
-    Distributed(String),
+    Distributed(#[from] crate::distributed::DistributedError),
 }
 
 /// The models and strategies a run will measure, in suite order.
@@ -133,7 +134,9 @@ pub fn availability(
         None => resolve(strategy)
             .and_then(|config| crate::models::residual_available(model, config.residual))
             .map_err(String::from),
-        Some(n) => crate::distributed::rank_config(model, strategy, n).map(|_| ()),
+        Some(n) => crate::distributed::rank_config(model, strategy, n)
+            .map(|_| ())
+            .map_err(|e| e.reason),
     }
 }
 
@@ -151,7 +154,19 @@ pub fn run_suite_with(
     memsave_meter::install();
     if let Some(n) = options.world_size.or(suite.world_size) {
         let device = resolve_device(suite.device)?;
-        let cases = crate::distributed::run_cases(suite, options, n, observer)?;
+        use crate::distributed::{run_cases, CaseEvent, RankSettings};
+        let settings = RankSettings {
+            warmup: options.warmup,
+            repeats: options.repeats,
+            threads: options.threads,
+            rank_program: options.rank_program.clone(),
+        };
+        let selected = selected_cases(suite, options);
+        let cases = run_cases(suite, &selected, &settings, n, &mut |event| match event {
+            CaseEvent::Started { total } => observer.started(total),
+            CaseEvent::CaseStarted { model, strategy } => observer.case_started(model, strategy),
+            CaseEvent::CaseFinished(case) => observer.case_finished(case),
+        })?;
         return Ok(report(suite, device, cases));
     }
     let device = resolve_device(suite.device)?;
