@@ -1,5 +1,6 @@
 //! The optimizer of a case (`optimizer:` technique): built once per case, stepped
-//! after backward or from inside it, and its state bytes reported.
+//! after backward or from inside it, and its state bytes reported; whole, or sharded
+//! over the ranks of a process group (ZeRO, [`CaseOptimizer::build_sharded`]).
 use crate::error::StepError;
 use crate::levers::{OptimizerRule, OptimizerSpec, StatePlacement};
 use memsave_amp::GradScaler;
@@ -141,7 +142,9 @@ impl<R: Rule> Stepper<R> {
 }
 
 /// A case's optimizer, with a temporary directory for `placement: disk` that lives as
-/// long as it does.
+/// long as it does: whole ([`build`](Self::build)), or this rank's ZeRO shard of it
+/// ([`build_sharded`](Self::build_sharded)), whose [`state_bytes`](Self::state_bytes)
+/// are the shard's.
 pub struct CaseOptimizer {
     stepper: Box<dyn Step>,
     _dir: Option<tempfile::TempDir>,
