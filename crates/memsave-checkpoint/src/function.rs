@@ -2,6 +2,7 @@
 use crate::error::Result;
 use crate::levers::Lever;
 use memsave_sys::checkpoint as raw;
+use memsave_sys::CallbackError;
 use std::fmt::Display;
 use std::sync::Arc;
 use tch::Tensor;
@@ -81,7 +82,7 @@ impl Checkpoint {
     {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
         let boxed: raw::CheckpointFn =
-            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
+            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| CallbackError::from(e.to_string())));
         Ok(raw::checkpoint(
             &inputs,
             self.preserve_rng,
@@ -104,7 +105,7 @@ impl Checkpoint {
     {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
         let boxed: raw::CheckpointFn =
-            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| e.to_string()));
+            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| CallbackError::from(e.to_string())));
         let frame = memsave_sys::hooks::push(Arc::new(store))?;
         let out =
             raw::checkpoint_packing_inputs(&inputs, self.preserve_rng, self.early_stop, boxed);

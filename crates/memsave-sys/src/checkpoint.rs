@@ -5,7 +5,7 @@
 //! each tensor autograd saves; the first handle unpacked in backward reruns the closure
 //! and hands the recomputed tensors to the original graph (PyTorch's non-reentrant
 //! scheme), so every autograd entry point works through a checkpoint.
-use crate::error::check;
+use crate::error::{callback_message, check, CallbackError};
 use crate::{ffi, Error, Result};
 use parking_lot::ReentrantMutex;
 use std::ffi::{c_void, CString};
@@ -14,12 +14,20 @@ use std::sync::Once;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-/// The closure a checkpoint owns: maps its inputs to its outputs, or says why not.
+/// The closure a checkpoint owns: maps its inputs to its outputs, or says why not
+/// with any error ([`CallbackError`]: `String`s, `&str`s and every
+/// `std::error::Error + Send + Sync` convert into it with `?` or `.into()`).
+///
+/// The error crosses libtorch as text only: the forward (or the backward whose
+/// recomputation failed) returns an [`Error`] whose message is
+/// [`callback_message`]'s one line, the error followed by the causes its text leaves
+/// out.
 ///
 /// `Fn`, not `FnMut`: a backward that runs inside the function (`autograd.grad` in a
 /// checkpointed function) can need the recomputation while the forward is still running
 /// it, so the closure is called again from within its own call on the same thread.
-pub type CheckpointFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String> + Send>;
+pub type CheckpointFn =
+    Box<dyn Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, CallbackError> + Send>;
 
 /// Calls from other threads (engine threads of other devices) take turns; calls from
 /// within a call on the same thread go through.
@@ -53,7 +61,9 @@ unsafe extern "C" fn run(
             .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
             .collect();
         let f = shared.lock();
-        f(&inputs)
+        // The error's text is made, and the error dropped, inside `catch_unwind`: its
+        // `Display` or `Drop` is the caller's code and may panic.
+        f(&inputs).map_err(|error| callback_message(&*error))
     }));
     match result {
         Ok(Ok(outputs)) => {

@@ -85,3 +85,47 @@ fn an_unpack_hook_s_typed_error_fails_backward_with_its_cause() {
         "{e}"
     );
 }
+
+#[test]
+#[parallel]
+fn a_checkpointed_function_s_typed_error_fails_the_forward_with_its_cause() {
+    let w = leaf();
+    let f: memsave_sys::checkpoint::CheckpointFn = Box::new(|_: &[Tensor]| {
+        Err(StoreFailed {
+            what: "reading the block's weights",
+            cause: std::io::Error::other("file removed"),
+        })?
+    });
+    let e = memsave_sys::checkpoint::checkpoint(&[w], true, true, f).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("reading the block's weights: file removed"),
+        "{e}"
+    );
+}
+
+/// An error whose text cannot be made: its `Display` panics.
+#[derive(Debug)]
+struct Unprintable;
+
+impl std::fmt::Display for Unprintable {
+    fn fmt(&self, _: &mut std::fmt::Formatter) -> std::fmt::Result {
+        panic!("this error cannot be printed")
+    }
+}
+
+impl std::error::Error for Unprintable {}
+
+#[test]
+#[parallel]
+fn a_checkpointed_function_s_error_that_panics_when_printed_is_a_panic_not_an_abort() {
+    let w = leaf();
+    let f: memsave_sys::checkpoint::CheckpointFn =
+        Box::new(|_: &[Tensor]| Err(Box::new(Unprintable) as CallbackError));
+    let e = memsave_sys::checkpoint::checkpoint(&[w], true, true, f).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("panicked: this error cannot be printed"),
+        "{e}"
+    );
+}
