@@ -3,7 +3,7 @@ use crate::codec::{Codec, Encoded};
 use crate::distinct::{distinct, Expanded};
 use crate::error::{HookError, PolicyError};
 use crate::policy::{KeptStats, SavePolicy, SavedInfo, Selector};
-use crate::saved_once::{Lookup, SavedOnce};
+use crate::saved_once::{Lookup, Region, SavedOnce, View};
 use crate::scope::SavedTensorHooks;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,14 +59,25 @@ use tch::{TchError, Tensor};
 /// broadcasting) is stored as the smaller one and expanded back in backward: a
 /// `[1, 1024]` row expanded to `[256, 1024]` stores 1,024 values, not 262,144.
 ///
-/// A tensor that several autograd nodes save (a ReLU saves its output, and the
-/// Linear after it saves the same tensor as its input, or a flattened view of it) is
-/// stored once while its stored form is alive: same storage, place, dtype and version,
-/// and same shape and strides or, both contiguous, the same elements in the same
-/// order. Storing it twice would hold more than the uncompressed tensor, which the
-/// forward's nodes shared. Trap: a write through `Tensor::data()` between the two
-/// saves does not bump the version autograd checks, so the second save shares the
-/// first's stored form (without hooks autograd would not notice such a write either).
+/// A tensor that several autograd nodes save is stored once while its stored form is
+/// alive, whatever layout each node saves it in: a ReLU saves its output and the
+/// Linear after it the same tensor (or a flattened view of it) as its input; an
+/// attention saves its output in its own strided layout and the output projection a
+/// contiguous view of the same memory. A later save shares the first one's form when
+/// it has the same storage, dtype and version and either the same place, shape and
+/// strides, or every element inside the memory the first one fills (a first save
+/// without gaps: contiguous, transposed, permuted); its unpack lays the first save's
+/// decoded values out as the memory held them and views them with its own sizes and
+/// strides, so both saves read the same numbers. Storing it twice would hold more than
+/// the uncompressed tensor, which the forward's nodes shared (a ViT's attention output
+/// was stored twice before). Traps: the first save decides the stored form. A
+/// normalization's input saved first by another op shares that op's form, stored
+/// relative to zero rather than centered; saved first by the normalization, the other
+/// op reads the centered form, which restores no value exactly, zero included (a sign
+/// or `x > 0` mask that op computes from it in backward may flip where the tensor is
+/// zero). A write through `Tensor::data()` between the two saves does not bump the
+/// version autograd checks, so the second save shares the first's stored form
+/// (without hooks autograd would not notice such a write either).
 ///
 /// Clones share their [`CompressStats`] and what they stored; read the stats on the
 /// original after the forward.
@@ -145,9 +156,9 @@ pub enum Compressed {
 #[derive(Debug, Clone)]
 pub struct SharedEncoded {
     inner: Arc<Inner>,
-    /// The sizes of this pack's tensor when another view of the same elements was
-    /// stored.
-    view: Option<Vec<i64>>,
+    /// This pack's tensor over the stored memory, when it is another view of it than
+    /// the tensor stored (other sizes, strides or place).
+    view: Option<View>,
 }
 
 #[derive(Debug)]
@@ -167,14 +178,15 @@ impl SharedEncoded {
         self.inner.encoded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The saved tensor rebuilt: decoded, expanded back if it was expanded, viewed
-    /// with this pack's sizes.
+    /// The saved tensor rebuilt: decoded and expanded back if it was expanded, or,
+    /// for another view of the memory stored, the decoded values laid out in that
+    /// memory's order and viewed with this pack's sizes and strides (the numbers of
+    /// the first save's decode, each where the memory held it).
     fn f_decode(&self) -> Result<Tensor, TchError> {
         let decoded = self.lock().f_decode()?;
-        let t = Expanded::restore(self.inner.expanded.as_ref(), decoded)?;
         match &self.view {
-            None => Ok(t),
-            Some(size) => t.f_reshape(size),
+            Some(view) => view.f_of(&view.region().f_from_values(&decoded)?),
+            None => Expanded::restore(self.inner.expanded.as_ref(), decoded),
         }
     }
 }
@@ -284,7 +296,7 @@ impl SavedTensorHooks for Compress {
         if decision.kept.is_some() {
             return kept();
         }
-        let lookup = self.stored.get_or_make(tensor, || {
+        let lookup = self.stored.get_or_make(tensor, Region::of(&base), || {
             let Some(e) =
                 self.codec
                     .f_encode_grouped(&base, &decision.groups, decision.centered)?

@@ -5,7 +5,7 @@ use super::{lock, WriteFailures};
 use crate::distinct::{distinct, Expanded};
 use crate::error::{HookError, OffloadError, PolicyError};
 use crate::policy::{KeptStats, SavePolicy, Selector};
-use crate::saved_once::{Lookup, SavedOnce};
+use crate::saved_once::{Lookup, Region, SavedOnce, View};
 use crate::scope::SavedTensorHooks;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -68,10 +68,18 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 20;
 ///   excluded; see [`SavePolicy`] for the rules and [`policy`](Self::policy) to
 ///   change them. So from the second step on, the bytes written per step are those
 ///   of the distinct tensors the step saves, less all of these.
-/// - **Written once.** A tensor that several autograd nodes save (a ReLU's output,
-///   saved by the ReLU and by the layer after it, or a flattened view of it) is
-///   written once while its file is alive, as [`Compress`](crate::Compress) stores it
-///   once; [`OffloadStats::shared`] counts the second saves.
+/// - **Written once.** A tensor that several autograd nodes save is written once
+///   while its file is alive, whatever layout each saves it in (a ReLU's output saved
+///   by the ReLU and, flattened, by the layer after it; an attention's output saved in
+///   its strided layout and, as a contiguous view, by the output projection), as
+///   [`Compress`](crate::Compress) stores it once: a save of the same storage, dtype
+///   and version whose elements all lie inside the memory an earlier save fills
+///   shares that save's file and gets its own view of it back, bitwise.
+///   [`OffloadStats::shared`] counts the second saves.
+/// - **No copy for other layouts.** A saved tensor that fills its memory without gaps
+///   (contiguous, transposed, permuted, channels-last) is written as that memory lies
+///   and comes back with its own strides; one with gaps (a slice of every other
+///   column) is written as a contiguous copy of its elements.
 ///
 /// Trap: a directory on a RAM-backed file system (`tmpfs`, often `/tmp`) only moves
 /// the bytes to another part of memory.
@@ -154,8 +162,12 @@ enum Job {
 struct Entry {
     id: u64,
     path: PathBuf,
-    /// The file's tensor: the saved tensor's distinct elements, contiguous.
+    /// The file's tensor: the memory the saved tensor's distinct elements fill, in
+    /// memory order, when they fill a span (`region`); else those elements,
+    /// contiguous.
     layout: Layout,
+    /// The span the file holds, to view it with the saved tensor's strides.
+    region: Option<Region>,
     /// The saved tensor's sizes when only its distinct elements were kept.
     expanded: Option<Expanded>,
     slot: Mutex<Slot>,
@@ -184,9 +196,9 @@ pub struct Offloaded(Packed);
 
 enum Packed {
     Kept(Tensor),
-    /// The entry, shared by the packs of one tensor saved twice, and this pack's sizes
-    /// when another view of the same elements was written.
-    Stored(Arc<Held>, Option<Vec<i64>>),
+    /// The entry, shared by the packs of one tensor saved twice, and this pack's view
+    /// of its memory when it is another view than the tensor written.
+    Stored(Arc<Held>, Option<View>),
 }
 
 /// An entry held by packs: when the last of them goes (autograd freed every save of
@@ -505,8 +517,9 @@ impl SavedTensorHooks for DiskOffload {
         if self.select.decide(tensor, bytes, saved_by)?.kept.is_some() {
             return Ok(Offloaded(Packed::Kept(tensor.shallow_clone())));
         }
-        let lookup = self.saved.get_or_make(tensor, || {
-            Ok(Some(Arc::new(Held(self.write(base, expanded)?))))
+        let region = Region::of(&base);
+        let lookup = self.saved.get_or_make(tensor, region.clone(), || {
+            Ok(Some(Arc::new(Held(self.write(base, region, expanded)?))))
         })?;
         Ok(Offloaded(match lookup {
             Lookup::Made(held) => Packed::Stored(held, None),
@@ -523,11 +536,13 @@ impl SavedTensorHooks for DiskOffload {
             Packed::Kept(t) => Ok(t.shallow_clone()),
             Packed::Stored(held, view) => {
                 let entry = &held.0;
-                let base = self.unpack_stored(entry)?;
-                let t = Expanded::restore(entry.expanded.as_ref(), base)?;
-                Ok(match view {
-                    None => t,
-                    Some(size) => t.f_reshape(size)?,
+                let stored = self.unpack_stored(entry)?;
+                Ok(match (view, &entry.region) {
+                    (Some(view), _) => view.f_of(&stored)?,
+                    (None, Some(region)) => {
+                        Expanded::restore(entry.expanded.as_ref(), region.f_view_of(&stored)?)?
+                    }
+                    (None, None) => Expanded::restore(entry.expanded.as_ref(), stored)?,
                 })
             }
         }
@@ -537,12 +552,17 @@ impl SavedTensorHooks for DiskOffload {
 impl DiskOffload {
     /// A new entry for `base` (a saved tensor's distinct elements), queued for the
     /// writer once at most `max_in_flight_bytes` wait (written before this returns
-    /// when synchronous).
-    fn write(&self, base: Tensor, expanded: Option<Expanded>) -> Result<Arc<Entry>, HookError> {
-        let tensor = if base.is_contiguous() {
-            base.detach()
-        } else {
-            base.f_contiguous()?.detach()
+    /// when synchronous). A base that fills `region` is written as that memory, as it
+    /// lies (no copy, whatever its strides); another one as a contiguous copy.
+    fn write(
+        &self,
+        base: Tensor,
+        region: Option<Region>,
+        expanded: Option<Expanded>,
+    ) -> Result<Arc<Entry>, HookError> {
+        let tensor = match &region {
+            Some(region) => region.f_memory(&base)?.detach(),
+            None => base.f_contiguous()?.detach(),
         };
         let layout = Layout::of(&tensor);
         let shared = &self.store.shared;
@@ -551,6 +571,7 @@ impl DiskOffload {
             id,
             path: shared.dir.path().join(format!("{id}.bin")),
             layout,
+            region,
             expanded,
             slot: Mutex::new(Slot::Queued(tensor.shallow_clone())),
             shared: Arc::clone(shared),
