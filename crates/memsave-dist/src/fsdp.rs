@@ -630,6 +630,23 @@ impl Shared {
         self.free(unit)
     }
 
+    /// Drops every parameter's and shard's gradient and every gathered weight, and
+    /// forgets the current backward's progress (before loading a checkpoint).
+    pub(crate) fn drop_gradients_and_weights(&mut self) -> Result<()> {
+        for unit in 0..self.units.len() {
+            let u = &mut self.units[unit];
+            for p in &u.params {
+                memsave_sys::tensor::set_grad_none(p)?;
+            }
+            memsave_sys::tensor::set_grad_none(&u.shard)?;
+            u.ready.iter_mut().for_each(|r| *r = false);
+            u.owed = false;
+            self.free(unit)?;
+        }
+        self.held_after_forward.clear();
+        Ok(())
+    }
+
     /// The unit whose gathered buffer holds the memory at `ptr`, and the value offset.
     fn locate(&self, ptr: usize) -> Option<(usize, i64)> {
         self.units.iter().enumerate().find_map(|(index, u)| {

@@ -45,6 +45,7 @@ mod fsdp;
 mod group;
 pub mod launch;
 mod ready;
+mod sharded_checkpoint;
 mod zero;
 
 pub use ddp::{DdpConfig, DistributedDataParallel};

@@ -23,8 +23,8 @@ const STEPS: usize = 20;
 const BATCH: i64 = 24;
 /// Widths of the 8 layers' inputs and outputs: units of 96, 221, 224, 187, 192, 153,
 /// 160 and 51 values, 1,284 in all (odd sizes, so that 2 and 4 ranks pad).
-const DIMS: [i64; 9] = [5, 16, 13, 16, 11, 16, 9, 16, 3];
-const CONFIG: AdamWConfig = AdamWConfig {
+pub(crate) const DIMS: [i64; 9] = [5, 16, 13, 16, 11, 16, 9, 16, 3];
+pub(crate) const CONFIG: AdamWConfig = AdamWConfig {
     lr: 1e-2,
     betas: (0.9, 0.999),
     eps: 1e-8,
@@ -37,14 +37,19 @@ fn unit_values(i: usize) -> u64 {
 }
 
 fn layers() -> (nn::VarStore, Vec<nn::Linear>) {
-    tch::manual_seed(1);
+    layers_of(&DIMS, 1)
+}
+
+/// Linear layers of the given widths, initialized from `seed`.
+pub(crate) fn layers_of(dims: &[i64], seed: i64) -> (nn::VarStore, Vec<nn::Linear>) {
+    tch::manual_seed(seed);
     let vs = nn::VarStore::new(Device::Cpu);
-    let layers = (0..8)
+    let layers = (0..dims.len() - 1)
         .map(|i| {
             nn::linear(
                 vs.root() / format!("l{i}"),
-                DIMS[i],
-                DIMS[i + 1],
+                dims[i],
+                dims[i + 1],
                 Default::default(),
             )
         })
@@ -60,7 +65,7 @@ fn data() -> (Tensor, Tensor) {
 }
 
 /// Layer `i`'s forward: linear, then tanh except after the last.
-fn layer_forward(lin: &nn::Linear, i: usize, x: &Tensor) -> Tensor {
+pub(crate) fn layer_forward(lin: &nn::Linear, i: usize, x: &Tensor) -> Tensor {
     let y = lin.forward(x);
     if i < 7 {
         y.tanh()
@@ -69,7 +74,7 @@ fn layer_forward(lin: &nn::Linear, i: usize, x: &Tensor) -> Tensor {
     }
 }
 
-fn flat(params: &[Tensor]) -> Vec<f32> {
+pub(crate) fn flat(params: &[Tensor]) -> Vec<f32> {
     params
         .iter()
         .flat_map(|p| Vec::<f32>::try_from(p.detach().reshape([-1])).expect("f32 values"))
@@ -157,7 +162,7 @@ fn name(setup: Setup) -> String {
 }
 
 /// The model as fully sharded units: each layer one unit.
-fn sharded(fsdp: &mut Fsdp, layers: Vec<nn::Linear>) -> Vec<Arc<Mutex<FsdpUnit>>> {
+pub(crate) fn sharded(fsdp: &mut Fsdp, layers: Vec<nn::Linear>) -> Vec<Arc<Mutex<FsdpUnit>>> {
     layers
         .into_iter()
         .enumerate()
@@ -196,7 +201,7 @@ fn forward(units: &[Arc<Mutex<FsdpUnit>>], x: &Tensor, setup: Setup) -> Tensor {
     h
 }
 
-fn units_forward(unit: &Arc<Mutex<FsdpUnit>>, x: &Tensor) -> Tensor {
+pub(crate) fn units_forward(unit: &Arc<Mutex<FsdpUnit>>, x: &Tensor) -> Tensor {
     unit.lock().unwrap().forward_t(x, true)
 }
 

@@ -8,6 +8,7 @@
 mod common;
 mod errors;
 mod fsdp;
+mod fsdp_checkpoint;
 mod launch;
 mod parity;
 mod zero_disk;
