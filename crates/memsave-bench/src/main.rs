@@ -143,7 +143,8 @@ struct BenchArgs {
     /// run only when the filter names them, e.g. --filter seed-full.
     #[arg(long, value_name = "REGEX")]
     filter: Option<regex::Regex>,
-    /// Measured repeats per case instead of the suite's.
+    /// Timed steps per case instead of the suite's `repeats`: the number of rounds,
+    /// each timing every strategy of a model once (distributed cases: back to back).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     repeats: Option<u64>,
     /// Warm-up steps per case instead of the suite's.
@@ -770,6 +771,8 @@ struct Progress {
     bar: Option<ProgressBar>,
     done: usize,
     total: usize,
+    /// The model and timed round last shown.
+    round: Option<(String, usize)>,
 }
 
 impl Progress {
@@ -778,6 +781,7 @@ impl Progress {
             bar: None,
             done: 0,
             total: 0,
+            round: None,
         }
     }
 
@@ -804,6 +808,22 @@ impl Observer for Progress {
     fn case_started(&mut self, model: &str, strategy: &str) {
         if let Some(bar) = &self.bar {
             bar.set_message(format!("{model} / {strategy}"));
+        }
+    }
+
+    fn timed_step(&mut self, model: &str, _strategy: &str, round: usize, rounds: usize) {
+        if self
+            .round
+            .as_ref()
+            .is_some_and(|(m, r)| m == model && *r == round)
+        {
+            return;
+        }
+        self.round = Some((model.to_owned(), round));
+        let text = format!("{model}: timed round {}/{rounds}", round + 1);
+        match &self.bar {
+            Some(bar) => bar.set_message(text),
+            None => eprintln!("{text}"),
         }
     }
 

@@ -24,12 +24,15 @@
 //! - per case `world_size`, `gradient_bytes` and `bytes_sent_per_step`, for a suite
 //!   with `world_size` (see the `distributed` module); `null` otherwise. The CSV does not
 //!   carry them.
+//! - per case `rounds`: how many interleaved rounds `step_time_s` is over (see
+//!   [`CaseResult::rounds`]); `null` where the times are back-to-back repeats (a
+//!   distributed case) or the file predates the field.
 //!
 //! [`Report::from_json`] also reads version 1 (`pytorch_suite.py`'s output): the new
 //! fields then take their defaults (`schema_version` 1, the flags false).
 //!
 //! The CSV has the same columns as before, plus `grad_diverged`, `has_baseline`,
-//! `peak_phase` and `optimizer_state_bytes` at the end.
+//! `peak_phase`, `optimizer_state_bytes` and `rounds` at the end.
 use memsave_meter::Bytes;
 pub use memsave_step::{PeakPhase, TraceEntry};
 use serde::{Deserialize, Serialize};
@@ -81,7 +84,8 @@ impl Status {
     }
 }
 
-/// Minimum, median and maximum over the measured repeats, in seconds.
+/// Minimum, median and maximum over the timed steps, in seconds (one per round, see
+/// [`CaseResult::rounds`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepTime {
     /// Fastest repeat.
@@ -122,7 +126,7 @@ pub struct CaseResult {
     /// Allocated right after the forward minus `start_bytes` (the largest over
     /// micro-batches).
     pub retained_after_forward_bytes: Option<u64>,
-    /// Step time over the repeats.
+    /// Step time over the timed steps (`repeats` of them: one per round).
     pub step_time_s: Option<StepTime>,
     /// True when the strategy applies no memory-saving technique: the model's
     /// reference of ratios and gradient differences.
@@ -139,22 +143,22 @@ pub struct CaseResult {
     /// (`grad_max_abs_diff` is then `None`).
     #[serde(default)]
     pub grad_diverged: bool,
-    /// Per-block memory of the last measured forward.
+    /// Per-block memory of the measured step's forward.
     pub trace: Vec<TraceEntry>,
-    /// The phase of the last measured step during which the allocation reached its
+    /// The phase of the measured step during which the allocation reached its
     /// peak: with every-layer checkpointing it is usually backward's end, among the
     /// gradients (where stepping in backward helps); without, backward's start.
     #[serde(default)]
     pub peak_phase: Option<PeakPhase>,
-    /// Bytes of optimizer state held after the last measured step, for a strategy
+    /// Bytes of optimizer state held after the measured step, for a strategy
     /// with `optimizer:`.
     #[serde(default)]
     pub optimizer_state_bytes: Option<u64>,
     /// Bytes written to the offload store (or copied to host memory) by an `offload`
-    /// strategy in the last measured step.
+    /// strategy in the measured step.
     #[serde(default)]
     pub offloaded_bytes: Option<u64>,
-    /// Bytes saved by a `compress` strategy's codec in the last measured step
+    /// Bytes saved by a `compress` strategy's codec in the measured step
     /// (original minus stored, scales included).
     #[serde(default)]
     pub compressed_saved_bytes: Option<u64>,
@@ -188,6 +192,14 @@ pub struct CaseResult {
     /// listed below the table.
     #[serde(default)]
     pub choice: Option<String>,
+    /// How many rounds `step_time_s` was timed in: in each round every strategy of the
+    /// model that was measured ran one timed step, in suite order, the order reversed
+    /// every other round, so that a machine whose speed drifts over seconds slows all
+    /// of them alike and the ratios to the baseline compare like with like. `None`
+    /// where the timed steps ran back to back (a distributed case, whose ranks run in
+    /// processes of their own) or the report predates the field.
+    #[serde(default)]
+    pub rounds: Option<usize>,
 }
 
 impl CaseResult {
@@ -218,6 +230,7 @@ impl CaseResult {
             global_batch: None,
             tries: None,
             choice: None,
+            rounds: None,
         }
     }
 
@@ -264,7 +277,7 @@ impl Report {
             "model,strategy,status,error,start_bytes,peak_bytes,retained_after_forward_bytes,\
              step_time_min_s,step_time_median_s,step_time_max_s,grad_max_abs_diff,\
              peak_vs_baseline,time_vs_baseline,grad_diverged,has_baseline,peak_phase,\
-             optimizer_state_bytes\n",
+             optimizer_state_bytes,rounds\n",
         );
         for case in &self.cases {
             let (peak_ratio, time_ratio) = self.ratios(case);
@@ -287,6 +300,7 @@ impl Report {
                 case.has_baseline.to_string(),
                 opt(case.peak_phase.map(PeakPhase::as_str)),
                 opt(case.optimizer_state_bytes),
+                opt(case.rounds),
             ];
             out.push_str(&fields.join(","));
             out.push('\n');
@@ -310,8 +324,46 @@ impl Report {
         (peak, time)
     }
 
-    /// The terminal table: human sizes, ratios to the baseline, status, and the
-    /// errors below it.
+    /// How the step times of the table were taken, for the line below it: the number
+    /// of interleaved rounds (per number, the models it applies to when they differ),
+    /// and which cases' repeats ran back to back. `None` without a timed case.
+    pub fn rounds_line(&self) -> Option<String> {
+        let timed = || self.cases.iter().filter(|c| c.step_time_s.is_some());
+        let mut counts: Vec<usize> = timed().filter_map(|c| c.rounds).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        let back_to_back = timed().any(|c| c.rounds.is_none());
+        let mut parts = Vec::new();
+        for &n in &counts {
+            let mut models: Vec<&str> = timed()
+                .filter(|c| c.rounds == Some(n))
+                .map(|c| c.model.as_str())
+                .collect();
+            models.dedup();
+            let rounds = if n == 1 { "round" } else { "rounds" };
+            parts.push(if counts.len() == 1 {
+                format!("the median of {n} {rounds}")
+            } else {
+                format!("the median of {n} {rounds} ({})", models.join(", "))
+            });
+        }
+        if back_to_back {
+            parts.push("back-to-back repeats for the cases timed without rounds (distributed: their ranks run in processes of their own)".to_owned());
+        }
+        if parts.is_empty() {
+            return None;
+        }
+        let how = if counts.is_empty() {
+            String::new()
+        } else {
+            "; each round times every strategy of a model once, in suite order, reversed every other round".to_owned()
+        };
+        Some(format!("time: {}{how}", parts.join("; ")))
+    }
+
+    /// The terminal table: human sizes, ratios to the baseline, status, then a line
+    /// saying how many rounds the times are the median of ([`rounds_line`](Self::rounds_line))
+    /// and the errors below it.
     pub fn to_table(&self) -> String {
         let header = [
             "model",
@@ -396,6 +448,9 @@ impl Report {
         line(&mut out, header.to_vec());
         for row in &rows {
             line(&mut out, row.iter().map(String::as_str).collect());
+        }
+        if let Some(rounds) = self.rounds_line() {
+            let _ = writeln!(out, "{rounds}");
         }
         if self.cases.iter().any(|c| c.world_size.is_some()) {
             distributed_table(&mut out, &self.cases);
@@ -549,6 +604,51 @@ mod tests {
         assert_eq!(v2["schema_version"], 2);
         assert!(v2.get("libtorch").is_none());
         assert_eq!(v2["libtorch_version"], "2.13.0");
+    }
+
+    #[test]
+    fn the_table_says_how_many_rounds_the_times_are_over() {
+        let timed = |model: &str, rounds: Option<usize>| {
+            let mut case = CaseResult::failed(model, "s", Status::Ok, String::new());
+            case.step_time_s = StepTime::from_times(vec![1.0]);
+            case.rounds = rounds;
+            case
+        };
+        let mut report = Report {
+            schema_version: SCHEMA_VERSION,
+            suite: "x".into(),
+            device: "cpu".into(),
+            libtorch_version: "2.13.0".into(),
+            threads: 2,
+            cases: vec![timed("a", Some(3)), timed("b", Some(3))],
+        };
+        let line = "time: the median of 3 rounds; each round times every strategy of a model once, in suite order, reversed every other round";
+        assert_eq!(report.rounds_line().as_deref(), Some(line));
+        assert!(report.to_table().contains(line));
+        // Untimed cases (failed) say nothing; distributed cases ran back to back.
+        report
+            .cases
+            .push(CaseResult::failed("c", "s", Status::Error, "e".into()));
+        assert_eq!(report.rounds_line().as_deref(), Some(line));
+        report.cases.push(timed("d", None));
+        let mixed = report.rounds_line().unwrap();
+        assert!(mixed.starts_with("time: the median of 3 rounds; back-to-back repeats for the cases timed without rounds"), "{mixed}");
+        report.cases = vec![timed("a", Some(1)), timed("b", Some(2))];
+        assert!(report
+            .rounds_line()
+            .unwrap()
+            .starts_with("time: the median of 1 round (a); the median of 2 rounds (b);"));
+        report.cases.clear();
+        assert_eq!(report.rounds_line(), None);
+        // An older report's cases read as timed without rounds.
+        let old: CaseResult = serde_json::from_str(
+            r#"{"model": "m", "strategy": "s", "status": "ok",
+            "error": null, "start_bytes": 1, "peak_bytes": 2, "retained_after_forward_bytes": 3,
+            "step_time_s": {"min": 1.0, "median": 1.0, "max": 1.0}, "grad_max_abs_diff": null,
+            "trace": []}"#,
+        )
+        .unwrap();
+        assert_eq!(old.rounds, None);
     }
 
     #[test]

@@ -2,6 +2,53 @@
 //! (errors and panics are recorded and the suite goes on), with the suite's threads
 //! and simulated memory limit in force only while it runs.
 //!
+//! One model at a time, in two passes over its strategies:
+//! 1. **Memory**, one case after another: each case's setup (its plan, `fit` or
+//!    `auto_batch` search, optimizer and scaler), its warm-up steps and one measured
+//!    step, which gives every byte figure, the trace and the gradients compared with
+//!    the baseline's. Nothing of another case is alive then, so the figures are exact
+//!    and the same as when each case ran all its steps back to back.
+//! 2. **Time**, in rounds: each case measured in pass 1 runs `repeats` timed steps,
+//!    one per round; a round steps every such strategy of the model once, in suite
+//!    order, the next round in reverse order. This machine's speed drifts over
+//!    seconds, and other processes come and go: timing a strategy's steps back to back
+//!    would put one moment's speed on one strategy, and its ratio to the baseline
+//!    would depend on where the suite lists it. In rounds every strategy samples the
+//!    same moments. [`CaseResult::rounds`] records the number.
+//!
+//! Before the first step the C allocator is settled
+//! ([`memsave_meter::settle_c_allocator`], as `memsave fit` does): otherwise the
+//! first steps of a process are timed under page faults that later ones do not pay.
+//!
+//! What the rounds cost, and where they differ from a case run on its own:
+//! - each case runs its warm-up and memory step in pass 1, then `repeats` timed steps
+//!   (the memory step, which records the trace, is not timed); with `warmup: 0` and
+//!   more than one repeat, pass 1 runs one step before the memory step, so that its
+//!   figures are a steady step's (an optimizer's state exists at its start), as they
+//!   were when the last of the back-to-back repeats measured them;
+//! - each case's state lives through all rounds of its model: its optimizer (and its
+//!   state), its scaler, its batch and its checkpoint schedule. A strategy with an
+//!   optimizer or a scaler starts the rounds with a fresh one and `warmup` untimed
+//!   steps of its own (pass 1's were dropped, so as not to count in the next case's
+//!   memory);
+//! - except an optimizer stepping in backward (`in_backward`): it holds a hook on
+//!   every parameter (libtorch keeps one per tensor), which would step it on the other
+//!   cases' gradients, so it is built, warmed up and dropped around its timed step in
+//!   every round: its timed step is always its optimizer's first after the warm-up;
+//! - the suite's simulated `memory_limit` (and an `auto_batch` budget's limit) is not
+//!   in force during the rounds, where several cases' optimizer states are alive at
+//!   once; a limit the caller set stays in force;
+//! - the model's weights are put back after every step of a strategy with an
+//!   optimizer, so that every strategy steps the weights the suite built;
+//! - a `checkpoint: {budget, offload/compress}` strategy's stores cannot be taken back
+//!   from the layers, so it is planned again (profiled and solved, then given its
+//!   schedule from pass 1) whenever another such strategy stepped since its last step;
+//! - a case whose timed step fails is reported as an error (its memory figures
+//!   dropped);
+//! - distributed cases (`world_size`, [`crate::distributed`]) run in processes of
+//!   their own: their steps are timed back to back, with no rounds and no settling
+//!   of the C allocator.
+//!
 //! A panic inside a case is caught and recorded, but Rust's panic hook still runs
 //! first and prints it to stderr; a binary that wants a quiet terminal installs its
 //! own hook (the `memsave` binary does). The library keeps no global or thread-local
@@ -11,17 +58,17 @@ use crate::models::Model;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
-use crate::strategies::{resolve, ResidualUpdate, StepConfig};
+use crate::strategies::{resolve, PlanChoice, ResidualUpdate, StepConfig};
 use crate::suite::{
     AutoBatchSpec, DeviceChoice, FitSpec, ModelSpec, StrategySpec, Suite, Technique,
 };
 use memsave_amp::GradScaler;
-use memsave_checkpoint::Plan;
+use memsave_checkpoint::{Plan, Schedule};
 pub use memsave_step::plan::apply_plan;
 use memsave_step::{Batch, Workload};
 use regex::Regex;
 use std::panic::{self, AssertUnwindSafe};
-use tch::Device;
+use tch::{Device, Tensor};
 
 /// Overrides of the suite's settings, and which cases to run.
 #[derive(Debug, Clone, Default)]
@@ -30,7 +77,8 @@ pub struct RunOptions {
     /// only when the filter names it (its text contains the model's name), so that
     /// `--filter seed-full` opts in and `--filter baseline` does not.
     pub filter: Option<Regex>,
-    /// Measured repeats per case instead of the suite's.
+    /// Timed steps per case instead of the suite's `repeats`: the number of rounds
+    /// (see the [module](self) documentation).
     pub repeats: Option<usize>,
     /// Warm-up steps instead of the suite's.
     pub warmup: Option<usize>,
@@ -51,8 +99,12 @@ pub trait Observer {
     fn started(&mut self, _total: usize) {}
     /// A case begins.
     fn case_started(&mut self, _model: &str, _strategy: &str) {}
-    /// A case ended (in any status).
+    /// A case ended (in any status). A case measured in the first pass ends when its
+    /// model's timed rounds have ended, so every case of a model may end at once.
     fn case_finished(&mut self, _case: &CaseResult) {}
+    /// A timed step of `model` under `strategy` is about to run: round `round` (from
+    /// 0) of `rounds`. Not called for distributed cases.
+    fn timed_step(&mut self, _model: &str, _strategy: &str, _round: usize, _rounds: usize) {}
 }
 
 /// An observer that ignores everything.
@@ -176,58 +228,52 @@ pub fn run_suite_with(
     let limit = options
         .memory_limit
         .or(suite.memory_limit.as_ref().map(|s| s.bytes));
-    let _limit = LimitGuard::set(device, limit)?;
+    let limit = SuiteLimit::new(device, limit)?;
     let settings = Settings {
         device,
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
-        memory_limit: limit,
+        memory_limit: limit.bytes,
     };
+    memsave_meter::settle_c_allocator();
     let selected = selected_cases(suite, options);
-    let jobs = schedule(&selected);
-    observer.started(jobs.len());
-    let mut results: Vec<Option<CaseResult>> = vec![None; jobs.len()];
-    // The current model, its input and its baseline gradients.
-    type Built = (Model, Batch, Option<Vec<Vec<f32>>>);
-    let mut current: Option<(usize, Result<Built, String>)> = None;
-    for job in &jobs {
-        let spec = selected[job.model].0;
-        if current.as_ref().map(|c| c.0) != Some(job.model) {
-            drop(current.take()); // free the previous model before building the next
-            let built = build_bundled(spec, &settings).map(|(m, x)| (m, x, None));
-            current = Some((job.model, built));
-        }
-        observer.case_started(&spec.name, &job.strategy.name);
-        let mut case = match current.as_mut().map(|c| &mut c.1) {
-            Some(Ok((model, x, reference))) => {
-                let mut bench = Workbench {
-                    model,
-                    x: x.shallow_clone(),
-                    reference: reference.take(),
-                };
-                let case = run_case(&mut bench, job.strategy, &settings);
-                *reference = bench.reference;
-                case
-            }
-            Some(Err(error)) => CaseResult::failed(
-                &spec.name,
-                &job.strategy.name,
-                Status::Error,
-                format!("building the model failed: {error}"),
-            ),
-            None => unreachable!("a model is built before its cases"),
+    observer.started(selected.iter().map(|(_, s)| s.len()).sum());
+    let mut cases = Vec::new();
+    for (spec, strategies) in &selected {
+        let built = {
+            let _limit = limit.hold();
+            build_bundled(spec, &settings)
         };
-        case.is_baseline = job.strategy.is_baseline();
-        observer.case_finished(&case);
-        results[job.position] = Some(case);
+        match built {
+            // The model lives for its cases only: it is freed before the next is built.
+            Ok((mut model, x)) => {
+                let mut bench = Workbench {
+                    model: &mut model,
+                    x,
+                    reference: None,
+                };
+                cases.extend(run_model(
+                    &mut bench, strategies, &settings, &limit, observer,
+                ));
+            }
+            Err(error) => {
+                for strategy in strategies {
+                    observer.case_started(&spec.name, &strategy.name);
+                    let mut case = CaseResult::failed(
+                        &spec.name,
+                        &strategy.name,
+                        Status::Error,
+                        format!("building the model failed: {error}"),
+                    );
+                    case.is_baseline = strategy.is_baseline();
+                    observer.case_finished(&case);
+                    cases.push(case);
+                }
+            }
+        }
     }
-    drop(current);
-    Ok(report(
-        suite,
-        device,
-        results.into_iter().flatten().collect(),
-    ))
+    Ok(report(suite, device, cases))
 }
 
 pub(crate) fn report(suite: &Suite, device: Device, cases: Vec<CaseResult>) -> Report {
@@ -333,14 +379,15 @@ pub fn run_workload(
     let limit = options
         .memory_limit
         .or(suite.memory_limit.as_ref().map(|s| s.bytes));
-    let _limit = LimitGuard::set(device, limit)?;
+    let limit = SuiteLimit::new(device, limit)?;
     let settings = Settings {
         device,
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
-        memory_limit: limit,
+        memory_limit: limit.bytes,
     };
+    memsave_meter::settle_c_allocator();
     let name = workload.name().to_owned();
     let strategies: Vec<&StrategySpec> = suite
         .strategies
@@ -350,42 +397,35 @@ pub fn run_workload(
             None => true,
         })
         .collect();
-    let x = isolated(|| {
-        workload
-            .batch(workload.global_batch())
-            .map_err(|e| e.to_string())
-    });
-    let mut cases = Vec::with_capacity(strategies.len());
-    // Strategies that write into their input run last, as in `run_suite`.
-    let mut order: Vec<usize> = (0..strategies.len()).collect();
-    order.sort_by_key(|&i| resolve(strategies[i]).is_ok_and(|c| c.residual.writes_input()));
-    let mut results: Vec<Option<CaseResult>> = vec![None; strategies.len()];
-    let mut bench = match x {
-        Ok(x) => Some(Workbench {
-            model: workload,
-            x,
-            reference: None,
-        }),
-        Err(error) => {
-            for (i, s) in strategies.iter().enumerate() {
-                results[i] = Some(CaseResult::failed(
+    let x = {
+        let _limit = limit.hold();
+        isolated(|| {
+            workload
+                .batch(workload.global_batch())
+                .map_err(|e| e.to_string())
+        })
+    };
+    let cases = match x {
+        Ok(x) => {
+            let mut bench = Workbench {
+                model: workload,
+                x,
+                reference: None,
+            };
+            run_model(&mut bench, &strategies, &settings, &limit, &mut Silent)
+        }
+        Err(error) => strategies
+            .iter()
+            .map(|s| {
+                CaseResult::failed(
                     &name,
                     &s.name,
                     Status::Error,
                     format!("making the input batch failed: {error}"),
-                ));
-            }
-            None
-        }
+                )
+            })
+            .collect(),
     };
-    if let Some(bench) = bench.as_mut() {
-        for i in order {
-            let mut case = run_case(bench, strategies[i], &settings);
-            case.is_baseline = strategies[i].is_baseline();
-            results[i] = Some(case);
-        }
-    }
-    cases.extend(results.into_iter().flatten());
     Ok(report(suite, device, cases))
 }
 
@@ -431,35 +471,39 @@ impl LimitGuard {
     }
 }
 
-/// One case to run: which selected model, which strategy, and where its result goes.
-struct Job<'s> {
-    model: usize,
-    strategy: &'s StrategySpec,
-    position: usize,
+/// The suite's simulated memory limit: in force while a model is built and its cases
+/// measured, not while their steps are timed in rounds (see the module documentation).
+pub(crate) struct SuiteLimit {
+    device: Device,
+    bytes: Option<u64>,
 }
 
-/// The order cases run in: suite order, except that strategies writing into their
-/// input (`inplace_add`, `add_out`) run after all others. `x += f(x)` on a tensor saved
-/// for backward makes a reference cycle inside libtorch's autograd graph (through the
-/// view the matmul saved and the `grad_fn` the failed backward regenerates for it),
-/// so its tensor is never freed; running those cases last keeps every other case's
-/// `start_bytes` at parameters plus input. Results are reported in suite order.
-fn schedule<'s>(selected: &[(&'s ModelSpec, Vec<&'s StrategySpec>)]) -> Vec<Job<'s>> {
-    let mut jobs = Vec::new();
-    let mut position = 0;
-    for (model, (_, strategies)) in selected.iter().enumerate() {
-        for strategy in strategies {
-            jobs.push(Job {
-                model,
-                strategy,
-                position,
-            });
-            position += 1;
-        }
+impl SuiteLimit {
+    /// The limit `bytes` on `device`, once applied and lifted to check that it can be.
+    fn new(device: Device, bytes: Option<u64>) -> Result<Self, RunError> {
+        drop(LimitGuard::set(device, bytes)?);
+        Ok(Self { device, bytes })
     }
+
+    /// Puts the limit in force until the guard is dropped.
+    fn hold(&self) -> Option<memsave_meter::MemoryLimitGuard> {
+        // Cannot fail: `new` applied the same limit on the same device.
+        LimitGuard::set(self.device, self.bytes).ok().flatten()
+    }
+}
+
+/// The order a model's cases are measured in (positions in `strategies`): suite
+/// order, except that strategies writing into their input (`inplace_add`, `add_out`)
+/// run after all others. `x += f(x)` on a tensor saved for backward makes a reference
+/// cycle inside libtorch's autograd graph (through the view the matmul saved and the
+/// `grad_fn` the failed backward regenerates for it), so its tensor is never freed;
+/// measuring those cases last keeps every other case's `start_bytes` at parameters
+/// plus input. Results are reported, and timed rounds run, in suite order.
+fn run_order(strategies: &[&StrategySpec]) -> Vec<usize> {
     let writes_input = |s: &StrategySpec| resolve(s).is_ok_and(|c| c.residual.writes_input());
-    jobs.sort_by_key(|j| writes_input(j.strategy)); // stable: suite order otherwise
-    jobs
+    let mut order: Vec<usize> = (0..strategies.len()).collect();
+    order.sort_by_key(|&i| writes_input(strategies[i])); // stable: suite order otherwise
+    order
 }
 
 /// A model, its input, and the baseline gradients its cases are compared with.
@@ -479,7 +523,85 @@ fn build_bundled(spec: &ModelSpec, settings: &Settings) -> Result<(Model, Batch)
     })
 }
 
-fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Settings) -> CaseResult {
+/// Runs `strategies` (one model's, in suite order) on `bench`: first each case's
+/// setup, warm-up and memory step, one case after another in [`run_order`], under
+/// the suite's limit; then the timed steps of those measured, in rounds
+/// ([`time_in_rounds`]). Returns the results in suite order.
+fn run_model(
+    bench: &mut Workbench<'_>,
+    strategies: &[&StrategySpec],
+    settings: &Settings,
+    limit: &SuiteLimit,
+    observer: &mut dyn Observer,
+) -> Vec<CaseResult> {
+    let name = bench.model.name().to_owned();
+    let mut results: Vec<Option<CaseResult>> = vec![None; strategies.len()];
+    let mut measured = Vec::new();
+    {
+        let _limit = limit.hold();
+        for i in run_order(strategies) {
+            let strategy = strategies[i];
+            observer.case_started(&name, &strategy.name);
+            match run_case(bench, strategy, settings) {
+                FirstPass::Measured(case, timing) => measured.push(Measured {
+                    index: i,
+                    case,
+                    timing: *timing,
+                }),
+                FirstPass::Done(mut case) => {
+                    case.is_baseline = strategy.is_baseline();
+                    observer.case_finished(&case);
+                    results[i] = Some(case);
+                }
+            }
+        }
+    }
+    measured.sort_by_key(|m| m.index);
+    time_in_rounds(
+        &mut *bench.model,
+        strategies,
+        &mut measured,
+        settings,
+        observer,
+    );
+    for m in measured {
+        let mut case = m.case;
+        case.is_baseline = strategies[m.index].is_baseline();
+        observer.case_finished(&case);
+        results[m.index] = Some(case);
+    }
+    results.into_iter().flatten().collect()
+}
+
+/// A case measured in the first pass, waiting for its timed rounds.
+struct Measured {
+    /// Its strategy's position in the model's strategies.
+    index: usize,
+    /// Every figure but the time.
+    case: CaseResult,
+    timing: Timing,
+}
+
+/// What a case's timed steps need: its step, its batch (a halved one under
+/// `auto_batch`) and the schedule its setup left on the layers (fixed, solved from a
+/// budget, or `fit`'s choice), put back before each of its steps.
+struct Timing {
+    config: StepConfig,
+    x: Batch,
+    schedule: Schedule,
+}
+
+/// How the first pass of a case ended.
+enum FirstPass {
+    /// Measured; waits for its timed rounds.
+    Measured(CaseResult, Box<Timing>),
+    /// Did not run, or failed: final.
+    Done(CaseResult),
+}
+
+/// Sets up and measures one case (see [`measure_case`]) and leaves the model as the
+/// next case expects it.
+fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Settings) -> FirstPass {
     let Workbench {
         model,
         x,
@@ -492,12 +614,17 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
     let config = match resolve(strategy) {
         Ok(config) => config,
         Err(reason) => {
-            return CaseResult::failed(&name, &strategy.name, Status::Unavailable, reason.into())
+            return FirstPass::Done(CaseResult::failed(
+                &name,
+                &strategy.name,
+                Status::Unavailable,
+                reason.into(),
+            ))
         }
     };
     if !model.set_residual(config.residual) {
         model.set_residual(ResidualUpdate::Add);
-        return CaseResult::failed(
+        return FirstPass::Done(CaseResult::failed(
             &name,
             &strategy.name,
             Status::Unavailable,
@@ -505,7 +632,7 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
                 "the model '{name}' has no residual blocks to apply {:?} to (the workload's set_residual declined it)",
                 config.residual
             ),
-        );
+        ));
     }
     let outcome = isolated(|| measure_case(model, x, strategy, &config, settings, reference));
     // Leave the model as the next case expects it, whatever happened.
@@ -514,15 +641,27 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
     let _ = model.layers_mut().set_plan(Plan::None);
     let _ = memsave_accum::free_grads(&model.parameters());
     match outcome {
-        Ok(case) => CaseResult {
-            model: name,
-            strategy: strategy.name.clone(),
-            ..case
-        },
-        Err(error) => CaseResult::failed(&name, &strategy.name, Status::Error, error),
+        Ok((case, timing)) => FirstPass::Measured(
+            CaseResult {
+                model: name,
+                strategy: strategy.name.clone(),
+                ..case
+            },
+            Box::new(timing),
+        ),
+        Err(error) => FirstPass::Done(CaseResult::failed(
+            &name,
+            &strategy.name,
+            Status::Error,
+            error,
+        )),
     }
 }
 
+/// The first pass of one case: its setup (plan, search), its warm-up steps and the
+/// one step its memory figures, trace and gradients come from; the time is left to
+/// the rounds. The optimizer, the scaler and the weights the optimizer changed do not
+/// outlive it.
 fn measure_case(
     model: &mut dyn Workload,
     x: &Batch,
@@ -530,7 +669,7 @@ fn measure_case(
     config: &StepConfig,
     settings: &Settings,
     reference: &mut Option<Vec<Vec<f32>>>,
-) -> Result<CaseResult, String> {
+) -> Result<(CaseResult, Timing), String> {
     let device = settings.device;
     let mut config = config.clone();
     let config = &mut config;
@@ -593,7 +732,15 @@ fn measure_case(
         .map(|spec| CaseOptimizer::build(&spec, &model.parameters()))
         .transpose()
         .map_err(|e| e.to_string())?;
-    for _ in 0..settings.warmup {
+    // The memory step follows the warm-up, or, without one, a first step when more
+    // than one step is timed: its figures are a steady step's (an optimizer's state
+    // exists at its start), as they were when the last of the repeats measured them.
+    let before = if settings.warmup == 0 && settings.repeats > 1 {
+        1
+    } else {
+        settings.warmup
+    };
+    for _ in 0..before {
         f_step_with(
             model,
             x,
@@ -605,24 +752,21 @@ fn measure_case(
         )
         .map_err(|e| e.to_string())?;
     }
-    let mut times = Vec::with_capacity(settings.repeats);
-    let mut last = None;
-    for i in 0..settings.repeats {
-        let record_trace = i + 1 == settings.repeats;
-        let m = f_step_with(
-            model,
-            x,
-            config,
-            device,
-            record_trace,
-            scaler.as_mut(),
-            optimizer.as_mut(),
-        )
-        .map_err(|e| e.to_string())?;
-        times.push(m.time_s);
-        last = Some(m);
-    }
-    let last = last.ok_or("no measured repeat")?;
+    let last = f_step_with(
+        model,
+        x,
+        config,
+        device,
+        true,
+        scaler.as_mut(),
+        optimizer.as_mut(),
+    )
+    .map_err(|e| e.to_string())?;
+    let timing = Timing {
+        config: config.clone(),
+        x: x.shallow_clone(),
+        schedule: model.layers().schedule().clone(),
+    };
     let grads = f_grads(&model.parameters()).map_err(|e| e.to_string())?;
     let mut case = CaseResult {
         model: String::new(),
@@ -632,7 +776,7 @@ fn measure_case(
         start_bytes: Some(last.start_bytes),
         peak_bytes: Some(last.peak_bytes),
         retained_after_forward_bytes: Some(last.retained_after_forward_bytes),
-        step_time_s: StepTime::from_times(times),
+        step_time_s: None,
         is_baseline: false,
         has_baseline: false,
         grad_max_abs_diff: None,
@@ -649,6 +793,7 @@ fn measure_case(
         global_batch: Some(x.len()),
         tries,
         choice,
+        rounds: None,
     };
     if optimizer.is_some() {
         // The step freed the gradients: nothing to compare.
@@ -665,7 +810,218 @@ fn measure_case(
             case.grad_rel_l2 = Some(rel_l2_diff(&grads, r)).filter(|d| d.is_finite());
         }
     }
-    Ok(case)
+    Ok((case, timing))
+}
+
+/// The second pass: times `cases` (the cases of one model measured in the first pass,
+/// in suite order; `strategies` are the model's) in `settings.repeats` rounds, each
+/// stepping every case once, forwards in even rounds and backwards in odd ones (see
+/// the module documentation). Cases with an optimizer or a scaler first get a fresh
+/// one and `settings.warmup` untimed steps, in the same alternating order, and keep
+/// it through the rounds; except an optimizer stepping in backward, which holds a hook
+/// on every parameter (libtorch keeps one per tensor, and alive during another case's
+/// step it would step on that case's gradients): it gets a fresh one, and its warm-up
+/// steps, in each round, and is dropped right after its timed step. Sets each case's
+/// `step_time_s` and `rounds`, or turns it into an error when a step fails.
+fn time_in_rounds(
+    model: &mut dyn Workload,
+    strategies: &[&StrategySpec],
+    cases: &mut [Measured],
+    settings: &Settings,
+    observer: &mut dyn Observer,
+) {
+    if cases.is_empty() {
+        return;
+    }
+    let name = model.name().to_owned();
+    let n = cases.len();
+    let _stream = crate::models::RandomStreamGuard::save();
+    let params = model.parameters();
+    let mut failed: Vec<Option<String>> = vec![None; n];
+    let per_round: Vec<bool> = cases
+        .iter()
+        .map(|c| c.timing.config.optimizer.is_some_and(|o| o.in_backward))
+        .collect();
+    let mut states: Vec<CaseState> = Vec::with_capacity(n);
+    for ((c, failure), &per_round) in cases.iter().zip(failed.iter_mut()).zip(&per_round) {
+        if per_round {
+            states.push(CaseState::default());
+            continue;
+        }
+        states.push(
+            CaseState::build(&c.timing.config, &params).unwrap_or_else(|e| {
+                *failure = Some(format!("before the timed rounds: {e}"));
+                CaseState::default()
+            }),
+        );
+    }
+    let weights = if cases.iter().any(|c| c.timing.config.optimizer.is_some()) {
+        match SavedWeights::save(&params) {
+            Ok(w) => Some(RestoreOnDrop(w)),
+            Err(e) => {
+                for (c, failure) in cases.iter().zip(failed.iter_mut()) {
+                    if c.timing.config.optimizer.is_some() {
+                        *failure = Some(format!("before the timed rounds: {e}"));
+                    }
+                }
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let order = |round: usize| -> Vec<usize> {
+        if round % 2 == 0 {
+            (0..n).collect()
+        } else {
+            (0..n).rev().collect()
+        }
+    };
+    let mut levers = None;
+    let mut step = |k: usize, timing: &Timing, state: &mut CaseState| {
+        timed_step(
+            model,
+            k,
+            timing,
+            state,
+            &mut levers,
+            weights.as_ref().map(|w| &w.0),
+            settings.device,
+        )
+    };
+    for round in 0..settings.warmup {
+        for k in order(round) {
+            if failed[k].is_none() && states[k].changes_per_step() {
+                if let Err(e) = step(k, &cases[k].timing, &mut states[k]) {
+                    failed[k] = Some(format!("warm-up before the timed rounds: {e}"));
+                }
+            }
+        }
+    }
+    let mut times = vec![Vec::with_capacity(settings.repeats); n];
+    for round in 0..settings.repeats {
+        for k in order(round) {
+            if failed[k].is_some() {
+                continue;
+            }
+            let timing = &cases[k].timing;
+            let strategy = &strategies[cases[k].index].name;
+            let mut ready = Ok(());
+            if per_round[k] {
+                ready = CaseState::build(&timing.config, &params).map(|s| states[k] = s);
+                for _ in 0..settings.warmup {
+                    ready = ready.and_then(|()| step(k, timing, &mut states[k]).map(drop));
+                }
+            }
+            let outcome = ready.and_then(|()| {
+                observer.timed_step(&name, strategy, round, settings.repeats);
+                step(k, timing, &mut states[k])
+            });
+            if per_round[k] {
+                // Its hooks go with it.
+                states[k] = CaseState::default();
+            }
+            match outcome {
+                Ok(seconds) => times[k].push(seconds),
+                Err(e) => failed[k] = Some(format!("timed round {}: {e}", round + 1)),
+            }
+        }
+    }
+    // Leave the model as the suite built it.
+    drop(states);
+    drop(weights);
+    model.set_residual(ResidualUpdate::Add);
+    let _ = model.layers_mut().set_plan(Plan::None);
+    let _ = memsave_accum::free_grads(&params);
+    for ((c, failure), times) in cases.iter_mut().zip(failed).zip(times) {
+        match failure {
+            Some(error) => {
+                c.case = CaseResult::failed(&c.case.model, &c.case.strategy, Status::Error, error)
+            }
+            None => {
+                c.case.step_time_s = StepTime::from_times(times);
+                c.case.rounds = Some(settings.repeats);
+            }
+        }
+    }
+}
+
+/// A case's training state through the timed rounds: its own scaler and optimizer,
+/// kept from step to step as a training loop keeps them.
+#[derive(Default)]
+struct CaseState {
+    scaler: Option<GradScaler>,
+    optimizer: Option<CaseOptimizer>,
+}
+
+impl CaseState {
+    fn build(config: &StepConfig, params: &[Tensor]) -> Result<Self, String> {
+        Ok(Self {
+            scaler: config
+                .scaler
+                .map(GradScaler::new)
+                .transpose()
+                .map_err(|e| e.to_string())?,
+            optimizer: config
+                .optimizer
+                .map(|spec| CaseOptimizer::build(&spec, params))
+                .transpose()
+                .map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Whether a step changes the state (so it needs warm-up steps of its own).
+    fn changes_per_step(&self) -> bool {
+        self.scaler.is_some() || self.optimizer.is_some()
+    }
+}
+
+/// One step of case `k` in the rounds: puts the case's residual update and schedule
+/// on the model (planning a `checkpoint` strategy with stores again when `levers`, the
+/// case whose stores the layers hold, is another), steps, then puts back `weights`
+/// after an optimizer's step and frees the gradients. Returns the step's time.
+fn timed_step(
+    model: &mut dyn Workload,
+    k: usize,
+    timing: &Timing,
+    state: &mut CaseState,
+    levers: &mut Option<usize>,
+    weights: Option<&SavedWeights>,
+    device: Device,
+) -> Result<f64, String> {
+    isolated(|| {
+        let config = &timing.config;
+        if !model.set_residual(config.residual) {
+            return Err(format!(
+                "the workload declined its residual update {:?}",
+                config.residual
+            ));
+        }
+        if matches!(config.plan, PlanChoice::BudgetWithLevers { .. }) && *levers != Some(k) {
+            *levers = None;
+            apply_plan(model, &timing.x, config, device).map_err(|e| e.to_string())?;
+            *levers = Some(k);
+        }
+        model
+            .layers_mut()
+            .set_schedule(timing.schedule.clone())
+            .map_err(|e| e.to_string())?;
+        let m = f_step_with(
+            model,
+            &timing.x,
+            config,
+            device,
+            false,
+            state.scaler.as_mut(),
+            state.optimizer.as_mut(),
+        )
+        .map_err(|e| e.to_string());
+        if let (Some(_), Some(weights)) = (&state.optimizer, weights) {
+            weights.restore().map_err(|e| e.to_string())?;
+        }
+        let _ = memsave_accum::free_grads(&model.parameters());
+        Ok(m?.time_s)
+    })
 }
 
 /// How a strategy searches for a configuration that fits.

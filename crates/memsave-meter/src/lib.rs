@@ -31,6 +31,10 @@
 //! assert_eq!(m.end_bytes, m.start_bytes);
 //! ```
 //!
+//! Timing on the CPU: call [`settle_c_allocator`] once before the first timed step,
+//! so that glibc's `malloc` does not time the first steps under page faults the later
+//! ones do not pay.
+//!
 //! Like tch, every fallible call has an `f_` form that returns a [`Result`]
 //! ([`f_measure`], [`f_detect_leak`], [`f_memory_allocated`], ...); the short name
 //! panics with the error's message. No reading is ever made up: a device that cannot
@@ -38,6 +42,7 @@
 #![forbid(unsafe_code)]
 
 mod bytes;
+mod c_allocator;
 mod leak;
 mod limit;
 mod scope;
@@ -45,6 +50,7 @@ mod stats;
 mod summary;
 
 pub use bytes::{format_bytes, Bytes, ParseBytesError};
+pub use c_allocator::settle_c_allocator;
 pub use leak::{detect_leak, f_detect_leak, LeakReport};
 pub use limit::MemoryLimitGuard;
 pub use scope::{f_measure, measure, Mark, Marks, Measurement};
