@@ -253,6 +253,7 @@ impl Fsdp {
     ) -> Result<FsdpUnit> {
         let rank = self.group.rank();
         let unit = self.state().units.len();
+        self.check_distinct(unit, params)?;
         for (index, p) in params.iter().enumerate() {
             if p.kind() != Kind::Float
                 || p.device() != Device::Cpu
@@ -270,7 +271,6 @@ impl Fsdp {
                 });
             }
         }
-        self.check_distinct(unit, params)?;
         same_shapes_everywhere(&self.group, params).map_err(|e| match e {
             DistError::Mismatch {
                 rank,
@@ -343,29 +343,25 @@ impl Fsdp {
         })
     }
 
-    /// Refuses a parameter given twice, or already in a unit.
+    /// Refuses a parameter given twice, or already in a unit (then it reads from the
+    /// placeholder).
     fn check_distinct(&self, unit: usize, params: &[Tensor]) -> Result<()> {
-        let state = self.state();
-        let taken: Vec<(usize, &Tensor)> = state
-            .units
-            .iter()
-            .enumerate()
-            .flat_map(|(u, x)| x.params.iter().map(move |p| (u, p)))
-            .collect();
+        let placeholder = self.state().placeholder.data_ptr();
         for (index, p) in params.iter().enumerate() {
-            let same = |q: &Tensor| q.data_ptr() == p.data_ptr();
-            let reason = if let Some(&(u, _)) = taken.iter().find(|(_, q)| same(q)) {
-                Some(format!("is already in unit {u}"))
+            let reason = if p.data_ptr() == placeholder {
+                Some("is already in a unit of this Fsdp".to_owned())
             } else {
                 params[..index]
                     .iter()
-                    .position(same)
+                    .position(|q| q.data_ptr() == p.data_ptr())
                     .map(|first| format!("is the same tensor as parameter {first}"))
             };
             if let Some(reason) = reason {
                 return Err(DistError::Config {
                     rank: self.group.rank(),
-                    reason: format!("unit {unit}, parameter {index} {reason}; each parameter belongs to one unit, once"),
+                    reason: format!(
+                        "unit {unit}, parameter {index} {reason}; each parameter belongs to one unit, once"
+                    ),
                 });
             }
         }

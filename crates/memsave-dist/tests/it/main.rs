@@ -9,6 +9,7 @@ mod common;
 mod errors;
 mod fsdp;
 mod fsdp_checkpoint;
+mod fsdp_errors;
 mod launch;
 mod parity;
 mod zero_disk;
