@@ -1,28 +1,28 @@
-//! The levers a training step can pull, as the harness's suites and `fit` name them:
-//! the optimizer stepped inside the step (`memsave-optim`), and what the saved-tensor
-//! hooks do with saved activations (`memsave-hooks`).
+//! The levers a training step can pull: the optimizer stepped inside the step
+//! (`memsave-optim`), and what the saved-tensor hooks do with saved activations
+//! (`memsave-hooks`).
+//!
+//! Plain Rust values: reading them from a file is the caller's business (the harness,
+//! `memsave-bench`, parses its YAML suites into them and checks each key there).
 use memsave_optim::{AdamWConfig, OptimError, Options, Placement, Rule, SgdConfig, State};
-use serde::Deserialize;
 use std::path::Path;
 
 /// The update rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
-    /// `memsave_optim::AdamW`: two moments per parameter. Defaults `lr: 1e-3`,
-    /// `betas: (0.9, 0.999)`, `eps: 1e-8`, `weight_decay: 1e-2` (PyTorch's).
+    /// `memsave_optim::AdamW`: two moments per parameter. Defaults `lr = 1e-3`,
+    /// `betas = (0.9, 0.999)`, `eps = 1e-8`, `weight_decay = 1e-2` (PyTorch's).
     #[default]
     Adamw,
-    /// `memsave_optim::Sgd`. Defaults `lr: 1e-3` (the value the harness always used;
-    /// PyTorch's SGD required an lr until it took this default), `momentum: 0`,
-    /// `weight_decay: 0`. Without momentum it keeps no state at all; with
+    /// `memsave_optim::Sgd`. Defaults `lr = 1e-3` (the value the harness always used;
+    /// PyTorch's SGD required an lr until it took this default), `momentum = 0`,
+    /// `weight_decay = 0`. Without momentum it keeps no state at all; with
     /// `momentum > 0`, one momentum buffer per parameter (dampening 0, no Nesterov).
     Sgd,
 }
 
 /// The precision of the optimizer's state buffers (`memsave_optim::State`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StatePrecision {
     /// 4 bytes per value.
     #[default]
@@ -34,58 +34,48 @@ pub enum StatePrecision {
 }
 
 /// Where the state lives between steps (`memsave_optim::Placement`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StatePlacement {
     /// On the parameters' device.
     #[default]
     Device,
-    /// In host memory (the same as `device` on the CPU).
+    /// In host memory (the same as [`Device`](Self::Device) on the CPU).
     Cpu,
     /// In files of a temporary directory made for the case.
     Disk,
 }
 
-/// What an `optimizer:` entry asks for; every key is optional.
+/// Which optimizer a step runs, with which hyperparameters, state precision and
+/// placement; `OptimizerSpec::default()` is AdamW with every default.
 ///
 /// The hyperparameters are `None` when not given, which means the kind's default (see
 /// [`OptimizerKind`]); [`rule`](Self::rule) fills them in. `betas` and `eps` are
 /// AdamW's only and `momentum` is SGD's only: [`rule`](Self::rule) refuses them on the
 /// other kind rather than ignoring them.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct OptimizerSpec {
-    /// `kind: adamw | sgd` (default adamw).
-    #[serde(default)]
+    /// The update rule (default AdamW).
     pub kind: OptimizerKind,
-    /// `state: f32 | bf16 | int8` (default f32). SGD without momentum has no state, so
+    /// The state's precision (default f32). SGD without momentum has no state, so
     /// this changes nothing for it.
-    #[serde(default)]
     pub state: StatePrecision,
-    /// `in_backward: true` steps each parameter from a post-accumulate-grad hook and
-    /// frees its gradient at once (default false: one step after backward).
-    #[serde(default)]
+    /// `true` steps each parameter from a post-accumulate-grad hook and frees its
+    /// gradient at once (default false: one step after backward).
     pub in_backward: bool,
-    /// `placement: device | cpu | disk` (default device).
-    #[serde(default)]
+    /// Where the state lives between steps (default: on the parameters' device).
     pub placement: StatePlacement,
-    /// `lr:` the learning rate (default 1e-3 for both kinds).
-    #[serde(default)]
+    /// The learning rate (default 1e-3 for both kinds).
     pub lr: Option<f64>,
-    /// `betas: [beta1, beta2]`, AdamW's moment decay rates (default (0.9, 0.999)).
-    #[serde(default)]
+    /// `(beta1, beta2)`, AdamW's moment decay rates (default (0.9, 0.999)).
     pub betas: Option<(f64, f64)>,
-    /// `eps:` added to AdamW's denominator (default 1e-8).
-    #[serde(default)]
+    /// Added to AdamW's denominator (default 1e-8).
     pub eps: Option<f64>,
-    /// `weight_decay:` decoupled decay for AdamW (default 1e-2), an L2 penalty added
-    /// to the gradient for SGD (default 0).
-    #[serde(default)]
+    /// Decoupled decay for AdamW (default 1e-2), an L2 penalty added to the gradient
+    /// for SGD (default 0).
     pub weight_decay: Option<f64>,
-    /// `momentum:` SGD's momentum factor (default 0: no momentum buffer). Any value
-    /// other than 0 gives SGD one buffer per parameter, which `state` and `placement`
-    /// then apply to.
-    #[serde(default)]
+    /// SGD's momentum factor (default 0: no momentum buffer). Any value other than 0
+    /// gives SGD one buffer per parameter, which `state` and `placement` then apply
+    /// to.
     pub momentum: Option<f64>,
 }
 
@@ -141,8 +131,8 @@ impl OptimizerSpec {
         }
     }
 
-    /// The optimizer's options: `state` and `placement`, with `placement: disk` in
-    /// `state_dir` (the caller makes and keeps the directory; without one, disk falls
+    /// The optimizer's options: `state` and `placement`, with
+    /// [`StatePlacement::Disk`] in `state_dir` (the caller makes and keeps the directory; without one, disk falls
     /// back to the device). No gradient clipping.
     pub fn options(&self, state_dir: Option<&Path>) -> Options {
         Options {
@@ -231,7 +221,7 @@ fn short_number(v: f64) -> String {
     }
 }
 
-/// What a `compress:` entry asks for: the codec saved activations are stored with.
+/// The codec saved activations are stored with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CompressDtype {
     /// `bf16`.
@@ -245,7 +235,8 @@ pub enum CompressDtype {
 }
 
 impl CompressDtype {
-    /// The name as written in a suite.
+    /// The codec's short name (`bf16`, `fp16`, `fp8`, `int8`), as strategy names and
+    /// reports write it.
     pub fn as_str(self) -> &'static str {
         match self {
             CompressDtype::Bf16 => "bf16",
@@ -256,18 +247,21 @@ impl CompressDtype {
     }
 }
 
-/// Where an `offload:` entry keeps saved activations.
+/// Where offloaded saved activations are kept until backward.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OffloadSpec {
-    /// `{to: disk}`, optionally `dir: PATH` (default: a `memsave-offload` folder in the
-    /// system's temporary directory, created if missing).
+    /// In files (`memsave_hooks::DiskOffload`), in `dir` (default: a
+    /// `memsave-offload` folder in the system's temporary directory, created if
+    /// missing).
     Disk {
-        /// `dir:` as written.
+        /// The directory, as the user wrote it.
         dir: Option<String>,
-        /// `max_in_flight: SIZE`: bytes that may wait for the writer thread (the
-        /// forward waits beyond that); `None` for `DiskOffload`'s default.
+        /// Bytes that may wait for the writer thread (the forward waits beyond that),
+        /// with the size as the user wrote it (`64MiB`), for names and reports; `None`
+        /// for `DiskOffload`'s default.
         max_in_flight: Option<(u64, String)>,
     },
-    /// `{to: cpu}`: CUDA activations in pinned host memory (nothing to do on the CPU).
+    /// CUDA activations in pinned host memory (`memsave_hooks::SaveOnCpu`; nothing to
+    /// do on the CPU).
     Cpu,
 }

@@ -104,17 +104,81 @@ impl<'de> Deserialize<'de> for Betas {
     }
 }
 
+/// The suite's spelling of the library's enums (`kind: adamw`, `state: int8`,
+/// `placement: disk`): `memsave-step` keeps its types free of any file format, so the
+/// words are read here and turned into its values. Each mirror has the library type's
+/// name and variants, so serde's messages (unknown variant `lamb`, expected `adamw`
+/// or `sgd`) read as they did when the library derived them.
+mod words {
+    use serde::Deserialize;
+
+    #[derive(Debug, Clone, Copy, Default, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub(super) enum OptimizerKind {
+        #[default]
+        Adamw,
+        Sgd,
+    }
+
+    impl From<OptimizerKind> for super::OptimizerKind {
+        fn from(kind: OptimizerKind) -> Self {
+            match kind {
+                OptimizerKind::Adamw => Self::Adamw,
+                OptimizerKind::Sgd => Self::Sgd,
+            }
+        }
+    }
+
+    #[derive(Debug, Clone, Copy, Default, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub(super) enum StatePrecision {
+        #[default]
+        F32,
+        Bf16,
+        Int8,
+    }
+
+    impl From<StatePrecision> for super::StatePrecision {
+        fn from(state: StatePrecision) -> Self {
+            match state {
+                StatePrecision::F32 => Self::F32,
+                StatePrecision::Bf16 => Self::Bf16,
+                StatePrecision::Int8 => Self::Int8,
+            }
+        }
+    }
+
+    #[derive(Debug, Clone, Copy, Default, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub(super) enum StatePlacement {
+        #[default]
+        Device,
+        Cpu,
+        Disk,
+    }
+
+    impl From<StatePlacement> for super::StatePlacement {
+        fn from(placement: StatePlacement) -> Self {
+            match placement {
+                StatePlacement::Device => Self::Device,
+                StatePlacement::Cpu => Self::Cpu,
+                StatePlacement::Disk => Self::Disk,
+            }
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawOptimizer {
     #[serde(default)]
-    kind: OptimizerKind,
+    kind: words::OptimizerKind,
     #[serde(default)]
-    state: StatePrecision,
+    state: words::StatePrecision,
     #[serde(default)]
     in_backward: bool,
     #[serde(default)]
-    placement: StatePlacement,
+    placement: words::StatePlacement,
     lr: Option<Number<NonNegative>>,
     betas: Option<Betas>,
     eps: Option<Number<NonNegative>>,
@@ -126,10 +190,10 @@ impl RawOptimizer {
     /// The checks that need two keys.
     fn check(self) -> Result<OptimizerSpec, OptimizerArgsError> {
         let spec = OptimizerSpec {
-            kind: self.kind,
-            state: self.state,
+            kind: self.kind.into(),
+            state: self.state.into(),
             in_backward: self.in_backward,
-            placement: self.placement,
+            placement: self.placement.into(),
             lr: self.lr.map(|n| n.0),
             betas: self.betas.map(|b| (b.0, b.1)),
             eps: self.eps.map(|n| n.0),
