@@ -82,8 +82,8 @@ pub use runner::{
 };
 pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig, Unavailable};
 pub use suite::{
-    CheckpointSpec, DeviceChoice, Dtype, ModelKind, ModelSpec, ModelSpecError, OptimizerKind,
-    OptimizerSpec, ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec, Suite,
-    SuiteError, Technique,
+    CheckpointSpec, DeviceChoice, Dtype, FitLever, FitSpec, ModelKind, ModelSpec, ModelSpecError,
+    OptimizerKind, OptimizerSpec, ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec,
+    Suite, SuiteError, Technique,
 };
 pub use trace::{trace_case, TraceCaseError, TracedCase};

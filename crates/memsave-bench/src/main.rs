@@ -204,7 +204,7 @@ struct FitArgs {
     /// BatchNorm in training mode does: fit finds that itself; otherwise micro-batches
     /// are lossless and always considered).
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
-    allow: Vec<FitLever>,
+    allow: Vec<memsave_bench::FitLever>,
     /// The optimizer stepped in every step (its state counts in the peak; it allows
     /// the step in backward). Default: the suite's first `optimizer:` technique, if
     /// any, else none.
@@ -222,16 +222,6 @@ struct FitArgs {
     /// Write the candidates, the front and the budget as an SVG picture.
     #[arg(long, value_name = "PATH")]
     plot: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum FitLever {
-    Bf16,
-    Compress,
-    #[value(name = "int8-state")]
-    Int8State,
-    #[value(name = "micro-batches")]
-    MicroBatches,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -495,14 +485,7 @@ fn fit(args: FitArgs) -> Result<()> {
     request.global_batch = args.global_batch;
     request.margin = args.margin;
     request.exhaustive = args.exhaustive;
-    for lever in &args.allow {
-        match lever {
-            FitLever::Bf16 => request.allow.bf16 = true,
-            FitLever::Compress => request.allow.compress = true,
-            FitLever::Int8State => request.allow.int8_state = true,
-            FitLever::MicroBatches => request.allow.micro_batches = true,
-        }
-    }
+    request.allow = memsave_bench::FitLever::allow(&args.allow);
     let of = |kind| memsave_bench::OptimizerSpec {
         kind,
         ..Default::default()

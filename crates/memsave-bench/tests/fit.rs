@@ -559,3 +559,46 @@ fn the_largest_parameter_is_the_widest_weight_built() {
         assert_eq!(spec.largest_parameter(), widest, "{model}");
     }
 }
+
+/// A suite's `fit: {allow: [...]}` and `memsave fit --allow` name the same typed
+/// levers, which turn into fit's `Allow` in one place.
+#[test]
+fn the_suite_s_allow_and_the_cli_s_allow_are_the_same_levers() {
+    use clap::ValueEnum;
+    use memsave_bench::{FitLever, Technique};
+    let suite =
+        suite("  - fit: {budget: 1MiB, allow: [micro_batches, bf16, int8_state, compress]}\n");
+    let Technique::Fit(spec) = &suite.strategies[0].techniques[0] else {
+        panic!("a fit strategy: {:?}", suite.strategies[0]);
+    };
+    assert_eq!(
+        spec.allow,
+        [
+            FitLever::MicroBatches,
+            FitLever::Bf16,
+            FitLever::Int8State,
+            FitLever::Compress
+        ]
+    );
+    assert_eq!(spec.allowed(), memsave_fit::Allow::all());
+    assert_eq!(
+        suite.strategies[0].name,
+        "fit(budget=1MiB, allow=micro_batches+bf16+int8_state+compress)"
+    );
+    assert_eq!(
+        FitLever::allow(&[FitLever::Bf16]),
+        memsave_fit::Allow {
+            bf16: true,
+            ..Default::default()
+        }
+    );
+    for (cli, suite_name, lever) in [
+        ("bf16", "bf16", FitLever::Bf16),
+        ("compress", "compress", FitLever::Compress),
+        ("int8-state", "int8_state", FitLever::Int8State),
+        ("micro-batches", "micro_batches", FitLever::MicroBatches),
+    ] {
+        assert_eq!(FitLever::from_str(cli, false), Ok(lever));
+        assert_eq!(lever.as_str(), suite_name);
+    }
+}

@@ -269,3 +269,15 @@ fn strategies_that_cannot_run_say_why_in_these_words() {
          as their architecture does)"
     );
 }
+
+/// An unknown lever in `fit: {allow: [...]}` is reported at the lever itself.
+#[test]
+fn an_unknown_fit_lever_is_reported_at_its_own_place() {
+    let yaml = suite_of(MODEL, "fit: {budget: 1MiB, allow: [bf16, fp4]}");
+    let e = Suite::from_yaml(&yaml, "bad.yaml").unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "bad.yaml:5:39: strategies[0].fit.allow[1]: fit: unknown lever 'fp4' in allow, \
+         expected bf16, compress, int8_state or micro_batches"
+    );
+}

@@ -142,8 +142,8 @@ pub use model::{
 };
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 pub use strategy::{
-    AutoBatchSpec, CheckpointSpec, CompressDtype, FitSpec, OffloadSpec, ScalerSpec, StrategySpec,
-    Technique,
+    AutoBatchSpec, CheckpointSpec, CompressDtype, FitLever, FitSpec, OffloadSpec, ScalerSpec,
+    StrategySpec, Technique,
 };
 pub use values::{Dtype, Size};
 

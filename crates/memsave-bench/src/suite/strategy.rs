@@ -4,6 +4,7 @@
 use super::optimizer::{OptimizerArgs, OptimizerSpec};
 use super::values::{claim_name, validated_map, Dtype, Positive, Size};
 use memsave_amp::GradScalerConfig;
+use memsave_fit::Allow;
 pub use memsave_step::{CompressDtype, OffloadSpec};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -187,9 +188,107 @@ pub struct AutoBatchSpec {
 pub struct FitSpec {
     /// The byte budget.
     pub budget: Size,
-    /// Lossy levers allowed: any of `bf16`, `compress`, `int8_state`, `micro_batches`
-    /// (the last matters only for a step that couples the samples of a batch).
-    pub allow: Vec<String>,
+    /// Lossy levers allowed, in the order written (`allow: [bf16, compress]`).
+    pub allow: Vec<FitLever>,
+}
+
+impl FitSpec {
+    /// The levers allowed, as `memsave_fit` takes them.
+    pub fn allowed(&self) -> Allow {
+        FitLever::allow(&self.allow)
+    }
+}
+
+/// A lossy lever `fit` may use only when allowed: a suite names it in `fit: {allow:
+/// [...]}` with underscores (`int8_state`), `memsave fit --allow` with hyphens
+/// (`int8-state`), as each format's other names are written. An unknown name is
+/// refused where it is read (at its own line and column in a suite).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum FitLever {
+    /// `bf16`: the forward under bf16 autocast ([`Allow::bf16`]).
+    Bf16,
+    /// `compress`: saved activations compressed to int8 ([`Allow::compress`]).
+    Compress,
+    /// `int8_state` (`int8-state`): 8-bit blockwise optimizer state
+    /// ([`Allow::int8_state`]).
+    #[value(name = "int8-state")]
+    Int8State,
+    /// `micro_batches` (`micro-batches`): micro-batches for a step that couples the
+    /// samples of a batch, as BatchNorm in training mode does ([`Allow::micro_batches`];
+    /// otherwise micro-batches are lossless and always considered).
+    #[value(name = "micro-batches")]
+    MicroBatches,
+}
+
+impl FitLever {
+    /// Every lever, in the order the messages list them.
+    pub const ALL: [FitLever; 4] = [
+        FitLever::Bf16,
+        FitLever::Compress,
+        FitLever::Int8State,
+        FitLever::MicroBatches,
+    ];
+
+    /// The name in a suite (and in the canonical name of a `fit` strategy).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FitLever::Bf16 => "bf16",
+            FitLever::Compress => "compress",
+            FitLever::Int8State => "int8_state",
+            FitLever::MicroBatches => "micro_batches",
+        }
+    }
+
+    /// `levers` as `memsave_fit`'s [`Allow`]: each one on, every other off.
+    pub fn allow(levers: &[FitLever]) -> Allow {
+        let mut allow = Allow::default();
+        for lever in levers {
+            match lever {
+                FitLever::Bf16 => allow.bf16 = true,
+                FitLever::Compress => allow.compress = true,
+                FitLever::Int8State => allow.int8_state = true,
+                FitLever::MicroBatches => allow.micro_batches = true,
+            }
+        }
+        allow
+    }
+}
+
+/// Compares with the suite's spelling (`FitLever::Int8State == *"int8_state"`).
+impl PartialEq<str> for FitLever {
+    fn eq(&self, name: &str) -> bool {
+        self.as_str() == name
+    }
+}
+
+impl fmt::Display for FitLever {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One name of an `allow:` list, refused at its own position when unknown.
+impl<'de> Deserialize<'de> for FitLever {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = FitLever;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a lever: bf16, compress, int8_state or micro_batches")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<FitLever, E> {
+                FitLever::ALL
+                    .into_iter()
+                    .find(|lever| lever == v)
+                    .ok_or_else(|| {
+                        E::custom(format!(
+                            "fit: unknown lever '{v}' in allow, expected bf16, compress, int8_state or micro_batches"
+                        ))
+                    })
+            }
+        }
+        d.deserialize_str(V)
+    }
 }
 
 #[derive(Deserialize)]
@@ -219,19 +318,12 @@ fn auto_batch_args<E: de::Error>(args: AutoBatchArgs) -> Result<AutoBatchSpec, E
 struct FitArgs {
     budget: Size,
     #[serde(default)]
-    allow: Vec<String>,
+    allow: Vec<FitLever>,
 }
 
 fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
     if args.budget.bytes == 0 {
         return Err(E::custom("fit: the budget must be positive"));
-    }
-    for lever in &args.allow {
-        if !["bf16", "compress", "int8_state", "micro_batches"].contains(&lever.as_str()) {
-            return Err(E::custom(format!(
-                "fit: unknown lever '{lever}' in allow, expected bf16, compress, int8_state or micro_batches"
-            )));
-        }
     }
     Ok(FitSpec {
         budget: args.budget,
@@ -306,7 +398,11 @@ impl Technique {
             Technique::Fit(spec) => format!(
                 "fit(budget={}, allow={})",
                 spec.budget.text,
-                spec.allow.join("+")
+                spec.allow
+                    .iter()
+                    .map(|lever| lever.as_str())
+                    .collect::<Vec<_>>()
+                    .join("+")
             ),
         }
     }
