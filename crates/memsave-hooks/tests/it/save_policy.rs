@@ -35,7 +35,7 @@ fn grads(params: &[Tensor], hooks: Option<Compress>, loss: impl Fn() -> Tensor) 
 /// `keep_ops` keeps what a named op saves; `check` reports the names never seen, and
 /// only after the step has seen the others.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn keep_ops_keeps_what_named_ops_save_and_check_reports_names_never_seen() {
     let w = Tensor::randn([256, 256], CPU).set_requires_grad(true);
     let x = Tensor::randn([64, 256], CPU);
@@ -83,7 +83,7 @@ fn keep_ops_keeps_what_named_ops_save_and_check_reports_names_never_seen() {
 /// `pack_if` is told the saving op, the producer, the shape and the default decision,
 /// and overrides the default: refusing tanh's output keeps it (counted as `policy`).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn pack_if_sees_op_producer_shape_and_default_and_decides() {
     let w = Tensor::randn([256, 256], CPU).set_requires_grad(true);
     let x = Tensor::randn([64, 256], CPU);
@@ -139,7 +139,7 @@ fn pack_if_sees_op_producer_shape_and_default_and_decides() {
 /// Tensors under `min_bytes` are kept as they are, at or above it compressed, over
 /// several sizes and thresholds (the default 4 KiB among them).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn tensors_under_min_bytes_are_kept() {
     let w = Tensor::randn([8, 8], CPU).set_requires_grad(true);
     for min_bytes in [None, Some(0), Some(1000), Some(1 << 16)] {
@@ -170,7 +170,7 @@ fn tensors_under_min_bytes_are_kept() {
 /// packed (the documented trap: it may be a mask the forward made). What SaveOnCpu
 /// and DiskOffload keep on an accelerator, testable on the CPU.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn the_policies_keep_parameters_buffers_and_empty_tensors() {
     let param = Tensor::randn([16, 16], CPU).set_requires_grad(true);
     let activation = param.tanh(); // has a grad_fn
@@ -258,7 +258,7 @@ fn layer_and_group_norm_statistics_are_kept_and_inputs_grouped() {
 /// flattened) is written once; a copy of it is a tensor of its own, written again.
 /// Gradients are bitwise those of the plain step either way.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_tensor_saved_by_two_nodes_is_written_once() {
     let dir = tempfile::tempdir().unwrap();
     let w = Tensor::randn([128, 64], CPU).set_requires_grad(true);

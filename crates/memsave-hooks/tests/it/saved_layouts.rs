@@ -105,7 +105,7 @@ fn relative_l2(exact: &[Tensor], approx: &[Tensor]) -> f64 {
 /// DiskOffload writes `t` once, whichever two views of it the ops save and in which
 /// order; backward gets each view back, gradients bitwise those of the plain step.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn disk_offload_writes_a_tensor_saved_in_two_layouts_once() {
     let dir = tempfile::tempdir().unwrap();
     for (rows, cols) in SIZES {
@@ -202,7 +202,7 @@ impl SavedTensorHooks for Recorded {
 /// where `t`'s memory holds it (its view of the first save's unpacked tensor,
 /// bitwise), and the gradients stay within int8's error.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn compress_stores_a_tensor_saved_in_two_layouts_once_with_the_first_saves_numbers() {
     for (rows, cols) in SIZES {
         let p = Params::new(rows, cols);

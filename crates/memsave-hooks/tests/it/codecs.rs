@@ -115,7 +115,7 @@ proptest! {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn non_floating_tensors_and_out_of_range_values_pass_through() {
     let ints = Tensor::arange(10, (Kind::Int64, Device::Cpu));
     let mask = ints.gt(4);
@@ -132,7 +132,7 @@ fn non_floating_tensors_and_out_of_range_values_pass_through() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn int8_stores_one_byte_per_value_and_one_f32_scale_per_block() {
     let x = Tensor::randn([10, 100], (Kind::Float, Device::Cpu));
     let codec = Codec::Int8 {
@@ -212,7 +212,7 @@ fn compressed_forward_retains_its_output_plus_exactly_the_stored_bytes_and_frees
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn int8_gradients_are_close_to_exact_ones() {
     let vs = nn::VarStore::new(Device::Cpu);
     let layers = chain(&vs);
@@ -368,7 +368,7 @@ fn an_expanded_saved_tensor_is_stored_as_its_base() {
 /// Int8 rounding to nearest never stores a nonzero value as zero: 0.3 and -0.49 of a
 /// step become one step of their sign, zeros stay zero, the rest round to nearest.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn int8_keeps_the_sign_of_values_below_half_a_step() {
     let x = Tensor::from_slice(&[127.0f32, 0.3, -0.49, 0.0, 0.5, -1.4, 2.6]);
     let r = Codec::int8()

@@ -2,7 +2,6 @@
 //! it lives, whatever order guards are dropped in, and leaves nothing behind.
 use memsave_hooks::{hooks_from_fn, HooksError, HooksGuard, SavedTensorHooks};
 use proptest::prelude::*;
-use serial_test::serial;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -37,7 +36,7 @@ struct TwoScopes {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn guards_dropped_outer_first_leave_no_hooks_on_the_thread() {
     let (outer_packs, outer) = counting();
     let (inner_packs, inner) = counting();
@@ -54,7 +53,7 @@ fn guards_dropped_outer_first_leave_no_hooks_on_the_thread() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn exit_out_of_order_reports_it_and_still_removes_the_scope() {
     let (outer_packs, outer) = counting();
     let (inner_packs, inner) = counting();
@@ -81,7 +80,7 @@ proptest! {
     /// Any number of guards dropped in any order: after each drop, one save goes to the
     /// newest guard still alive (none once all are gone).
     #[test]
-    #[serial]
+    #[serial_test::parallel]
     fn the_newest_living_guard_handles_each_save_in_any_drop_order(
         order in (1usize..7).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle()),
         use_exit in proptest::collection::vec(any::<bool>(), 7),

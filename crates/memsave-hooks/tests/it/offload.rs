@@ -138,7 +138,7 @@ fn after_the_writer_is_done_the_forward_retains_only_its_output() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_missing_or_unusable_directory_is_an_err_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope");
@@ -161,7 +161,7 @@ fn a_missing_or_unusable_directory_is_an_err_naming_it() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn when_writes_fail_tensors_stay_in_memory_gradients_stay_exact_and_flush_says_so_once_per_failure()
 {
     let net = net(4, 32, Device::Cpu);
@@ -225,7 +225,7 @@ fn damaged_store_backward(damage: impl Fn(&Path)) -> String {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_truncated_store_file_fails_backward_naming_it() {
     let err = damaged_store_backward(|path| {
         let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
@@ -239,7 +239,7 @@ fn a_truncated_store_file_fails_backward_naming_it() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_store_file_changed_in_place_fails_backward_on_its_checksum() {
     let err = damaged_store_backward(|path| {
         let mut bytes = std::fs::read(path).unwrap();
@@ -275,7 +275,7 @@ fn offload_from_cuda_gives_bitwise_gradients_and_frees_device_memory() {
 /// this process; it stays while the graph holds packed tensors and goes with the last
 /// of them and the store.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_stores_files_live_in_its_own_directory_removed_when_the_store_and_its_tensors_go() {
     let net = net(3, 16, Device::Cpu);
     let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
@@ -330,7 +330,7 @@ fn left_behind(parent: &Path, pid: u32, start: u64, boot: &str, host: &str) -> P
 /// or its pid now another process's), and keeps those of live processes (this one's
 /// other store, a live owner's), of other hosts, and anything not named as a store's.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_new_store_removes_directories_whose_owner_is_gone_and_keeps_live_ones() {
     let dir = tempfile::tempdir().unwrap();
     let live = DiskOffload::new(dir.path()).unwrap().prefetch(0);

@@ -35,7 +35,7 @@ fn counting() -> (
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn pack_runs_for_every_saved_tensor_and_unpack_for_every_use() {
     let (w, x) = (leaf(&[3, 3]), leaf(&[2, 3]));
     let (packs, unpacks, hooks) = counting();
@@ -54,7 +54,7 @@ fn pack_runs_for_every_saved_tensor_and_unpack_for_every_use() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn outside_the_scope_and_on_other_threads_nothing_is_packed() {
     let (packs, _, hooks) = counting();
     let guard = HooksGuard::new(hooks).unwrap();
@@ -77,7 +77,7 @@ fn outside_the_scope_and_on_other_threads_nothing_is_packed() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn the_innermost_scope_wins_and_scopes_left_out_of_order_are_reported() {
     let (outer_packs, _, outer) = counting();
     let (inner_packs, _, inner) = counting();
@@ -101,7 +101,7 @@ fn the_innermost_scope_wins_and_scopes_left_out_of_order_are_reported() {
 /// forward stops there (Trust II, item 14; PyTorch's test_saved_tensors_hook_raises...
 /// cases in test/test_autograd.py raise at the op too).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_pack_hook_that_fails_or_panics_fails_the_op_that_saved_naming_the_tensor() {
     let x = leaf(&[2, 5]);
     let calls = Arc::new(AtomicUsize::new(0));
@@ -150,7 +150,7 @@ fn a_pack_hook_that_fails_or_panics_fails_the_op_that_saved_naming_the_tensor() 
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn an_unpack_of_another_shape_or_dtype_or_an_unpack_error_is_an_err_naming_the_tensor() {
     let x = leaf(&[3]);
     let wrong_shape = hooks_from_fn(
@@ -182,7 +182,7 @@ fn an_unpack_of_another_shape_or_dtype_or_an_unpack_error_is_an_err_naming_the_t
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_saved_tensor_modified_in_place_is_still_caught_under_hooks() {
     // libtorch skips its version check when hooks are set; the bridge checks instead.
     let x2 = leaf(&[4]);
@@ -201,7 +201,7 @@ fn a_saved_tensor_modified_in_place_is_still_caught_under_hooks() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn bf16_hooks_give_gradients_close_to_exact_and_save_on_cpu_is_exact_on_the_cpu() {
     let w = leaf(&[16, 16]);
     let x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));

@@ -177,7 +177,7 @@ fn a_file_changed_between_backwards_fails_the_next_backward_naming_it() {
 }
 
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_bad_directory_or_a_taken_hook_slot_is_an_err() {
     let n = net(1, 4);
     let missing = std::env::temp_dir().join("memsave-no-such-dir-for-grads");
@@ -245,7 +245,7 @@ impl std::error::Error for StepRefused {}
 /// `OffloadError::OnComplete` naming the parameter, whose source is the closure's own
 /// error (downcast back to its type); in backward, the error names both.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn an_error_of_on_complete_is_kept_as_the_cause() {
     let used = Tensor::ones([3, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let skipped = Tensor::ones([2, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
@@ -389,7 +389,7 @@ proptest! {
 /// The offload's files live in a directory of its own inside the one given, named
 /// after this process and removed with the offload.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn the_files_live_in_a_directory_of_the_offloads_own_removed_when_it_is_dropped() {
     let n = net(2, 8);
     let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));

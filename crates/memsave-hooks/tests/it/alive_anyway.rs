@@ -6,7 +6,6 @@ use memsave_hooks::{
     saved_tensors_hooks, Codec, Compress, DiskOffload, Kept, PolicyError, SavePolicy,
     SavedTensorHooks,
 };
-use serial_test::serial;
 use tch::{Device, Kind, Tensor};
 
 const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
@@ -35,7 +34,7 @@ fn step<H: SavedTensorHooks + Clone>(hooks: &H, x: &Tensor, w: &Tensor, table: &
 /// kept; the noise and a fresh batch are written in every step, a batch refilled in
 /// place only in the first.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_constant_is_written_in_the_first_step_only_and_what_the_forward_makes_always() {
     let dir = tempfile::tempdir().unwrap();
     for (fresh_store, refilled_batch) in [(true, false), (false, false), (true, true)] {
@@ -84,7 +83,7 @@ fn a_constant_is_written_in_the_first_step_only_and_what_the_forward_makes_alway
 /// Compress keeps a constant too, from the second step on; a policy can still pack it
 /// (`pack_if` is told it is a constant).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn compress_keeps_a_constant_from_the_second_step_and_a_policy_may_pack_it() {
     let w = Tensor::randn([COLS, COLS], CPU).set_requires_grad(true);
     let table = Tensor::randn([ROWS, COLS], CPU);
@@ -116,7 +115,7 @@ fn compress_keeps_a_constant_from_the_second_step_and_a_policy_may_pack_it() {
 /// is written. A tensor saved in a scope still open (an outer one) is not a constant
 /// for a scope inside it.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn a_freed_table_and_a_tensor_of_a_scope_still_open_are_not_constants() {
     let dir = tempfile::tempdir().unwrap();
     let w = Tensor::randn([COLS, COLS], CPU).set_requires_grad(true);
@@ -161,7 +160,7 @@ fn a_freed_table_and_a_tensor_of_a_scope_still_open_are_not_constants() {
 /// The policy's own account: `SavePolicy::keeps` says `Constant` for a tensor an ended
 /// scope saved, and `None` for one no scope saved.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn keeps_names_a_constant_once_a_scope_has_saved_it() {
     let w = Tensor::randn([COLS, COLS], CPU).set_requires_grad(true);
     let x = Tensor::randn([ROWS, COLS], CPU);
@@ -178,7 +177,7 @@ fn keeps_names_a_constant_once_a_scope_has_saved_it() {
 /// A name of `keep_ops` that matched only saves of what is always kept (mm saved the
 /// excluded batch and the parameter) was seen: `check` passes.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn check_counts_saves_of_parameters_and_excluded_tensors() {
     let w = Tensor::randn([COLS, COLS], CPU).set_requires_grad(true);
     let x = Tensor::randn([ROWS, COLS], CPU);
@@ -195,7 +194,7 @@ fn check_counts_saves_of_parameters_and_excluded_tensors() {
 /// `check` after a step lists the names never seen, with the names seen that look
 /// like them (the aten op that saved, the node that produced).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn check_lists_unseen_names_with_similar_names_seen() {
     let w = Tensor::randn([COLS, COLS], CPU).set_requires_grad(true);
     let x = Tensor::randn([ROWS, COLS], CPU);

@@ -3,7 +3,6 @@
 //! Left out: the per-variable hook API (`_raw_saved_self.register_hooks`), which tch does
 //! not expose, `disable_saved_tensors_hooks`, and the Python-only dispatch-mode tests.
 use memsave_hooks::{hooks_from_fn, saved_tensors_hooks, HooksGuard};
-use serial_test::serial;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -30,7 +29,7 @@ fn assert_close(expected: &Tensor, actual: &Tensor, what: &str) {
 /// From `test_saved_tensor_hooks_custom_error_propagation`: a failing pack fails the op at
 /// the forward; a failing unpack fails the backward; the hook's own message comes back.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn saved_tensor_hooks_custom_error_propagation() {
     let a = Tensor::from(1.0f32).set_requires_grad(true);
     let failing_pack = hooks_from_fn(
@@ -55,7 +54,7 @@ fn saved_tensor_hooks_custom_error_propagation() {
 /// From `test_wrapped_number_saved_tensors_hooks`: multiplying by a number saves no tensor
 /// for the hooks, so hooks that fail when called are never called.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn wrapped_number_saved_tensors_hooks() {
     let a = leaf(&[5]);
     let refusing = hooks_from_fn(
@@ -74,7 +73,7 @@ fn wrapped_number_saved_tensors_hooks() {
 /// From `test_unpack_hooks_exec_count`: `x * y` with only `x` requiring grad saves `y`
 /// alone; unpack runs once, in backward.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn unpack_hooks_exec_count() {
     let x = Tensor::ones([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let y = Tensor::ones([4], (Kind::Float, Device::Cpu));
@@ -103,7 +102,7 @@ fn unpack_hooks_exec_count() {
 /// From `test_saved_variable_packing_unpacking_saved_original_with_default_hooks`:
 /// `a * a` saves `a` twice; backward uses what unpack returns.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn saved_variable_packing_unpacking_with_default_hooks() {
     for (pack_by, unpack_by, factor) in [(1.0, 1.0, 2.0), (2.0, 0.5, 2.0), (2.0, 1.0, 4.0)] {
         let a = leaf(&[5]);
@@ -121,7 +120,7 @@ fn saved_variable_packing_unpacking_with_default_hooks() {
 /// From `test_setting_default_saved_variable_hooks_twice_should_use_inner`: only the
 /// innermost hooks apply.
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn setting_default_saved_variable_hooks_twice_should_use_inner() {
     let (a, b) = (leaf(&[5]), leaf(&[5]));
     let outer = HooksGuard::new(scaling(3.0, 3.0)).unwrap();
@@ -136,7 +135,7 @@ fn setting_default_saved_variable_hooks_twice_should_use_inner() {
 /// From `test_default_saved_tensors_hooks_double_backward`: double backward through
 /// tensors the hooks packed (identity hooks; hooks that double around the forward only).
 #[test]
-#[serial]
+#[serial_test::parallel]
 fn default_saved_tensors_hooks_double_backward() {
     for (pack_by, factor) in [(1.0, 6.0), (2.0, 12.0)] {
         let a = leaf(&[5]);
