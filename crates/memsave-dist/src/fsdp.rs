@@ -56,21 +56,44 @@ pub struct FsdpStats {
 /// Fully sharded data parallel training over a process group: the units' parameters
 /// are sharded across the ranks and gathered only while a unit runs (ZeRO-3).
 ///
-/// ```text
-/// let mut fsdp = Fsdp::new(&group, FsdpConfig::default());
-/// for each layer:  seq = seq.add(fsdp.fully_shard(layer, &layer_params)?);
-/// let mut opt = AdamW::new(&fsdp.parameters(), config)?;    // the shards
-/// per step:
-///     let loss = fsdp.forward(|| loss_of(seq.forward(&x)))?;   // each micro-batch
+/// One rank over a file rendezvous here (with `memsave launch -n 4`,
+/// [`crate::init_process_group`] joins four, and each rank keeps a quarter):
+///
+/// ```
+/// use memsave_dist::{Fsdp, FsdpConfig, InitOptions, ProcessGroup};
+/// use memsave_optim::{AdamW, AdamWConfig};
+/// use tch::nn::{self, ModuleT};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let dir = tempfile::tempdir()?;
+/// let group = ProcessGroup::new_file(&dir.path().join("store"), 0, 1, &InitOptions::default())?;
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let mut fsdp = Fsdp::new(&group, FsdpConfig::default())?;
+/// let mut model = nn::seq_t();
+/// for i in 0..4 {
+///     let lin = nn::linear(vs.root() / i, 8, 8, Default::default());
+///     let params = [lin.ws.shallow_clone(), lin.bs.as_ref().unwrap().shallow_clone()];
+///     model = model.add(fsdp.fully_shard(lin, &params)?); // one unit per layer
+/// }
+/// let mut opt = AdamW::new(&fsdp.parameters(), AdamWConfig::default())?; // the shards
+/// let x = Tensor::randn([16, 8], (Kind::Float, Device::Cpu));
+/// for _ in 0..3 {
+///     let loss = fsdp.forward(|| model.forward_t(&x, true).square().mean(Kind::Float))?;
 ///     loss.backward();
 ///     fsdp.f_finish_backward()?;
-///     opt.f_step()?; opt.zero_grad(true);
+///     opt.f_step()?;
+///     opt.zero_grad(true);
+/// }
+/// // Between steps a rank holds its shards (4 x 72 values here) and one zero.
+/// assert_eq!(fsdp.stats().parameter_bytes, 4 * 4 * 72 + 4);
+/// assert_eq!(fsdp.stats().gathered_bytes, 0);
+/// # Ok::<(), anyhow::Error>(())
 /// ```
 ///
 /// **Units and shards.** [`Fsdp::fully_shard`] takes a module and the parameters it
 /// uses (a unit; every rank registers the same units, in the same order) and returns a
 /// module to use in its place ([`FsdpUnit`], a tch `ModuleT`: add it to a
-/// `CheckpointedSequential` or an `nn::Sequential`). The unit's P values, in order, form
+/// `CheckpointedSequential` with `add_t`, or to an `nn::SequentialT`). The unit's P values, in order, form
 /// one flat f32 vector padded with zeros to N × ceil(P/N) values (N the world size);
 /// rank r keeps values r × S to (r+1) × S, S = ceil(P/N), in a shard tensor
 /// ([`Fsdp::parameters`], one per unit). **Padding rule**: each unit is padded on its
@@ -561,7 +584,8 @@ impl Shared {
         self.free(unit)?;
         if let Some(flat) = flat {
             // `flat` here and nothing else: the buffer goes with it.
-            if memsave_sys::tensor::storage_use_count(&flat)? > 1
+            if grad
+                && memsave_sys::tensor::storage_use_count(&flat)? > 1
                 && !self.held_after_forward.contains(&unit)
             {
                 self.held_after_forward.push(unit);

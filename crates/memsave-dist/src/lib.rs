@@ -11,7 +11,10 @@
 //! while backward runs, with `no_sync` for gradient accumulation
 //! ([`DistributedDataParallel`]); and ZeRO stages 1 and 2 on `memsave-optim`'s
 //! optimizers, so that each of N ranks keeps 1/N of the optimizer state and, in stage 2,
-//! of the gradients ([`ZeroOptimizer`]). Every error names the rank that saw it.
+//! of the gradients ([`ZeroOptimizer`]); and ZeRO stage 3, fully sharded data parallel
+//! ([`Fsdp`], PyTorch's FSDP2 `fully_shard`), where each rank keeps 1/N of every
+//! parameter too and gathers a unit's weights only while it runs, with sharded
+//! checkpoints ([`Fsdp::save_sharded`]). Every error names the rank that saw it.
 //!
 //! One rank over a file rendezvous (a real group of one; with `memsave launch -n 4`,
 //! [`init_process_group`] joins four):

@@ -458,3 +458,64 @@ fn two_ranks_match_single_process_training() {
 fn four_ranks_match_single_process_training() {
     check_world(4);
 }
+
+/// Without grad (evaluation) a unit's weights are freed after its forward whatever
+/// `reshard_after_forward` says, and the outputs are the plain model's.
+#[test]
+#[serial]
+fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let group = ProcessGroup::new_file(&dir.path().join("store"), 0, 1, &InitOptions::default())
+        .expect("a group of one");
+    let (x, _) = data();
+    let (_vs, plain) = layers();
+    let mut expected = x.shallow_clone();
+    tch::no_grad(|| {
+        for (i, lin) in plain.iter().enumerate() {
+            expected = layer_forward(lin, i, &expected);
+        }
+    });
+    for reshard_after_forward in [true, false] {
+        let (_vs, layers) = layers();
+        let mut fsdp = Fsdp::new(
+            &group,
+            FsdpConfig {
+                reshard_after_forward,
+            },
+        )
+        .expect("fsdp");
+        let held: Vec<Tensor> = layers
+            .iter()
+            .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+            .collect();
+        let units = sharded(&mut fsdp, layers);
+        let y = tch::no_grad(|| {
+            let mut h = x.shallow_clone();
+            for unit in &units {
+                h = units_forward(unit, &h);
+            }
+            h
+        });
+        assert!(
+            y.equal(&expected),
+            "reshard_after_forward {reshard_after_forward}"
+        );
+        let stats = fsdp.stats();
+        assert_eq!(stats.gathered_bytes, 0);
+        assert_eq!(stats.gathers, 8);
+        // Every parameter reads as zeros between uses, in its own shape.
+        for (p, q) in held
+            .iter()
+            .zip(plain.iter().flat_map(|l| [&l.ws, l.bs.as_ref().unwrap()]))
+        {
+            assert_eq!(p.size(), q.size());
+            assert_eq!(p.abs().max().double_value(&[]), 0.0);
+        }
+        let params: Vec<Tensor> = plain
+            .iter()
+            .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+            .collect();
+        let full = fsdp.f_full_parameters().expect("full parameters");
+        assert_eq!(flat(&full), flat(&params));
+    }
+}
