@@ -40,7 +40,8 @@ pub struct FsdpStats {
     /// Bytes of parameters this rank keeps between uses: its shard of every unit
     /// (padding included) and the 4-byte zero that freed parameters read as.
     pub parameter_bytes: u64,
-    /// Values of padding in this rank's shards (see [`Fsdp`]'s padding rule).
+    /// Values this rank holds beyond ceil(P/N), P all units' values: what padding each
+    /// unit on its own adds (see [`Fsdp`]'s padding rule); fewer than the units.
     pub padding_values: u64,
     /// Bytes of full (gathered) weights held now.
     pub gathered_bytes: u64,
