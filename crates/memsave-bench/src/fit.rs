@@ -3,7 +3,9 @@
 use crate::message::one_line;
 use crate::models::Model;
 use crate::runner::{resolve_device, RunError};
-use crate::suite::{ModelSpec, OptimizerKind, OptimizerSpec, StatePrecision, Suite};
+use crate::suite::{
+    ModelSpec, ModelSpecError, OptimizerKind, OptimizerSpec, StatePrecision, Suite, Technique,
+};
 use memsave_fit::{fit_with, FitEvent};
 use memsave_fit::{FitError, FitReport, FitRequest};
 use memsave_meter::Bytes;
@@ -65,12 +67,13 @@ pub enum FitCaseError {
         known: String,
     },
     /// The requested global batch is outside the limits a suite's model is held to.
-    #[error("a global batch of {batch}: {reason}")]
+    #[error("a global batch of {batch}: {source}")]
     GlobalBatch {
         /// The global batch asked for.
         batch: i64,
-        /// Why, in the suite's words.
-        reason: String,
+        /// Why, in the suite's words ([`ModelSpec::with_global_batch`]'s error).
+        #[source]
+        source: ModelSpecError,
     },
     /// Found before building anything: the least every configuration holds is more
     /// than the budget, or than the memory there is.
@@ -92,10 +95,10 @@ pub enum FitCaseError {
 ///
 /// Before anything is built, the request is checked against what the suite says of
 /// the model: a `global_batch` over the suite's limits is refused, and so is a model
-/// whose parameters, optimizer state, input and largest gradient (the least any
-/// configuration holds) do not fit the memory available, or whose largest gradient
-/// alone does not fit the budget (see [`least_memory`]). A model near the parameter
-/// limit otherwise takes minutes to build before failing.
+/// whose parameters, optimizer state, batch (input and target) and largest gradient
+/// (the least any configuration holds) do not fit the memory available, or whose
+/// largest gradient alone does not fit the budget (see [`least_memory`]). A model
+/// near the parameter limit otherwise takes minutes to build before failing.
 pub fn fit_model(
     suite: &Suite,
     model: &str,
@@ -129,10 +132,7 @@ pub fn fit_model_with(
         })?;
     if let Some(batch) = request.global_batch {
         spec.with_global_batch(batch)
-            .map_err(|reason| FitCaseError::GlobalBatch {
-                batch,
-                reason: reason.to_string(),
-            })?;
+            .map_err(|source| FitCaseError::GlobalBatch { batch, source })?;
     }
     let least = least_memory(spec, request, optimizer.as_ref());
     check_least(
@@ -159,6 +159,29 @@ pub fn fit_model_with(
     Ok(fit_with(&mut workload, request, progress)?)
 }
 
+/// The optimizer `memsave fit` steps when it is not told one: the suite's first
+/// `optimizer` technique (alone or in a `with:` list) with its kind and
+/// hyperparameters (`lr`, `betas`, `eps`, `weight_decay`, `momentum`), its state in
+/// f32, on the device and stepped after backward: the state's precision (with
+/// `int8_state` allowed), where the step happens and the gradients' place are fit's
+/// to choose. `None` when the suite has no optimizer.
+pub fn suite_optimizer(suite: &Suite) -> Option<OptimizerSpec> {
+    suite.strategies.iter().find_map(|s| {
+        s.techniques.iter().find_map(|t| match t {
+            Technique::Optimizer(spec) => Some(OptimizerSpec {
+                kind: spec.kind,
+                lr: spec.lr,
+                betas: spec.betas,
+                eps: spec.eps,
+                weight_decay: spec.weight_decay,
+                momentum: spec.momentum,
+                ..OptimizerSpec::default()
+            }),
+            _ => None,
+        })
+    })
+}
+
 /// The least memory any configuration of a fit holds, in bytes, computed from the
 /// suite's model alone (f32 parameters); `None` where a count overflows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,14 +192,19 @@ pub struct LeastMemory {
     /// step, even with the step in backward or the gradients in files. It counts in
     /// the budget.
     pub largest_gradient: Option<u64>,
-    /// The optimizer's state at its smallest allowed precision (AdamW: two moments,
-    /// 4 bytes each, or 1 byte each with `int8_state` allowed; SGD without momentum: 0).
+    /// The optimizer's state at its smallest allowed precision: a buffer per parameter
+    /// for each value the rule keeps (AdamW: two moments; SGD with momentum: one, without
+    /// momentum: none), at the bytes of the spec's `state` (4, 2 or 1), or 1 with
+    /// `int8_state` allowed (the int8 codes' scales, 4 bytes per 256 values, are left
+    /// out: this is a least).
     pub optimizer_state: Option<u64>,
     /// The copy of the weights `fit` keeps in host memory to put them back after each
     /// run of a step that updates them (with an optimizer).
     pub weights_copy: Option<u64>,
-    /// The suite's input, and the global batch's when it is larger (a new tensor).
-    pub input: Option<u64>,
+    /// The suite's batch ([`ModelSpec::batch_bytes`]: the input at its dtype's bytes,
+    /// and a zoo model's target), and the global batch's when it is larger (new
+    /// tensors).
+    pub batch: Option<u64>,
 }
 
 impl LeastMemory {
@@ -187,7 +215,7 @@ impl LeastMemory {
             self.largest_gradient,
             self.optimizer_state,
             self.weights_copy,
-            self.input,
+            self.batch,
         ]
         .into_iter()
         .try_fold(0u64, |sum, b| sum.checked_add(b?))
@@ -199,20 +227,29 @@ impl LeastMemory {
             self.parameters,
             self.largest_gradient,
             self.optimizer_state,
-            self.input,
+            self.batch,
         ]
         .into_iter()
         .try_fold(0u64, |sum, b| sum.checked_add(b?))
     }
 
-    fn parts(&self) -> String {
+    /// The parts of [`total`](Self::total) (with `host_copy`) or of
+    /// [`tensors`](Self::tensors), for a message: each one not zero, by name.
+    fn parts(&self, host_copy: bool) -> String {
         let mut parts = Vec::new();
         for (what, bytes) in [
             ("parameters", self.parameters),
             ("optimizer state", self.optimizer_state),
-            ("a copy of the weights", self.weights_copy),
+            (
+                "a copy of the weights",
+                if host_copy {
+                    self.weights_copy
+                } else {
+                    Some(0)
+                },
+            ),
             ("largest gradient", self.largest_gradient),
-            ("input", self.input),
+            ("batch", self.batch),
         ] {
             match bytes {
                 Some(0) => {}
@@ -235,44 +272,44 @@ pub fn least_memory(
     let parameters = count.and_then(|n| n.checked_mul(F32));
     let optimizer_state = match optimizer {
         None => Some(0),
-        Some(o) => match o.kind {
-            OptimizerKind::Sgd => Some(0),
-            OptimizerKind::Adamw => {
-                let per_value = if request.allow.int8_state {
-                    1
-                } else {
-                    match o.state {
-                        StatePrecision::F32 => 4,
-                        StatePrecision::Bf16 => 2,
-                        StatePrecision::Int8 => 1,
-                    }
-                };
-                count.and_then(|n| n.checked_mul(2 * per_value))
-            }
-        },
+        Some(o) => {
+            let buffers = match o.kind {
+                OptimizerKind::Adamw => 2,
+                OptimizerKind::Sgd if o.momentum.unwrap_or(0.0) != 0.0 => 1,
+                OptimizerKind::Sgd => 0,
+            };
+            let per_value = if request.allow.int8_state {
+                1
+            } else {
+                match o.state {
+                    StatePrecision::F32 => 4,
+                    StatePrecision::Bf16 => 2,
+                    StatePrecision::Int8 => 1,
+                }
+            };
+            count.and_then(|n| n.checked_mul(buffers * per_value))
+        }
     };
     let weights_copy = match optimizer {
         Some(_) => parameters,
         None => Some(0),
     };
-    let suite_input = spec.input_elements();
-    let global_input = match request.global_batch {
-        Some(b) if spec.batch.first().is_some_and(|&first| b > first) => spec
-            .with_global_batch(b)
-            .ok()
-            .and_then(|s| s.input_elements()),
+    let global_batch = match request.global_batch {
+        Some(b) if spec.batch.first().is_some_and(|&first| b > first) => {
+            spec.with_global_batch(b).ok().and_then(|s| s.batch_bytes())
+        }
         _ => Some(0),
     };
-    let input = suite_input
-        .zip(global_input)
-        .and_then(|(a, b)| a.checked_add(b))
-        .and_then(|n| n.checked_mul(F32));
+    let batch = spec
+        .batch_bytes()
+        .zip(global_batch)
+        .and_then(|(a, b)| a.checked_add(b));
     LeastMemory {
         parameters,
         largest_gradient: spec.largest_parameter().and_then(|n| n.checked_mul(F32)),
         optimizer_state,
         weights_copy,
-        input,
+        batch,
     }
 }
 
@@ -300,7 +337,7 @@ fn check_least(
             return Err(FitCaseError::TooLarge(format!(
                 "model '{name}' needs at least {} before its first step ({}), more than the suite's memory_limit of {}; {hint} (nothing was built)",
                 least.tensors().map_or("over 2^64 bytes".to_owned(), |t| Bytes(t).to_string()),
-                least.parts(),
+                least.parts(false),
                 Bytes(limit)
             )));
         }
@@ -315,7 +352,7 @@ fn check_least(
             return Err(FitCaseError::TooLarge(format!(
                 "model '{name}' needs at least {} before its first step ({}), more than the {} {what}; {hint}{int8} (nothing was built)",
                 least.total().map_or("over 2^64 bytes".to_owned(), |t| Bytes(t).to_string()),
-                least.parts(),
+                least.parts(true),
                 Bytes(available)
             )));
         }

@@ -206,8 +206,9 @@ struct FitArgs {
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<memsave_bench::FitLever>,
     /// The optimizer stepped in every step (its state counts in the peak; it allows
-    /// the step in backward). Default: the suite's first `optimizer:` technique, if
-    /// any, else none.
+    /// the step in backward), with its defaults. Default: the suite's first
+    /// `optimizer:` technique with its lr, betas, eps, weight_decay and momentum (fit
+    /// chooses its state's precision and where it steps), if any, else none.
     #[arg(long, value_name = "KIND")]
     optimizer: Option<FitOptimizer>,
     /// Fraction of the budget kept free for prediction errors.
@@ -273,13 +274,13 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => match e.downcast::<Invalid>() {
         // A signal ended a distributed case's ranks: end as the shells do.
         Err(e) if interrupted_by(&e).is_some() => {
             eprintln!("error: {}", memsave_bench::one_line(&format!("{e:#}")));
             let signal = interrupted_by(&e).unwrap_or(0);
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
+        Err(e) => match e.downcast::<Invalid>() {
             Ok(Invalid(e)) => {
                 for line in e.lines() {
                     eprintln!("error: {}", memsave_bench::one_line(line));
@@ -443,7 +444,6 @@ fn bench(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `memsave rank`: one rank of a distributed case.
 /// The signal that interrupted the ranks of a distributed case, if that is why the
 /// command failed.
 fn interrupted_by(e: &anyhow::Error) -> Option<i32> {
@@ -452,6 +452,7 @@ fn interrupted_by(e: &anyhow::Error) -> Option<i32> {
         .and_then(memsave_bench::distributed::DistributedError::interrupted_by)
 }
 
+/// `memsave rank`: one rank of a distributed case.
 fn rank(args: RankCli) -> Result<()> {
     let suite = Suite::from_file(&args.suite).map_err(invalid)?;
     let rank_args = memsave_bench::distributed::RankArgs {
@@ -494,13 +495,7 @@ fn fit(args: FitArgs) -> Result<()> {
         Some(FitOptimizer::Adamw) => Some(of(memsave_bench::OptimizerKind::Adamw)),
         Some(FitOptimizer::Sgd) => Some(of(memsave_bench::OptimizerKind::Sgd)),
         Some(FitOptimizer::None) => None,
-        // The suite's own optimizer, stepped after backward at f32 (fit decides the rest).
-        None => suite.strategies.iter().find_map(|s| {
-            s.techniques.iter().find_map(|t| match t {
-                memsave_bench::Technique::Optimizer(spec) => Some(of(spec.kind)),
-                _ => None,
-            })
-        }),
+        None => memsave_bench::fit::suite_optimizer(&suite),
     };
     let mut progress = FitProgress::new();
     let outcome =
@@ -513,8 +508,8 @@ fn fit(args: FitArgs) -> Result<()> {
         Err(e @ memsave_bench::FitCaseError::UnknownModel { .. }) => {
             return Err(invalid(format!("{}: {e}", args.suite)))
         }
-        Err(memsave_bench::FitCaseError::GlobalBatch { batch, reason }) => {
-            return Err(invalid(format!("--global-batch {batch}: {reason}")))
+        Err(memsave_bench::FitCaseError::GlobalBatch { batch, source }) => {
+            return Err(invalid(format!("--global-batch {batch}: {source}")))
         }
         Err(e @ memsave_bench::FitCaseError::TooLarge(_)) => return Err(anyhow::anyhow!("{e}")),
         Err(e @ memsave_bench::FitCaseError::Fit(memsave_fit::FitError::Infeasible { .. })) => {

@@ -560,6 +560,179 @@ fn the_largest_parameter_is_the_widest_weight_built() {
     }
 }
 
+/// The one model of `yaml`'s models list, parsed.
+fn model_of(model: &str) -> memsave_bench::ModelSpec {
+    let yaml = format!("suite: s\nmodels:\n  - {model}\nstrategies:\n  - baseline\n");
+    Suite::from_yaml(&yaml, "s.yaml").unwrap().models.remove(0)
+}
+
+const LINEAR: &str = "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}";
+
+/// SGD with momentum keeps one buffer per parameter (at the state's precision, or one
+/// byte a value with `int8_state` allowed); without momentum none. The model has
+/// 2 × (8 × 8 + 8) = 144 parameters: 576 bytes in f32.
+#[test]
+fn least_memory_counts_sgd_s_momentum_buffer() {
+    use memsave_bench::{least_memory, OptimizerKind, OptimizerSpec, StatePrecision};
+    let spec = model_of(LINEAR);
+    let request = memsave_fit::FitRequest::new(1 << 20);
+    let mut int8_allowed = memsave_fit::FitRequest::new(1 << 20);
+    int8_allowed.allow.int8_state = true;
+    let sgd = |momentum: Option<f64>, state| OptimizerSpec {
+        kind: OptimizerKind::Sgd,
+        momentum,
+        state,
+        ..Default::default()
+    };
+    for (optimizer, request, state_bytes) in [
+        (sgd(Some(0.9), StatePrecision::F32), &request, 576),
+        (sgd(Some(0.9), StatePrecision::Bf16), &request, 288),
+        (sgd(Some(0.9), StatePrecision::Int8), &request, 144),
+        (sgd(Some(0.9), StatePrecision::F32), &int8_allowed, 144),
+        (sgd(None, StatePrecision::F32), &request, 0),
+        (sgd(Some(0.0), StatePrecision::F32), &request, 0),
+        (sgd(None, StatePrecision::F32), &int8_allowed, 0),
+        // AdamW: two moments.
+        (OptimizerSpec::default(), &request, 1152),
+        (OptimizerSpec::default(), &int8_allowed, 288),
+    ] {
+        let least = least_memory(&spec, request, Some(&optimizer));
+        assert_eq!(
+            least.optimizer_state,
+            Some(state_bytes),
+            "{optimizer:?}, int8_state allowed: {}",
+            request.allow.int8_state
+        );
+        assert_eq!(least.parameters, Some(576));
+        assert_eq!(least.weights_copy, Some(576));
+    }
+    let none = least_memory(&spec, &request, None);
+    assert_eq!(none.optimizer_state, Some(0));
+    assert_eq!(none.weights_copy, Some(0));
+}
+
+/// The batch counts at the bytes of its dtypes: the harness's f32 input, the zoo's
+/// f32 images with an int64 label each, LLaMA's int64 token ids with their int64 next
+/// tokens as target.
+#[test]
+fn least_memory_counts_the_batch_at_its_dtypes_bytes() {
+    use memsave_bench::least_memory;
+    let request = memsave_fit::FitRequest::new(1 << 20);
+    // [4, 8] f32: 128 bytes.
+    let linear = least_memory(&model_of(LINEAR), &request, None);
+    assert_eq!(linear.batch, Some(128));
+    // 3 × 4 token ids and 3 × 4 targets, 8 bytes each: 96 + 96.
+    let llama = model_of(
+        "{name: l, kind: llama, vocab: 16, dim: 8, layers: 1, heads: 2, seq: 4, batch: 3}",
+    );
+    assert_eq!(least_memory(&llama, &request, None).batch, Some(192));
+    // A global batch of 6 is a new batch besides the suite's: 6 × 4 × 8 × 2 = 384 more.
+    let mut global = memsave_fit::FitRequest::new(1 << 20);
+    global.global_batch = Some(6);
+    assert_eq!(least_memory(&llama, &global, None).batch, Some(576));
+    // 2 images of 3 × 8 × 8 f32 (1536 bytes) and 2 int64 labels (16 bytes).
+    let vit = model_of(
+        "{name: v, kind: vit, image: [3, 8, 8], patch: 4, dim: 8, layers: 1, heads: 2, mlp: 16, classes: 5, batch: 2}",
+    );
+    assert_eq!(least_memory(&vit, &request, None).batch, Some(1552));
+}
+
+#[test]
+fn a_global_batch_refused_by_fit_keeps_the_suite_s_error_as_its_cause() {
+    let suite = Suite::from_yaml(
+        &format!("suite: s\nmodels:\n  - {LINEAR}\nstrategies:\n  - baseline\n"),
+        "s.yaml",
+    )
+    .unwrap();
+    let mut request = memsave_fit::FitRequest::new(1 << 20);
+    request.global_batch = Some(0);
+    let e = memsave_bench::fit_model(&suite, "a", &request, None).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "a global batch of 0: must be positive, got 0"
+    );
+    let cause = std::error::Error::source(&e).expect("the suite's error as the cause");
+    assert_eq!(
+        cause.downcast_ref::<memsave_bench::ModelSpecError>(),
+        Some(&memsave_bench::ModelSpecError::BatchNotPositive { batch: 0 })
+    );
+}
+
+/// `memsave fit` steps the suite's first optimizer with its hyperparameters (the
+/// state's precision, its placement and the step in backward are fit's to choose).
+#[test]
+fn fit_takes_the_suite_s_optimizer_with_its_hyperparameters() {
+    use memsave_bench::{OptimizerKind, OptimizerSpec};
+    let suite = |strategies: &str| {
+        Suite::from_yaml(
+            &format!("suite: s\nmodels:\n  - {LINEAR}\nstrategies:\n{strategies}"),
+            "s.yaml",
+        )
+        .unwrap()
+    };
+    let sgd = suite(
+        "  - baseline\n  - {name: o, with: [{optimizer: {kind: sgd, lr: 0.1, momentum: 0.9, weight_decay: 0.01, state: bf16, in_backward: true}}]}\n  - optimizer: {kind: adamw}\n",
+    );
+    assert_eq!(
+        memsave_bench::fit::suite_optimizer(&sgd),
+        Some(OptimizerSpec {
+            kind: OptimizerKind::Sgd,
+            lr: Some(0.1),
+            momentum: Some(0.9),
+            weight_decay: Some(0.01),
+            ..Default::default()
+        })
+    );
+    let adamw = suite(
+        "  - optimizer: {kind: adamw, lr: 3e-4, betas: [0.9, 0.95], eps: 1e-6, weight_decay: 0.1, placement: cpu}\n",
+    );
+    assert_eq!(
+        memsave_bench::fit::suite_optimizer(&adamw),
+        Some(OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: Some(3e-4),
+            betas: Some((0.9, 0.95)),
+            eps: Some(1e-6),
+            weight_decay: Some(0.1),
+            ..Default::default()
+        })
+    );
+    assert_eq!(
+        memsave_bench::fit::suite_optimizer(&suite("  - baseline\n")),
+        None
+    );
+}
+
+/// The CLI hands the suite's SGD momentum to fit: the momentum buffer (576 bytes) is
+/// counted in what the model needs before its first step, over the suite's
+/// memory_limit of 1000 bytes; without it the model would need 960 bytes.
+#[test]
+#[serial]
+fn the_cli_counts_the_suite_s_sgd_momentum_before_building() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("m.yaml"),
+        format!("suite: m\nmemory_limit: 1000B\nmodels:\n  - {LINEAR}\nstrategies:\n  - optimizer: {{kind: sgd, lr: 0.1, momentum: 0.9}}\n"),
+    )
+    .unwrap();
+    let out = memsave(
+        &["fit", "m.yaml", "--model", "a", "--budget", "1KiB"],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_one_error_line(&err);
+    // 576 parameters + 576 momentum + 256 largest gradient + 128 input = 1536 bytes.
+    assert!(
+        err.contains(
+            "model 'a' needs at least 1.50 KiB before its first step (parameters 576 B, \
+             optimizer state 576 B, largest gradient 256 B, batch 128 B), more than the \
+             suite's memory_limit of 1000 B"
+        ),
+        "{err}"
+    );
+}
+
 /// A suite's `fit: {allow: [...]}` and `memsave fit --allow` name the same typed
 /// levers, which turn into fit's `Allow` in one place.
 #[test]

@@ -154,6 +154,30 @@ impl ModelSpec {
             .try_fold(1u64, |n, d| n.checked_mul(u64::try_from(d).ok()?))
     }
 
+    /// The bytes of the batch the model trains on (the suite's, or this spec's after
+    /// [`with_global_batch`](Self::with_global_batch)): the input, f32 except LLaMA's
+    /// int64 token ids, and a zoo model's int64 target (a class index per image, the
+    /// next token at each position); `None` when the count overflows a `u64`.
+    ///
+    /// Trap: [`input_elements`](Self::input_elements) counts elements, not bytes, and
+    /// not the target.
+    pub fn batch_bytes(&self) -> Option<u64> {
+        const F32: u64 = 4;
+        const INT64: u64 = 8;
+        let input = self.input_elements()?;
+        match self.kind.architecture() {
+            None => input.checked_mul(F32),
+            // The target has the input's shape: the tokens shifted by one.
+            Some(Architecture::Llama(_)) => input.checked_mul(2 * INT64),
+            Some(_) => {
+                let examples = u64::try_from(*self.batch.first()?).ok()?;
+                input
+                    .checked_mul(F32)?
+                    .checked_add(examples.checked_mul(INT64)?)
+            }
+        }
+    }
+
     /// The number of trainable parameters (weights and biases of every block);
     /// `None` when it overflows a `u64` (or, for a zoo model, when the configuration
     /// is one its architecture refuses, e.g. a ResNet depth it does not have).
