@@ -44,11 +44,13 @@ unsafe extern "C" fn run(ctx: *mut c_void, tensor: *const C_tensor, status: *mut
         let mut f = shared
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        f(&t)
+        // The error's text is made, and the error dropped, inside `catch_unwind`: its
+        // `Display` or `Drop` is the caller's code and may panic.
+        f(&t).map_err(|e| callback_message(&*e))
     }));
     let message = match result {
         Ok(Ok(())) => return,
-        Ok(Err(e)) => callback_message(&*e),
+        Ok(Err(message)) => message,
         Err(payload) => format!("panicked: {}", panic_message(&*payload)),
     };
     let message = CString::new(message.replace('\0', " ")).unwrap_or_default();

@@ -54,17 +54,23 @@ fn write_error(sink: *mut c_void, message: &str) {
 }
 
 /// The bridge status of a hook call: 0, or 1 after writing its error or panic to `error`.
-fn status(
-    result: std::thread::Result<std::result::Result<(), CallbackError>>,
-    error: *mut c_void,
-) -> i32 {
+///
+/// Callers turn a hook's error into its text inside their `catch_unwind` ([`caught`]):
+/// the error's `Display` and `Drop` are the user's code and may panic.
+fn status(result: std::thread::Result<std::result::Result<(), String>>, error: *mut c_void) -> i32 {
     let message = match result {
         Ok(Ok(())) => return 0,
-        Ok(Err(e)) => callback_message(&*e),
+        Ok(Err(message)) => message,
         Err(payload) => format!("panicked: {}", panic_message(&*payload)),
     };
     write_error(error, &message);
     1
+}
+
+/// A hook's error as its text, made (and the error dropped) where a panic of its
+/// `Display` or `Drop` is still caught.
+fn caught(e: CallbackError) -> String {
+    callback_message(&*e)
 }
 
 unsafe extern "C" fn pack(
@@ -82,7 +88,7 @@ unsafe extern "C" fn pack(
         let saved_by = (!saved_by.is_null())
             // SAFETY: a non-null `saved_by` is a NUL-terminated op name that outlives the call.
             .then(|| unsafe { std::ffi::CStr::from_ptr(saved_by) }.to_string_lossy());
-        let p = hooks.pack(&tensor, saved_by.as_deref())?;
+        let p = hooks.pack(&tensor, saved_by.as_deref()).map_err(caught)?;
         // SAFETY: `packed` is a valid out-pointer; ownership passes to the bridge,
         // which hands it back to `free_packed` exactly once.
         unsafe { *packed = Box::into_raw(Box::new(Stored::new(p))) as *mut c_void };
@@ -105,7 +111,7 @@ unsafe extern "C" fn unpack(
         let packed = stored
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let t = hooks.unpack(&packed)?;
+        let t = hooks.unpack(&packed).map_err(caught)?;
         // SAFETY: `out` is a live at::Tensor slot of the bridge; the handle is copied.
         unsafe { ffi::ms_tensor_assign(out, t.as_ptr()) };
         Ok(())

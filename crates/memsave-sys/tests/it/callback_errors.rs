@@ -129,3 +129,48 @@ fn a_checkpointed_function_s_error_that_panics_when_printed_is_a_panic_not_an_ab
         "{e}"
     );
 }
+
+#[test]
+#[parallel]
+fn a_grad_hook_s_error_that_panics_when_printed_is_a_panic_not_an_abort() {
+    let w = leaf();
+    let _hook = register_post_accumulate_grad_hook(
+        &w,
+        Box::new(|_: &Tensor| Err(Box::new(Unprintable) as CallbackError)),
+    )
+    .unwrap();
+    let e = (&w * 2.0).sum(Kind::Float).f_backward().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("panicked: this error cannot be printed"),
+        "{e}"
+    );
+}
+
+/// Packs by keeping the tensor; unpacking fails with an error that cannot be printed.
+struct UnprintableUnpack;
+
+impl RawHooks for UnprintableUnpack {
+    fn pack(&self, tensor: &Tensor, _saved_by: Option<&str>) -> Result<Packed, CallbackError> {
+        Ok(Box::new(tensor.shallow_clone()))
+    }
+
+    fn unpack(&self, _packed: &Packed) -> Result<Tensor, CallbackError> {
+        Err(Box::new(Unprintable))
+    }
+}
+
+#[test]
+#[parallel]
+fn an_unpack_hook_s_error_that_panics_when_printed_is_a_panic_not_an_abort() {
+    let w = leaf();
+    let frame = hooks::push(Arc::new(UnprintableUnpack)).unwrap();
+    let y = (&w * &w).sum(Kind::Float);
+    frame.exit().unwrap();
+    let e = y.f_backward().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("panicked: this error cannot be printed"),
+        "{e}"
+    );
+}
