@@ -4,6 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use memsave_optim::{Optimizer, Rule};
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use memsave_sys::hooks::{Packed, RawHooks};
 use memsave_sys::CallbackError;
@@ -142,16 +143,19 @@ pub struct FsdpStats {
 ///
 /// **The step**: build any `memsave-optim` optimizer over [`Fsdp::parameters`] (the
 /// shards); it steps only this rank's shard, with any rule, state precision or
-/// placement. Call [`Fsdp::f_finish_backward`] after a step's last backward: it
+/// placement (8-bit state's blocks then run over each shard from its first value, so
+/// they group values differently than over each parameter on one process). Or hand
+/// the optimizer to [`Fsdp::step_in_backward`]: each shard then steps as soon as its
+/// unit's reduce-scatter lands. Call [`Fsdp::f_finish_backward`] after a step's last backward: it
 /// reduces the units some of whose parameters got no gradient (with zeros for those)
 /// and frees any weights still gathered.
 ///
 /// Traps: every rank must run the same units in the same order, forward and backward,
 /// or the collectives wait on each other until the group's timeout. Parameters must be
 /// contiguous f32 CPU tensors that require grad, each in one unit. The optimizer's
-/// `max_grad_norm` would clip by this rank's shard alone; clip outside it. Its
-/// `step_in_backward` is not supported (the shards' gradients are not set by
-/// autograd). With `Placement::Disk`, give each rank its own directory. Each parameter
+/// `max_grad_norm` would clip by this rank's shard alone; clip outside it. Its own
+/// `step_in_backward` does not fire on the shards (their gradients are not set by
+/// autograd): use [`Fsdp::step_in_backward`]. With `Placement::Disk`, give each rank its own directory. Each parameter
 /// carries one post-accumulate-grad hook, so it cannot also be given to data parallel
 /// or ZeRO-2. Keep the `Fsdp` alive while its units are used: dropping it removes the
 /// hooks that reduce the gradients.
@@ -191,6 +195,10 @@ impl fmt::Debug for FsdpUnit {
     }
 }
 
+/// Steps one shard (its unit's index) when its gradients land: see
+/// [`Fsdp::step_in_backward`].
+type ShardStep = Box<dyn FnMut(usize) -> Result<()> + Send>;
+
 /// The state the units, the hooks and the saved-tensor hook share.
 pub(crate) struct Shared {
     pub(crate) group: ProcessGroup,
@@ -204,6 +212,8 @@ pub(crate) struct Shared {
     reductions: u64,
     /// Units whose gathered weights something still held after a resharding forward.
     held_after_forward: Vec<usize>,
+    /// Set by [`Fsdp::step_in_backward`].
+    step: Option<ShardStep>,
 }
 
 /// One unit's parameters and shard.
@@ -252,6 +262,7 @@ impl Fsdp {
                 gathers: 0,
                 reductions: 0,
                 held_after_forward: Vec::new(),
+                step: None,
             })),
             group: group.clone(),
         })
@@ -465,6 +476,53 @@ impl Fsdp {
         Ok(())
     }
 
+    /// The optimizer step in backward (ZeRO-3's counterpart of memsave-optim's
+    /// `step_in_backward`): from now on, each unit's shard is stepped (the optimizer's
+    /// `f_step_param`) as soon as its gradients are reduce-scattered into it, and its
+    /// gradient is then dropped; so a rank never holds more than one unit's shard
+    /// gradient, and no step follows backward. Returns the optimizer, shared with the
+    /// hook: read its state or step counts through the mutex; do not call its `f_step`.
+    ///
+    /// `optimizer` must hold exactly [`Fsdp::parameters`], in that order (an `Err`
+    /// otherwise, before anything changes). Traps: every backward steps, so this does
+    /// not combine with gradient accumulation over micro-batches; global gradient-norm
+    /// clipping is not applied (as with `f_step_param`); units whose reduction waits
+    /// for [`Fsdp::f_finish_backward`] (some parameter got no gradient) step there. An
+    /// optimizer error fails the backward, naming this rank. Registering again replaces
+    /// the previous optimizer.
+    pub fn step_in_backward<R: Rule>(
+        &self,
+        optimizer: Optimizer<R>,
+    ) -> Result<Arc<Mutex<Optimizer<R>>>> {
+        let rank = self.group.rank();
+        let shards = self.parameters();
+        let params = optimizer.params();
+        let same = params.len() == shards.len()
+            && params
+                .iter()
+                .zip(&shards)
+                .all(|(p, s)| p.data_ptr() == s.data_ptr() && p.numel() == s.numel());
+        if !same {
+            return Err(DistError::Config {
+                rank,
+                reason: format!(
+                    "step_in_backward: the optimizer holds {} parameters that are not this Fsdp's {} shards in order; build it over Fsdp::parameters()",
+                    params.len(),
+                    shards.len()
+                ),
+            });
+        }
+        let optimizer = Arc::new(Mutex::new(optimizer));
+        let stepped = Arc::clone(&optimizer);
+        self.state().step = Some(Box::new(move |unit| {
+            let mut opt = stepped.lock().unwrap_or_else(|e| e.into_inner());
+            opt.f_step_param(unit)
+                .map(|_| ())
+                .map_err(|source| DistError::Optim { rank, source })
+        }));
+        Ok(optimizer)
+    }
+
     /// Every unit's full parameters, in the order they were given to
     /// [`Fsdp::fully_shard`], as new tensors (copies, without grad). A collective: one
     /// all-gather per unit not gathered now.
@@ -648,7 +706,12 @@ impl Shared {
         u.ready.iter_mut().for_each(|r| *r = false);
         u.owed = false;
         self.reductions += 1;
-        self.free(unit)
+        self.free(unit)?;
+        if let Some(step) = self.step.as_mut() {
+            step(unit)?;
+            memsave_sys::tensor::set_grad_none(&self.units[unit].shard)?;
+        }
+        Ok(())
     }
 
     /// Drops every parameter's and shard's gradient and every gathered weight, and
