@@ -18,8 +18,9 @@ pub enum StepError {
     /// The device (or memsave's simulated capacity) ran out of memory; the message is
     /// libtorch's. The gradients of the failed step are freed; the parameters are
     /// unchanged unless the optimizer had begun stepping (in backward), and then each
-    /// parameter is either stepped once or not at all.
-    #[error("out of memory: {message}")]
+    /// parameter is either stepped once or not at all. Its text is the message, which
+    /// says "out of memory" (or the system's "not enough memory") itself.
+    #[error("{message}")]
     OutOfMemory {
         /// libtorch's (or the lever's) message.
         message: String,

@@ -607,14 +607,26 @@ fn accumulation(e: memsave_accum::AccumError) -> StepError {
 /// An error of the accumulation loop: a micro-batch's own [`StepError`] (raised in the
 /// step's closure) as it was, anything else as the accumulation's.
 fn micro_batch_error(e: memsave_accum::AccumError) -> StepError {
-    match e {
-        memsave_accum::AccumError::MicroBatch { source, .. } if source.is::<StepError>() => {
-            match source.downcast::<StepError>() {
+    use memsave_accum::AccumError;
+    let inner = match &e {
+        AccumError::MicroBatch { source, .. } => source.downcast_ref::<StepError>(),
+        _ => None,
+    };
+    match inner {
+        // A configuration refused inside the loop is the configuration's error.
+        Some(StepError::InvalidConfig(_)) => match e {
+            AccumError::MicroBatch { source, .. } => match source.downcast::<StepError>() {
                 Ok(step) => *step,
                 Err(other) => StepError::lever("accumulation", other),
-            }
-        }
-        other => accumulation(other),
+            },
+            other => accumulation(other),
+        },
+        // Out of memory stays out of memory, its text naming the micro-batch.
+        Some(step) if step.is_out_of_memory() => StepError::OutOfMemory {
+            message: e.to_string(),
+            source: Box::new(e),
+        },
+        _ => accumulation(e),
     }
 }
 

@@ -46,10 +46,7 @@ fn an_allocation_that_fails_is_out_of_memory_with_its_cause() {
         };
         assert!(err.is_out_of_memory(), "{name}: {err:?}");
         assert!(err.source().is_some(), "{name}: the cause is lost: {err:?}");
-        assert!(
-            err.to_string().starts_with("out of memory"),
-            "{name}: {err}"
-        );
+        assert!(err.to_string().contains("out of memory"), "{name}: {err}");
         memsave_accum::free_grads(&params).unwrap();
     }
 }
