@@ -26,11 +26,11 @@
 //! - with bf16 autocast: the statistics come from bf16 activations: bitwise the step of
 //!   the same autocast (and split) with no other lever.
 //!
-//! Sizes: 5 classes, a global batch of 8, ResNet-18 on 64x64 images (the gradients,
-//! 43 MiB, are most of the plain step's peak, so budgets below it need them in files),
-//! MobileNetV2 on 48x48 (activations are most of it). Two budgets a model (a fit
-//! takes tens of seconds in a debug build), the candidates covering the rest; still
-//! minutes in all. Run with `--nocapture` for the choices, their
+//! Sizes: 5 classes, a global batch of 8, ResNet-18 on 64x64 images and MobileNetV2
+//! on 48x48 (at 32x32 their last stages are 1x1, so a one-example micro-batch gives
+//! BatchNorm one value a channel: a NaN running variance on both sides). One budget a model, half the
+//! plain step's peak with every lever allowed (a fit takes seconds to tens of seconds
+//! in a debug build); the candidates it considers, lossless and lossy, cover the rest. Run with `--nocapture` for the choices, their
 //! figures and the configurations checked.
 use memsave_fit::{fit, Allow, Choice, FitError, FitRequest};
 use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, ZooWorkload};
@@ -303,20 +303,12 @@ const LOSSLESS: Allow = Allow {
 
 #[test]
 fn resnet18_fit_choices_update_running_statistics_once_or_as_documented() {
-    let s = check(
-        "resnet18",
-        &resnet18(),
-        &[(0.5, LOSSLESS), (0.45, Allow::all())],
-    );
+    let s = check("resnet18", &resnet18(), &[(0.5, Allow::all())]);
     println!("{s:?}");
 }
 
 #[test]
 fn mobilenet_v2_fit_choices_update_running_statistics_once_or_as_documented() {
-    let s = check(
-        "mobilenet_v2",
-        &mobilenet_v2(),
-        &[(0.35, LOSSLESS), (0.5, Allow::all())],
-    );
+    let s = check("mobilenet_v2", &mobilenet_v2(), &[(0.5, Allow::all())]);
     println!("{s:?}");
 }
