@@ -122,6 +122,7 @@ fn copies(ts: &[Tensor]) -> Vec<Tensor> {
 }
 
 #[test]
+#[serial_test::serial]
 fn resnet18_trained_with_fit_s_choice_matches_plain_training_within_the_budget() {
     memsave_meter::install();
     let mut plain = Patterned::new();

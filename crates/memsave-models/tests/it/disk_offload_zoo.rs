@@ -194,6 +194,7 @@ impl Expected {
 /// plain, under the recorder, and under a `DiskOffload` made for the step (the batch
 /// excluded, as memsave-step does).
 #[test]
+#[serial_test::serial]
 fn disk_offload_on_resnet18_writes_each_saved_activation_once_and_no_running_statistic() {
     let (plain, mut plain_opt) = build();
     let (recorded, mut recorded_opt) = build();

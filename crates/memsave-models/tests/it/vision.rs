@@ -122,6 +122,7 @@ fn check_against_tch(
 }
 
 #[test]
+#[serial_test::serial]
 fn resnet18_loads_tchs_checkpoint_and_gives_its_logits() {
     let _g = serial();
     check_against_tch(
@@ -134,6 +135,7 @@ fn resnet18_loads_tchs_checkpoint_and_gives_its_logits() {
 }
 
 #[test]
+#[serial_test::serial]
 fn resnet50_loads_tchs_checkpoint_and_gives_its_logits() {
     let _g = serial();
     check_against_tch(
@@ -146,6 +148,7 @@ fn resnet50_loads_tchs_checkpoint_and_gives_its_logits() {
 }
 
 #[test]
+#[serial_test::serial]
 fn mobilenet_v2_loads_tchs_checkpoint_and_gives_its_logits() {
     let _g = serial();
     // tch pools with two means and applies ReLU6 out of place: equal up to rounding.
@@ -160,6 +163,7 @@ fn mobilenet_v2_loads_tchs_checkpoint_and_gives_its_logits() {
 
 /// Parameter counts at 1000 classes, from torchvision 0.28.0, and tch's variables.
 #[test]
+#[serial_test::serial]
 fn parameter_counts_and_names_are_torchvisions_and_tchs() {
     let _g = serial();
     type Make = fn(&nn::Path) -> Box<dyn ModuleT>;
@@ -212,6 +216,7 @@ fn parameter_counts_and_names_are_torchvisions_and_tchs() {
 /// One layer per block: stem, residual blocks, head (and MobileNetV2's first and last
 /// convolutions).
 #[test]
+#[serial_test::serial]
 fn one_layer_per_block() {
     let _g = serial();
     for (arch, expected) in [
@@ -235,6 +240,7 @@ fn config_error(arch: &Architecture) -> (&'static str, String) {
 }
 
 #[test]
+#[serial_test::serial]
 fn bad_configurations_are_refused_with_their_key() {
     let _g = serial();
     let cases = [
@@ -306,6 +312,7 @@ fn train_loss(w: &ZooWorkload, batch: &memsave_step::Batch) -> Tensor {
 /// steps bring the loss well below its start. The learning rates are ones at which
 /// torchvision's models, from their own initialization, do the same.
 #[test]
+#[serial_test::serial]
 fn sgd_steps_through_the_workload_lower_the_loss() {
     let _g = serial();
     for (arch, lr) in [
@@ -351,6 +358,7 @@ fn running_stats(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
 }
 
 #[test]
+#[serial_test::serial]
 fn running_statistics_move_in_a_train_step_only() {
     let _g = serial();
     // (architecture, BatchNorm layers, running-statistics elements as torchvision's
@@ -385,6 +393,7 @@ fn running_statistics_move_in_a_train_step_only() {
 /// running statistics: the recomputation replays MobileNetV2's dropout mask and
 /// BatchNorm updates its running statistics once.
 #[test]
+#[serial_test::serial]
 fn checkpointing_every_block_changes_nothing_but_memory() {
     let _g = serial();
     for arch in [resnet(18, 6, [3, 32, 32]), mobilenet(6, [3, 32, 32])] {
@@ -419,6 +428,7 @@ fn checkpointing_every_block_changes_nothing_but_memory() {
 /// against torchvision's with the same number of threads (two threads change
 /// MobileNetV2's by a few kilobytes).
 #[test]
+#[serial_test::serial]
 fn baseline_peak_is_torchvisions() {
     let _g = serial();
     memsave_meter::install();

@@ -110,6 +110,7 @@ fn assert_uncoupled(report: &FitReport) {
 }
 
 #[test]
+#[serial_test::serial]
 fn fit_on_resnet18_keeps_the_model_and_never_calls_a_split_lossless() {
     let arch = Architecture::ResNet(ResNetConfig {
         depth: 18,
@@ -121,6 +122,7 @@ fn fit_on_resnet18_keeps_the_model_and_never_calls_a_split_lossless() {
 }
 
 #[test]
+#[serial_test::serial]
 fn fit_on_mobilenet_v2_at_half_the_plain_peak_is_lossless_and_within_budget() {
     let arch = Architecture::MobileNetV2(MobileNetV2Config {
         classes: 5,
@@ -131,6 +133,7 @@ fn fit_on_mobilenet_v2_at_half_the_plain_peak_is_lossless_and_within_budget() {
 }
 
 #[test]
+#[serial_test::serial]
 fn fit_on_vit_at_half_the_plain_peak_is_lossless_and_within_budget() {
     let arch = Architecture::Vit(VitConfig {
         image: [3, 32, 32],
@@ -146,6 +149,7 @@ fn fit_on_vit_at_half_the_plain_peak_is_lossless_and_within_budget() {
 }
 
 #[test]
+#[serial_test::serial]
 fn fit_on_llama_at_half_the_plain_peak_is_lossless_and_within_budget() {
     let arch = Architecture::Llama(LlamaConfig {
         vocab: 512,

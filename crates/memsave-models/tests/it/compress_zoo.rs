@@ -182,6 +182,7 @@ fn check_batch(name: &str, arch: &Architecture, batch: i64) -> Vec<String> {
 }
 
 #[test]
+#[serial_test::serial]
 fn resnet18_compress_defaults_keep_gradients_close_and_memory_small() {
     // CIFAR-100's images and classes.
     let arch = Architecture::ResNet(ResNetConfig {
@@ -193,6 +194,7 @@ fn resnet18_compress_defaults_keep_gradients_close_and_memory_small() {
 }
 
 #[test]
+#[serial_test::serial]
 fn mobilenet_v2_compress_defaults_keep_gradients_close_and_memory_small() {
     // CIFAR-100's images and classes.
     let arch = Architecture::MobileNetV2(MobileNetV2Config {
@@ -203,6 +205,7 @@ fn mobilenet_v2_compress_defaults_keep_gradients_close_and_memory_small() {
 }
 
 #[test]
+#[serial_test::serial]
 fn vit_compress_defaults_keep_gradients_close_and_memory_small() {
     let arch = Architecture::Vit(VitConfig {
         image: [3, 32, 32],
@@ -217,6 +220,7 @@ fn vit_compress_defaults_keep_gradients_close_and_memory_small() {
 }
 
 #[test]
+#[serial_test::serial]
 fn llama_compress_defaults_keep_gradients_close_and_memory_small() {
     let arch = Architecture::Llama(LlamaConfig {
         vocab: 512,

@@ -82,6 +82,7 @@ fn check(arch: &Architecture) {
 }
 
 #[test]
+#[serial_test::serial]
 fn resnet18_running_statistics_are_a_plain_steps_under_every_plan() {
     let arch = Architecture::ResNet(ResNetConfig {
         depth: 18,
@@ -92,6 +93,7 @@ fn resnet18_running_statistics_are_a_plain_steps_under_every_plan() {
 }
 
 #[test]
+#[serial_test::serial]
 fn mobilenet_v2_running_statistics_are_a_plain_steps_under_every_plan() {
     let arch = Architecture::MobileNetV2(MobileNetV2Config {
         classes: 5,

@@ -302,12 +302,14 @@ const LOSSLESS: Allow = Allow {
 };
 
 #[test]
+#[serial_test::serial]
 fn resnet18_fit_choices_update_running_statistics_once_or_as_documented() {
     let s = check("resnet18", &resnet18(), &[(0.5, Allow::all())]);
     println!("{s:?}");
 }
 
 #[test]
+#[serial_test::serial]
 fn mobilenet_v2_fit_choices_update_running_statistics_once_or_as_documented() {
     let s = check("mobilenet_v2", &mobilenet_v2(), &[(0.5, Allow::all())]);
     println!("{s:?}");

@@ -88,6 +88,7 @@ fn tch_example_variables(
 }
 
 #[test]
+#[serial_test::serial]
 fn llama_variables_are_the_tch_example_s_and_its_store_loads() {
     let _guard = serial();
     let config = small_llama();
@@ -140,6 +141,7 @@ fn llama_variables_are_the_tch_example_s_and_its_store_loads() {
 }
 
 #[test]
+#[serial_test::serial]
 fn llama_gqa_runs_and_counts_its_parameters() {
     let _guard = serial();
     let config = LlamaConfig {
@@ -179,6 +181,7 @@ fn llama_gqa_runs_and_counts_its_parameters() {
 }
 
 #[test]
+#[serial_test::serial]
 fn llama_gqa_equals_multi_head_attention_with_repeated_kv_weights() {
     let _guard = serial();
     // Grouped-query attention is multi-head attention whose k/v heads are repeated:
@@ -227,6 +230,7 @@ fn llama_gqa_equals_multi_head_attention_with_repeated_kv_weights() {
 }
 
 #[test]
+#[serial_test::serial]
 fn llama_tied_head_has_vocab_times_dim_fewer_parameters() {
     let _guard = serial();
     let untied = workload(Architecture::Llama(small_llama()), 2);
@@ -305,6 +309,7 @@ fn torchvision_vit_state_dict() -> BTreeMap<String, Vec<i64>> {
 }
 
 #[test]
+#[serial_test::serial]
 fn vit_variables_are_torchvision_s_state_dict() {
     let _guard = serial();
     let model = workload(Architecture::Vit(small_vit()), 2);
@@ -333,6 +338,7 @@ fn vit_variables_are_torchvision_s_state_dict() {
 }
 
 #[test]
+#[serial_test::serial]
 fn validation_errors_name_their_key() {
     let _guard = serial();
     let llama = small_llama;
@@ -512,6 +518,7 @@ fn sgd_losses(model: &ZooWorkload, lr: f64, steps: usize) -> Vec<f64> {
 }
 
 #[test]
+#[serial_test::serial]
 fn sgd_steps_reduce_the_loss() {
     let _guard = serial();
     let llama = workload(
@@ -572,6 +579,7 @@ fn baseline_peak(model: &ZooWorkload) -> u64 {
 /// `backward()`, minus the bytes at the start. One thread because CPU attention sizes
 /// its scratch by the thread count (vit_b's peak is 2251668 with two).
 #[test]
+#[serial_test::serial]
 fn baseline_step_bytes_equal_pytorch_s() {
     let _guard = serial();
     memsave_meter::install();

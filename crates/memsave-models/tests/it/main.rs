@@ -1,0 +1,11 @@
+//! The integration tests of memsave-models, built as one test binary (one libtorch link instead
+//! of one per file). Every test is `#[serial]`: nearly all measure the process's
+//! allocations (fit, peaks against PyTorch's) or seed the global generator.
+mod compress_zoo;
+mod disk_offload_zoo;
+mod fit_running_stats;
+mod fit_zoo;
+mod resnet18_training;
+mod running_stats;
+mod transformers;
+mod vision;
