@@ -57,20 +57,23 @@ fn write_error(sink: *mut c_void, message: &str) {
 ///
 /// Callers turn a hook's error into its text inside their `catch_unwind` ([`caught`]):
 /// the error's `Display` and `Drop` are the user's code and may panic.
-fn status(result: std::thread::Result<std::result::Result<(), String>>, error: *mut c_void) -> i32 {
+fn status(result: std::thread::Result<std::result::Result<(), Failed>>, error: *mut c_void) -> i32 {
     let message = match result {
         Ok(Ok(())) => return 0,
-        Ok(Err(message)) => message,
+        Ok(Err(Failed(message))) => message,
         Err(payload) => format!("panicked: {}", panic_message(&*payload)),
     };
     write_error(error, &message);
     1
 }
 
+/// A hook that failed: its error's text, for libtorch.
+struct Failed(String);
+
 /// A hook's error as its text, made (and the error dropped) where a panic of its
 /// `Display` or `Drop` is still caught.
-fn caught(e: CallbackError) -> String {
-    callback_message(&*e)
+fn caught(e: CallbackError) -> Failed {
+    Failed(callback_message(&*e))
 }
 
 unsafe extern "C" fn pack(
