@@ -731,8 +731,9 @@ pub(crate) fn rank_config(
             .cloned()
             .collect(),
     };
-    let config = resolve(&rest).map_err(RanksUnavailable::new)?;
-    crate::models::residual_available(model, config.residual).map_err(RanksUnavailable::new)?;
+    let config = resolve(&rest).map_err(|e| RanksUnavailable::new(e.to_string()))?;
+    crate::models::residual_available(model, config.residual)
+        .map_err(|e| RanksUnavailable::new(e.to_string()))?;
     mode.check(&config).map_err(|e| match e {
         StepError::InvalidConfig(reason) => RanksUnavailable::new(reason),
         other => RanksUnavailable::new(other.to_string()),

@@ -309,7 +309,7 @@ fn check(name: &str) -> Result<()> {
             .filter_map(|m| {
                 memsave_bench::availability(m, strategy, suite.world_size)
                     .err()
-                    .map(|why| (m.name.as_str(), why))
+                    .map(|why| (m.name.as_str(), why.to_string()))
             })
             .collect();
         let everywhere =

@@ -58,7 +58,7 @@ use crate::models::Model;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
-use crate::strategies::{resolve, PlanChoice, ResidualUpdate, StepConfig};
+use crate::strategies::{resolve, PlanChoice, ResidualUpdate, StepConfig, Unavailable};
 use crate::suite::{
     AutoBatchSpec, DeviceChoice, FitSpec, ModelSpec, StrategySpec, Suite, Technique,
 };
@@ -174,21 +174,20 @@ pub fn selected_cases<'s>(
 ///   - {name: scaled, with: [grad_scaler, {optimizer: {kind: adamw, in_backward: true}}]}
 /// ", "doc.yaml")?;
 /// let why = availability(&suite.models[0], &suite.strategies[0], None).unwrap_err();
-/// assert!(why.contains("grad_scaler"), "{why}");
+/// assert!(why.to_string().contains("grad_scaler"), "{why}");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn availability(
     model: &ModelSpec,
     strategy: &StrategySpec,
     world_size: Option<usize>,
-) -> Result<(), String> {
+) -> Result<(), Unavailable> {
     match world_size {
         None => resolve(strategy)
-            .and_then(|config| crate::models::residual_available(model, config.residual))
-            .map_err(String::from),
+            .and_then(|config| crate::models::residual_available(model, config.residual)),
         Some(n) => crate::distributed::rank_config(model, strategy, n)
             .map(|_| ())
-            .map_err(|e| e.reason),
+            .map_err(|e| Unavailable::OnRanks(e.reason)),
     }
 }
 
@@ -402,7 +401,7 @@ pub fn run_workload(
         isolated(|| {
             workload
                 .batch(workload.global_batch())
-                .map_err(|e| e.to_string())
+                .map_err(|e| CaseError(e.to_string()))
         })
     };
     let cases = match x {
@@ -514,7 +513,7 @@ struct Workbench<'m> {
 }
 
 /// A bundled model built from the suite's seed, so a rebuild is identical.
-fn build_bundled(spec: &ModelSpec, settings: &Settings) -> Result<(Model, Batch), String> {
+fn build_bundled(spec: &ModelSpec, settings: &Settings) -> Result<(Model, Batch), CaseError> {
     isolated(|| {
         tch::manual_seed(settings.seed as i64);
         let model = Model::build(spec, settings.device).map_err(|e| e.to_string())?;
@@ -618,7 +617,7 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
                 &name,
                 &strategy.name,
                 Status::Unavailable,
-                reason.into(),
+                reason.to_string(),
             ))
         }
     };
@@ -653,7 +652,7 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
             &name,
             &strategy.name,
             Status::Error,
-            error,
+            error.0,
         )),
     }
 }
@@ -669,7 +668,7 @@ fn measure_case(
     config: &StepConfig,
     settings: &Settings,
     reference: &mut Option<Vec<Vec<f32>>>,
-) -> Result<(CaseResult, Timing), String> {
+) -> Result<(CaseResult, Timing), CaseError> {
     let device = settings.device;
     let mut config = config.clone();
     let config = &mut config;
@@ -955,7 +954,7 @@ struct CaseState {
 }
 
 impl CaseState {
-    fn build(config: &StepConfig, params: &[Tensor]) -> Result<Self, String> {
+    fn build(config: &StepConfig, params: &[Tensor]) -> Result<Self, CaseError> {
         Ok(Self {
             scaler: config
                 .scaler
@@ -988,14 +987,14 @@ fn timed_step(
     levers: &mut Option<usize>,
     weights: Option<&SavedWeights>,
     device: Device,
-) -> Result<f64, String> {
+) -> Result<f64, CaseError> {
     isolated(|| {
         let config = &timing.config;
         if !model.set_residual(config.residual) {
-            return Err(format!(
+            return Err(CaseError(format!(
                 "the workload declined its residual update {:?}",
                 config.residual
-            ));
+            )));
         }
         if matches!(config.plan, PlanChoice::BudgetWithLevers { .. }) && *levers != Some(k) {
             *levers = None;
@@ -1041,7 +1040,7 @@ fn halve_until_fits(
     config: &StepConfig,
     device: Device,
     budget: u64,
-) -> Result<(i64, usize), String> {
+) -> Result<(i64, usize), CaseError> {
     let mut size = x.len();
     let mut tries = 0;
     let params = model.parameters();
@@ -1079,12 +1078,12 @@ fn halve_until_fits(
             Ok(_) => return Ok((size, tries)),
             Err((true, _)) if size > 1 => size /= 2,
             Err((true, _)) => {
-                return Err(format!(
+                return Err(CaseError(format!(
                 "auto_batch: even a batch of 1 does not fit the budget of {} after {tries} tries",
                 memsave_meter::Bytes(budget)
-            ))
+            )))
             }
-            Err((false, e)) => return Err(e),
+            Err((false, e)) => return Err(CaseError(e)),
         }
     }
 }
@@ -1104,7 +1103,7 @@ fn baseline_grads(
     model: &mut dyn Workload,
     x: &Batch,
     device: Device,
-) -> Result<Vec<Vec<f32>>, String> {
+) -> Result<Vec<Vec<f32>>, CaseError> {
     let config = StepConfig::baseline();
     model.set_residual(config.residual);
     model
@@ -1112,17 +1111,35 @@ fn baseline_grads(
         .set_plan(Plan::None)
         .map_err(|e| e.to_string())?;
     f_step(model, x, &config, device, false, None).map_err(|e| e.to_string())?;
-    f_grads(&model.parameters()).map_err(|e| e.to_string())
+    Ok(f_grads(&model.parameters()).map_err(|e| e.to_string())?)
 }
 
 /// Runs `f`, turning a panic into an error with its message; either way the error is
 /// one line a person can act on ([`one_line`]).
-fn isolated<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+fn isolated<T>(f: impl FnOnce() -> Result<T, CaseError>) -> Result<T, CaseError> {
     match panic::catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r.map_err(|e| one_line(&e)),
+        Ok(r) => r.map_err(|e| CaseError(one_line(&e.0))),
         Err(payload) => {
             let text = memsave_sys::checkpoint::panic_message(&*payload);
-            Err(format!("panicked: {}", one_line(&text)))
+            Err(CaseError(format!("panicked: {}", one_line(&text))))
         }
+    }
+}
+
+/// Why a case failed, as the one line its report shows (a case's error is text in the
+/// report: it may come from libtorch, a lever, the workload's own code or a panic).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+struct CaseError(String);
+
+impl From<String> for CaseError {
+    fn from(message: String) -> Self {
+        CaseError(message)
+    }
+}
+
+impl From<&str> for CaseError {
+    fn from(message: &str) -> Self {
+        CaseError(message.to_owned())
     }
 }

@@ -84,12 +84,8 @@ pub enum Unavailable {
         /// The update asked for.
         update: ResidualUpdate,
     },
-}
-
-/// The message, for the callers that still carry reasons as text (the runner's
-/// availability and the distributed ranks' configuration).
-impl From<Unavailable> for String {
-    fn from(e: Unavailable) -> String {
-        e.to_string()
-    }
+    /// The strategy cannot run on the suite's `world_size` ranks (the reason names the
+    /// technique).
+    #[error("{0}")]
+    OnRanks(String),
 }

@@ -194,7 +194,9 @@ strategies:
         // `memsave check` asks the same function, from the suite alone.
         let strategy = suite.strategies.iter().find(|s| s.name == name).unwrap();
         assert_eq!(
-            availability(model, strategy, Some(2)).unwrap_err(),
+            availability(model, strategy, Some(2))
+                .unwrap_err()
+                .to_string(),
             reason,
             "{name}"
         );

@@ -262,7 +262,9 @@ fn strategies_that_cannot_run_say_why_in_these_words() {
         "ok.yaml",
     )
     .unwrap();
-    let why = memsave_bench::availability(&zoo.models[0], &zoo.strategies[0], None).unwrap_err();
+    let why = memsave_bench::availability(&zoo.models[0], &zoo.strategies[0], None)
+        .unwrap_err()
+        .to_string();
     assert_eq!(
         why,
         "the model 'r' (resnet) has no residual blocks to apply Safe to (the zoo's blocks add \

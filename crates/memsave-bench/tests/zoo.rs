@@ -417,10 +417,14 @@ fn assert_runs_in_the_harness(model: &str, blocks: usize) {
         assert_eq!(c.status, Status::Unavailable, "{strategy}");
         let why = c.error.as_deref().unwrap_or("");
         assert!(why.contains("no residual blocks"), "{strategy}: {why}");
-        let check = availability(&suite.models[0], &suite.strategies[3], None).unwrap_err();
+        let check = availability(&suite.models[0], &suite.strategies[3], None)
+            .unwrap_err()
+            .to_string();
         assert!(check.contains("no residual blocks"), "{check}");
         // and over ranks, decided before they start
-        let ranks = availability(&suite.models[0], &suite.strategies[3], Some(2)).unwrap_err();
+        let ranks = availability(&suite.models[0], &suite.strategies[3], Some(2))
+            .unwrap_err()
+            .to_string();
         assert!(ranks.contains("no residual blocks"), "{ranks}");
     }
     for s in &suite.strategies[..3] {
