@@ -110,7 +110,7 @@ impl RankFigures {
 }
 
 /// Why a case cannot run on ranks, decided from the suite alone, before any rank
-/// starts ([`rank_config`]); the reason names the technique.
+/// starts (the check `memsave check` and the parent of the ranks make); the reason names the technique.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}")]
 pub struct RanksUnavailable {
