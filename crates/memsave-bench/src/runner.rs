@@ -683,10 +683,7 @@ fn measure_case(
     match &search {
         Some(Search::Fit(spec)) => {
             let mut request = memsave_fit::FitRequest::new(spec.budget.bytes);
-            request.allow.bf16 = spec.allow.iter().any(|l| l == "bf16");
-            request.allow.compress = spec.allow.iter().any(|l| l == "compress");
-            request.allow.int8_state = spec.allow.iter().any(|l| l == "int8_state");
-            request.allow.micro_batches = spec.allow.iter().any(|l| l == "micro_batches");
+            request.allow = spec.allowed();
             let report = memsave_fit::fit(model, &request).map_err(|e| e.to_string())?;
             // fit left the chosen schedule on the layers.
             *config = report.choice.step_config(None);

@@ -1,7 +1,7 @@
 //! `fit` times every configuration with glibc's `malloc` settled: its mmap threshold
 //! raised to the cap, whatever ran before. In a process of its own (this file), so
 //! that the state before `fit` is glibc's own.
-#[path = "it/common.rs"]
+#[path = "../../memsave-step/tests/it/common.rs"]
 mod common;
 
 use common::Mlp;

@@ -254,13 +254,6 @@ impl FitLever {
     }
 }
 
-/// Compares with the suite's spelling (`FitLever::Int8State == *"int8_state"`).
-impl PartialEq<str> for FitLever {
-    fn eq(&self, name: &str) -> bool {
-        self.as_str() == name
-    }
-}
-
 impl fmt::Display for FitLever {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str(self.as_str())
@@ -279,7 +272,7 @@ impl<'de> Deserialize<'de> for FitLever {
             fn visit_str<E: de::Error>(self, v: &str) -> Result<FitLever, E> {
                 FitLever::ALL
                     .into_iter()
-                    .find(|lever| lever == v)
+                    .find(|lever| lever.as_str() == v)
                     .ok_or_else(|| {
                         E::custom(format!(
                             "fit: unknown lever '{v}' in allow, expected bf16, compress, int8_state or micro_batches"

@@ -3,6 +3,8 @@
 //! `#[serial]`: the meter and the allocator's state are process-wide. `allocator.rs`
 //! stays a binary of its own: it checks glibc's state as `fit` leaves it, which needs a
 //! process nothing else ran in.
+// The same small model as memsave-step's integration tests: one file, two crates.
+#[path = "../../../memsave-step/tests/it/common.rs"]
 mod common;
 mod fit;
 mod mutex;

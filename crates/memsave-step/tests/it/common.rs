@@ -1,4 +1,5 @@
-//! The small model the integration tests of memsave-step run on.
+//! The small model the integration tests of memsave-step and memsave-fit run on (fit's
+//! include this file by path).
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_step::{Batch, OptimizerSpec, Workload};
 use tch::nn::{self, Module};
