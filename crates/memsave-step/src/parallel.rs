@@ -20,7 +20,8 @@
 //!   averaged, so every rank sees the same inf/NaN and skips the same steps;
 //! - an optimizer steps after backward: whole on every rank under `Ddp` (any placement
 //!   and state precision), sharded under ZeRO (`memsave_dist::ZeroOptimizer`, with the
-//!   same placements and precisions; 8-bit blocks run over the flat parameter vector).
+//!   same placements and precisions; 8-bit blocks hold one parameter each, as on one
+//!   process).
 //!
 //! Refused, by [`DataParallel::check`] from the configuration alone (before any rank
 //! starts or anything is built), each with the reason: an optimizer `in_backward`
