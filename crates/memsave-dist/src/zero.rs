@@ -8,7 +8,7 @@ use memsave_sys::grad_hooks::GradHookHandle;
 use memsave_sys::tensor::nbytes;
 use tch::{Device, Kind, Tensor};
 
-use crate::bucket::{copy_from_flat, BucketReduce, Buckets};
+use crate::bucket::{BucketReduce, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -29,10 +29,22 @@ pub enum ZeroStage {
 /// An optimizer from `memsave-optim` (any rule, any state precision) that holds 1/N
 /// of the state on each of N ranks.
 ///
-/// The parameters are laid out, in order, in one flat f32 vector padded with zeros to a
-/// multiple of N × the state's block (1 value for f32 and bf16 state, the block of
-/// [`State::Int8Blockwise`]); rank `r` owns the `r`-th of N equal slices, and its
-/// optimizer updates only that slice.
+/// The parameters are laid out, in order, in one flat f32 vector, each starting at a
+/// multiple of the state's block (1 value for f32 and bf16 state, the block of
+/// [`State::Int8Blockwise`]), the gaps and the end padded with zeros to a multiple of
+/// N × the block; rank `r` owns the `r`-th of N equal slices, and its optimizer updates
+/// only that slice. So with 8-bit state every block of a slice holds the values of one
+/// parameter, in the positions that parameter's blocks have on one process, and the
+/// zeros beside them change neither a block's scale (its largest magnitude) nor their
+/// codes: given the same averaged gradients, the updates are those of a single-process
+/// optimizer with the same state. The padding never reaches a parameter or its
+/// gradient, and its gradient, moments and values stay 0 (a 0 is stored exactly).
+///
+/// The padding costs up to `block - 1` values per parameter, plus up to `N × block - 1`
+/// at the end, over all ranks: each padded value takes 4 bytes of the flat parameter
+/// slice, 4 of its gradient and one byte per 8-bit state buffer (2 for AdamW), and is
+/// sent like any other value. With blocks of 256 and many small parameters (biases,
+/// norms) that can be most of their share; f32 and bf16 state pad only the end.
 ///
 /// Stage 1: backward runs as on one process; [`ZeroOptimizer::f_step`] flattens the
 /// gradients, all-reduces them, keeps this rank's slice, updates it and all-gathers
@@ -68,10 +80,9 @@ pub enum ZeroStage {
 /// the collectives wait on each other until the timeout. Each parameter can carry only
 /// one post-accumulate-grad hook, so stage 2 cannot be combined with
 /// [`crate::DistributedDataParallel`] or `step_in_backward` on the same parameters.
-/// Stage 1's step needs two transient flat f32 buffers as large as all the parameters;
-/// stage 2 needs, per bucket, the bucket and N × this rank's part of it. With 8-bit
-/// state the blocks run over the flat vector, across parameter boundaries, so the
-/// quantization differs from a single-process optimizer's per-parameter blocks.
+/// Stage 1's step needs two transient flat f32 buffers as large as all the parameters
+/// with their padding; stage 2 needs, per bucket, the bucket and N × this rank's part
+/// of it.
 #[derive(Debug)]
 pub struct ZeroOptimizer<R: Rule> {
     // Dropped first: removing the hooks releases their references to the reducer.
@@ -81,7 +92,7 @@ pub struct ZeroOptimizer<R: Rule> {
     group: ProcessGroup,
     stage: ZeroStage,
     params: Vec<Tensor>,
-    padded: i64,
+    layout: Layout,
     shard: Tensor,
     inner: Optimizer<R>,
     max_grad_norm: Option<f64>,
@@ -140,15 +151,16 @@ impl<R: Rule> ZeroOptimizer<R> {
             State::Int8Blockwise { block } => block as i64,
             State::F32 | State::Bf16 => 1,
         };
-        let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
-        let unit = n * block.max(1);
-        let padded = (total + unit - 1) / unit * unit;
+        let layout = Layout::new(params, block.max(1), n);
+        let padded = layout.padded;
         let shard_len = padded / n;
         let _no_grad = tch::no_grad_guard();
         for p in params {
             group.broadcast(p, 0)?;
         }
-        let flat = flatten(params, padded, |p| Some(p.shallow_clone())).map_err(err)?;
+        let flat = layout
+            .flatten(params, |p| Some(p.shallow_clone()))
+            .map_err(err)?;
         let shard = flat
             .f_narrow(0, rank as i64 * shard_len, shard_len)
             .and_then(|s| s.f_contiguous())
@@ -176,7 +188,7 @@ impl<R: Rule> ZeroOptimizer<R> {
                 let reducer = Arc::new(Mutex::new(Reducer::new(
                     group,
                     params,
-                    padded,
+                    layout.clone(),
                     shard_len,
                     bucket_cap_bytes,
                 )));
@@ -190,7 +202,7 @@ impl<R: Rule> ZeroOptimizer<R> {
             group: group.clone(),
             stage,
             params: params.iter().map(Tensor::shallow_clone).collect(),
-            padded,
+            layout,
             shard,
             inner,
             max_grad_norm,
@@ -211,7 +223,7 @@ impl<R: Rule> ZeroOptimizer<R> {
 
     /// Length of the flat parameter vector with its padding (world size × shard length).
     pub fn padded_len(&self) -> i64 {
-        self.padded
+        self.layout.padded
     }
 
     /// Bytes of optimizer state this rank holds (its shard's).
@@ -300,11 +312,13 @@ impl<R: Rule> ZeroOptimizer<R> {
         let mut shard_grad = match self.stage {
             ZeroStage::One => {
                 let (start, len) = self.shard_range();
-                let flat_grad = flatten(&self.params, self.padded, |p| {
-                    let g = p.grad();
-                    g.defined().then_some(g)
-                })
-                .map_err(err)?;
+                let flat_grad = self
+                    .layout
+                    .flatten(&self.params, |p| {
+                        let g = p.grad();
+                        g.defined().then_some(g)
+                    })
+                    .map_err(err)?;
                 self.group.all_reduce(&flat_grad)?;
                 flat_grad
                     .f_narrow(0, start, len)
@@ -328,9 +342,10 @@ impl<R: Rule> ZeroOptimizer<R> {
         if self.stage == ZeroStage::One {
             memsave_sys::tensor::set_grad_none(&self.shard)?;
         }
-        let gathered = Tensor::f_empty([self.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
+        let gathered =
+            Tensor::f_empty([self.layout.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
         self.group.all_gather(&gathered, &self.shard.detach())?;
-        copy_from_flat(&gathered, &self.params).map_err(err)
+        self.layout.unflatten(&gathered, &self.params).map_err(err)
     }
 
     /// Scales the shard's gradient so that the norm of the whole (all ranks') gradient
@@ -358,12 +373,13 @@ impl<R: Rule> ZeroOptimizer<R> {
 struct Reducer {
     group: ProcessGroup,
     params: Vec<Tensor>,
-    /// First value of each parameter in the flat vector.
-    offsets: Vec<i64>,
+    layout: Layout,
     /// Consecutive parameters in each bucket, last first.
     buckets: Buckets,
-    /// The flat range `[start, end)` of each bucket; the first (holding the last
-    /// parameter) runs to the end of the padding.
+    /// The flat range `[start, end)` of each bucket: from its first parameter's offset
+    /// to the next bucket's (the first bucket, holding the last parameter, to the end
+    /// of the padding), so the ranges cover the flat vector and each bucket carries
+    /// its parameters' padding.
     ranges: Vec<(i64, i64)>,
     sync: bool,
     shard_len: i64,
@@ -376,34 +392,27 @@ impl Reducer {
     fn new(
         group: &ProcessGroup,
         params: &[Tensor],
-        padded: i64,
+        layout: Layout,
         shard_len: i64,
         bucket_cap_bytes: u64,
     ) -> Self {
-        let mut offsets = Vec::with_capacity(params.len());
-        let mut offset = 0;
-        for p in params {
-            offsets.push(offset);
-            offset += p.numel() as i64;
-        }
         let buckets = Buckets::new(params, bucket_cap_bytes);
         let ranges = (0..buckets.len())
             .map(|b| {
                 let m = buckets.members(b);
                 let first = *m.last().expect("buckets are not empty");
-                let last = m[0];
-                let end = if b == 0 {
-                    padded
-                } else {
-                    offsets[last] + params[last].numel() as i64
-                };
-                (offsets[first], end)
+                let end = layout
+                    .offsets
+                    .get(m[0] + 1)
+                    .copied()
+                    .unwrap_or(layout.padded);
+                (layout.offsets[first], end)
             })
             .collect();
         Self {
             group: group.clone(),
             params: params.iter().map(Tensor::shallow_clone).collect(),
-            offsets,
+            layout,
             buckets,
             ranges,
             sync: true,
@@ -464,7 +473,7 @@ impl BucketReduce for Reducer {
             let g = p.grad();
             if g.defined() {
                 let k = p.numel() as i64;
-                flat.f_narrow(0, self.offsets[i] - start, k)
+                flat.f_narrow(0, self.layout.offsets[i] - start, k)
                     .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
                     .map_err(err)?;
                 memsave_sys::tensor::set_grad_none(p)?;
@@ -516,21 +525,107 @@ fn tensor_err(rank: usize, context: &'static str) -> impl Fn(tch::TchError) -> D
     }
 }
 
-/// The tensors `pick` returns for `params`, flattened one after another into a zero f32
-/// vector of `padded` values (zeros where `pick` returns `None`).
-fn flatten(
-    params: &[Tensor],
+/// Where each parameter lies in the flat vector: one after another, each starting at a
+/// multiple of the state's block (1 value for f32 and bf16 state), so that an 8-bit
+/// block never holds values of two parameters. The gaps and the tail hold zeros.
+#[derive(Clone, Debug)]
+struct Layout {
+    /// First value of each parameter.
+    offsets: Vec<i64>,
+    /// Length with the padding: a multiple of N × block.
     padded: i64,
-    pick: impl Fn(&Tensor) -> Option<Tensor>,
-) -> Result<Tensor, tch::TchError> {
-    let flat = Tensor::f_zeros([padded], (Kind::Float, Device::Cpu))?;
-    let mut offset = 0;
-    for p in params {
-        let k = p.numel() as i64;
-        if let Some(t) = pick(p) {
-            flat.f_narrow(0, offset, k)?.f_copy_(&t.f_reshape([-1])?)?;
+}
+
+impl Layout {
+    /// `params` in order, each padded to whole `block`s, the whole padded to a multiple
+    /// of `ranks` × `block`.
+    fn new(params: &[Tensor], block: i64, ranks: i64) -> Self {
+        let round_up = |len: i64, unit: i64| (len + unit - 1) / unit * unit;
+        let mut offsets = Vec::with_capacity(params.len());
+        let mut end = 0;
+        for p in params {
+            offsets.push(end);
+            end += round_up(p.numel() as i64, block);
         }
-        offset += k;
+        Self {
+            offsets,
+            padded: round_up(end, ranks * block),
+        }
     }
-    Ok(flat)
+
+    /// The tensors `pick` returns for the parameters, each copied to its offset in a
+    /// zero f32 vector of the padded length (zeros where `pick` returns `None`).
+    fn flatten(
+        &self,
+        params: &[Tensor],
+        pick: impl Fn(&Tensor) -> Option<Tensor>,
+    ) -> Result<Tensor, tch::TchError> {
+        let flat = Tensor::f_zeros([self.padded], (Kind::Float, Device::Cpu))?;
+        for (p, &offset) in params.iter().zip(&self.offsets) {
+            if let Some(t) = pick(p) {
+                flat.f_narrow(0, offset, p.numel() as i64)?
+                    .f_copy_(&t.f_reshape([-1])?)?;
+            }
+        }
+        Ok(flat)
+    }
+
+    /// Copies each parameter's values out of `flat` into the parameter, in its shape;
+    /// the padding is left behind.
+    fn unflatten(&self, flat: &Tensor, params: &[Tensor]) -> Result<(), tch::TchError> {
+        for (p, &offset) in params.iter().zip(&self.offsets) {
+            let src = flat.f_narrow(0, offset, p.numel() as i64)?.f_view_as(p)?;
+            p.shallow_clone().f_copy_(&src)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(numels: &[i64]) -> Vec<Tensor> {
+        numels
+            .iter()
+            .map(|&n| Tensor::zeros([n], (Kind::Float, Device::Cpu)))
+            .collect()
+    }
+
+    #[test]
+    fn each_parameter_starts_a_block() {
+        let l = Layout::new(&params(&[100, 37, 256]), 64, 2);
+        assert_eq!(l.offsets, [0, 128, 192]);
+        assert_eq!(l.padded, 512);
+        // Block 1 (f32 and bf16 state): back to back, padded to N values.
+        let l = Layout::new(&params(&[100, 37, 256]), 1, 2);
+        assert_eq!(l.offsets, [0, 100, 137]);
+        assert_eq!(l.padded, 394);
+        let l = Layout::new(&params(&[64, 0, 1]), 64, 1);
+        assert_eq!((l.offsets, l.padded), (vec![0, 64, 64], 128));
+        assert_eq!(Layout::new(&[], 64, 4).padded, 0);
+    }
+
+    #[test]
+    fn flatten_pads_and_unflatten_skips_the_padding() {
+        let a = Tensor::from_slice(&[1f32, 2., 3.]);
+        let b = Tensor::from_slice(&[4f32, 5., 6., 7.]).reshape([2, 2]);
+        let params = [a.shallow_clone(), b.shallow_clone()];
+        let l = Layout::new(&params, 4, 1);
+        let flat = l.flatten(&params, |p| Some(p.shallow_clone())).unwrap();
+        assert_eq!(
+            Vec::<f32>::try_from(&flat).unwrap(),
+            [1., 2., 3., 0., 4., 5., 6., 7.]
+        );
+        let none = l.flatten(&params, |_| None).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&none).unwrap(), [0.; 8]);
+        let gathered = Tensor::from_slice(&[10f32, 20., 30., -1., 40., 50., 60., 70.]);
+        l.unflatten(&gathered, &params).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a).unwrap(), [10., 20., 30.]);
+        assert_eq!(
+            Vec::<f32>::try_from(b.reshape([-1])).unwrap(),
+            [40., 50., 60., 70.]
+        );
+        assert!(l.unflatten(&gathered.narrow(0, 0, 6), &params).is_err());
+    }
 }

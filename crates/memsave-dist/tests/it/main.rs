@@ -15,3 +15,4 @@ mod fsdp_optim;
 mod launch;
 mod parity;
 mod zero_disk;
+mod zero_int8;
