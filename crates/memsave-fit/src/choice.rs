@@ -1,5 +1,6 @@
 //! A candidate configuration of `fit`: how the global batch is split and which levers
 //! are pulled, and the step configuration it runs as.
+use crate::ParallelMode;
 use memsave_checkpoint::{Block, Plan, Schedule};
 use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
 use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePrecision};
@@ -11,6 +12,11 @@ use tch::Kind;
 pub struct Choice {
     /// A short name of the configuration, as the harness would name a strategy.
     pub strategy: String,
+    /// On the ranks of a process group: how they share the step (`None` on one
+    /// process). A configuration of [`micro_batches`](Self::micro_batches) and
+    /// [`micro_batch`](Self::micro_batch) is then each rank's, on its share of the
+    /// global batch.
+    pub data_parallel: Option<ParallelMode>,
     /// How many micro-batches the global batch is split into (1: no accumulation).
     pub micro_batches: usize,
     /// The largest micro-batch (the split is as even as possible: sizes differ by at
@@ -50,6 +56,7 @@ impl Choice {
         let k = micro_batches.max(1) as i64;
         let mut c = Choice {
             strategy: String::new(),
+            data_parallel: None,
             micro_batches: micro_batches.max(1),
             micro_batch: (global_batch + k - 1) / k,
             checkpoint: None,
@@ -100,6 +107,9 @@ impl Choice {
 
     fn rename(&mut self) {
         let mut parts = Vec::new();
+        if let Some(mode) = self.data_parallel {
+            parts.push(mode.name().to_owned());
+        }
         if let Some(s) = &self.schedule {
             parts.push(format!("checkpoint({} recomputed)", recomputed(s)));
         }

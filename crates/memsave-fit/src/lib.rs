@@ -103,6 +103,32 @@
 //! budget (AdamW's is twice the parameters): leave room for it (`memsave-optim`'s
 //! 8-bit state is a quarter of that).
 //!
+//! # On the ranks of a process group
+//! With [`FitRequest::on_ranks`], every rank of the group calls [`fit`] on the same
+//! model at the same point, and every run of the search runs on all of them, each on
+//! its share of the global batch (which must divide among the ranks). The
+//! data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2) is one more lever,
+//! probed and measured with the others; a configuration a mode refuses
+//! (`memsave_step::DataParallel::check`: the optimizer step in backward, gradients in
+//! files except under ZeRO-1) is left out with the reason as its candidate's note
+//! (the report's text lists them). The budget is per rank, and there it counts what
+//! the modes share differently: the peak is measured above what the rank held before
+//! less the parameters, so the rank's parameters, its optimizer state (its shard under
+//! ZeRO) and the step's peak count; the input and the copy of the weights `fit`
+//! keeps do not.
+//!
+//! The ranks stay in lockstep: every figure the search decides on (each run's peak
+//! and time, each prediction, the layer profiles, and the clock every deadline reads)
+//! is agreed first, as the largest over the ranks, so each rank takes the same
+//! branches and issues the same collectives, and all return the same choice, whose
+//! measured peak on each rank is in [`FitReport::measured_peak_bytes_by_rank`].
+//! Train with it on the same ranks: [`FitReport::trainer_on`].
+//!
+//! Trap: a rank whose step fails (out of memory included) cannot go on alone (the
+//! others wait in a collective of that step): its `fit` returns the error, naming the
+//! rank, and the others' fail in their next collective (when the failed rank's process
+//! ends, or at the group's timeout).
+//!
 //! Micro-batches are lossless only when no op of the step computes a sample's output
 //! from other samples of the batch. BatchNorm in training mode does (it normalizes each
 //! sample with the whole batch's statistics): `fit` runs its first step under
@@ -125,6 +151,8 @@
 //! giving it back.
 mod allocator;
 mod choice;
+mod lockstep;
+mod parallel;
 mod predict;
 mod probe;
 mod search;
@@ -132,13 +160,15 @@ mod state;
 mod train;
 
 pub use choice::Choice;
+pub use parallel::ParallelMode;
 pub use search::{fit, fit_with, table};
 
 use memsave_meter::Bytes;
+use memsave_step::ProcessGroup;
 use serde::Serialize;
 
 /// What to fit.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct FitRequest {
     /// The most bytes the step may allocate above the parameters and the input.
     pub budget_bytes: u64,
@@ -159,6 +189,9 @@ pub struct FitRequest {
     /// never the choice), and the fastest so compared is the fastest reported.
     /// Slow: a few real steps per candidate.
     pub exhaustive: bool,
+    /// Fit on every rank of this group (see [`on_ranks`](Self::on_ranks)); `None`:
+    /// one process.
+    pub process_group: Option<ProcessGroup>,
 }
 
 impl FitRequest {
@@ -171,7 +204,18 @@ impl FitRequest {
             allow: Allow::default(),
             margin: 0.05,
             exhaustive: false,
+            process_group: None,
         }
+    }
+
+    /// The same request, fitted on every rank of `group` (each rank calls [`fit`] with
+    /// it, on the same model, at the same point: see the [crate docs](crate#on-the-ranks-of-a-process-group)).
+    /// The data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2) is then one
+    /// more lever, and the budget is per rank and counts what the modes share
+    /// differently: the parameters and the optimizer's state too.
+    pub fn on_ranks(mut self, group: &ProcessGroup) -> Self {
+        self.process_group = Some(group.clone());
+        self
     }
 }
 
@@ -226,8 +270,12 @@ pub struct Candidate {
     /// within 1.3× of the fastest), the median over the rounds corrected for the
     /// machine's speed in each (see the [module](self) docs).
     pub measured_step_time_s: Option<f64>,
-    /// Why it has no prediction or measurement, if so.
+    /// Why it has no prediction or measurement, if so (a data-parallel mode's refusal
+    /// among them: `refused by ddp: ...`).
     pub note: Option<String>,
+    /// Each rank's measured peak at the real size, by rank, if run (one entry on one
+    /// process); [`measured_peak_bytes`](Self::measured_peak_bytes) is the largest.
+    pub measured_peak_bytes_by_rank: Vec<u64>,
 }
 
 /// The answer of [`fit`].
@@ -251,8 +299,13 @@ pub struct FitReport {
     pub choice: Choice,
     /// Its predicted peak.
     pub predicted_peak_bytes: u64,
-    /// Its peak measured by the confirming step at its real size.
+    /// Its peak measured by the confirming step at its real size (on ranks, the
+    /// largest over them).
     pub measured_peak_bytes: u64,
+    /// Ranks the fit ran on (1: one process).
+    pub world_size: usize,
+    /// Its measured peak on each rank, by rank (one entry on one process).
+    pub measured_peak_bytes_by_rank: Vec<u64>,
     /// Its predicted step time, seconds.
     pub predicted_step_time_s: f64,
     /// Its measured step time, seconds.
@@ -423,7 +476,20 @@ pub enum FitError {
         /// What it would take: a larger budget, or lossy levers if not allowed.
         hint: String,
     },
-    /// The workload's step failed (not for lack of memory).
+    /// The workload's step failed (not for lack of memory; on ranks, on the rank the
+    /// message names, for any reason: a rank cannot go on alone).
     #[error("the workload's step failed: {0}")]
     Step(String),
+    /// On ranks: the global batch does not divide among them.
+    #[error("the global batch of {global_batch} does not divide among {world_size} ranks: give a multiple of {world_size}")]
+    Indivisible {
+        /// The global batch.
+        global_batch: i64,
+        /// Ranks in the group.
+        world_size: usize,
+    },
+    /// On ranks: a collective that keeps the ranks in lockstep failed (another rank
+    /// ended, or the group's timeout passed); the message starts with `rank R:`.
+    #[error("{0}")]
+    Group(String),
 }

@@ -210,6 +210,7 @@ mod tests {
     fn probe(peak_bytes: u64, time_s: f64) -> Probe {
         Probe {
             peak_bytes,
+            peak_bytes_by_rank: vec![peak_bytes],
             time_s,
             optimizer_time_s: 0.0,
             series: None,

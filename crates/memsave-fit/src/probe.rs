@@ -1,12 +1,17 @@
 //! Running one configuration for real on a batch of a given size: the peak above the
-//! parameters, input and optimizer's state, and the step time.
+//! parameters, input and optimizer's state (on ranks, above the input alone: the
+//! parameters and the state are what the data-parallel modes share differently), and
+//! the step time.
 use super::choice::Choice;
+use crate::lockstep::Ranks;
+use crate::{Candidate, FitError};
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
 use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
-use memsave_step::step::{f_step_observed, StepEvent, StepMeasurement, StepObserver, Unobserved};
+use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::workload::{Batch, Workload};
+use memsave_step::DataParallelHandle;
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
@@ -17,33 +22,79 @@ use tch::{Device, Tensor};
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Probe {
     /// Highest allocation over the runs minus the allocation before the first one
-    /// (parameters, input, and the optimizer's state after a warm-up step).
+    /// (parameters, input, and the optimizer's state after a warm-up step; on ranks,
+    /// the input alone), the largest over the ranks.
     pub peak_bytes: u64,
-    /// The fastest run's step time, seconds.
+    /// Each rank's `peak_bytes`, by rank (one entry on one process).
+    pub peak_bytes_by_rank: Vec<u64>,
+    /// The fastest run's step time (on ranks, the slowest rank's), seconds.
     pub time_s: f64,
     /// The fastest run's optimizer time after backward, seconds.
     pub optimizer_time_s: f64,
     /// On the CPU, the allocation above the start after every allocation and free of
     /// the first run (the meter's event recorder), when no other recording was on.
+    /// This rank's own.
     pub series: Option<Arc<Vec<i64>>>,
     /// Where in `series` the second micro-batch's forward begins, if there is one.
     pub second_micro_batch: Option<usize>,
 }
 
+impl Candidate {
+    /// `choice`, neither predicted nor measured yet.
+    pub(crate) fn unmeasured(choice: Choice) -> Candidate {
+        Candidate {
+            choice,
+            predicted_peak_bytes: None,
+            predicted_step_time_s: None,
+            predicted_fits: false,
+            measured_peak_bytes: None,
+            measured_step_time_s: None,
+            note: None,
+            measured_peak_bytes_by_rank: Vec::new(),
+        }
+    }
+
+    /// Takes `p`'s measurement at the real size as this candidate's.
+    pub(crate) fn measured(&mut self, p: &Probe) {
+        self.measured_peak_bytes = Some(p.peak_bytes);
+        self.measured_step_time_s = Some(p.time_s);
+        self.measured_peak_bytes_by_rank = p.peak_bytes_by_rank.clone();
+    }
+
+    /// Raises this candidate's measured peaks to `p`'s where `p`'s are higher (a run
+    /// again, whose time is kept elsewhere).
+    pub(crate) fn measured_again(&mut self, p: &Probe) {
+        self.measured_peak_bytes = self.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
+        for (b, &q) in self
+            .measured_peak_bytes_by_rank
+            .iter_mut()
+            .zip(&p.peak_bytes_by_rank)
+        {
+            *b = (*b).max(q);
+        }
+    }
+}
+
 /// Why a probe did not measure.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum ProbeError {
-    /// An allocation failed: the configuration does not fit the limit in force.
+    /// An allocation failed, or the measured peak is over the budget: the
+    /// configuration does not fit.
     OutOfMemory(String),
     /// Anything else: the workload's step failed.
     Failed(String),
+    /// On ranks, this rank's step failed (for any reason: the others are left in a
+    /// collective of the step and cannot agree on what to do next), or agreeing with
+    /// the others failed: the fit ends with this error.
+    Fatal(FitError),
 }
 
 impl ProbeError {
     /// What went wrong, in one line.
-    pub(crate) fn message(&self) -> &str {
+    pub(crate) fn message(&self) -> String {
         match self {
-            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) => e,
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) => e.clone(),
+            ProbeError::Fatal(e) => e.to_string(),
         }
     }
 
@@ -52,7 +103,25 @@ impl ProbeError {
         match self {
             ProbeError::OutOfMemory(e) => ProbeError::OutOfMemory(format!("{what}: {e}")),
             ProbeError::Failed(e) => ProbeError::Failed(format!("{what}: {e}")),
+            fatal @ ProbeError::Fatal(_) => fatal,
         }
+    }
+
+    /// On ranks, a failure of this rank's own as the fatal error it is there (naming
+    /// the rank); on one process the error as it is.
+    fn on(self, ranks: &Ranks) -> ProbeError {
+        match self {
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) if ranks.group().is_some() => {
+                ProbeError::Fatal(FitError::Step(format!("rank {}: {e}", ranks.rank())))
+            }
+            other => other,
+        }
+    }
+}
+
+impl From<FitError> for ProbeError {
+    fn from(e: FitError) -> Self {
+        ProbeError::Fatal(e)
     }
 }
 
@@ -134,6 +203,15 @@ const LONG_RUNS_S: f64 = 0.5;
 /// by a simulated capacity, which would make the workload's own code fail; see
 /// [`machine_memory`] for the one cap in force). With `record` (on the CPU), the first
 /// run records its allocations for the prediction.
+///
+/// On ranks (`ranks` has a group; the choice has its data-parallel mode), every rank
+/// runs it on its own `batch` examples with the mode's data parallel set up for the
+/// probe, the peak is measured above what the rank held before it less the parameters
+/// (so the parameters, the optimizer's state and whatever the mode keeps count), and
+/// each run's peak and times are agreed over the ranks before anything is decided on
+/// them (see [`crate::lockstep`]). A rank whose step fails ends the probe with
+/// [`ProbeError::Fatal`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn probe(
     workload: &mut dyn Workload,
     choice: &Choice,
@@ -142,23 +220,30 @@ pub(crate) fn probe(
     runs: usize,
     budget: Option<u64>,
     record: bool,
+    ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
-    let mut setup = Setup::new(workload, choice, batch, micro_batches)?;
+    let (mut setup, outside) =
+        Setup::new(workload, choice, batch, micro_batches, ranks).map_err(|e| e.on(ranks))?;
     if let Err(e) = setup.warm_up(&*workload, micro_batches) {
+        let e = e.on(ranks);
         // Put the weights back (a step in backward may have moved some) before failing.
-        setup.put_back()?;
+        setup.put_back().map_err(|put| put.on(ranks))?;
         return Err(e);
     }
-    let base = memsave_meter::f_memory_allocated(setup.device).map_err(failed)?;
-    let cap = machine_cap(setup.device)?;
-    let outcome = measure(&mut setup, &*workload, runs, budget, record, base);
+    let base = match outside {
+        Some(outside) => outside,
+        None => memsave_meter::f_memory_allocated(setup.device).map_err(failed)?,
+    };
+    let cap = machine_cap(setup.device).map_err(|e| e.on(ranks))?;
+    let outcome = measure(&mut setup, &*workload, runs, budget, record, base, ranks);
     drop(cap);
-    setup.put_back()?;
+    setup.put_back().map_err(|e| e.on(ranks))?;
     outcome
 }
 
 /// A probe's step, set up: its configuration and batch, and the parameters with their
-/// values before the probe (with an optimizer) and a fresh optimizer.
+/// values before the probe (with an optimizer), a fresh optimizer, and on ranks the
+/// data parallel of the choice's mode.
 struct Setup {
     device: Device,
     config: StepConfig,
@@ -168,18 +253,22 @@ struct Setup {
     /// them).
     weights: Option<SavedWeights>,
     optimizer: Option<CaseOptimizer>,
+    data_parallel: Option<DataParallelHandle>,
 }
 
 impl Setup {
     /// Sets `choice`'s schedule on the layers and makes the batch of `batch` examples,
-    /// the step configuration for `micro_batches`, and its optimizer, the parameters'
-    /// gradients freed.
+    /// the step configuration for `micro_batches`, and its optimizer (on ranks, as the
+    /// choice's mode builds it, after setting the mode up), the parameters' gradients
+    /// freed. On ranks, also what the process holds outside training: allocated once
+    /// the batch and the copy of the weights are made, less the parameters' bytes.
     fn new(
         workload: &mut dyn Workload,
         choice: &Choice,
         batch: i64,
         micro_batches: usize,
-    ) -> Result<Setup, ProbeError> {
+        ranks: &Ranks,
+    ) -> Result<(Setup, Option<u64>), ProbeError> {
         let device = workload.device();
         let layers = workload.layers().len();
         let schedule = choice
@@ -191,28 +280,53 @@ impl Setup {
             .set_schedule(schedule)
             .map_err(failed)?;
         let config = choice.probe_config(workload.optimizer(), micro_batches);
+        let params = workload.parameters();
+        memsave_accum::free_grads(&params).map_err(failed)?;
         let x = workload
             .batch(batch)
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
-        let params = workload.parameters();
-        memsave_accum::free_grads(&params).map_err(failed)?;
         let weights = match config.optimizer {
             Some(_) => Some(SavedWeights::save(&params).map_err(failed)?),
             None => None,
         };
+        let (outside, data_parallel) = match (ranks.group(), choice.data_parallel) {
+            (None, None) => (None, None),
+            (Some(group), Some(mode)) => {
+                let parameter_bytes: u64 = params
+                    .iter()
+                    .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
+                    .sum();
+                let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
+                let dp = DataParallelHandle::new(group, mode.data_parallel(), &params)
+                    .map_err(failed)?;
+                (Some(held.saturating_sub(parameter_bytes)), Some(dp))
+            }
+            (group, mode) => {
+                return Err(ProbeError::Failed(format!(
+                    "a configuration {} a data-parallel mode probed {} a process group",
+                    if mode.is_some() { "with" } else { "without" },
+                    if group.is_some() { "with" } else { "without" },
+                )))
+            }
+        };
         let optimizer = config
             .optimizer
-            .map(|spec| CaseOptimizer::build(&spec, &params))
+            .map(|spec| match &data_parallel {
+                Some(dp) => dp.optimizer(&spec, &params),
+                None => CaseOptimizer::build(&spec, &params),
+            })
             .transpose()
             .map_err(failed)?;
-        Ok(Setup {
+        let setup = Setup {
             device,
             config,
             x,
             params,
             weights,
             optimizer,
-        })
+            data_parallel,
+        };
+        Ok((setup, outside))
     }
 
     /// With an optimizer, a warm-up step of one example per micro-batch (outside the
@@ -233,6 +347,7 @@ impl Setup {
                         &self.config,
                         self.device,
                         Some(optimizer),
+                        self.data_parallel.as_ref(),
                         &Unobserved,
                     )
                 });
@@ -241,8 +356,11 @@ impl Setup {
         memsave_accum::free_grads(&self.params).map_err(failed)
     }
 
-    /// Frees the gradients and puts the weights back as they were before the probe.
+    /// Takes down the data parallel (its hooks) and the optimizer, frees the gradients
+    /// and puts the weights back as they were before the probe.
     fn put_back(self) -> Result<(), ProbeError> {
+        drop(self.optimizer);
+        drop(self.data_parallel);
         let _ = memsave_accum::free_grads(&self.params);
         if let Some(weights) = self.weights {
             weights.restore().map_err(failed)?;
@@ -266,7 +384,8 @@ fn machine_cap(device: Device) -> Result<Option<MemoryLimitGuard>, ProbeError> {
 
 /// The runs of a set-up probe (see [`probe`]): the peak over them all above `base` (the
 /// allocation before the first), the fastest one's times, and the first one's
-/// allocations when `record` asks.
+/// allocations when `record` asks. Each run's peak, times and the time the runs have
+/// taken are agreed over the ranks before the budget or the time is checked.
 fn measure(
     setup: &mut Setup,
     workload: &dyn Workload,
@@ -274,26 +393,41 @@ fn measure(
     budget: Option<u64>,
     record: bool,
     base: u64,
+    ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
     let mut best: Option<Probe> = None;
-    let mut peak = 0;
+    let mut by_rank = vec![0u64; ranks.world_size()];
     let mut series = None;
     let mut second = None;
     let runs_started = Instant::now();
+    let mut runs_s = 0.0;
     for run in 0..runs.max(1) {
-        if run >= 2 && runs_started.elapsed().as_secs_f64() > LONG_RUNS_S {
+        if run >= 2 && runs_s > LONG_RUNS_S {
             break;
         }
         let Run {
             step: m,
             optimizer_time_s,
             recorded,
-        } = run_once(setup, workload, record && run == 0, base)?;
+        } = run_once(setup, workload, record && run == 0, base).map_err(|e| e.on(ranks))?;
         if let Some((events, second_at)) = recorded {
             series = Some(events);
             second = second_at;
         }
-        peak = peak.max((m.start_bytes + m.peak_bytes).saturating_sub(base));
+        let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
+        let all = ranks.gather(&[
+            peak as f64,
+            m.time_s,
+            optimizer_time_s,
+            runs_started.elapsed().as_secs_f64(),
+        ])?;
+        for (b, r) in by_rank.iter_mut().zip(&all) {
+            *b = (*b).max(r[0] as u64);
+        }
+        let slowest = |i: usize| all.iter().map(|r| r[i]).fold(0.0, f64::max);
+        let (time_s, optimizer_time_s) = (slowest(1), slowest(2));
+        runs_s = slowest(3);
+        let peak = by_rank.iter().copied().max().unwrap_or(0);
         if let Some(budget) = budget.filter(|b| peak > *b) {
             // Over already: the runs left would only take the time (and memory).
             return Err(ProbeError::OutOfMemory(format!(
@@ -302,10 +436,11 @@ fn measure(
                 Bytes(budget)
             )));
         }
-        if best.as_ref().is_none_or(|b| m.time_s < b.time_s) {
+        if best.as_ref().is_none_or(|b| time_s < b.time_s) {
             best = Some(Probe {
                 peak_bytes: 0,
-                time_s: m.time_s,
+                peak_bytes_by_rank: Vec::new(),
+                time_s,
                 optimizer_time_s,
                 series: None,
                 second_micro_batch: None,
@@ -314,7 +449,8 @@ fn measure(
     }
     let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
     Ok(Probe {
-        peak_bytes: peak,
+        peak_bytes: by_rank.iter().copied().max().unwrap_or(0),
+        peak_bytes_by_rank: by_rank,
         series,
         second_micro_batch: second,
         ..best
@@ -353,6 +489,7 @@ fn run_once(
         &setup.config,
         setup.device,
         setup.optimizer.as_mut(),
+        setup.data_parallel.as_ref(),
         &clock,
     );
     let recorded = recording.then(|| {
@@ -385,22 +522,26 @@ fn run_once(
     })
 }
 
-/// One step of `workload`. The workload's code may panic (tch's short methods do on
-/// any error, and a failed operation on a scalar panics even in its `f_` form): the
-/// panic is caught as the error it is.
+/// One step of `workload` (on ranks, this rank's part of the data parallel step). The
+/// workload's code may panic (tch's short methods do on any error, and a failed
+/// operation on a scalar panics even in its `f_` form): the panic is caught as the
+/// error it is.
 fn step_caught(
     workload: &dyn Workload,
     x: &Batch,
     config: &StepConfig,
     device: Device,
     optimizer: Option<&mut CaseOptimizer>,
+    data_parallel: Option<&DataParallelHandle>,
     observer: &dyn StepObserver,
 ) -> Result<StepMeasurement, ProbeError> {
     panic::catch_unwind(AssertUnwindSafe(|| {
-        f_step_observed(
-            workload, x, config, device, false, None, optimizer, observer,
-        )
-        .map_err(|e| e.to_string())
+        StepRun::new(device)
+            .optimizer(optimizer)
+            .observer(observer)
+            .data_parallel(data_parallel)
+            .f_step(workload, x, config)
+            .map_err(|e| e.to_string())
     }))
     .unwrap_or_else(|payload| {
         Err(format!(

@@ -21,7 +21,7 @@ mod tuning;
 
 pub use self::explain::table;
 
-use self::candidates::{div_ceil, grad_lever_sets, lever_sets, splits, Levers};
+use self::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, splits, Levers};
 use self::explain::{coupling_sentence, front, why};
 use self::race::{
     close_to_fastest, ends_before, fastest_of, fastest_of_run, racers, rounds,
@@ -35,14 +35,15 @@ use self::tuning::{
     RECHECK_SHARE, RECHECK_WITHIN,
 };
 use super::choice::Choice;
+use super::lockstep::Ranks;
 use super::probe::ProbeError;
 use super::state::ModelState;
-use super::{Candidate, FitError, FitEvent, FitReport, FitRequest};
+use super::{Candidate, FitError, FitEvent, FitReport, FitRequest, ParallelMode};
 use memsave_checkpoint::Schedule;
 use memsave_step::workload::Workload;
 use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Finds the fastest configuration of `workload` whose peak fits
 /// `request.budget_bytes` with the global batch kept; see the [module](super) docs.
@@ -84,11 +85,19 @@ pub fn fit_with(
     if global < 1 {
         return Err(FitError::BadGlobalBatch(global));
     }
+    let ranks = Ranks::new(request.process_group.as_ref());
+    let world_size = ranks.world_size();
+    if global % world_size as i64 != 0 {
+        return Err(FitError::Indivisible {
+            global_batch: global,
+            world_size,
+        });
+    }
     // Every probe run moves the model (BatchNorm's running statistics, the random
     // generator, the weights under an optimizer): it is put back as found, whatever
     // the outcome.
     let state = ModelState::save(&*workload).map_err(|e| FitError::Step(e.to_string()))?;
-    let outcome = search_fit(workload, request, progress, started, global);
+    let outcome = search_fit(workload, request, progress, started, global, ranks);
     let restored = state.restore().map_err(|e| FitError::Step(e.to_string()));
     let report = outcome?;
     restored?;
@@ -98,21 +107,38 @@ pub fn fit_with(
 /// [`fit_with`] after the request is checked and the model's state saved: the phases
 /// in order. Gradients in files cost a write and a read of every gradient per
 /// micro-batch: they are considered only when nothing fits without (predicted, then
-/// confirmed).
+/// confirmed). On ranks, each lever set in each data-parallel mode, those a mode
+/// refuses noted and left out; the search runs on each rank's share of `global`.
 fn search_fit(
     workload: &mut dyn Workload,
     request: &FitRequest,
     progress: &mut dyn FnMut(&FitEvent),
     started: Instant,
     global: i64,
+    ranks: Ranks,
 ) -> Result<FitReport, FitError> {
     memsave_meter::install();
     super::allocator::settle();
     let target = (request.budget_bytes as f64 * (1.0 - request.margin)).floor() as u64;
+    let share = global / ranks.world_size() as i64;
+    let modes: &[ParallelMode] = if ranks.group().is_some() {
+        &ParallelMode::ALL
+    } else {
+        &[]
+    };
+    let optimizer = workload.optimizer();
+    let has_optimizer = optimizer.is_some();
     let mut search = Search {
-        runs: Runs::new(workload, request.budget_bytes, target, global, progress),
+        runs: Runs::new(
+            workload,
+            request.budget_bytes,
+            target,
+            share,
+            progress,
+            ranks,
+        ),
         request,
-        global,
+        global: share,
         target,
         started,
         candidates: Vec::new(),
@@ -121,14 +147,22 @@ fn search_fit(
         coupling: None,
         tries: 0,
     };
-    let has_optimizer = search.runs.workload.optimizer().is_some();
-    let passes = [
+    let mut passes = Vec::new();
+    for sets in [
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
-    ];
+    ] {
+        let (run, refused) = in_modes(sets, modes, optimizer);
+        for (levers, why) in refused {
+            let mut c = Candidate::unmeasured(levers.apply(Choice::new(share, 1)));
+            c.note = Some(why);
+            search.candidates.push(c);
+        }
+        passes.push(run);
+    }
     let mut chosen = None;
     for (pass, lever_sets) in passes.iter().enumerate() {
-        if chosen.is_some() {
+        if chosen.is_some() || lever_sets.is_empty() {
             break;
         }
         search.predict_pass(pass > 0, lever_sets)?;
@@ -138,7 +172,7 @@ fn search_fit(
     let Some(chosen) = chosen else {
         return Err(search.infeasible()?);
     };
-    let raced = search.race(chosen);
+    let raced = search.race(chosen)?;
     let mut chosen = search.recheck(chosen)?;
     let mut fastest_measured = None;
     if request.exhaustive {
@@ -332,14 +366,14 @@ impl Search<'_, '_> {
             });
             match self.runs.run_real(&candidate.choice) {
                 Ok(p) => {
-                    candidate.measured_peak_bytes = Some(p.peak_bytes);
-                    candidate.measured_step_time_s = Some(p.time_s);
+                    candidate.measured(&p);
                     return Ok(Some(i));
                 }
                 Err(ProbeError::OutOfMemory(e)) => {
                     candidate.note = Some(format!("did not fit when run: {e}"));
                 }
                 Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+                Err(ProbeError::Fatal(e)) => return Err(e),
             }
         }
         Ok(None)
@@ -374,7 +408,7 @@ impl Search<'_, '_> {
     /// peak is exact to the byte) a runner-up predicted within the budget but not
     /// within the margin may run too: measured within the budget, it is as safe as the
     /// rest.
-    fn race(&mut self, chosen: usize) -> Raced {
+    fn race(&mut self, chosen: usize) -> Result<Raced, FitError> {
         let cpu = self.runs.workload.device() == tch::Device::Cpu;
         let racers = racers(
             &self.candidates,
@@ -387,26 +421,25 @@ impl Search<'_, '_> {
             measured: 1,
             over_budget: 0,
         };
-        let race_s = RACE_S.max(RACE_SHARE * self.started.elapsed().as_secs_f64());
-        let deadline = Instant::now() + Duration::from_secs_f64(race_s);
+        let now = self.now()?;
+        let deadline = now + RACE_S.max(RACE_SHARE * now);
         if !racers.is_empty() {
             (self.runs.progress)(&FitEvent::RunnersUp {
                 count: racers.len(),
             });
         }
         for i in racers {
-            let candidate = &mut self.candidates[i];
-            let predicted = candidate.predicted_step_time_s.unwrap_or(0.0);
+            let predicted = self.candidates[i].predicted_step_time_s.unwrap_or(0.0);
             let runs = runs_for(predicted, 2.0 * ONE_RUN_FROM_S);
-            if !ends_before(predicted * runs as f64, deadline) {
+            if !ends_before(predicted * runs as f64, self.now()?, deadline) {
                 continue;
             }
             self.run_already.insert(i);
+            let candidate = &mut self.candidates[i];
             match self.runs.run_real_times(&candidate.choice, runs) {
                 Ok(p) => {
                     raced.measured += 1;
-                    candidate.measured_peak_bytes = Some(p.peak_bytes);
-                    candidate.measured_step_time_s = Some(p.time_s);
+                    candidate.measured(&p);
                 }
                 Err(ProbeError::OutOfMemory(e)) => {
                     raced.over_budget += 1;
@@ -414,9 +447,16 @@ impl Search<'_, '_> {
                 }
                 // A runner-up that fails is left out; the choice stands.
                 Err(ProbeError::Failed(e)) => candidate.note = Some(e),
+                Err(ProbeError::Fatal(e)) => return Err(e),
             }
         }
-        raced
+        Ok(raced)
+    }
+
+    /// Seconds since `fit` started on the search's clock (agreed over the ranks: the
+    /// one that has spent the most).
+    fn now(&self) -> Result<f64, FitError> {
+        self.runs.ranks.elapsed_s(self.started)
     }
 
     /// Compares the close ones in rounds and returns the new choice. Steps a few
@@ -439,9 +479,10 @@ impl Search<'_, '_> {
         if close.len() > 1 {
             (self.runs.progress)(&FitEvent::Rounds { count: close.len() });
         }
-        let before = self.started.elapsed().as_secs_f64();
+        let before = self.now()?;
         let recheck_s = RECHECK_S.max(RECHECK_SHARE * before);
         let cheap_s = recheck_s.max(CHEAP_SHARE * before);
+        let (started, ranks) = (self.started, self.runs.ranks.clone());
         let runs = &mut self.runs;
         let rechecked = rounds(
             &mut self.candidates,
@@ -449,14 +490,15 @@ impl Search<'_, '_> {
             Rounds {
                 least: RECHECK_MIN_ROUNDS,
                 most: RECHECK_MAX_ROUNDS,
-                until: Instant::now() + Duration::from_secs_f64(recheck_s),
-                until_cheap: Instant::now() + Duration::from_secs_f64(cheap_s),
+                until: before + recheck_s,
+                until_cheap: before + cheap_s,
                 least_within: true,
                 out_over: RECHECK_OUT_OVER,
                 keep: None,
             },
             &mut |choice, n| runs.run_real_times(choice, n),
-        );
+            &mut || ranks.elapsed_s(started),
+        )?;
         // The fastest of those still in the rounds at their end (their times are medians
         // over the same rounds; the others' the fastest of a few runs, or a median over
         // fewer rounds: not comparable), else, if every one of them failed when run again,
@@ -479,12 +521,13 @@ impl Search<'_, '_> {
                 .filter(|i| !self.run_already.contains(i))
                 .count(),
         });
-        self.run_the_rest();
+        self.run_the_rest()?;
         // The check compares the choice with the fastest of the grid: every close one
         // (the choice too) gets the same extra runs.
         let mut close = close_to_fastest(&self.candidates, EXHAUSTIVE_RECHECK_WITHIN, chosen);
         sort_by_measured_time(&mut close, &self.candidates);
-        let until = Instant::now() + Duration::from_secs_f64(EXHAUSTIVE_ROUNDS_S);
+        let until = self.now()? + EXHAUSTIVE_ROUNDS_S;
+        let (started, ranks) = (self.started, self.runs.ranks.clone());
         let runs = &mut self.runs;
         let compared = rounds(
             &mut self.candidates,
@@ -499,7 +542,8 @@ impl Search<'_, '_> {
                 keep: Some(chosen),
             },
             &mut |choice, n| runs.run_real_times(choice, n),
-        );
+            &mut || ranks.elapsed_s(started),
+        )?;
         if self.candidates[chosen].measured_step_time_s.is_none() {
             // The choice failed when run again: the next best of those fit measured
             // before the check (the check's own measurements do not choose).
@@ -518,7 +562,7 @@ impl Search<'_, '_> {
     /// `exhaustive`: every candidate not run yet (the choice, a runner-up, one that did
     /// not fit) run at its real size, save those known not to fit or predicted over
     /// [`EXHAUSTIVE_RUN_WITHIN`] times the budget.
-    fn run_the_rest(&mut self) {
+    fn run_the_rest(&mut self) -> Result<(), FitError> {
         let budget_bytes = self.request.budget_bytes;
         for (i, c) in self.candidates.iter_mut().enumerate() {
             if self.run_already.contains(&i) {
@@ -538,16 +582,15 @@ impl Search<'_, '_> {
                 continue;
             }
             match self.runs.run_real(&c.choice) {
-                Ok(p) => {
-                    c.measured_peak_bytes = Some(p.peak_bytes);
-                    c.measured_step_time_s = Some(p.time_s);
-                }
+                Ok(p) => c.measured(&p),
                 Err(ProbeError::OutOfMemory(_)) => {
                     c.note = Some("over the budget when run at its real size".into())
                 }
                 Err(ProbeError::Failed(e)) => c.note = Some(e),
+                Err(ProbeError::Fatal(e)) => return Err(e),
             }
         }
+        Ok(())
     }
 
     /// The report of `chosen`, the workload left on its schedule.
@@ -577,7 +620,17 @@ impl Search<'_, '_> {
         let _ = runs.workload.layers_mut().set_schedule(schedule);
 
         let c = &candidates[chosen];
-        let mut why = why(c, &candidates, target, request, global, raced.measured);
+        let world_size = runs.ranks.world_size();
+        let global = global * world_size as i64;
+        let mut why = why(
+            c,
+            &candidates,
+            target,
+            request,
+            global,
+            world_size,
+            raced.measured,
+        );
         if let Some(op) = &coupling {
             why.push_str(&format!(
                 "; {}",
@@ -594,6 +647,8 @@ impl Search<'_, '_> {
             choice: c.choice.clone(),
             predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
             measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
+            world_size,
+            measured_peak_bytes_by_rank: c.measured_peak_bytes_by_rank.clone(),
             predicted_step_time_s: c.predicted_step_time_s.unwrap_or(0.0),
             measured_step_time_s: c.measured_step_time_s.unwrap_or(0.0),
             tries,

@@ -1,7 +1,7 @@
 //! Training with `fit`'s choice: a [`Trainer`] (or its builder) that carries everything
 //! the choice means, built in one call.
 use crate::{Choice, FitReport};
-use memsave_step::{OptimizerSpec, StepError, Trainer, TrainerBuilder, Workload};
+use memsave_step::{OptimizerSpec, ProcessGroup, StepError, Trainer, TrainerBuilder, Workload};
 
 impl Choice {
     /// A [`TrainerBuilder`] for this configuration: its [`StepConfig`] with `optimizer`
@@ -21,11 +21,31 @@ impl Choice {
     /// levers afterwards (e.g. [`TrainerBuilder::optimizer`], which would drop the
     /// choice's `in_backward`) leaves the budget unchecked. Offloaded activations are
     /// written synchronously, as `fit` measured them, so that the peak stays the
-    /// measured one.
+    /// measured one. A choice made on ranks (with a
+    /// [`data_parallel`](Self::data_parallel) mode) trains on them: use
+    /// [`trainer_builder_on`](Self::trainer_builder_on), which adds the mode; this
+    /// builder alone would train on one process.
     ///
     /// [`StepConfig`]: memsave_step::StepConfig
     pub fn trainer_builder(&self, optimizer: Option<OptimizerSpec>) -> TrainerBuilder {
         TrainerBuilder::new(self.step_config(optimizer)).schedule(self.schedule().cloned())
+    }
+
+    /// [`trainer_builder`](Self::trainer_builder) on the ranks of `group`: with the
+    /// choice's [`data_parallel`](Self::data_parallel) mode
+    /// ([`TrainerBuilder::data_parallel`]), so that building it and every step are
+    /// collectives, each rank stepping on its share of the global batch (a choice
+    /// without a mode, made on one process, gets none: it trains on one process).
+    pub fn trainer_builder_on(
+        &self,
+        optimizer: Option<OptimizerSpec>,
+        group: &ProcessGroup,
+    ) -> TrainerBuilder {
+        let builder = self.trainer_builder(optimizer);
+        match self.data_parallel {
+            Some(mode) => builder.data_parallel(group, mode.data_parallel()),
+            None => builder,
+        }
     }
 }
 
@@ -102,9 +122,49 @@ impl FitReport {
     /// # Errors
     /// What [`TrainerBuilder::build`] refuses: [`StepError::InvalidConfig`] when the
     /// choice's schedule is for another number of layers than `model` has (another
-    /// model than the one fitted), or the optimizer's state cannot be built.
+    /// model than the one fitted), or the optimizer's state cannot be built; and
+    /// [`StepError::InvalidConfig`] for a report of a fit on ranks (use
+    /// [`trainer_on`](Self::trainer_on)).
     pub fn trainer<'m, W: Workload>(&self, model: &'m mut W) -> Result<Trainer<'m, W>, StepError> {
+        if self.world_size > 1 || self.choice.data_parallel.is_some() {
+            return Err(StepError::InvalidConfig(format!(
+                "this choice was fitted on {} ranks ({}): build its trainer on them with FitReport::trainer_on",
+                self.world_size,
+                self.choice.strategy
+            )));
+        }
         let optimizer = model.optimizer();
         self.choice.trainer_builder(optimizer).build(model)
+    }
+
+    /// [`trainer`](Self::trainer) for a fit on the ranks of `group` (the one the fit
+    /// ran on, or one of as many ranks): the choice's
+    /// [`trainer_builder_on`](Choice::trainer_builder_on), built. Every rank calls it
+    /// at the same point (building is a collective) and steps on its share of the
+    /// global batch, [`global_batch`](Self::global_batch) / `world_size` examples; each
+    /// rank's peak then stays within the budget, which counts its parameters and its
+    /// optimizer state too (see the [crate docs](crate#on-the-ranks-of-a-process-group)).
+    ///
+    /// # Errors
+    /// [`StepError::InvalidConfig`] when `group` has another number of ranks than the
+    /// fit ran on (the budget was measured for that many), and what
+    /// [`trainer`](Self::trainer) refuses.
+    pub fn trainer_on<'m, W: Workload>(
+        &self,
+        model: &'m mut W,
+        group: &ProcessGroup,
+    ) -> Result<Trainer<'m, W>, StepError> {
+        if group.world_size() != self.world_size {
+            return Err(StepError::InvalidConfig(format!(
+                "this choice was fitted on {} rank{}, the group has {}: fit again on this group",
+                self.world_size,
+                if self.world_size == 1 { "" } else { "s" },
+                group.world_size()
+            )));
+        }
+        let optimizer = model.optimizer();
+        self.choice
+            .trainer_builder_on(optimizer, group)
+            .build(model)
     }
 }

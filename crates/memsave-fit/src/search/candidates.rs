@@ -3,11 +3,14 @@
 //! small sizes each configuration is probed at. Recompute schedules are the solver's,
 //! found per split while predicting (`Runs::recompute`).
 use crate::choice::Choice;
-use crate::FitRequest;
+use crate::{FitRequest, ParallelMode};
+use memsave_step::OptimizerSpec;
 
 /// A set of levers besides micro-batching and recompute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub(super) struct Levers {
+    /// On ranks, the data-parallel mode.
+    pub(super) mode: Option<ParallelMode>,
     pub(super) offload: bool,
     pub(super) offload_grads: bool,
     pub(super) in_backward: bool,
@@ -20,6 +23,7 @@ impl Levers {
     /// `choice` with these levers.
     pub(super) fn apply(&self, choice: Choice) -> Choice {
         choice.with(|c| {
+            c.data_parallel = self.mode;
             c.offload = self.offload;
             c.offload_grads = self.offload_grads;
             c.in_backward = self.in_backward;
@@ -99,6 +103,35 @@ pub(super) fn grad_lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<
     sets
 }
 
+/// Each of `sets` in each of `modes` (`sets` as they are when `modes` is empty: one
+/// process), split into those the modes run and those a mode refuses (with its
+/// reason, `DataParallel::check`'s, from the configuration alone).
+pub(super) fn in_modes(
+    sets: Vec<Levers>,
+    modes: &[ParallelMode],
+    optimizer: Option<OptimizerSpec>,
+) -> (Vec<Levers>, Vec<(Levers, String)>) {
+    if modes.is_empty() {
+        return (sets, Vec::new());
+    }
+    let mut run = Vec::new();
+    let mut refused = Vec::new();
+    for levers in sets {
+        for &mode in modes {
+            let l = Levers {
+                mode: Some(mode),
+                ..levers
+            };
+            let config = l.apply(Choice::new(1, 1)).probe_config(optimizer, 1);
+            match mode.refuses(&config) {
+                Some(why) => refused.push((l, why)),
+                None => run.push(l),
+            }
+        }
+    }
+    (run, refused)
+}
+
 /// Micro-batch counts giving distinct largest micro-batches, fewest first.
 pub(super) fn splits(global: i64) -> Vec<usize> {
     let mut out = Vec::new();
@@ -151,7 +184,8 @@ pub(super) fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
 /// affine model, a family in the race).
 pub(super) fn lever_key(c: &Choice) -> String {
     format!(
-        "{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}",
+        c.data_parallel.map_or("", ParallelMode::name),
         u8::from(c.offload),
         u8::from(c.offload_grads),
         u8::from(c.in_backward),

@@ -2,6 +2,7 @@
 //! Pareto front of predicted peak against time, and the report as text for a person
 //! ([`FitReport::to_text`], [`table`]).
 use super::tuning::{RACE_FAMILY_WITHIN, RACE_WITHIN};
+use crate::parallel::REFUSED;
 use crate::{Candidate, FitReport, FitRequest};
 use memsave_meter::Bytes;
 
@@ -48,13 +49,14 @@ pub(super) fn coupling_sentence(op: &str, allowed: bool) -> String {
 /// Why `chosen` among `candidates`: the fastest predicted within `target` (the budget
 /// less the margin), or, when `raced` configurations (the choice included) ran at
 /// their real size, the fastest measured; what faster one would need; and the split
-/// that keeps the global batch.
+/// (over `world_size` ranks) that keeps the global batch.
 pub(super) fn why(
     chosen: &Candidate,
     candidates: &[Candidate],
     target: u64,
     request: &FitRequest,
     global: i64,
+    world_size: usize,
     raced: usize,
 ) -> String {
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
@@ -95,7 +97,20 @@ pub(super) fn why(
                 .map_or("more".to_owned(), |b| Bytes(b).to_string())
         ));
     }
-    if chosen.choice.micro_batches > 1 {
+    if world_size > 1 {
+        why.push_str(&format!(
+            "; the global batch of {global} is kept as {world_size} ranks' shares of {}{}",
+            global / world_size as i64,
+            if chosen.choice.micro_batches > 1 {
+                format!(
+                    ", each in {} micro-batches with accumulated gradients",
+                    chosen.choice.micro_batches
+                )
+            } else {
+                String::new()
+            }
+        ));
+    } else if chosen.choice.micro_batches > 1 {
         why.push_str(&format!(
             "; the global batch of {global} is kept as {} micro-batches with accumulated gradients",
             chosen.choice.micro_batches
@@ -121,10 +136,35 @@ impl FitReport {
             self.tries,
             self.why,
         );
+        if self.world_size > 1 {
+            let by_rank: Vec<String> = self
+                .measured_peak_bytes_by_rank
+                .iter()
+                .enumerate()
+                .map(|(rank, b)| format!("rank {rank} {}", Bytes(*b)))
+                .collect();
+            out.push_str(&format!(
+                "on {} ranks, budget per rank (parameters, optimizer state and the step); measured peak per rank: {}\n",
+                self.world_size,
+                by_rank.join(", ")
+            ));
+        }
         out.push_str("\nPareto front (predicted):\n");
         out.push_str(&table(&self.front));
         out.push_str("\nEvery configuration considered:\n");
         out.push_str(&table(&self.candidates));
+        let refused: Vec<String> = self
+            .candidates
+            .iter()
+            .filter_map(|c| {
+                let note = c.note.as_ref().filter(|n| n.starts_with(REFUSED))?;
+                Some(format!("  {}: {note}\n", c.choice.strategy))
+            })
+            .collect();
+        if !refused.is_empty() {
+            out.push_str("\nNot considered (a data-parallel mode cannot run them):\n");
+            out.push_str(&refused.concat());
+        }
         if let Some(f) = &self.fastest_measured {
             out.push_str(&format!(
                 "\nexhaustive: fastest measured within the budget: {} ({:.3} s); the choice measured {:.3} s ({:.2}x)\n",

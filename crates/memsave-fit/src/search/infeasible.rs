@@ -1,12 +1,12 @@
 //! The error for a budget nothing fits: the smallest budget that would do, what reaches
 //! it, and what allowing the lossy levers would reach. It runs the configurations with
 //! the least memory once, without the budget, to learn their peaks.
-use super::candidates::{grad_lever_sets, lever_sets, Levers};
+use super::candidates::{grad_lever_sets, in_modes, lever_sets, Levers};
 use super::runs::Runs;
 use crate::choice::Choice;
 use crate::predict::Affine;
 use crate::probe::{probe, ProbeError};
-use crate::{Allow, Candidate, FitError, FitRequest};
+use crate::{Allow, Candidate, FitError, FitRequest, ParallelMode};
 use memsave_checkpoint::Solver;
 use memsave_meter::Bytes;
 use memsave_step::workload::Workload;
@@ -67,7 +67,13 @@ fn least_peaks(
 ) -> Result<(Least, Least), FitError> {
     let k = runs.global as usize;
     let n = if k > 1 { 2 } else { 1 };
-    let has_optimizer = runs.workload.optimizer().is_some();
+    let optimizer = runs.workload.optimizer();
+    let has_optimizer = optimizer.is_some();
+    let modes: &[ParallelMode] = if runs.ranks.group().is_some() {
+        &ParallelMode::ALL
+    } else {
+        &[]
+    };
     let mut everything = FitRequest::new(request.budget_bytes);
     everything.allow = Allow::all();
     let lossy_split = runs.lossy_split;
@@ -89,7 +95,10 @@ fn least_peaks(
     let mut best_lossy: Least = None;
     let sets = lever_sets(&everything, has_optimizer)
         .into_iter()
-        .chain(grad_lever_sets(&everything, has_optimizer));
+        .chain(grad_lever_sets(&everything, has_optimizer))
+        .collect();
+    // Those a data-parallel mode refuses cannot run at all.
+    let (sets, _refused) = in_modes(sets, modes, optimizer);
     for levers in sets {
         // One example per micro-batch, or, for the optimizer step in backward
         // (which frees the gradients accumulation needs, unless they are in
@@ -120,10 +129,11 @@ fn least_peaks(
                     continue;
                 }
             }
-            let peak = match probe(runs.workload, &choice, batch, n, 1, cap, true) {
+            let peak = match probe(runs.workload, &choice, batch, n, 1, cap, true, &runs.ranks) {
                 Ok(p) => p.peak_bytes,
                 Err(ProbeError::OutOfMemory(_)) => continue,
                 Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+                Err(ProbeError::Fatal(e)) => return Err(e),
             };
             let slot = if allowed(&levers, k) {
                 &mut best_allowed
@@ -139,18 +149,22 @@ fn least_peaks(
 }
 
 /// The peak of `choice` on the whole batch in one micro-batch, predicted from runs
-/// of one and two examples without the budget; `None` when they did not run (out
-/// of the machine's memory).
+/// of one and two examples without the budget (on ranks, the largest of the ranks'
+/// predictions); `None` when they did not run (out of the machine's memory).
 fn predict_whole_batch(runs: &mut Runs<'_>, choice: &Choice) -> Result<Option<u64>, FitError> {
-    let mut at = |size: i64| match probe(runs.workload, choice, size, 1, 1, None, true) {
+    let ranks = runs.ranks.clone();
+    let mut at = |size: i64| match probe(runs.workload, choice, size, 1, 1, None, true, &ranks) {
         Ok(p) => Ok(Some(p)),
         Err(ProbeError::OutOfMemory(_)) => Ok(None),
         Err(ProbeError::Failed(e)) => Err(FitError::Step(e)),
+        Err(ProbeError::Fatal(e)) => Err(e),
     };
     let (Some(p1), Some(p2)) = (at(1)?, at(2)?) else {
         return Ok(None);
     };
-    Ok(Affine::fit(1, &p1, 2, &p2, 1.0).peak(runs.global))
+    let peak = Affine::fit(1, &p1, 2, &p2, 1.0).peak(runs.global);
+    let agreed = ranks.max(&[peak.map_or(-1.0, |p| p as f64)])?[0];
+    Ok((agreed >= 0.0).then_some(agreed as u64))
 }
 
 /// Bytes of the gradients of every parameter (a lower bound of any step's peak

@@ -13,11 +13,11 @@ use super::tuning::{
 };
 use crate::choice::Choice;
 use crate::probe::{Probe, ProbeError};
-use crate::Candidate;
+use crate::{Candidate, FitError};
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
 
-/// How many rounds [`rounds`] runs.
+/// How many rounds [`rounds`] runs. Times are seconds on the search's clock (since
+/// `fit` started, agreed over the ranks).
 pub(super) struct Rounds {
     /// At least this many...
     pub(super) least: usize,
@@ -25,8 +25,8 @@ pub(super) struct Rounds {
     /// measured so far, it ends before `until`, or before `until_cheap` if it takes
     /// at most [`CHEAP_ROUND_S`].
     pub(super) most: usize,
-    pub(super) until: Instant,
-    pub(super) until_cheap: Instant,
+    pub(super) until: f64,
+    pub(super) until_cheap: f64,
     /// The `least` rounds too must end before `until`: the slowest are left out (down
     /// to two) until they would, then fewer rounds (down to two), and there are no
     /// rounds if even then they would not. Otherwise they run whatever they take.
@@ -112,10 +112,10 @@ pub(super) fn sort_by_measured_time(indices: &mut [usize], candidates: &[Candida
     });
 }
 
-/// Whether something that takes `seconds` from now ends before `deadline`.
-pub(super) fn ends_before(seconds: f64, deadline: Instant) -> bool {
-    let now = Instant::now();
-    now <= deadline && seconds <= (deadline - now).as_secs_f64()
+/// Whether something that takes `seconds` from `now` ends before `deadline` (both
+/// seconds on the search's clock).
+pub(super) fn ends_before(seconds: f64, now: f64, deadline: f64) -> bool {
+    now <= deadline && seconds <= deadline - now
 }
 
 /// The measured candidates whose time is within `factor` of the fastest measured,
@@ -189,12 +189,16 @@ fn race_order(candidates: &[Candidate], chosen: usize, racers: Vec<usize>) -> Ve
 /// one ran in than about the configuration. One that fails when run again loses
 /// its measurement. Returns those still in the rounds at the end with a
 /// measurement (none if no round ran).
+///
+/// `now` reads the search's clock; an error of it, or a [`ProbeError::Fatal`] of a
+/// run, ends the rounds with that error.
 pub(super) fn rounds(
     candidates: &mut [Candidate],
     mut indices: Vec<usize>,
     rounds: Rounds,
     run: &mut dyn FnMut(&Choice, usize) -> Result<Probe, ProbeError>,
-) -> Vec<usize> {
+    now: &mut dyn FnMut() -> Result<f64, FitError>,
+) -> Result<Vec<usize>, FitError> {
     let round_s = |indices: &[usize], candidates: &[Candidate]| {
         indices
             .iter()
@@ -205,13 +209,18 @@ pub(super) fn rounds(
     let mut least = rounds.least;
     if rounds.least_within {
         // Fewer contenders first, then fewer rounds (down to two), then none.
-        while !ends_before(least as f64 * round_s(&indices, candidates), rounds.until) {
+        let start = now()?;
+        while !ends_before(
+            least as f64 * round_s(&indices, candidates),
+            start,
+            rounds.until,
+        ) {
             if indices.len() > 2 {
                 indices.pop();
             } else if least > 2 {
                 least -= 1;
             } else {
-                return Vec::new();
+                return Ok(Vec::new());
             }
         }
     }
@@ -231,11 +240,18 @@ pub(super) fn rounds(
                 out.push((indices.remove(at), medians[at]));
             }
         }
-        let this_round_s = round_s(&indices, candidates);
-        let in_time = ends_before(this_round_s, rounds.until)
-            || (this_round_s <= CHEAP_ROUND_S && ends_before(this_round_s, rounds.until_cheap));
-        if indices.len() < 2 || (round >= least && !in_time) {
+        if indices.len() < 2 {
             break;
+        }
+        let this_round_s = round_s(&indices, candidates);
+        if round >= least {
+            let t = now()?;
+            let in_time = ends_before(this_round_s, t, rounds.until)
+                || (this_round_s <= CHEAP_ROUND_S
+                    && ends_before(this_round_s, t, rounds.until_cheap));
+            if !in_time {
+                break;
+            }
         }
         let mut order = indices.clone();
         if round % 2 == 1 {
@@ -247,8 +263,9 @@ pub(super) fn rounds(
             match run(&c.choice, runs) {
                 Ok(p) => {
                     times.entry(i).or_default().push(p.time_s);
-                    c.measured_peak_bytes = c.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
+                    c.measured_again(&p);
                 }
+                Err(ProbeError::Fatal(e)) => return Err(e),
                 Err(e) => {
                     c.measured_step_time_s = None;
                     c.measured_peak_bytes = None;
@@ -270,7 +287,7 @@ pub(super) fn rounds(
     for &(i, time) in &out {
         candidates[i].measured_step_time_s = Some(time);
     }
-    indices
+    Ok(indices)
 }
 
 /// The runners-up to run at their real size after `chosen` (run already), in the order
@@ -343,6 +360,7 @@ mod tests {
             measured_peak_bytes: None,
             measured_step_time_s: None,
             note: None,
+            measured_peak_bytes_by_rank: Vec::new(),
         }
     }
 

@@ -2,14 +2,16 @@
 //! affine model of peak and time in the micro-batch size, per lever set and schedule,
 //! from runs at two small sizes, cached), the recompute schedules the solver finds for
 //! a split, and real-size runs. Every run's peak is checked against the budget, never
-//! enforced (see `crate::probe::probe`).
+//! enforced (see `crate::probe::probe`). On ranks, every prediction and profile is
+//! agreed over them (the largest) before the search uses it (see `crate::lockstep`).
 use super::candidates::{div_ceil, lever_key, probe_sizes_for, probe_sizes_of, split_sizes};
 use super::tuning::{PROBE_RUNS, REAL_RUNS};
 use crate::choice::Choice;
+use crate::lockstep::Ranks;
 use crate::predict::{profile_at, Affine};
 use crate::probe::{probe, Probe, ProbeError};
 use crate::{Candidate, FitError, FitEvent};
-use memsave_checkpoint::{predict, ChainProfile, Schedule, Solver};
+use memsave_checkpoint::{predict, ChainProfile, LayerProfile, Schedule, Solver};
 use memsave_meter::Bytes;
 use memsave_step::plan::f_profile;
 use memsave_step::workload::Workload;
@@ -34,17 +36,21 @@ pub(super) struct Runs<'w> {
     pub(super) progress: &'w mut dyn FnMut(&FitEvent),
     /// Micro-batches change this step (it couples the samples of a batch).
     pub(super) lossy_split: bool,
+    /// The ranks every run runs on.
+    pub(super) ranks: Ranks,
 }
 
 impl<'w> Runs<'w> {
-    /// Runs of `workload` for a step of `global` examples whose peak must be within
-    /// `budget` bytes, predicted within `target` (the budget less the margin).
+    /// Runs of `workload` on `ranks` for a step of `global` examples (on ranks, each
+    /// rank's share) whose peak must be within `budget` bytes, predicted within
+    /// `target` (the budget less the margin).
     pub(super) fn new(
         workload: &'w mut dyn Workload,
         budget: u64,
         target: u64,
         global: i64,
         progress: &'w mut dyn FnMut(&FitEvent),
+        ranks: Ranks,
     ) -> Self {
         Runs {
             workload,
@@ -57,6 +63,7 @@ impl<'w> Runs<'w> {
             probes: HashMap::new(),
             progress,
             lossy_split: false,
+            ranks,
         }
     }
 }
@@ -139,7 +146,11 @@ impl Runs<'_> {
             };
             let affine = Affine::fit(s1, &p1, s2, &p2, n as f64).failing_from(fails_from);
             let recorded = p1.series.is_some() && p2.series.is_some();
-            if recorded && !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none() {
+            let step_up =
+                recorded && !affine.is_exact() && s1 < s2 && s2 < largest && fails_from.is_none();
+            // Each rank's allocations line up or not on their own: step up when any
+            // rank's do not.
+            if self.ranks.any(step_up)? {
                 // The two runs (both recorded: on the CPU, with no other recording on)
                 // did not make the same allocations in the same order
                 // (libtorch picks kernels, and their scratch buffers, by size: a few
@@ -182,6 +193,7 @@ impl Runs<'_> {
             PROBE_RUNS,
             Some(self.budget),
             true,
+            &self.ranks,
         ) {
             Ok(p) => Some(p),
             Err(ProbeError::OutOfMemory(_)) => {
@@ -189,6 +201,7 @@ impl Runs<'_> {
                 None
             }
             Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+            Err(ProbeError::Fatal(e)) => return Err(e),
         };
         self.probes.insert(key, outcome.clone());
         Ok(outcome)
@@ -214,6 +227,7 @@ impl Runs<'_> {
             runs,
             Some(self.budget),
             false,
+            &self.ranks,
         )
     }
 
@@ -240,55 +254,43 @@ impl Runs<'_> {
         });
         let later = split_sizes(self.global, k).get(1).copied().unwrap_or(m);
         let affine = self.affine(choice, accumulate, largest, later)?;
-        Ok(match affine {
-            Some(a) if a.known_over(m) => Candidate {
-                choice: choice.clone(),
-                predicted_peak_bytes: None,
-                predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
-                predicted_fits: false,
-                measured_peak_bytes: None,
-                measured_step_time_s: None,
-                note: Some(format!(
-                    "over {}: a smaller micro-batch already was",
+        let sizes = split_sizes(self.global, k);
+        let mut c = Candidate::unmeasured(choice.clone());
+        let Some(a) = affine else {
+            c.note = Some(format!(
+                "a micro-batch of one example does not fit {}",
+                Bytes(self.budget)
+            ));
+            return Ok(c);
+        };
+        let over = a.known_over(m);
+        let peak = match (over, k > 1) {
+            (true, _) => None,
+            (false, true) => a.peak_split(m, sizes.get(1).copied().unwrap_or(m)),
+            (false, false) => a.peak(m),
+        };
+        // Each rank predicts from its own runs' allocations: the largest counts.
+        let agreed = self
+            .ranks
+            .max(&[peak.map_or(-1.0, |p| p as f64), a.time(&sizes)])?;
+        let peak = (agreed[0] >= 0.0).then_some(agreed[0] as u64);
+        c.predicted_peak_bytes = peak;
+        c.predicted_step_time_s = Some(agreed[1]);
+        c.predicted_fits = peak.is_some_and(|p| p <= self.target);
+        c.note = if over {
+            Some(format!(
+                "over {}: a smaller micro-batch already was",
+                Bytes(self.budget)
+            ))
+        } else {
+            peak.is_none().then(|| {
+                format!(
+                    "only micro-batches of one example were measured within {}",
                     Bytes(self.budget)
-                )),
-            },
-            Some(a) => {
-                let sizes = split_sizes(self.global, k);
-                let later = sizes.get(1).copied().unwrap_or(m);
-                let peak = if k > 1 {
-                    a.peak_split(m, later)
-                } else {
-                    a.peak(m)
-                };
-                Candidate {
-                    choice: choice.clone(),
-                    predicted_peak_bytes: peak,
-                    predicted_step_time_s: Some(a.time(&split_sizes(self.global, k))),
-                    predicted_fits: peak.is_some_and(|p| p <= self.target),
-                    measured_peak_bytes: None,
-                    measured_step_time_s: None,
-                    note: peak.is_none().then(|| {
-                        format!(
-                            "only micro-batches of one example were measured within {}",
-                            Bytes(self.budget)
-                        )
-                    }),
-                }
-            }
-            None => Candidate {
-                choice: choice.clone(),
-                predicted_peak_bytes: None,
-                predicted_step_time_s: None,
-                predicted_fits: false,
-                measured_peak_bytes: None,
-                measured_step_time_s: None,
-                note: Some(format!(
-                    "a micro-batch of one example does not fit {}",
-                    Bytes(self.budget)
-                )),
-            },
-        })
+                )
+            })
+        };
+        Ok(c)
     }
 
     /// The layer profile at micro-batch `m`, from two measured profiles.
@@ -305,6 +307,8 @@ impl Runs<'_> {
             };
             let pa = at(a)?;
             let pb = if a == b { pa.clone() } else { at(b)? };
+            let pa = agree_profile(&self.ranks, pa)?;
+            let pb = agree_profile(&self.ranks, pb)?;
             self.profiles = Some((pa, a, pb, b));
         }
         let (pa, a, pb, b) = self.profiles.as_ref().expect("profiled above");
@@ -372,4 +376,48 @@ impl Runs<'_> {
         }
         Ok(last)
     }
+}
+
+/// `profile` with each of its figures the largest over the ranks (each rank profiles
+/// its own layers: the solver must see the same profile everywhere).
+fn agree_profile(ranks: &Ranks, mut profile: ChainProfile) -> Result<ChainProfile, FitError> {
+    if ranks.group().is_none() {
+        return Ok(profile);
+    }
+    const FIELDS: usize = 11;
+    let mut values: Vec<f64> = Vec::with_capacity(profile.elements.len() * FIELDS + 1);
+    for e in &profile.elements {
+        values.extend([
+            e.input_bytes as f64,
+            e.output_bytes as f64,
+            e.retained_bytes as f64,
+            e.forward_peak_bytes as f64,
+            e.nograd_peak_bytes as f64,
+            e.backward_peak_bytes as f64,
+            e.param_grad_bytes as f64,
+            f64::from(u8::from(e.saves_output)),
+            e.forward_time_s,
+            e.nograd_time_s,
+            e.backward_time_s,
+        ]);
+    }
+    values.push(profile.checkpoint_overhead_bytes as f64);
+    let agreed = ranks.max(&values)?;
+    for (e, v) in profile.elements.iter_mut().zip(agreed.chunks(FIELDS)) {
+        *e = LayerProfile {
+            input_bytes: v[0] as u64,
+            output_bytes: v[1] as u64,
+            retained_bytes: v[2] as u64,
+            forward_peak_bytes: v[3] as u64,
+            nograd_peak_bytes: v[4] as u64,
+            backward_peak_bytes: v[5] as u64,
+            param_grad_bytes: v[6] as u64,
+            saves_output: v[7] > 0.0,
+            forward_time_s: v[8],
+            nograd_time_s: v[9],
+            backward_time_s: v[10],
+        };
+    }
+    profile.checkpoint_overhead_bytes = agreed[agreed.len() - 1] as u64;
+    Ok(profile)
 }

@@ -8,5 +8,6 @@
 mod common;
 mod fit;
 mod mutex;
+mod on_ranks;
 mod sample_coupling;
 mod trainer;

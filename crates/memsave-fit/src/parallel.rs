@@ -1,0 +1,56 @@
+//! The data-parallel modes `fit` chooses between on the ranks of a process group: one
+//! more lever, probed and measured on every rank with the others.
+use memsave_step::{DataParallel, DdpConfig, StepConfig, ZeroStage};
+use serde::Serialize;
+
+/// How the ranks share a step (see `memsave_step::parallel`): what each rank holds of
+/// the parameters, their gradients and the optimizer's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum ParallelMode {
+    /// Data parallel: every rank holds everything; the gradients are averaged in
+    /// buckets during backward.
+    #[serde(rename = "ddp")]
+    Ddp,
+    /// ZeRO-1: each rank keeps 1/N of the optimizer's state.
+    #[serde(rename = "zero1")]
+    Zero1,
+    /// ZeRO-2: each rank keeps 1/N of the optimizer's state and of the gradients.
+    #[serde(rename = "zero2")]
+    Zero2,
+}
+
+impl ParallelMode {
+    /// Every mode, in the order `fit` considers them (most memory first).
+    pub const ALL: [ParallelMode; 3] =
+        [ParallelMode::Ddp, ParallelMode::Zero1, ParallelMode::Zero2];
+
+    /// The step engine's mode.
+    pub fn data_parallel(self) -> DataParallel {
+        match self {
+            ParallelMode::Ddp => DataParallel::Ddp(DdpConfig::default()),
+            ParallelMode::Zero1 => DataParallel::Zero(ZeroStage::One),
+            ParallelMode::Zero2 => DataParallel::Zero(ZeroStage::Two),
+        }
+    }
+
+    /// The mode as a strategy names it: `ddp`, `zero(stage=1)`, `zero(stage=2)`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ParallelMode::Ddp => "ddp",
+            ParallelMode::Zero1 => "zero(stage=1)",
+            ParallelMode::Zero2 => "zero(stage=2)",
+        }
+    }
+
+    /// Why this mode cannot run `config` (`DataParallel::check`'s reason, after
+    /// [`REFUSED`] and the mode's name), if so.
+    pub(crate) fn refuses(self, config: &StepConfig) -> Option<String> {
+        self.data_parallel()
+            .check(config)
+            .err()
+            .map(|e| format!("{REFUSED}{}: {e}", self.name()))
+    }
+}
+
+/// How the note of a configuration a mode refuses begins.
+pub(crate) const REFUSED: &str = "refused by ";

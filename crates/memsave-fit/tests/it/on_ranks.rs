@@ -1,0 +1,223 @@
+//! `fit` on two ranks (this test binary started again as two processes by
+//! memsave-dist's launcher): every rank returns the same choice, the data-parallel
+//! mode chosen with the other levers, and that choice trained on the ranks through
+//! `FitReport::trainer_on` peaks within the per-rank budget on every rank, measured
+//! here with the meter (independently of `fit`'s own figures).
+//!
+//! The per-rank budget counts the parameters and the optimizer's state: a rank's
+//! peak is the most it allocated during the step less what it held before the
+//! trainer was built, the parameters excepted (the batch is a view of the data).
+use crate::common::Mlp;
+use memsave_dist::{init_process_group, launch, InitOptions, LaunchConfig, ProcessGroup};
+use memsave_fit::{fit, FitRequest, ParallelMode};
+use memsave_step::{
+    DataParallel, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload, ZeroStage,
+};
+use serial_test::serial;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+const WORLD: usize = 2;
+/// The global batch; each rank's share is half of it.
+const BATCH: i64 = 8;
+
+/// Four residual blocks of width 32 over 64 rows an example: the activations (about
+/// 1.3 MB a rank) outweigh the parameters (64 KB), so ZeRO-2 alone does not fit a
+/// budget below its own peak and recompute or micro-batches must join it.
+fn model() -> Mlp {
+    let mut m = Mlp::new(4, 32, BATCH, 64);
+    m.optimizer = Some(OptimizerSpec {
+        kind: OptimizerKind::Adamw,
+        lr: Some(1e-3),
+        ..OptimizerSpec::default()
+    });
+    m
+}
+
+fn parameter_bytes(model: &Mlp) -> u64 {
+    model
+        .parameters()
+        .iter()
+        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+        .sum()
+}
+
+/// The peak of each of `steps` steps of `builder` over `model` on this rank's share,
+/// above what the rank held before it less the parameters.
+fn rank_peaks(builder: TrainerBuilder, model: &mut Mlp, share: i64, steps: usize) -> Vec<u64> {
+    let held = memsave_meter::f_memory_allocated(Device::Cpu).unwrap();
+    let outside = held - parameter_bytes(model);
+    let mut trainer = builder.build(model).unwrap();
+    let batch = trainer.model().batch(share).unwrap();
+    (0..steps)
+        .map(|_| {
+            let m = trainer.step(&batch).unwrap();
+            m.start_bytes + m.peak_bytes - outside
+        })
+        .collect()
+}
+
+/// The largest of `value` over the ranks.
+fn max_over_ranks(group: &ProcessGroup, value: u64) -> u64 {
+    let input = Tensor::from_slice(&[value as i64]);
+    let output = Tensor::zeros([group.world_size() as i64], (Kind::Int64, Device::Cpu));
+    group.all_gather(&output, &input).unwrap();
+    Vec::<i64>::try_from(&output)
+        .unwrap()
+        .into_iter()
+        .max()
+        .unwrap() as u64
+}
+
+fn out_dir() -> PathBuf {
+    std::env::var_os("MEMSAVE_TEST_OUT")
+        .expect("MEMSAVE_TEST_OUT is set by the launching test")
+        .into()
+}
+
+#[test]
+#[ignore = "a rank of on_ranks::fit_on_two_ranks_fits_every_rank: started by the launcher"]
+fn fit_worker() {
+    tch::set_num_threads(1);
+    memsave_meter::install();
+    let options = InitOptions {
+        timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).expect("join the group");
+    let share = BATCH / WORLD as i64;
+    let mut model = model();
+    let adamw = model.optimizer.unwrap();
+    // ZeRO-2's plain step, measured first: the budget is below its peak.
+    let zero2 = TrainerBuilder::new(StepConfig::baseline())
+        .optimizer(adamw)
+        .data_parallel(&group, DataParallel::Zero(ZeroStage::Two));
+    let zero2_peak = max_over_ranks(&group, rank_peaks(zero2, &mut model, share, 2)[1]);
+    let budget = zero2_peak * 4 / 5;
+    let report = fit(&mut model, &FitRequest::new(budget).on_ranks(&group))
+        .unwrap_or_else(|e| panic!("rank {}: {e}", group.rank()));
+    let builder = report.choice.trainer_builder_on(Some(adamw), &group);
+    let trained = rank_peaks(builder, &mut model, share, 2);
+    let refused = report
+        .candidates
+        .iter()
+        .filter(|c| {
+            c.note
+                .as_deref()
+                .is_some_and(|n| n.starts_with("refused by"))
+        })
+        .count();
+    let text = format!(
+        "zero2_peak {zero2_peak}\nbudget {budget}\nstrategy {}\nmode {:?}\nworld_size {}\nmeasured_by_rank {:?}\ntrained {:?}\nrefused {refused}\ncandidates {}\n",
+        report.choice.strategy,
+        report.choice.data_parallel,
+        report.world_size,
+        report.measured_peak_bytes_by_rank,
+        trained,
+        report.candidates.len(),
+    );
+    std::fs::write(out_dir().join(format!("rank{}", group.rank())), text).unwrap();
+    if group.rank() == 0 {
+        std::fs::write(out_dir().join("report.txt"), report.to_text()).unwrap();
+    }
+}
+
+/// Starts `fit_worker` of this binary as two ranks.
+fn run_ranks(out: &Path) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let args: Vec<OsString> = [
+        "on_ranks::fit_worker",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
+    let config = LaunchConfig {
+        nproc_per_node: WORLD,
+        timeout: Some(Duration::from_secs(600)),
+        env: vec![("MEMSAVE_TEST_OUT".into(), out.as_os_str().to_owned())],
+        ..Default::default()
+    };
+    launch(&config, exe.as_os_str(), &args).expect("every rank succeeds");
+}
+
+/// `key value` lines of a rank's file.
+fn read(out: &Path, name: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(out.join(name)).unwrap();
+    text.lines()
+        .map(|l| {
+            let (k, v) = l.split_once(' ').unwrap();
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+fn get<'a>(lines: &'a [(String, String)], key: &str) -> &'a str {
+    &lines.iter().find(|(k, _)| k == key).unwrap().1
+}
+
+fn numbers(list: &str) -> Vec<u64> {
+    list.trim_matches(|c| c == '[' || c == ']')
+        .split(", ")
+        .map(|n| n.parse().unwrap())
+        .collect()
+}
+
+#[test]
+#[serial]
+fn fit_on_two_ranks_fits_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ranks(dir.path());
+    let report = std::fs::read_to_string(dir.path().join("report.txt")).unwrap();
+    let ranks: Vec<_> = (0..WORLD)
+        .map(|r| read(dir.path(), &format!("rank{r}")))
+        .collect();
+    // The ranks ran the same search: the same budget, choice and candidates.
+    for key in [
+        "budget",
+        "strategy",
+        "mode",
+        "measured_by_rank",
+        "candidates",
+    ] {
+        assert_eq!(get(&ranks[0], key), get(&ranks[1], key), "{key}\n{report}");
+    }
+    let budget: u64 = get(&ranks[0], "budget").parse().unwrap();
+    let zero2: u64 = get(&ranks[0], "zero2_peak").parse().unwrap();
+    assert!(budget < zero2, "{budget} vs ZeRO-2's {zero2}");
+    assert_eq!(get(&ranks[0], "world_size"), "2");
+    // A data-parallel mode is chosen with the other levers.
+    let mode = get(&ranks[0], "mode");
+    assert!(mode.starts_with("Some("), "{mode}\n{report}");
+    assert_ne!(
+        get(&ranks[0], "strategy"),
+        ParallelMode::Zero2.name(),
+        "ZeRO-2 alone does not fit below its own peak\n{report}"
+    );
+    // fit's own figures, one per rank, within the budget.
+    let by_rank = numbers(get(&ranks[0], "measured_by_rank"));
+    assert_eq!(by_rank.len(), WORLD, "{report}");
+    assert!(
+        by_rank.iter().all(|&p| p > 0 && p <= budget),
+        "{by_rank:?} vs {budget}\n{report}"
+    );
+    // The choice trained on the ranks: each rank's second step measured here.
+    for (r, lines) in ranks.iter().enumerate() {
+        let trained = numbers(get(lines, "trained"));
+        assert!(
+            trained[1] <= budget,
+            "rank {r}: trained step peaks {trained:?} over the budget {budget}\n{report}"
+        );
+    }
+    // What a mode refuses is noted (the step in backward under every mode).
+    let refused: usize = get(&ranks[0], "refused").parse().unwrap();
+    assert!(refused >= ParallelMode::ALL.len(), "{report}");
+    assert!(report.contains("refused by ddp: "), "{report}");
+    eprintln!("{report}");
+}
