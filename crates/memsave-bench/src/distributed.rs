@@ -424,7 +424,7 @@ fn rank_args(suite_file: &Path, model: &str, strategy: &str, out: &Path) -> Vec<
 /// on); the error then says so ([`DistributedError::interrupted_by`]), so that the
 /// caller ends too, with 128 + the signal's number as shells do: a run the user
 /// interrupted does not go on to its next case.
-fn launch_ranks(
+pub(crate) fn launch_ranks(
     program: &Path,
     args: &[OsString],
     world_size: usize,
