@@ -26,9 +26,13 @@ fn torch_python() -> PathBuf {
     python
 }
 
-/// Reads the snapshot with `_memory_viz`'s functions; prints `peak end flame_bytes`.
+/// Reads the snapshot with `_memory_viz`'s functions and prints `peak end flame_bytes`;
+/// then runs the module's command line (`python -m torch.cuda._memory_viz ...`) for
+/// `trace_plot` and `segment_plot` (writing `<plot>.html` in the snapshot's directory)
+/// and `stats` (its output follows on stdout). One interpreter for all of it: each
+/// start imports torch, a second or more.
 const CHECK: &str = r#"
-import pickle, sys
+import os, pickle, runpy, sys, warnings
 from torch.cuda import _memory_viz as mv
 with open(sys.argv[1], "rb") as f:
     data = pickle.load(f)
@@ -49,7 +53,16 @@ assert "saved_activation of AddmmBackward0" in names, names
 assert "aten::addmm" in names, names
 assert "the tensor's grad_fn: AddBackward0" in names, names
 assert any("memsave:gradient" in l for l in lines.splitlines()), lines[:500]
-print(peak, current, flame)
+print(peak, current, flame, flush=True)
+# The module's `__main__`, as `python -m` runs it (runpy warns that the module is
+# already imported: it runs a fresh copy of it all the same).
+warnings.simplefilter("ignore", RuntimeWarning)
+directory = os.path.dirname(sys.argv[1])
+commands = [[plot, sys.argv[1], "-o", os.path.join(directory, plot + ".html")]
+            for plot in ("trace_plot", "segment_plot")]
+for args in commands + [["stats", sys.argv[1]]]:
+    sys.argv = ["_memory_viz.py"] + args
+    runpy.run_module("torch.cuda._memory_viz", run_name="__main__")
 "#;
 
 #[test]
@@ -99,7 +112,9 @@ fn torch_memory_viz_accepts_the_snapshot_and_finds_the_same_peak() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let numbers: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (first, stats) = stdout.split_once('\n').unwrap_or((&stdout, ""));
+    let numbers: Vec<u64> = first
         .split_whitespace()
         .map(|n| n.parse().unwrap())
         .collect();
@@ -107,30 +122,9 @@ fn torch_memory_viz_accepts_the_snapshot_and_finds_the_same_peak() {
 
     for plot in ["trace_plot", "segment_plot"] {
         let html = dir.path().join(format!("{plot}.html"));
-        let out = Command::new(&python)
-            .args(["-m", "torch.cuda._memory_viz", plot])
-            .arg(&snapshot)
-            .arg("-o")
-            .arg(&html)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{plot}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let page = std::fs::read_to_string(&html).unwrap();
+        let page = std::fs::read_to_string(&html)
+            .unwrap_or_else(|e| panic!("{plot}: {}: {e}", html.display()));
         assert!(page.contains("snapshot.pickle"), "{plot}: {page:.200}");
     }
-    let out = Command::new(&python)
-        .args(["-m", "torch.cuda._memory_viz", "stats"])
-        .arg(&snapshot)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("total_allocated"));
+    assert!(stats.contains("total_allocated"), "stats: {stats:.200}");
 }
