@@ -9,8 +9,11 @@
 
 #include <algorithm>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <sstream>
+#include <unordered_set>
+#include <utility>
 
 namespace memsave::hooks {
 namespace {
@@ -37,6 +40,76 @@ ThreadState& tls() {
   return state;
 }
 
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// The nodes reachable from `roots`, each after every node it leads to, held while the
+// caller releases their saved tensors (which may free nodes reached only through them).
+// With `outputs` (autograd::grad, backward with inputs), nodes created before every
+// output's node are not walked below: they cannot lead to an output.
+
+std::vector<NodePtr> nodes_children_first(
+    const torch::autograd::edge_list& roots, const torch::autograd::edge_list& outputs) {
+  using torch::autograd::Node;
+  uint64_t min_topo_nr = 0;
+  if (!outputs.empty()) {
+    min_topo_nr = std::numeric_limits<uint64_t>::max();
+    for (const auto& e : outputs) {
+      if (e.function) min_topo_nr = std::min(min_topo_nr, e.function->topological_nr());
+    }
+  }
+  std::vector<NodePtr> order;
+  std::unordered_set<Node*> seen;
+  // (node, index of the next edge to walk)
+  std::vector<std::pair<NodePtr, size_t>> stack;
+  const auto visit = [&](const NodePtr& fn) {
+    if (fn && seen.insert(fn.get()).second) stack.emplace_back(fn, 0);
+  };
+  for (const auto& root : roots) {
+    visit(root.function);
+    while (!stack.empty()) {
+      auto& [fn, next] = stack.back();
+      const auto& edges = fn->next_edges();
+      if (next < edges.size() && fn->topological_nr() >= min_topo_nr) {
+        visit(edges[next++].function);  // may reallocate `stack`: `fn` is not used after
+        continue;
+      }
+      order.push_back(std::move(fn));
+      stack.pop_back();
+    }
+  }
+  return order;
+}
+
+// Frees the saved tensors of the nodes the failed backward from `roots` would have run:
+// all it reaches, or with `outputs`, those with a path to an output (the outputs' own
+// nodes too when the backward accumulates into them), as the engine's GraphTask picks
+// them (those it ran are freed already; freeing twice is harmless). Never throws: the
+// backward's own error is what the caller reports.
+void release_failed_graph(const torch::autograd::edge_list& roots, bool accumulate_grad,
+                         const torch::autograd::edge_list& outputs) noexcept {
+  using torch::autograd::Node;
+  try {
+    const auto nodes = nodes_children_first(roots, outputs);
+    std::unordered_set<const Node*> output_nodes;
+    for (const auto& e : outputs) output_nodes.insert(e.function.get());
+    std::unordered_set<const Node*> runs;
+    for (const auto& fn : nodes) {
+      bool run = outputs.empty() || (accumulate_grad && output_nodes.count(fn.get()) > 0);
+      for (const auto& e : fn->next_edges()) {
+        const Node* child = e.function.get();
+        if (run || child == nullptr) continue;
+        run = runs.count(child) > 0 || output_nodes.count(child) > 0;
+      }
+      if (run) runs.insert(fn.get());
+    }
+    for (const auto& fn : nodes) {
+      if (runs.count(fn.get()) > 0) fn->release_variables();
+    }
+  } catch (...) {
+    // Out of memory while walking the graph: it stays as the base engine left it.
+  }
+}
+
 // The base engine's behaviour, plus the calling thread's innermost hook frame.
 struct MemsaveEngine final : torch::autograd::Engine {
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
@@ -46,12 +119,23 @@ struct MemsaveEngine final : torch::autograd::Engine {
     return state.stack.back().frame->make_hooks();
   }
 
+  // A backward that fails without keep_graph frees the saved tensors of every node it
+  // would have run, as one that succeeds does (the base engine frees only the nodes it
+  // ran). Otherwise a graph with a reference cycle outlives every handle to it: a tensor
+  // modified in place after a node saved it (`x += f(x)`) has a grad_fn that leads to
+  // that node, which holds the tensor; the backward fails at its version check, before
+  // that node, so nothing breaks the cycle.
   torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
                                          const torch::autograd::variable_list& inputs, bool keep_graph,
                                          bool create_graph, bool accumulate_grad,
                                          const torch::autograd::edge_list& outputs) override {
     ++tls().backward_calls;
-    return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+    try {
+      return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+    } catch (...) {
+      if (!keep_graph) release_failed_graph(roots, accumulate_grad, outputs);
+      throw;
+    }
   }
 };
 

@@ -48,7 +48,11 @@ class Frame {
   virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() = 0;
 };
 
-// Installs memsave's engine as libtorch's default (once per process; idempotent).
+// Installs memsave's engine as libtorch's default (once per process; idempotent). Besides
+// the hooks, it differs from libtorch's in one way: a backward that fails without
+// keep_graph frees the saved tensors of the nodes it would have run, as a successful one
+// does, so a graph with a reference cycle (an in-place update of a saved tensor) does not
+// outlive the user's handles.
 void install_engine();
 
 // Pushes `frame` on the calling thread's stack; returns the frame's id (unique on this

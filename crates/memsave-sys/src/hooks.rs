@@ -6,6 +6,16 @@
 //! The first push installs memsave's autograd engine as libtorch's default: a subclass
 //! of libtorch's engine that behaves like it and, in addition, asks the calling thread's
 //! innermost frame for hooks whenever a tensor is saved.
+//!
+//! One difference from libtorch's engine: a backward that fails (an in-place update of
+//! a saved tensor, an unpack hook's error, out of memory) without `keep_graph` frees the
+//! saved tensors of every node it would have run, as a backward that succeeds does;
+//! libtorch frees only the nodes it ran. That matters when the graph holds a reference
+//! cycle: `x += f(x)` on a tensor `f` saved gives `x` a `grad_fn` that leads back to the
+//! node holding `x`, and its backward fails before that node, so with libtorch's engine
+//! the input and the weights stay allocated after every handle to them is dropped. The
+//! trap: running backward through such a graph again fails with libtorch's "Trying to
+//! backward through the graph a second time"; pass `keep_graph` to retry a backward.
 use crate::error::{callback_message, check, panic_message, CallbackError};
 use crate::{ffi, Error, Result};
 use std::any::Any;
@@ -211,8 +221,9 @@ impl Drop for HookFrame {
 }
 
 /// Installs memsave's autograd engine as libtorch's default (idempotent). Pushing a
-/// frame or checkpointing does this; call it first only to make later behaviour
-/// independent of which comes first.
+/// frame or checkpointing does this; call it first to make later behaviour independent
+/// of which comes first, and so that a backward that fails frees its graph (see the
+/// [module docs](self)) even in a process that never pushes hooks.
 pub fn install_engine() -> Result<()> {
     // SAFETY: no arguments; the bridge catches every C++ exception.
     check(unsafe { ffi::ms_hooks_install_engine() })

@@ -5,6 +5,7 @@
 //! `#[parallel]` so that it never runs beside a serial one.
 mod c_malloc;
 mod callback_errors;
+mod failed_backward;
 mod ffi_boundary;
 mod ops;
 mod tensor_bytes;
