@@ -1,15 +1,22 @@
 //! `memsave fit`: `memsave_fit::fit` on a model of a suite, built as the runner
-//! builds it (same seed, same input), optionally with an optimizer.
+//! builds it (same seed, same input), optionally with an optimizer; with a world size,
+//! on that many local ranks ([`fit_model_on_ranks`]).
+use crate::distributed::{launch_ranks, rank_program, suite_for_ranks, DistributedError};
 use crate::message::one_line;
 use crate::models::Model;
 use crate::runner::{resolve_device, RunError};
 use crate::suite::{
     ModelSpec, ModelSpecError, OptimizerKind, OptimizerSpec, StatePrecision, Suite, Technique,
 };
-use memsave_fit::{fit_with, FitEvent};
+use memsave_dist::{init_process_group, DistError, InitOptions};
+use memsave_fit::{fit_with, Allow, FitEvent};
 use memsave_fit::{FitError, FitReport, FitRequest};
 use memsave_meter::Bytes;
 use memsave_step::{Batch, Workload};
+use serde::{Deserialize, Serialize};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tch::Device;
 
 /// A bundled model with the optimizer `fit` should count and step.
@@ -88,6 +95,26 @@ pub enum FitCaseError {
     /// `fit` itself gave no answer.
     #[error(transparent)]
     Fit(#[from] FitError),
+    /// On ranks: what a rank failed with (its own words after `rank R:`).
+    #[error("rank {rank}: {message}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
+    /// On ranks: a rank could not read what it was asked (the suite or the request the
+    /// parent wrote for it).
+    #[error("{0}")]
+    RankInput(String),
+    /// On ranks: rank 0 could not draw the report's picture.
+    #[error("plot: {0}")]
+    Plot(String),
+    /// On ranks: they could not be started, did not end in time, were interrupted,
+    /// or one failed without saying why (see
+    /// [`DistributedError::interrupted_by`]).
+    #[error(transparent)]
+    Ranks(#[from] DistributedError),
 }
 
 /// Runs `fit` on the suite's model `model` (built from the suite's seed on the suite's
@@ -117,6 +144,33 @@ pub fn fit_model_with(
     optimizer: Option<OptimizerSpec>,
     progress: &mut dyn FnMut(&FitEvent),
 ) -> Result<FitReport, FitCaseError> {
+    let spec = checked_spec(suite, model, request, optimizer.as_ref())?;
+    let device = resolve_device(suite.device)?;
+    memsave_meter::install();
+    if let Some(n) = suite.threads {
+        tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    }
+    tch::manual_seed(suite.seed as i64);
+    let model = std::panic::catch_unwind(|| Model::build(spec, device))
+        .map_err(|payload| {
+            FitCaseError::Build(format!(
+                "the model's constructor panicked: {}",
+                one_line(&memsave_sys::checkpoint::panic_message(&*payload))
+            ))
+        })?
+        .map_err(|e| FitCaseError::Build(one_line(&e.to_string())))?;
+    let mut workload = WithOptimizer { model, optimizer };
+    Ok(fit_with(&mut workload, request, progress)?)
+}
+
+/// The suite's model `model`, checked against `request` before anything is built (see
+/// [`fit_model`]).
+fn checked_spec<'s>(
+    suite: &'s Suite,
+    model: &str,
+    request: &FitRequest,
+    optimizer: Option<&OptimizerSpec>,
+) -> Result<&'s ModelSpec, FitCaseError> {
     let spec = suite
         .models
         .iter()
@@ -134,29 +188,303 @@ pub fn fit_model_with(
         spec.with_global_batch(batch)
             .map_err(|source| FitCaseError::GlobalBatch { batch, source })?;
     }
-    let least = least_memory(spec, request, optimizer.as_ref());
+    let least = least_memory(spec, request, optimizer);
     check_least(
         &least,
         spec,
         request,
         suite.memory_limit.as_ref().map(|s| s.bytes),
     )?;
-    let device = resolve_device(suite.device)?;
-    memsave_meter::install();
-    if let Some(n) = suite.threads {
-        tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    Ok(spec)
+}
+
+/// What `memsave fit --world-size N` gives: rank 0's report, as text, as JSON and,
+/// when asked, as a picture (its figures are every rank's: the ranks agree on every
+/// one, and the report lists each rank's measured peak).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RanksFit {
+    /// [`FitReport::to_text`].
+    pub text: String,
+    /// The report as JSON.
+    pub json: String,
+    /// [`crate::fit_svg`] of the report, when asked for.
+    pub svg: Option<String>,
+    /// Seconds the fit took (rank 0's).
+    pub fit_time_s: f64,
+}
+
+/// What the ranks of [`fit_model_on_ranks`] are asked (`request.json` next to the
+/// suite): the request and the optimizer, in plain values.
+#[derive(Debug, Serialize, Deserialize)]
+struct RankRequest {
+    model: String,
+    budget_bytes: u64,
+    global_batch: Option<i64>,
+    margin: f64,
+    exhaustive: bool,
+    bf16: bool,
+    compress: bool,
+    int8_state: bool,
+    micro_batches: bool,
+    optimizer: Option<RankOptimizer>,
+    svg: bool,
+}
+
+/// The optimizer's kind, hyperparameters and state precision (its placement and
+/// whether it steps in backward are fit's to choose).
+#[derive(Debug, Serialize, Deserialize)]
+struct RankOptimizer {
+    sgd: bool,
+    lr: Option<f64>,
+    betas: Option<(f64, f64)>,
+    eps: Option<f64>,
+    weight_decay: Option<f64>,
+    momentum: Option<f64>,
+    state: u8,
+}
+
+impl RankOptimizer {
+    fn of(o: &OptimizerSpec) -> Self {
+        Self {
+            sgd: o.kind == OptimizerKind::Sgd,
+            lr: o.lr,
+            betas: o.betas,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            momentum: o.momentum,
+            state: match o.state {
+                StatePrecision::F32 => 32,
+                StatePrecision::Bf16 => 16,
+                StatePrecision::Int8 => 8,
+            },
+        }
     }
-    tch::manual_seed(suite.seed as i64);
-    let model = std::panic::catch_unwind(|| Model::build(spec, device))
-        .map_err(|payload| {
-            FitCaseError::Build(format!(
-                "the model's constructor panicked: {}",
-                one_line(&memsave_sys::checkpoint::panic_message(&*payload))
-            ))
-        })?
-        .map_err(|e| FitCaseError::Build(one_line(&e.to_string())))?;
-    let mut workload = WithOptimizer { model, optimizer };
-    Ok(fit_with(&mut workload, request, progress)?)
+
+    fn spec(&self) -> OptimizerSpec {
+        OptimizerSpec {
+            kind: if self.sgd {
+                OptimizerKind::Sgd
+            } else {
+                OptimizerKind::Adamw
+            },
+            lr: self.lr,
+            betas: self.betas,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
+            state: match self.state {
+                16 => StatePrecision::Bf16,
+                8 => StatePrecision::Int8,
+                _ => StatePrecision::F32,
+            },
+            ..OptimizerSpec::default()
+        }
+    }
+}
+
+/// What a rank wrote (`fit-rank{R}.json`): its error, or (rank 0) the report.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct RankOutcome {
+    error: Option<String>,
+    text: Option<String>,
+    json: Option<String>,
+    svg: Option<String>,
+    fit_time_s: f64,
+}
+
+/// [`fit_model`] on `world_size` local ranks (processes started by `memsave_dist`'s
+/// launcher, each the `memsave` binary's hidden `fit-rank` subcommand, which calls
+/// [`run_fit_rank`]): every rank builds the suite's model, joins the group and runs
+/// `memsave_fit::fit` on it with the request [`on_ranks`](FitRequest::on_ranks), so
+/// the data-parallel mode is chosen with the other levers and `budget_bytes` is per
+/// rank (counting the parameters and the optimizer's state). Rank 0's report comes
+/// back; `svg` asks for its picture too.
+///
+/// The model is checked as [`fit_model`] checks it before any rank starts, and the
+/// global batch must divide among the ranks. `rank_program` is the program whose
+/// `fit-rank` subcommand runs a rank (default: this process's executable, which must
+/// then be the `memsave` binary).
+///
+/// # Errors
+/// What [`fit_model`] refuses; [`FitCaseError::Rank`] with the first failed rank's
+/// own error (its `fit` failed, or its step: a rank cannot go on alone);
+/// [`FitCaseError::Ranks`] when they could not start, ran past ten minutes, or a
+/// signal interrupted them.
+pub fn fit_model_on_ranks(
+    suite: &Suite,
+    model: &str,
+    request: &FitRequest,
+    optimizer: Option<OptimizerSpec>,
+    world_size: usize,
+    svg: bool,
+    rank_program_path: Option<&Path>,
+) -> Result<RanksFit, FitCaseError> {
+    let spec = checked_spec(suite, model, request, optimizer.as_ref())?;
+    let global = request
+        .global_batch
+        .or_else(|| spec.batch.first().copied())
+        .unwrap_or(1);
+    if global % world_size.max(1) as i64 != 0 {
+        return Err(FitError::Indivisible {
+            global_batch: global,
+            world_size,
+        }
+        .into());
+    }
+    let program = rank_program(rank_program_path)?;
+    let (dir, _suite_file) = suite_for_ranks(suite)?;
+    let asked = RankRequest {
+        model: model.to_owned(),
+        budget_bytes: request.budget_bytes,
+        global_batch: request.global_batch,
+        margin: request.margin,
+        exhaustive: request.exhaustive,
+        bf16: request.allow.bf16,
+        compress: request.allow.compress,
+        int8_state: request.allow.int8_state,
+        micro_batches: request.allow.micro_batches,
+        optimizer: optimizer.as_ref().map(RankOptimizer::of),
+        svg,
+    };
+    let request_file = dir.path().join("request.json");
+    std::fs::write(
+        &request_file,
+        serde_json::to_string(&asked).map_err(DistributedError::Json)?,
+    )
+    .map_err(|source| DistributedError::Io {
+        what: format!("cannot write {}", request_file.display()),
+        source,
+    })?;
+    let args: Vec<OsString> = vec!["fit-rank".into(), dir.path().into()];
+    let launched = launch_ranks(&program, &args, world_size);
+    let outcome = |rank: usize| read_outcome(dir.path(), rank);
+    let first_error = || {
+        (0..world_size).find_map(|rank| {
+            let message = outcome(rank).ok()?.error?;
+            Some(FitCaseError::Rank { rank, message })
+        })
+    };
+    match launched {
+        Ok(()) => {}
+        Err(e) if e.interrupted_by().is_some() => return Err(e.into()),
+        Err(DistributedError::Launch(DistError::RankFailed {
+            rank,
+            status,
+            exit_code,
+        })) => {
+            return Err(match outcome(rank).ok().and_then(|o| o.error) {
+                Some(message) => FitCaseError::Rank { rank, message },
+                None => DistributedError::Launch(DistError::RankFailed {
+                    rank,
+                    status,
+                    exit_code,
+                })
+                .into(),
+            })
+        }
+        Err(e) => return Err(first_error().unwrap_or(e.into())),
+    }
+    if let Some(e) = first_error() {
+        return Err(e);
+    }
+    let first = outcome(0)?;
+    Ok(RanksFit {
+        text: first.text.unwrap_or_default(),
+        json: first.json.unwrap_or_default(),
+        svg: first.svg,
+        fit_time_s: first.fit_time_s,
+    })
+}
+
+/// What rank `rank` wrote into `dir`.
+fn read_outcome(dir: &Path, rank: usize) -> Result<RankOutcome, DistributedError> {
+    let path = dir.join(format!("fit-rank{rank}.json"));
+    std::fs::read_to_string(&path)
+        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .and_then(|text| serde_json::from_str(&text).map_err(|e| e.into()))
+        .map_err(|source| DistributedError::Figures { rank, path, source })
+}
+
+/// One rank of [`fit_model_on_ranks`] (the hidden `memsave fit-rank DIR`), as the
+/// environment names it (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, set by
+/// the launcher): reads `suite.yaml` and `request.json` in `dir`, joins the group,
+/// fits, and writes `fit-rank{RANK}.json` there (its error, or on rank 0 the report);
+/// rank 0 prints each phase of the fit on stderr.
+///
+/// # Errors
+/// [`FitCaseError::Rank`] (after writing it) when this rank's fit failed, so that the
+/// launcher ends the others at once; [`FitCaseError::Ranks`] when the group could not
+/// be joined or the file written.
+pub fn run_fit_rank(dir: &Path) -> Result<(), FitCaseError> {
+    memsave_meter::install();
+    let options = InitOptions {
+        timeout: Duration::from_secs(300),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).map_err(DistributedError::Group)?;
+    let rank = group.rank();
+    let outcome = fit_this_rank(dir, &group).unwrap_or_else(|e| RankOutcome {
+        error: Some(e.to_string()),
+        ..RankOutcome::default()
+    });
+    let path: PathBuf = dir.join(format!("fit-rank{rank}.json"));
+    let text = serde_json::to_string(&outcome).map_err(DistributedError::Json)?;
+    std::fs::write(&path, text).map_err(|source| DistributedError::Io {
+        what: format!("writing {}", path.display()),
+        source,
+    })?;
+    match outcome.error {
+        Some(message) => Err(FitCaseError::Rank { rank, message }),
+        None => Ok(()),
+    }
+}
+
+/// This rank's fit, as `dir` asks it.
+fn fit_this_rank(
+    dir: &Path,
+    group: &memsave_step::ProcessGroup,
+) -> Result<RankOutcome, FitCaseError> {
+    let suite_file = dir.join("suite.yaml");
+    let suite =
+        Suite::from_file(&suite_file).map_err(|e| FitCaseError::RankInput(e.to_string()))?;
+    let request_file = dir.join("request.json");
+    let asked: RankRequest = std::fs::read_to_string(&request_file)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .map_err(|e| FitCaseError::RankInput(format!("{}: {e}", request_file.display())))?;
+    let mut request = FitRequest::new(asked.budget_bytes).on_ranks(group);
+    request.global_batch = asked.global_batch;
+    request.margin = asked.margin;
+    request.exhaustive = asked.exhaustive;
+    request.allow = Allow {
+        bf16: asked.bf16,
+        compress: asked.compress,
+        int8_state: asked.int8_state,
+        micro_batches: asked.micro_batches,
+    };
+    let optimizer = asked.optimizer.as_ref().map(RankOptimizer::spec);
+    let rank = group.rank();
+    let report = fit_model_with(&suite, &asked.model, &request, optimizer, &mut |event| {
+        if rank == 0 && event.is_phase() {
+            eprintln!("fit: {event}");
+        }
+    })?;
+    if rank != 0 {
+        return Ok(RankOutcome::default());
+    }
+    let json = serde_json::to_string_pretty(&report).map_err(DistributedError::Json)?;
+    let svg = asked
+        .svg
+        .then(|| crate::fit_svg(&report))
+        .transpose()
+        .map_err(|e| FitCaseError::Plot(e.to_string()))?;
+    Ok(RankOutcome {
+        error: None,
+        text: Some(report.to_text()),
+        json: Some(json),
+        svg,
+        fit_time_s: report.fit_time_s,
+    })
 }
 
 /// The optimizer `memsave fit` steps when it is not told one: the suite's first

@@ -68,6 +68,13 @@ enum Command {
     /// through the launcher; not for direct use).
     #[command(hide = true)]
     Rank(RankCli),
+    /// One rank of `memsave fit --world-size N` (started through the launcher; not for
+    /// direct use): the suite and the request are in DIR.
+    #[command(hide = true)]
+    FitRank {
+        /// The directory `memsave fit` prepared.
+        dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -193,7 +200,8 @@ struct FitArgs {
     /// The model to fit (a name from the suite).
     #[arg(long)]
     model: String,
-    /// The most bytes a step may allocate above parameters and input, e.g. 24MiB.
+    /// The most bytes a step may allocate above parameters and input, e.g. 24MiB; with
+    /// --world-size, per rank, counting its parameters and optimizer state too.
     #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     budget: Bytes,
     /// Examples per optimizer step (default: the model's batch in the suite).
@@ -223,6 +231,11 @@ struct FitArgs {
     /// Write the candidates, the front and the budget as an SVG picture.
     #[arg(long, value_name = "PATH")]
     plot: Option<PathBuf>,
+    /// Fit on N local ranks (processes): every configuration is measured on all of
+    /// them, each on its share of the global batch (which must divide by N), and the
+    /// data-parallel mode (ddp, zero stage 1 or 2) is chosen with the other levers.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    world_size: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -268,6 +281,7 @@ fn main() -> ExitCode {
         Command::Suites { name } => suites(name.as_deref()),
         Command::Launch(_) => unreachable!("launch returned above"),
         Command::Rank(args) => rank(args),
+        Command::FitRank { dir } => Ok(memsave_bench::fit::run_fit_rank(&dir)?),
         Command::Trace(args) => trace(args),
         Command::Fit(args) => fit(args),
         Command::Check { suite } => check(&suite),
@@ -497,6 +511,9 @@ fn fit(args: FitArgs) -> Result<()> {
         Some(FitOptimizer::None) => None,
         None => memsave_bench::fit::suite_optimizer(&suite),
     };
+    if let Some(world_size) = args.world_size.filter(|&n| n > 1) {
+        return fit_on_ranks(&suite, &args, &request, optimizer, world_size as usize);
+    }
     let mut progress = FitProgress::new();
     let outcome =
         memsave_bench::fit_model_with(&suite, &args.model, &request, optimizer, &mut |event| {
@@ -532,6 +549,51 @@ fn fit(args: FitArgs) -> Result<()> {
     }
     if let Some(path) = &args.plot {
         let svg = memsave_bench::fit_svg(&report).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        write_atomic(path, svg).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `memsave fit --world-size N`: rank 0's report, with each rank's measured peak.
+fn fit_on_ranks(
+    suite: &Suite,
+    args: &FitArgs,
+    request: &memsave_fit::FitRequest,
+    optimizer: Option<memsave_bench::OptimizerSpec>,
+    world_size: usize,
+) -> Result<()> {
+    use memsave_bench::FitCaseError;
+    let outcome = memsave_bench::fit::fit_model_on_ranks(
+        suite,
+        &args.model,
+        request,
+        optimizer,
+        world_size,
+        args.plot.is_some(),
+        None,
+    );
+    let fitted = match outcome {
+        Ok(fitted) => fitted,
+        Err(e @ FitCaseError::UnknownModel { .. }) => {
+            return Err(invalid(format!("{}: {e}", args.suite)))
+        }
+        Err(FitCaseError::GlobalBatch { batch, source }) => {
+            return Err(invalid(format!("--global-batch {batch}: {source}")))
+        }
+        Err(e @ FitCaseError::Fit(memsave_fit::FitError::Indivisible { .. })) => {
+            return Err(invalid(format!("--world-size {world_size}: {e}")))
+        }
+        // Kept whole, so that an interrupted run ends as the shells do.
+        Err(FitCaseError::Ranks(e)) => return Err(e.into()),
+        Err(e) => return Err(anyhow::anyhow!("{e}")),
+    };
+    print!("{}", fitted.text);
+    println!("fit took {:.2} s on {world_size} ranks", fitted.fit_time_s);
+    if let Some(path) = &args.json {
+        write_atomic(path, fitted.json + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let (Some(path), Some(svg)) = (&args.plot, fitted.svg) {
         write_atomic(path, svg).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())

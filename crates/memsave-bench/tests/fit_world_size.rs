@@ -1,0 +1,184 @@
+//! `memsave fit SUITE --model M --budget B --world-size N`: the fit runs on N local
+//! ranks and the data-parallel mode is chosen with the other levers, for a per-rank
+//! budget below what ZeRO-2 alone needs (measured first by `memsave bench` on the same
+//! ranks); the choice is printed once, with each rank's measured peak; a rank's error
+//! comes back naming the rank; a batch that does not divide among the ranks is refused
+//! before any rank starts.
+use serial_test::serial;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn memsave(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run memsave")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A suite of one model and ZeRO-2 with AdamW, in `dir/suite.yaml`.
+fn write_suite(dir: &Path, model: &str) {
+    let yaml = format!(
+        "suite: fit-world-size\nwarmup: 1\nrepeats: 1\nmodels:\n  - {model}\nstrategies:\n  - name: zero2\n    with: [{{zero: 2}}, {{optimizer: {{kind: adamw}}}}]\n"
+    );
+    std::fs::write(dir.join("suite.yaml"), yaml).unwrap();
+}
+
+/// ZeRO-2's per-rank peak on 2 ranks as `memsave bench` measures it: the most a rank
+/// allocated during the step (`start_bytes + peak_bytes`, the largest over the ranks),
+/// which holds its parameters, its shard of the optimizer's state and its input.
+fn zero2_per_rank_peak(dir: &Path) -> u64 {
+    let out = memsave(
+        &[
+            "bench",
+            "suite.yaml",
+            "--world-size",
+            "2",
+            "--json",
+            "zero2.json",
+        ],
+        dir,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("zero2.json")).unwrap()).unwrap();
+    let case = &json["cases"][0];
+    assert_eq!(case["status"], "ok", "{case}");
+    case["start_bytes"].as_u64().unwrap() + case["peak_bytes"].as_u64().unwrap()
+}
+
+#[test]
+#[serial]
+fn fit_on_two_ranks_finds_a_configuration_below_zero2_s_per_rank_peak() {
+    let dir = tempfile::tempdir().unwrap();
+    // The activations (8 x 256 rows of width 32, a few tensors a layer) outweigh the
+    // parameters: ZeRO-2 alone does not fit below its own peak, recompute or
+    // micro-batches must join it.
+    write_suite(
+        dir.path(),
+        "{name: lin, kind: residual_linear, layers: 4, hidden: 32, batch: [8, 256]}",
+    );
+    let zero2 = zero2_per_rank_peak(dir.path());
+    let budget = zero2 * 4 / 5;
+    let out = memsave(
+        &[
+            "fit",
+            "suite.yaml",
+            "--model",
+            "lin",
+            "--budget",
+            &format!("{budget}B"),
+            "--world-size",
+            "2",
+            "--json",
+            "fit.json",
+        ],
+        dir.path(),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // The choice once (rank 0), with each rank's measured peak.
+    assert_eq!(stdout.matches("choice: ").count(), 1, "{stdout}");
+    assert!(
+        stdout.contains("measured peak per rank: rank 0 "),
+        "{stdout}"
+    );
+    assert!(stdout.contains(", rank 1 "), "{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["world_size"], 2, "{json}");
+    assert_eq!(json["budget_bytes"].as_u64(), Some(budget));
+    assert_eq!(json["global_batch"], 8, "the global batch is kept: {json}");
+    let mode = json["choice"]["data_parallel"].as_str();
+    assert!(
+        matches!(mode, Some("ddp" | "zero1" | "zero2")),
+        "a data-parallel mode is chosen: {json}"
+    );
+    let by_rank: Vec<u64> = json["measured_peak_bytes_by_rank"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    assert_eq!(by_rank.len(), 2, "{json}");
+    assert!(
+        by_rank.iter().all(|&p| p > 0 && p <= budget),
+        "measured per rank {by_rank:?}, budget {budget} (ZeRO-2 alone: {zero2})\n{stdout}"
+    );
+    // ZeRO-2 alone was among the candidates and did not fit.
+    let zero2_alone = json["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["choice"]["strategy"] == "zero(stage=2)")
+        .unwrap_or_else(|| panic!("zero(stage=2) considered\n{stdout}"));
+    assert_eq!(zero2_alone["predicted_fits"], false, "{stdout}");
+}
+
+#[test]
+#[serial]
+fn a_rank_s_error_comes_back_naming_the_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    write_suite(
+        dir.path(),
+        "{name: lin, kind: residual_linear, layers: 4, hidden: 32, batch: [8, 64]}",
+    );
+    // Above the largest gradient (so refused by no check before the ranks start), far
+    // below the parameters, their gradients and the optimizer's state.
+    let out = memsave(
+        &[
+            "fit",
+            "suite.yaml",
+            "--model",
+            "lin",
+            "--budget",
+            "8KiB",
+            "--world-size",
+            "2",
+        ],
+        dir.path(),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: rank 0: no configuration fits 8.00 KiB")
+            || last.starts_with("error: rank 1: no configuration fits 8.00 KiB"),
+        "{stderr}"
+    );
+}
+
+#[test]
+#[serial]
+fn a_batch_that_does_not_divide_among_the_ranks_is_refused_before_they_start() {
+    let dir = tempfile::tempdir().unwrap();
+    write_suite(
+        dir.path(),
+        "{name: lin, kind: residual_linear, layers: 2, hidden: 8, batch: [8]}",
+    );
+    let out = memsave(
+        &[
+            "fit",
+            "suite.yaml",
+            "--model",
+            "lin",
+            "--budget",
+            "1MiB",
+            "--world-size",
+            "3",
+        ],
+        dir.path(),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--world-size 3: the global batch of 8 does not divide among 3 ranks"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("[rank"), "no rank started: {stderr}");
+}
