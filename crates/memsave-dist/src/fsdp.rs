@@ -286,6 +286,20 @@ impl Fsdp {
         module: M,
         params: &[Tensor],
     ) -> Result<FsdpUnit> {
+        let unit = self.fully_shard_parameters(params)?;
+        Ok(FsdpUnit {
+            shared: Arc::clone(&self.shared),
+            unit,
+            module: Box::new(module),
+        })
+    }
+
+    /// [`Fsdp::fully_shard`] for a module that stays where it is (a closure inside a
+    /// `CheckpointedSequential`, say): shards `params` as the next unit, with the same
+    /// checks, and returns the unit's index. Run the module's forward inside
+    /// [`FsdpUnits::f_forward`] with that index, where the module is called, so that
+    /// its weights are gathered around it. A collective, as `fully_shard`.
+    pub fn fully_shard_parameters(&mut self, params: &[Tensor]) -> Result<usize> {
         let rank = self.group.rank();
         let unit = self.state().units.len();
         self.check_distinct(unit, params)?;
@@ -371,11 +385,16 @@ impl Fsdp {
             })?;
             self.hooks.push(hook);
         }
-        Ok(FsdpUnit {
+        Ok(unit)
+    }
+
+    /// A handle on the units that runs a unit's forward where its module is called
+    /// (see [`Fsdp::fully_shard_parameters`]); it may be cloned into the modules and
+    /// shared across threads.
+    pub fn units(&self) -> FsdpUnits {
+        FsdpUnits {
             shared: Arc::clone(&self.shared),
-            unit,
-            module: Box::new(module),
-        })
+        }
     }
 
     /// Refuses a parameter given twice, or already in a unit (then it reads from the
@@ -440,8 +459,24 @@ impl Fsdp {
     /// and see the units' weights first; those that keep the weights make
     /// `f_finish_backward` refuse as above.
     pub fn forward<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        self.forward_with(None, f)
+    }
+
+    /// [`Fsdp::forward`] whose saved-tensor hook hands every tensor that is not a
+    /// unit's gathered weight to `others` (offload or compression hooks, say) instead of
+    /// keeping it as it is: nested saved-tensor hooks do not chain (the innermost
+    /// handles every save), so hooks entered around `forward` would see nothing, and
+    /// hooks entered inside it would see the weights first and keep them. `records_ops`
+    /// is `others`' own; an `others` error fails the save or the backward as it would
+    /// on its own.
+    pub fn forward_with<T>(
+        &self,
+        others: Option<Arc<dyn RawHooks>>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T> {
         let hooks = Arc::new(GatheredSaves {
             shared: Arc::clone(&self.shared),
+            others,
         });
         let frame = memsave_sys::hooks::push(hooks)?;
         let out = f();
@@ -753,13 +788,54 @@ impl FsdpUnit {
     /// Gathers the unit's weights, runs the module, and frees them (see [`Fsdp`]); a
     /// failed collective is an `Err`.
     pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let grad = memsave_sys::tensor::grad_mode_enabled();
-        let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
-        lock(&self.shared).gather(self.unit)?;
-        // The lock is not held while the module runs: the saved-tensor hook takes it.
-        let y = self.module.forward_t(x, train);
-        lock(&self.shared).after_forward(self.unit, grad, in_backward)?;
-        Ok(y)
+        unit_forward(&self.shared, self.unit, || self.module.forward_t(x, train))
+    }
+}
+
+/// Runs `forward` as `unit`'s: gathers its weights, runs it, and frees them (see
+/// [`Fsdp`]'s forward and backward).
+fn unit_forward<T>(shared: &Mutex<Shared>, unit: usize, forward: impl FnOnce() -> T) -> Result<T> {
+    let grad = memsave_sys::tensor::grad_mode_enabled();
+    let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
+    lock(shared).gather(unit)?;
+    // The lock is not held while the module runs: the saved-tensor hook takes it.
+    let y = forward();
+    lock(shared).after_forward(unit, grad, in_backward)?;
+    Ok(y)
+}
+
+/// Runs the forward of a unit sharded with [`Fsdp::fully_shard_parameters`] where its
+/// module is called: [`FsdpUnits::f_forward`] does what an [`FsdpUnit`]'s forward
+/// does around a module it does not own. Cheap to clone; `Send` and `Sync`.
+#[derive(Clone)]
+pub struct FsdpUnits {
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl fmt::Debug for FsdpUnits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FsdpUnits")
+            .field("units", &lock(&self.shared).units.len())
+            .finish()
+    }
+}
+
+impl FsdpUnits {
+    /// Gathers `unit`'s weights, runs `forward` (the unit's module, called with its
+    /// input), and frees them as [`FsdpConfig::reshard_after_forward`] says; in
+    /// backward (a checkpoint's recomputation) they stay until the unit's gradients
+    /// are reduced. A failed collective, or a unit this `Fsdp` does not have, is an
+    /// `Err` (then `forward` did not run). Trap: every parameter `forward` uses must be
+    /// in `unit`, as with [`Fsdp::fully_shard`].
+    pub fn f_forward<T>(&self, unit: usize, forward: impl FnOnce() -> T) -> Result<T> {
+        let units = lock(&self.shared).units.len();
+        if unit >= units {
+            return Err(DistError::Config {
+                rank: lock(&self.shared).rank(),
+                reason: format!("unit {unit}: this Fsdp has {units} units"),
+            });
+        }
+        unit_forward(&self.shared, unit, forward)
     }
 }
 
@@ -782,16 +858,21 @@ struct GatheredSlice {
     stride: Vec<i64>,
 }
 
-/// Saved-tensor hooks that keep the gathered weights' place instead of the weights.
+/// Saved-tensor hooks that keep the gathered weights' place instead of the weights,
+/// and hand the other tensors to `others` when there are any.
 struct GatheredSaves {
     shared: Arc<Mutex<Shared>>,
+    others: Option<Arc<dyn RawHooks>>,
 }
+
+/// What `others` of [`GatheredSaves`] packed.
+struct Delegated(Packed);
 
 impl RawHooks for GatheredSaves {
     fn pack(
         &self,
         tensor: &Tensor,
-        _saved_by: Option<&str>,
+        saved_by: Option<&str>,
     ) -> std::result::Result<Packed, CallbackError> {
         if tensor.device() == Device::Cpu && tensor.numel() > 0 {
             let state = lock(&self.shared);
@@ -814,7 +895,14 @@ impl RawHooks for GatheredSaves {
                 }
             }
         }
-        Ok(Box::new(tensor.shallow_clone()))
+        match &self.others {
+            Some(others) => Ok(Box::new(Delegated(others.pack(tensor, saved_by)?))),
+            None => Ok(Box::new(tensor.shallow_clone())),
+        }
+    }
+
+    fn records_ops(&self) -> bool {
+        self.others.as_ref().is_some_and(|o| o.records_ops())
     }
 
     fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, CallbackError> {
@@ -830,6 +918,11 @@ impl RawHooks for GatheredSaves {
                 slice.stride.as_slice(),
                 slice.offset,
             )?);
+        }
+        if let (Some(Delegated(inner)), Some(others)) =
+            (packed.downcast_ref::<Delegated>(), &self.others)
+        {
+            return others.unpack(inner);
         }
         match packed.downcast_ref::<Tensor>() {
             Some(t) => Ok(t.shallow_clone()),
