@@ -11,7 +11,7 @@
 //! changes in a step), [`levers`] (optimizer and saved-tensor settings), [`measure`]
 //! (peak phase, per-block trace), [`step`] (one measured step: [`StepRun`]),
 //! [`optimizer`] (the optimizer of a run) and [`parallel`] (the step on the ranks of a
-//! process group: data parallel and ZeRO, [`DataParallel`]).
+//! process group: data parallel and ZeRO stages 1 to 3, [`DataParallel`]).
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -36,10 +36,10 @@ pub use levers::{
 pub use measure::{PeakPhase, TraceEntry};
 /// The process group and the data parallel options a step takes (re-exported from
 /// `memsave-dist`).
-pub use memsave_dist::{DdpConfig, ProcessGroup, ZeroStage};
+pub use memsave_dist::{DdpConfig, FsdpConfig, FsdpStats, ProcessGroup, ZeroStage};
 pub use optimizer::{CaseOptimizer, SavedWeights};
 pub use parallel::{DataParallel, DataParallelHandle};
 pub use step::{
     f_step, f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver, StepRun,
 };
-pub use workload::{mean_square, Batch, Workload};
+pub use workload::{mean_square, Batch, LayerWrapper, LayerWrapperSlot, Workload};

@@ -1,10 +1,11 @@
 //! The optimizer of a case (`optimizer:` technique): built once per case, stepped
-//! after backward or from inside it, and its state bytes reported; whole, or sharded
-//! over the ranks of a process group (ZeRO, [`CaseOptimizer::build_sharded`]).
+//! after backward or from inside it, and its state bytes reported; whole, sharded
+//! over the ranks of a process group (ZeRO-1/2, [`CaseOptimizer::build_sharded`]), or
+//! over ZeRO-3's parameter shards ([`CaseOptimizer::build_over_shards`]).
 use crate::error::StepError;
 use crate::levers::{OptimizerRule, OptimizerSpec, StatePlacement};
 use memsave_amp::GradScaler;
-use memsave_dist::{ProcessGroup, ZeroOptimizer, ZeroStage};
+use memsave_dist::{Fsdp, ProcessGroup, ZeroOptimizer, ZeroStage};
 use memsave_hooks::OnComplete;
 use memsave_optim::{AdamW, InBackward, Observer, Optimizer, Rule, Sgd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,6 +27,9 @@ enum Stepper<R: Rule> {
     /// Stepped in backward one parameter at a time by a `GradOffload`'s
     /// `on_complete`, which holds the parameters' hook slots.
     Offloaded(Arc<Mutex<Optimizer<R>>>),
+    /// Stepped in backward one shard at a time by ZeRO-3 (`Fsdp::step_in_backward`),
+    /// as each unit's gradients are reduce-scattered into its shard.
+    ShardsInBackward(Arc<Mutex<Optimizer<R>>>),
     /// Only while switching to `Offloaded`.
     Switching,
 }
@@ -110,14 +114,19 @@ impl<R: Rule> Stepper<R> {
     }
 
     fn steps_in_backward(&self) -> bool {
-        matches!(self, Stepper::InBackward(_) | Stepper::Offloaded(_))
+        matches!(
+            self,
+            Stepper::InBackward(_) | Stepper::Offloaded(_) | Stepper::ShardsInBackward(_)
+        )
     }
 
     fn state_bytes(&self) -> u64 {
         match self {
             Stepper::After(opt) => opt.state_bytes(),
             Stepper::InBackward(hooked) => hooked.optimizer().state_bytes(),
-            Stepper::Offloaded(shared) => lock(shared).state_bytes(),
+            Stepper::Offloaded(shared) | Stepper::ShardsInBackward(shared) => {
+                lock(shared).state_bytes()
+            }
             Stepper::Switching => 0,
         }
     }
@@ -126,7 +135,9 @@ impl<R: Rule> Stepper<R> {
         match self {
             Stepper::After(opt) => opt.state_tensors(),
             Stepper::InBackward(hooked) => hooked.optimizer().state_tensors(),
-            Stepper::Offloaded(shared) => lock(shared).state_tensors(),
+            Stepper::Offloaded(shared) | Stepper::ShardsInBackward(shared) => {
+                lock(shared).state_tensors()
+            }
             Stepper::Switching => Vec::new(),
         }
     }
@@ -135,8 +146,22 @@ impl<R: Rule> Stepper<R> {
         match self {
             Stepper::After(opt) => opt.set_observer(observer),
             Stepper::InBackward(hooked) => hooked.optimizer().set_observer(observer),
-            Stepper::Offloaded(shared) => lock(shared).set_observer(observer),
+            Stepper::Offloaded(shared) | Stepper::ShardsInBackward(shared) => {
+                lock(shared).set_observer(observer)
+            }
             Stepper::Switching => {}
+        }
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        let copy = |p: &[Tensor]| p.iter().map(Tensor::shallow_clone).collect();
+        match self {
+            Stepper::After(opt) => copy(opt.params()),
+            Stepper::InBackward(hooked) => copy(hooked.optimizer().params()),
+            Stepper::Offloaded(shared) | Stepper::ShardsInBackward(shared) => {
+                copy(lock(shared).params())
+            }
+            Stepper::Switching => Vec::new(),
         }
     }
 }
@@ -161,6 +186,12 @@ trait Step {
     /// The ZeRO stage of a sharded optimizer; `None` for a whole one.
     fn zero_stage(&self) -> Option<ZeroStage> {
         None
+    }
+    /// The tensors it steps; none for ZeRO-1/2, whose flat slices are its own.
+    fn params(&self) -> Vec<Tensor>;
+    /// Whether ZeRO-3 steps it in backward (`Fsdp::step_in_backward`).
+    fn steps_shards_in_backward(&self) -> bool {
+        false
     }
 }
 
@@ -195,6 +226,9 @@ impl<R: Rule> Step for Sharded<R> {
     fn zero_stage(&self) -> Option<ZeroStage> {
         Some(self.0.stage())
     }
+    fn params(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 impl<R: Rule> Step for Stepper<R> {
@@ -215,6 +249,12 @@ impl<R: Rule> Step for Stepper<R> {
     }
     fn param_stepper(&mut self, params: &[Tensor]) -> Result<Option<OnComplete>, StepError> {
         Stepper::param_stepper(self, params)
+    }
+    fn params(&self) -> Vec<Tensor> {
+        Stepper::params(self)
+    }
+    fn steps_shards_in_backward(&self) -> bool {
+        matches!(self, Stepper::ShardsInBackward(_))
     }
 }
 
@@ -273,10 +313,58 @@ impl CaseOptimizer {
         Ok(Self { stepper, _dir: dir })
     }
 
+    /// The optimizer `spec` asks for over the shards of ZeRO-3 (`fsdp`'s parameters,
+    /// this rank's 1/N of every unit), with every rule, state precision and placement
+    /// [`build`](Self::build) takes (8-bit state's blocks then run over each shard
+    /// from its first value, not over each parameter). With `in_backward` it is handed
+    /// to `Fsdp::step_in_backward`: each shard steps as soon as its unit's gradients
+    /// are reduce-scattered into it, and [`step`](Self::step) does nothing.
+    pub fn build_over_shards(spec: &OptimizerSpec, fsdp: &Fsdp) -> Result<Self, StepError> {
+        let shards = fsdp.parameters();
+        if !spec.in_backward {
+            return Self::build(spec, &shards);
+        }
+        let rule = spec.rule().map_err(|e| StepError::invalid(e.to_string()))?;
+        let dir = state_dir(spec)?;
+        let options = spec.options(dir.as_ref().map(tempfile::TempDir::path));
+        let hooked = |e| StepError::lever("zero", e);
+        let stepper: Box<dyn Step> = match rule {
+            OptimizerRule::AdamW(config) => {
+                let opt = AdamW::with_options(&shards, config, options).map_err(optimizer_error)?;
+                Box::new(Stepper::ShardsInBackward(
+                    fsdp.step_in_backward(opt).map_err(hooked)?,
+                ))
+            }
+            OptimizerRule::Sgd(config) => {
+                let opt = Sgd::with_options(&shards, config, options).map_err(optimizer_error)?;
+                Box::new(Stepper::ShardsInBackward(
+                    fsdp.step_in_backward(opt).map_err(hooked)?,
+                ))
+            }
+        };
+        Ok(Self { stepper, _dir: dir })
+    }
+
     /// The ZeRO stage of an optimizer built by [`build_sharded`](Self::build_sharded);
     /// `None` for a whole one.
     pub fn zero_stage(&self) -> Option<ZeroStage> {
         self.stepper.zero_stage()
+    }
+
+    /// Whether it steps exactly `params`, in order (the same tensors).
+    pub(crate) fn steps_exactly(&self, params: &[Tensor]) -> bool {
+        let own = self.stepper.params();
+        own.len() == params.len()
+            && own
+                .iter()
+                .zip(params)
+                .all(|(a, b)| a.data_ptr() == b.data_ptr() && a.size() == b.size())
+    }
+
+    /// Whether ZeRO-3 steps it in backward ([`build_over_shards`](Self::build_over_shards)
+    /// with `in_backward`).
+    pub(crate) fn steps_shards_in_backward(&self) -> bool {
+        self.stepper.steps_shards_in_backward()
     }
 
     /// The step after backward (nothing with `in_backward`: the hooks stepped), under

@@ -1,8 +1,9 @@
 //! Data parallel steps: the ranks of a `memsave_dist::ProcessGroup` each run the step
 //! on their share of the batch, and their gradients are averaged (data parallel,
-//! [`DataParallel::Ddp`]) or reduced into shards of a sharded optimizer (ZeRO,
-//! [`DataParallel::Zero`]). A process group is a live object, so this is not part of
-//! the serializable [`StepConfig`]: it is handed to a step at run time
+//! [`DataParallel::Ddp`]), reduced into shards of a sharded optimizer (ZeRO-1/2,
+//! [`DataParallel::Zero`]), or reduced into shards of the parameters themselves
+//! (ZeRO-3, [`DataParallel::Fsdp`]). A process group is a live object, so this is not
+//! part of the serializable [`StepConfig`]: it is handed to a step at run time
 //! ([`TrainerBuilder::data_parallel`](crate::TrainerBuilder::data_parallel), or
 //! [`StepRun::data_parallel`](crate::StepRun::data_parallel) with a
 //! [`DataParallelHandle`]).
@@ -14,26 +15,53 @@
 //!   rank's forward and backward as on one process;
 //! - micro-batches split each rank's share; under [`DataParallel::Ddp`] the backward of
 //!   every micro-batch but the last only accumulates locally (`no_sync`), and the last
-//!   one's averages the sums; under ZeRO-2 every micro-batch's backward reduces its
-//!   gradients into the shards (they stay at 1/N);
+//!   one's averages the sums; under ZeRO-2 and ZeRO-3 every micro-batch's backward
+//!   reduces its gradients into the shards (they stay at 1/N);
 //! - a `GradScaler` scales every rank's loss; the gradients are unscaled after they are
 //!   averaged, so every rank sees the same inf/NaN and skips the same steps;
 //! - an optimizer steps after backward: whole on every rank under `Ddp` (any placement
-//!   and state precision), sharded under ZeRO (`memsave_dist::ZeroOptimizer`, with the
-//!   same placements and precisions; 8-bit blocks hold one parameter each, as on one
-//!   process).
+//!   and state precision), sharded under ZeRO-1/2 (`memsave_dist::ZeroOptimizer`, with
+//!   the same placements and precisions; 8-bit blocks hold one parameter each, as on
+//!   one process), over the parameter shards under ZeRO-3 (any rule, precision and
+//!   placement; 8-bit blocks run over each unit's shard), where it may also step in
+//!   backward, each shard as its unit's gradients land.
+//!
+//! **ZeRO-3** (`memsave_dist::Fsdp`, PyTorch's FSDP2) shards each layer of the
+//! workload's `CheckpointedSequential` as one unit: [`Workload::layer_parameters`]
+//! says which parameters each layer uses, and [`Workload::set_layer_wrapper`] runs
+//! each layer's forward inside its unit's (weights gathered before it, freed after it
+//! when `reshard_after_forward`, gathered again in backward or in a checkpoint's
+//! recomputation). A workload without either is refused, naming it. The step's forward
+//! runs inside `Fsdp::forward_with`, whose saved-tensor hook keeps only where the
+//! weights autograd saves lie, and hands every other saved tensor to the step's
+//! `compress` or `offload` hooks. Gradient accumulation: every micro-batch's backward
+//! reduce-scatters its gradients into the shards (FSDP with gradient sync on, not
+//! `no_sync`): communication per micro-batch, but a rank never holds more than one
+//! unit's full gradients; keeping whole gradients across micro-batches would hold all
+//! P of them on every rank, the memory ZeRO-3 is for. The checkpoint plan is set
+//! before the layers are sharded (a budget profiles the full weights). Trap: under
+//! autocast, autograd saves the weights' low-precision copies, not the gathered weights,
+//! so those copies (half the weights' bytes in bf16) stay until backward, which then
+//! gathers nothing again.
 //!
 //! Refused, by [`DataParallel::check`] from the configuration alone (before any rank
 //! starts or anything is built), each with the reason: an optimizer `in_backward`
-//! (it would step each parameter from its own rank's gradient before any averaging),
-//! `offload_grads` except under ZeRO-1 (it takes the post-accumulate-grad hook of each
-//! parameter that DDP and ZeRO-2 reduce with), ZeRO without an optimizer, and an
-//! enabled `GradScaler` with ZeRO (the sharded step has no unscale or inf/NaN check).
+//! except under ZeRO-3 (it would step each parameter from its own rank's gradient
+//! before any averaging), under ZeRO-3 with more than one micro-batch (each shard
+//! steps at every backward); `offload_grads` except under ZeRO-1 (it takes the
+//! post-accumulate-grad hook of each parameter that DDP, ZeRO-2 and ZeRO-3 reduce
+//! with); ZeRO-1/2 without an optimizer; and an enabled `GradScaler` with any ZeRO
+//! stage (the sharded step has no unscale or inf/NaN check).
 use crate::config::StepConfig;
 use crate::error::StepError;
 use crate::levers::OptimizerSpec;
 use crate::optimizer::{CaseOptimizer, IN_BACKWARD_ZERO, SCALER_WITH_ZERO};
-use memsave_dist::{DdpConfig, DistributedDataParallel, ProcessGroup, ZeroStage};
+use crate::workload::{LayerWrapper, Workload};
+use memsave_dist::{
+    DdpConfig, DistributedDataParallel, Fsdp, FsdpConfig, FsdpStats, ProcessGroup, ZeroStage,
+};
+use memsave_sys::hooks::RawHooks;
+use std::sync::Arc;
 use tch::Tensor;
 
 /// How the ranks of a process group share a step.
@@ -47,6 +75,12 @@ pub enum DataParallel {
     /// ZeRO: each rank keeps 1/N of the optimizer's state (stage 1) and of the
     /// gradients (stage 2), `memsave_dist::ZeroOptimizer`. Needs an optimizer.
     Zero(ZeroStage),
+    /// ZeRO-3, fully sharded data parallel (`memsave_dist::Fsdp`): each rank keeps 1/N
+    /// of every parameter too, and of its gradients and optimizer state; each layer's
+    /// weights are gathered only while it runs (see [the module docs](self)). The
+    /// workload must say which parameters each layer uses. Without an optimizer the
+    /// averaged gradients are left in the shards' `.grad`.
+    Fsdp(FsdpConfig),
 }
 
 impl DataParallel {
@@ -56,9 +90,9 @@ impl DataParallel {
     /// and every data parallel step check it too.
     ///
     /// # Errors
-    /// [`StepError::InvalidConfig`] for an optimizer `in_backward`, `offload_grads`
-    /// (except under ZeRO-1), ZeRO without an optimizer, and an enabled `GradScaler`
-    /// with ZeRO.
+    /// [`StepError::InvalidConfig`] for an optimizer `in_backward` (except under
+    /// ZeRO-3 with one micro-batch), `offload_grads` (except under ZeRO-1), ZeRO-1/2
+    /// without an optimizer, and an enabled `GradScaler` with any ZeRO stage.
     pub fn check(&self, config: &StepConfig) -> Result<(), StepError> {
         let in_backward = config.optimizer.is_some_and(|o| o.in_backward);
         let scales = config.scaler.as_ref().is_some_and(|c| c.enabled);
@@ -85,10 +119,27 @@ impl DataParallel {
                     return Err(StepError::invalid(OFFLOAD_GRADS_ZERO2));
                 }
             }
+            DataParallel::Fsdp(_) => {
+                if in_backward && config.micro_batches.is_some_and(|m| m > 1) {
+                    return Err(StepError::invalid(IN_BACKWARD_FSDP_ACCUMULATION));
+                }
+                if scales {
+                    return Err(StepError::invalid(SCALER_WITH_FSDP));
+                }
+                if config.offload_grads.is_some() {
+                    return Err(StepError::invalid(OFFLOAD_GRADS_FSDP));
+                }
+            }
         }
         Ok(())
     }
 }
+
+/// `zero: 3` as the harness's suites spell it, for messages.
+const ZERO3: &str = "zero: 3";
+const IN_BACKWARD_FSDP_ACCUMULATION: &str = "optimizer in_backward cannot accumulate over micro-batches with zero: 3: each shard steps as soon as its unit's gradients are reduce-scattered, at every micro-batch's backward; drop accumulate, or step after backward (drop in_backward)";
+const SCALER_WITH_FSDP: &str = "grad_scaler cannot run with zero: 3: each rank holds only its shard of the gradients, and the step has no unscale or inf/NaN check across the ranks; drop grad_scaler, or run data parallel without zero";
+const OFFLOAD_GRADS_FSDP: &str = "offload_grads cannot run with zero: 3: it keeps each gradient in a file as backward produces it, taking the parameter's one post-accumulate-grad hook that reduce-scatters the unit's gradients into the shards; drop offload_grads, or use zero: 1";
 
 const IN_BACKWARD_DDP: &str = "optimizer in_backward cannot run data parallel: it would step each parameter from its own rank's gradient as backward produces it, before the gradient is averaged over the ranks (and it needs the parameter's one post-accumulate-grad hook, which averages the gradient); step the optimizer after backward";
 const OFFLOAD_GRADS_DDP: &str = "offload_grads cannot run data parallel: it keeps each gradient in a file as backward produces it, taking the parameter's one post-accumulate-grad hook that averages the gradient over the ranks; drop offload_grads, or use zero: 1 (which reduces the gradients in its step)";
@@ -106,17 +157,26 @@ const ZERO_WITHOUT_OPTIMIZER: &str = "zero shards the optimizer's state over the
 /// same order, at the same point. A step that fails on one rank (out of memory, ...)
 /// leaves the other ranks waiting in their next collective until the group's timeout:
 /// unlike on one process, the next step cannot run.
+///
+/// Under ZeRO-3 it holds the `memsave_dist::Fsdp` that shards the workload's layers
+/// ([`fsdp`](Self::fsdp): statistics, the full weights, sharded checkpoints): keep it
+/// as long as the model trains, since dropping it removes the hooks that reduce the
+/// gradients, and the workload's parameters read as zeros from then on (they live in
+/// the shards; read them with `Fsdp::f_full_parameters`).
 #[derive(Debug)]
 pub struct DataParallelHandle {
     group: ProcessGroup,
     mode: DataParallel,
     ddp: Option<DistributedDataParallel>,
+    fsdp: Option<Fsdp>,
 }
 
 impl DataParallelHandle {
     /// Sets up `mode` over `params` on `group`: under `Ddp`, installs the hooks that
     /// average the gradients and copies rank 0's parameters to every rank (as its
-    /// [`DdpConfig`] says); under ZeRO nothing yet (the optimizer does it).
+    /// [`DdpConfig`] says); under ZeRO-1/2 nothing yet (the optimizer does it). ZeRO-3
+    /// shards the model's layers: it is refused here, set it up with
+    /// [`for_workload`](Self::for_workload).
     pub fn new(
         group: &ProcessGroup,
         mode: DataParallel,
@@ -128,34 +188,114 @@ impl DataParallelHandle {
                     .map_err(|e| StepError::lever("data_parallel", e))?,
             ),
             DataParallel::Zero(_) => None,
+            DataParallel::Fsdp(_) => {
+                return Err(StepError::invalid(format!(
+                    "{ZERO3} shards the workload's layers, not a list of parameters: set it up with DataParallelHandle::for_workload"
+                )))
+            }
         };
         Ok(Self {
             group: group.clone(),
             mode,
             ddp,
+            fsdp: None,
+        })
+    }
+
+    /// Sets up `mode` for `model` on `group`: as [`new`](Self::new) over its
+    /// parameters, and under ZeRO-3 shards each layer of its `CheckpointedSequential`
+    /// as one unit (the parameters [`Workload::layer_parameters`] gives for it; layers
+    /// without parameters are left as they are) and routes every layer's forward
+    /// through its unit ([`Workload::set_layer_wrapper`]). A collective: every rank
+    /// sets it up over the same model, and rank 0's weights are copied to every rank.
+    ///
+    /// Set the checkpoint plan first: a budget plan profiles the layers, which runs
+    /// them outside any step once they are sharded.
+    ///
+    /// # Errors
+    /// [`StepError::InvalidConfig`], before anything is sharded, when the workload does
+    /// not say which parameters each layer uses, gives another number of lists than it
+    /// has layers, leaves a parameter out, names one twice or names a tensor that is
+    /// not a parameter, or cannot wrap its layers; `zero` errors (a parameter whose
+    /// shape differs across the ranks, ...) from the sharding.
+    pub fn for_workload(
+        group: &ProcessGroup,
+        mode: DataParallel,
+        model: &dyn Workload,
+    ) -> Result<Self, StepError> {
+        let DataParallel::Fsdp(config) = mode else {
+            return Self::new(group, mode, &model.parameters());
+        };
+        let layers = layer_units(model)?;
+        if !model.set_layer_wrapper(None) {
+            return Err(StepError::invalid(format!(
+                "the workload '{}' cannot run its layers inside their units ({ZERO3} gathers a layer's weights around its forward): implement Workload::set_layer_wrapper",
+                model.name()
+            )));
+        }
+        let zero = |e| StepError::lever("zero", e);
+        let mut fsdp = Fsdp::new(group, config).map_err(zero)?;
+        let mut unit_of = Vec::with_capacity(layers.len());
+        for params in &layers {
+            unit_of.push(if params.is_empty() {
+                None
+            } else {
+                Some(fsdp.fully_shard_parameters(params).map_err(zero)?)
+            });
+        }
+        let units = fsdp.units();
+        let wrapper: LayerWrapper = Arc::new(move |layer, forward| match unit_of.get(layer) {
+            Some(&Some(unit)) => units
+                .f_forward(unit, forward)
+                .unwrap_or_else(|e| panic!("{e}")),
+            _ => forward(),
+        });
+        model.set_layer_wrapper(Some(wrapper));
+        Ok(Self {
+            group: group.clone(),
+            mode,
+            ddp: None,
+            fsdp: Some(fsdp),
         })
     }
 
     /// The optimizer `spec` asks for over `params`, as this mode runs it: whole under
-    /// `Ddp` ([`CaseOptimizer::build`]), sharded over the group under ZeRO
+    /// `Ddp` ([`CaseOptimizer::build`]), sharded over the group under ZeRO-1/2
     /// ([`CaseOptimizer::build_sharded`], which copies rank 0's parameters to every
-    /// rank). `in_backward` is refused.
+    /// rank), over this rank's parameter shards under ZeRO-3
+    /// ([`CaseOptimizer::build_over_shards`]; `params`, the model's, are then the
+    /// shards' origin and not stepped). `in_backward` is refused except under ZeRO-3.
     pub fn optimizer(
         &self,
         spec: &OptimizerSpec,
         params: &[Tensor],
     ) -> Result<CaseOptimizer, StepError> {
-        match self.mode {
-            DataParallel::Ddp(_) => {
+        match (self.mode, &self.fsdp) {
+            (DataParallel::Ddp(_), _) => {
                 if spec.in_backward {
                     return Err(StepError::invalid(IN_BACKWARD_DDP));
                 }
                 CaseOptimizer::build(spec, params)
             }
-            DataParallel::Zero(stage) => {
+            (DataParallel::Zero(stage), _) => {
                 CaseOptimizer::build_sharded(spec, params, &self.group, stage)
             }
+            (DataParallel::Fsdp(_), Some(fsdp)) => CaseOptimizer::build_over_shards(spec, fsdp),
+            (DataParallel::Fsdp(_), None) => unreachable!("set up by for_workload"),
         }
+    }
+
+    /// ZeRO-3's `Fsdp` (`None` in the other modes): what it holds
+    /// (`Fsdp::stats`), the full weights (`Fsdp::f_full_parameters`), sharded
+    /// checkpoints.
+    pub fn fsdp(&self) -> Option<&Fsdp> {
+        self.fsdp.as_ref()
+    }
+
+    /// ZeRO-3's figures (`None` in the other modes); a step starts the gathered peak
+    /// again, so after a step it is that step's.
+    pub fn fsdp_stats(&self) -> Option<FsdpStats> {
+        self.fsdp.as_ref().map(Fsdp::stats)
     }
 
     /// The process group.
@@ -188,6 +328,25 @@ impl DataParallelHandle {
                     return Err(StepError::invalid("a data parallel step (Ddp) needs a whole optimizer, not a ZeRO one: build it with DataParallelHandle::optimizer"));
                 }
             }
+            DataParallel::Fsdp(_) => {
+                let shards = self.shards();
+                if let Some(o) = optimizer {
+                    if !o.steps_exactly(&shards) {
+                        return Err(StepError::invalid(format!(
+                            "a {ZERO3} step needs an optimizer over this rank's {} parameter shards: build it with DataParallelHandle::optimizer",
+                            shards.len()
+                        )));
+                    }
+                    if o.steps_in_backward() && !o.steps_shards_in_backward() {
+                        return Err(StepError::invalid(format!(
+                            "a {ZERO3} optimizer in_backward must be stepped by ZeRO-3 as each shard's gradients land (its own hooks never fire on the shards): build it with DataParallelHandle::optimizer"
+                        )));
+                    }
+                }
+                if scales {
+                    return Err(StepError::invalid(SCALER_WITH_FSDP));
+                }
+            }
             DataParallel::Zero(stage) => {
                 if sharded != Some(stage) {
                     return Err(StepError::invalid(format!(
@@ -206,6 +365,35 @@ impl DataParallelHandle {
         Ok(())
     }
 
+    /// This rank's parameter shards under ZeRO-3 (none otherwise): the tensors the
+    /// optimizer steps and whose gradients a step frees first.
+    pub(crate) fn shards(&self) -> Vec<Tensor> {
+        self.fsdp.as_ref().map(Fsdp::parameters).unwrap_or_default()
+    }
+
+    /// Before a step: ZeRO-3's gathered peak starts again.
+    pub(crate) fn start_step(&self) {
+        if let Some(fsdp) = &self.fsdp {
+            fsdp.reset_gathered_peak();
+        }
+    }
+
+    /// Runs a forward (and its loss) as the mode needs: under ZeRO-3 inside
+    /// `Fsdp::forward_with`, handing the saved tensors that are not weights to
+    /// `others` (the step's compress or offload hooks); else as it is.
+    pub(crate) fn forward<T>(
+        &self,
+        others: Option<Arc<dyn RawHooks>>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, StepError> {
+        match &self.fsdp {
+            Some(fsdp) => fsdp
+                .forward_with(others, f)
+                .map_err(|e| StepError::lever("zero", e)),
+            None => Ok(f()),
+        }
+    }
+
     /// Turns DDP's reduction in backward on or off (nothing under ZeRO); see
     /// [`SyncGuard`].
     pub(crate) fn set_grad_sync(&self, on: bool) {
@@ -218,6 +406,10 @@ impl DataParallelHandle {
     /// incomplete buckets), so that every rank holds the averaged gradients. ZeRO
     /// completes its reductions in its optimizer step.
     pub(crate) fn finish_backward(&self) -> Result<(), StepError> {
+        if let Some(fsdp) = &self.fsdp {
+            fsdp.f_finish_backward()
+                .map_err(|e| StepError::lever("zero", e))?;
+        }
         match &self.ddp {
             Some(ddp) => ddp
                 .f_flush()
@@ -242,4 +434,50 @@ impl Drop for SyncGuard<'_> {
             dp.set_grad_sync(true);
         }
     }
+}
+
+/// The parameters of each layer of `model`, checked against its parameters: every
+/// parameter in exactly one layer, nothing else, one list per layer.
+fn layer_units(model: &dyn Workload) -> Result<Vec<Vec<Tensor>>, StepError> {
+    let name = model.name();
+    let Some(layers) = model.layer_parameters() else {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}' does not say which parameters each layer uses, so {ZERO3} cannot shard it one unit per layer: implement Workload::layer_parameters (and set_layer_wrapper)"
+        )));
+    };
+    let count = model.layers().len();
+    if layers.len() != count {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}' gives the parameters of {} layers, but it has {count}",
+            layers.len()
+        )));
+    }
+    let params = model.parameters();
+    let mut owner: Vec<Option<usize>> = vec![None; params.len()];
+    for (layer, list) in layers.iter().enumerate() {
+        for p in list {
+            let shape = p.size();
+            let Some(index) = params
+                .iter()
+                .position(|q| q.data_ptr() == p.data_ptr() && q.size() == shape)
+            else {
+                return Err(StepError::invalid(format!(
+                    "the workload '{name}': layer {layer} names a tensor of shape {shape:?} that is not one of its trainable parameters"
+                )));
+            };
+            if let Some(first) = owner[index] {
+                return Err(StepError::invalid(format!(
+                    "the workload '{name}': the parameter of shape {shape:?} is in layer {first} and again in layer {layer}; {ZERO3} shards each parameter in one unit"
+                )));
+            }
+            owner[index] = Some(layer);
+        }
+    }
+    if let Some(index) = owner.iter().position(Option::is_none) {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}': its parameter {index} (shape {:?}) is in no layer's list, so {ZERO3} would not shard it",
+            params[index].size()
+        )));
+    }
+    Ok(layers)
 }

@@ -3,8 +3,11 @@
 use crate::config::SavedTensors;
 use crate::error::StepError;
 use crate::levers::{CompressDtype, OffloadSpec};
-use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
+use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu, SavedTensorHooks};
+use memsave_sys::hooks::{Packed, RawHooks};
+use memsave_sys::CallbackError;
 use std::path::PathBuf;
+use std::sync::Arc;
 use tch::Tensor;
 
 /// The hooks of one step.
@@ -108,6 +111,18 @@ impl StepHooks {
         .map_err(|e| StepError::lever(self.lever(), e))
     }
 
+    /// The same hooks as raw hooks, for a saved-tensor hook that hands them the
+    /// tensors it does not keep itself (ZeRO-3's, `Fsdp::forward_with`). Enter them
+    /// too ([`enter`](Self::enter)), around it: their scope is then open, which their
+    /// packing of constants reads.
+    pub fn raw(&self) -> Arc<dyn RawHooks> {
+        match self {
+            StepHooks::Compress(h) => Arc::new(Raw(h.clone())),
+            StepHooks::Disk(h) => Arc::new(Raw(h.clone())),
+            StepHooks::Cpu(h) => Arc::new(Raw(h.clone())),
+        }
+    }
+
     /// The lever these hooks are, as a suite names it.
     fn lever(&self) -> &'static str {
         match self {
@@ -152,5 +167,30 @@ impl StepHooks {
                 compressed_saved_bytes: None,
             },
         })
+    }
+}
+
+/// memsave-hooks' hooks called as raw hooks (see [`StepHooks::raw`]).
+struct Raw<H>(H);
+
+impl<H: SavedTensorHooks> RawHooks for Raw<H> {
+    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, CallbackError> {
+        let packed = if self.0.records_ops() {
+            self.0.pack_saved_by(tensor, saved_by)?
+        } else {
+            self.0.pack(tensor)?
+        };
+        Ok(Box::new(packed))
+    }
+
+    fn records_ops(&self) -> bool {
+        self.0.records_ops()
+    }
+
+    fn unpack(&self, packed: &Packed) -> Result<Tensor, CallbackError> {
+        match packed.downcast_ref::<H::Packed>() {
+            Some(packed) => Ok(self.0.unpack(packed)?),
+            None => Err("a saved tensor packed by other hooks".into()),
+        }
     }
 }

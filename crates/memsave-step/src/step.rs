@@ -278,6 +278,10 @@ impl<'a> StepRun<'a> {
         self.check(config)?;
         let params = model.parameters();
         free_grads(&params).map_err(accumulation)?;
+        if let Some(dp) = self.data_parallel {
+            free_grads(&dp.shards()).map_err(accumulation)?;
+            dp.start_step();
+        }
         let grad_offload = self.grad_offload(config, &params)?;
         let input = step_input(x, config)?;
         let hooks = step_hooks(config, &params, &input)?;
@@ -388,6 +392,7 @@ impl<'a> StepRun<'a> {
             device,
             observer: self.observer,
             hooks,
+            data_parallel: self.data_parallel,
             start,
             retained: Cell::new(0),
             trace: RefCell::new(Vec::new()),
@@ -524,6 +529,7 @@ struct Pass<'s> {
     device: Device,
     observer: &'s dyn StepObserver,
     hooks: Option<&'s StepHooks>,
+    data_parallel: Option<&'s DataParallelHandle>,
     start: u64,
     retained: Cell<u64>,
     trace: RefCell<Vec<TraceEntry>>,
@@ -546,7 +552,14 @@ impl Pass<'_> {
             model.start_trace();
         }
         let hooks_guard = self.hooks.map(StepHooks::enter).transpose()?;
-        let out = model.layers().f_forward(&xin.input);
+        let out = match self.data_parallel {
+            // ZeRO-3's saved-tensor hook, innermost, hands what is not a weight to the
+            // step's hooks (whose scope stays open around it).
+            Some(dp) => dp.forward(self.hooks.map(StepHooks::raw), || {
+                model.layers().f_forward(&xin.input)
+            }),
+            None => Ok(model.layers().f_forward(&xin.input)),
+        };
         if let Some(guard) = hooks_guard {
             guard
                 .exit()
@@ -558,7 +571,7 @@ impl Pass<'_> {
         if trace_this {
             *self.trace.borrow_mut() = model.stop_trace();
         }
-        let out = out.map_err(|e| StepError::lever("checkpoint", e))?;
+        let out = out?.map_err(|e| StepError::lever("checkpoint", e))?;
         let now = f_memory_allocated(self.device).map_err(meter)?;
         self.retained
             .set(self.retained.get().max(now.saturating_sub(self.start)));

@@ -106,9 +106,11 @@ impl TrainerBuilder {
     }
 
     /// Runs every step as this process's rank of `group` (see [`crate::parallel`]):
-    /// data parallel ([`DataParallel::Ddp`]: gradients averaged over the ranks) or ZeRO
+    /// data parallel ([`DataParallel::Ddp`]: gradients averaged over the ranks), ZeRO
     /// ([`DataParallel::Zero`]: the optimizer's state, and at stage 2 the gradients,
-    /// sharded). Each rank passes its own share of the batch to
+    /// sharded) or ZeRO-3 ([`DataParallel::Fsdp`]: the parameters sharded too, one unit
+    /// per layer; the checkpoint plan is set before the layers are sharded). Each rank
+    /// passes its own share of the batch to
     /// [`Trainer::step`]; a budget plan is profiled on `global_batch / world_size`
     /// examples.
     ///
@@ -140,11 +142,11 @@ impl TrainerBuilder {
             .as_ref()
             .map_or(1, |(group, _)| group.world_size());
         set_plan(model, &config, self.schedule, world_size)?;
-        let params = model.parameters();
         let data_parallel = self
             .data_parallel
-            .map(|(group, mode)| DataParallelHandle::new(&group, mode, &params))
+            .map(|(group, mode)| DataParallelHandle::for_workload(&group, mode, &*model))
             .transpose()?;
+        let params = model.parameters();
         let optimizer = match (&config.optimizer, &data_parallel) {
             (Some(spec), Some(dp)) => Some(dp.optimizer(spec, &params)?),
             (Some(spec), None) => Some(CaseOptimizer::build(spec, &params)?),
@@ -283,6 +285,12 @@ impl<'m, W: Workload> Trainer<'m, W> {
         self.optimizer
             .as_ref()
             .map_or(0, CaseOptimizer::state_bytes)
+    }
+
+    /// How the ranks share the steps, when [`TrainerBuilder::data_parallel`] set it:
+    /// under ZeRO-3 its `Fsdp` holds the weights (`DataParallelHandle::fsdp`).
+    pub fn data_parallel(&self) -> Option<&DataParallelHandle> {
+        self.data_parallel.as_ref()
     }
 
     /// The `GradScaler`, if the configuration scales the loss.

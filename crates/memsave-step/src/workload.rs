@@ -3,6 +3,7 @@ use crate::config::ResidualUpdate;
 use crate::levers::OptimizerSpec;
 use crate::measure::TraceEntry;
 use memsave_checkpoint::CheckpointedSequential;
+use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// A batch of examples: the model's input and, for losses that need one, a target.
@@ -171,6 +172,97 @@ pub trait Workload {
     /// Stops recording and returns what was recorded (by default nothing).
     fn stop_trace(&self) -> Vec<TraceEntry> {
         Vec::new()
+    }
+
+    /// The trainable parameters each layer of [`layers`](Self::layers) uses: one list
+    /// per layer, in layer order, each parameter of [`parameters`](Self::parameters) in
+    /// exactly one list. ZeRO-3 ([`DataParallel::Fsdp`](crate::DataParallel::Fsdp))
+    /// shards each layer's list as one unit. `None` by default: the parameters are not
+    /// attributable to layers, and ZeRO-3 is refused.
+    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+        None
+    }
+
+    /// Runs every layer's forward through `wrapper` from now on (`None`: directly
+    /// again): layer `i` returns `wrapper(i, &mut || its own forward)`. ZeRO-3 gathers
+    /// layer `i`'s weights there and frees them after (FSDP2 does it with a module's
+    /// forward hooks). Returns false when the layers cannot (the default), and ZeRO-3
+    /// is refused. A [`LayerWrapperSlot`] cloned into each layer closure does it.
+    ///
+    /// Trap: the wrapper runs wherever the layer does, also when a checkpoint
+    /// recomputes it in backward; a layer must call it exactly once per forward.
+    fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
+        let _ = wrapper;
+        false
+    }
+}
+
+/// What a layer's forward runs through (see [`Workload::set_layer_wrapper`]): called
+/// with the layer's index and its forward, it returns the layer's output. It has no
+/// error channel (a layer closure has none): it panics, and
+/// `CheckpointedSequential::f_forward` turns the panic into an `Err`.
+pub type LayerWrapper = Arc<dyn Fn(usize, &mut dyn FnMut() -> Tensor) -> Tensor + Send + Sync>;
+
+/// The [`LayerWrapper`] a workload's layers share: clone it into every layer closure
+/// and run the layer's forward through [`run`](Self::run); the workload's
+/// [`Workload::set_layer_wrapper`] calls [`set`](Self::set).
+///
+/// ```
+/// use memsave_checkpoint::CheckpointedSequential;
+/// use memsave_step::LayerWrapperSlot;
+/// use std::sync::Arc;
+/// use tch::nn::{self, Module};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let slot = LayerWrapperSlot::default();
+/// let mut layers = CheckpointedSequential::new();
+/// for i in 0..2 {
+///     let lin = nn::linear(vs.root() / i, 4, 4, Default::default());
+///     let slot = slot.clone();
+///     layers = layers.add_fn(move |x| slot.run(i, || x + lin.forward(x)));
+/// }
+/// let x = Tensor::rand([2, 4], (Kind::Float, Device::Cpu));
+/// let plain = layers.f_forward(&x)?;
+/// // Doubles every layer's output: a wrapper sees each layer's forward.
+/// slot.set(Some(Arc::new(|_, forward: &mut dyn FnMut() -> Tensor| forward() * 2)));
+/// let wrapped = layers.f_forward(&x)?;
+/// assert_eq!(wrapped.size(), plain.size());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Default)]
+pub struct LayerWrapperSlot(Arc<Mutex<Option<LayerWrapper>>>);
+
+impl std::fmt::Debug for LayerWrapperSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("LayerWrapperSlot")
+            .field(&self.get().is_some())
+            .finish()
+    }
+}
+
+impl LayerWrapperSlot {
+    /// Sets (or, with `None`, removes) the wrapper of every layer sharing this slot.
+    pub fn set(&self, wrapper: Option<LayerWrapper>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = wrapper;
+    }
+
+    /// The wrapper set now, if any.
+    pub fn get(&self) -> Option<LayerWrapper> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Layer `index`'s output: `forward()` through the wrapper when one is set (the
+    /// slot's lock is not held while it runs).
+    pub fn run(&self, index: usize, forward: impl FnOnce() -> Tensor) -> Tensor {
+        let Some(wrapper) = self.get() else {
+            return forward();
+        };
+        let mut once = Some(forward);
+        wrapper(index, &mut || match once.take() {
+            Some(f) => f(),
+            None => panic!("layer {index}: a layer wrapper ran the forward twice"),
+        })
     }
 }
 

@@ -1,14 +1,18 @@
 //! The small model the integration tests of memsave-step and memsave-fit run on (fit's
 //! include this file by path).
 use memsave_checkpoint::CheckpointedSequential;
-use memsave_step::{Batch, OptimizerSpec, Workload};
+use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, OptimizerSpec, Workload};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
-/// A residual MLP: `layers` blocks of `x + W2 gelu(W1 x)` of width `hidden`.
+/// A residual MLP: `layers` blocks of `x + W2 gelu(W1 x)` of width `hidden`; each
+/// block's forward runs through a [`LayerWrapperSlot`], so ZeRO-3 can shard it.
 pub struct Mlp {
     vs: nn::VarStore,
     layers: CheckpointedSequential,
+    /// Each block's weights and biases: `up` then `down`.
+    layer_params: Vec<Vec<Tensor>>,
+    wrapper: LayerWrapperSlot,
     data: Tensor,
     /// The loss fails: a workload whose step fails.
     pub fail: bool,
@@ -21,16 +25,28 @@ impl Mlp {
         tch::manual_seed(7);
         let vs = nn::VarStore::new(Device::Cpu);
         let mut seq = CheckpointedSequential::new();
+        let wrapper = LayerWrapperSlot::default();
+        let mut layer_params = Vec::new();
         for i in 0..layers {
             let p = vs.root() / i;
             let up = nn::linear(&p / "up", hidden, 2 * hidden, Default::default());
             let down = nn::linear(&p / "down", 2 * hidden, hidden, Default::default());
-            seq = seq.add_fn(move |x| x + down.forward(&up.forward(x).gelu("none")));
+            layer_params.push(
+                [&up, &down]
+                    .iter()
+                    .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+                    .collect(),
+            );
+            let slot = wrapper.clone();
+            seq =
+                seq.add_fn(move |x| slot.run(i, || x + down.forward(&up.forward(x).gelu("none"))));
         }
         let data = Tensor::rand([batch, rows, hidden], (Kind::Float, Device::Cpu));
         Mlp {
             vs,
             layers: seq,
+            layer_params,
+            wrapper,
             data,
             fail: false,
             optimizer: None,
@@ -62,6 +78,18 @@ impl Workload for Mlp {
     }
     fn optimizer(&self) -> Option<OptimizerSpec> {
         self.optimizer
+    }
+    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+        Some(
+            self.layer_params
+                .iter()
+                .map(|l| l.iter().map(Tensor::shallow_clone).collect())
+                .collect(),
+        )
+    }
+    fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
+        self.wrapper.set(wrapper);
+        true
     }
     fn loss(&self, output: &Tensor, _target: Option<&Tensor>) -> Result<Tensor, tch::TchError> {
         if self.fail {

@@ -300,7 +300,7 @@ fn cases() -> Vec<Case> {
 
 /// `config` with a budget plan's bytes set to the smallest budget feasible for `model`
 /// on `x` (what the planner says when asked for 1 byte).
-fn with_smallest_budget(
+pub(crate) fn with_smallest_budget(
     mut config: StepConfig,
     model: &mut Mlp,
     x: &memsave_step::Batch,

@@ -4,5 +4,6 @@
 mod common;
 mod data_parallel;
 mod errors;
+mod fsdp;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
