@@ -244,6 +244,16 @@ impl Runs<'_> {
             micro_batches: k,
             micro_batch: m,
         });
+        // A mode that refuses this split (each lever set was checked with one
+        // micro-batch) is not run: on ranks, a refused step would end the fit.
+        let refused = choice
+            .data_parallel
+            .and_then(|mode| mode.refuses(&choice.probe_config(self.workload.optimizer(), k)));
+        if let Some(why) = refused {
+            let mut c = Candidate::unmeasured(choice.clone());
+            c.note = Some(why);
+            return Ok(c);
+        }
         let accumulate = k > 1;
         let largest = largest.unwrap_or(if accumulate && !choice.offload {
             div_ceil(self.global, 2)
