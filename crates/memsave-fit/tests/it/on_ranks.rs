@@ -4,6 +4,9 @@
 //! `FitReport::trainer_on` peaks within the per-rank budget on every rank, measured
 //! here with the meter (independently of `fit`'s own figures).
 //!
+//! A step that fails on one rank ends the fit there with an error naming the rank,
+//! and the other rank's fit ends with an error too instead of waiting.
+//!
 //! The per-rank budget counts the parameters and the optimizer's state: a rank's
 //! peak is the most it allocated during the step less what it held before the
 //! trainer was built, the parameters excepted (the batch is a view of the data).
@@ -124,11 +127,32 @@ fn fit_worker() {
     }
 }
 
-/// Starts `fit_worker` of this binary as two ranks.
-fn run_ranks(out: &Path) {
+#[test]
+#[ignore = "a rank of on_ranks::a_step_that_fails_on_one_rank_ends_the_fit_naming_it: started by the launcher"]
+fn failing_worker() {
+    tch::set_num_threads(1);
+    memsave_meter::install();
+    let options = InitOptions {
+        timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).expect("join the group");
+    let mut model = model();
+    model.fail = group.rank() == 1;
+    let outcome = fit(&mut model, &FitRequest::new(1 << 30).on_ranks(&group));
+    let text = match outcome {
+        Ok(report) => format!("ok {}", report.choice.strategy),
+        Err(e) => format!("error {e}"),
+    };
+    std::fs::write(out_dir().join(format!("rank{}", group.rank())), text).unwrap();
+}
+
+/// Starts `worker` (a test of this module) of this binary as two ranks.
+fn run_ranks(out: &Path, worker: &str) {
     let exe = std::env::current_exe().expect("the test binary's path");
+    let worker = format!("on_ranks::{worker}");
     let args: Vec<OsString> = [
-        "on_ranks::fit_worker",
+        worker.as_str(),
         "--exact",
         "--ignored",
         "--nocapture",
@@ -173,7 +197,7 @@ fn numbers(list: &str) -> Vec<u64> {
 #[serial]
 fn fit_on_two_ranks_fits_every_rank() {
     let dir = tempfile::tempdir().unwrap();
-    run_ranks(dir.path());
+    run_ranks(dir.path(), "fit_worker");
     let report = std::fs::read_to_string(dir.path().join("report.txt")).unwrap();
     let ranks: Vec<_> = (0..WORLD)
         .map(|r| read(dir.path(), &format!("rank{r}")))
@@ -220,4 +244,20 @@ fn fit_on_two_ranks_fits_every_rank() {
     assert!(refused >= ParallelMode::ALL.len(), "{report}");
     assert!(report.contains("refused by ddp: "), "{report}");
     eprintln!("{report}");
+}
+
+#[test]
+#[serial]
+fn a_step_that_fails_on_one_rank_ends_the_fit_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ranks(dir.path(), "failing_worker");
+    let read = |r: usize| std::fs::read_to_string(dir.path().join(format!("rank{r}"))).unwrap();
+    let (rank0, rank1) = (read(0), read(1));
+    assert!(
+        rank1.starts_with("error the workload's step failed: rank 1: ")
+            && rank1.contains("this loss always fails"),
+        "{rank1}"
+    );
+    assert!(rank0.starts_with("error "), "rank 0 goes on alone: {rank0}");
+    eprintln!("rank 0: {rank0}\nrank 1: {rank1}");
 }
