@@ -107,15 +107,17 @@
 //! With [`FitRequest::on_ranks`], every rank of the group calls [`fit`] on the same
 //! model at the same point, and every run of the search runs on all of them, each on
 //! its share of the global batch (which must divide among the ranks). The
-//! data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2) is one more lever,
-//! probed and measured with the others; a configuration a mode refuses
-//! (`memsave_step::DataParallel::check`: the optimizer step in backward, gradients in
-//! files except under ZeRO-1) is left out with the reason as its candidate's note
-//! (the report's text lists them). The budget is per rank, and there it counts what
-//! the modes share differently: the peak is measured above what the rank held before
-//! less the parameters, so the rank's parameters, its optimizer state (its shard under
-//! ZeRO) and the step's peak count; the input and the copy of the weights `fit`
-//! keeps do not.
+//! data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2, ZeRO-3) is one more
+//! lever, probed and measured with the others; a configuration a mode refuses
+//! (`memsave_step::DataParallel::check`: the optimizer step in backward except under
+//! ZeRO-3 with one micro-batch, gradients in files except under ZeRO-1; ZeRO-3 for a
+//! workload that does not say which parameters each layer uses) is left out with the
+//! reason as its candidate's note (the report's text lists them). The budget is per
+//! rank, and there it counts what the modes share differently: the peak is measured
+//! above what the rank held before less the parameters, so the rank's parameters (its
+//! shard of them and the layers' gathered weights under ZeRO-3), its optimizer state
+//! (its shard under ZeRO) and the step's peak count; the input and the copy of the
+//! weights `fit` keeps do not.
 //!
 //! The ranks stay in lockstep: every figure the search decides on (each run's peak
 //! and time, each prediction, the layer profiles, and the clock every deadline reads)
@@ -210,7 +212,7 @@ impl FitRequest {
 
     /// The same request, fitted on every rank of `group` (each rank calls [`fit`] with
     /// it, on the same model, at the same point: see the [crate docs](crate#on-the-ranks-of-a-process-group)).
-    /// The data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2) is then one
+    /// The data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2, ZeRO-3) is then one
     /// more lever, and the budget is per rank and counts what the modes share
     /// differently: the parameters and the optimizer's state too.
     pub fn on_ranks(mut self, group: &ProcessGroup) -> Self {

@@ -4,7 +4,7 @@
 //! the step time.
 use super::choice::Choice;
 use crate::lockstep::Ranks;
-use crate::{Candidate, FitError};
+use crate::{Candidate, FitError, ParallelMode};
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
 use memsave_step::config::StepConfig;
@@ -227,7 +227,7 @@ pub(crate) fn probe(
     if let Err(e) = setup.warm_up(&*workload, micro_batches) {
         let e = e.on(ranks);
         // Put the weights back (a step in backward may have moved some) before failing.
-        setup.put_back().map_err(|put| put.on(ranks))?;
+        setup.put_back(&*workload).map_err(|put| put.on(ranks))?;
         return Err(e);
     }
     let base = match outside {
@@ -237,7 +237,7 @@ pub(crate) fn probe(
     let cap = machine_cap(setup.device).map_err(|e| e.on(ranks))?;
     let outcome = measure(&mut setup, &*workload, runs, budget, record, base, ranks);
     drop(cap);
-    setup.put_back().map_err(|e| e.on(ranks))?;
+    setup.put_back(&*workload).map_err(|e| e.on(ranks))?;
     outcome
 }
 
@@ -285,9 +285,13 @@ impl Setup {
         let x = workload
             .batch(batch)
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
-        let weights = match config.optimizer {
-            Some(_) => Some(SavedWeights::save(&params).map_err(failed)?),
-            None => None,
+        // ZeRO-3 leaves the parameters without storage of their own: their values are
+        // put back from this copy too.
+        let shards = choice.data_parallel == Some(ParallelMode::Zero3);
+        let weights = if config.optimizer.is_some() || shards {
+            Some(SavedWeights::save(&params).map_err(failed)?)
+        } else {
+            None
         };
         let (outside, data_parallel) = match (ranks.group(), choice.data_parallel) {
             (None, None) => (None, None),
@@ -297,7 +301,7 @@ impl Setup {
                     .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
                     .sum();
                 let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
-                let dp = DataParallelHandle::new(group, mode.data_parallel(), &params)
+                let dp = DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)
                     .map_err(failed)?;
                 (Some(held.saturating_sub(parameter_bytes)), Some(dp))
             }
@@ -356,11 +360,26 @@ impl Setup {
         memsave_accum::free_grads(&self.params).map_err(failed)
     }
 
-    /// Takes down the data parallel (its hooks) and the optimizer, frees the gradients
-    /// and puts the weights back as they were before the probe.
-    fn put_back(self) -> Result<(), ProbeError> {
+    /// Takes down the data parallel (its hooks; under ZeRO-3 the workload's
+    /// parameters, which held nothing of their own, get storage of their own again and
+    /// its layers run without a wrapper) and the optimizer, frees the gradients and
+    /// puts the weights back as they were before the probe. No collective: a rank
+    /// whose step failed puts back alone.
+    fn put_back(self, workload: &dyn Workload) -> Result<(), ProbeError> {
         drop(self.optimizer);
+        let sharded = self
+            .data_parallel
+            .as_ref()
+            .and_then(DataParallelHandle::fsdp)
+            .is_some();
         drop(self.data_parallel);
+        if sharded {
+            workload.set_layer_wrapper(None);
+            for p in &self.params {
+                let own = Tensor::f_zeros(p.size(), (p.kind(), p.device())).map_err(failed)?;
+                p.shallow_clone().f_set_data(&own).map_err(failed)?;
+            }
+        }
         let _ = memsave_accum::free_grads(&self.params);
         if let Some(weights) = self.weights {
             weights.restore().map_err(failed)?;

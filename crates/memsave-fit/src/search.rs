@@ -128,6 +128,16 @@ fn search_fit(
     };
     let optimizer = workload.optimizer();
     let has_optimizer = optimizer.is_some();
+    let unfit: Vec<(ParallelMode, String)> = modes
+        .iter()
+        .filter_map(|&m| Some((m, m.refuses_workload(&*workload)?)))
+        .collect();
+    let unfit = |m: ParallelMode| {
+        unfit
+            .iter()
+            .find(|(u, _)| *u == m)
+            .map(|(_, why)| why.clone())
+    };
     let mut search = Search {
         runs: Runs::new(
             workload,
@@ -152,7 +162,7 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
     ] {
-        let (run, refused) = in_modes(sets, modes, optimizer);
+        let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
             let mut c = Candidate::unmeasured(levers.apply(Choice::new(share, 1)));
             c.note = Some(why);

@@ -105,11 +105,13 @@ pub(super) fn grad_lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<
 
 /// Each of `sets` in each of `modes` (`sets` as they are when `modes` is empty: one
 /// process), split into those the modes run and those a mode refuses (with its
-/// reason, `DataParallel::check`'s, from the configuration alone).
+/// reason: `unfit`'s for a mode that cannot run the workload at all, else
+/// `DataParallel::check`'s, from the configuration alone).
 pub(super) fn in_modes(
     sets: Vec<Levers>,
     modes: &[ParallelMode],
     optimizer: Option<OptimizerSpec>,
+    unfit: &dyn Fn(ParallelMode) -> Option<String>,
 ) -> (Vec<Levers>, Vec<(Levers, String)>) {
     if modes.is_empty() {
         return (sets, Vec::new());
@@ -123,7 +125,7 @@ pub(super) fn in_modes(
                 ..levers
             };
             let config = l.apply(Choice::new(1, 1)).probe_config(optimizer, 1);
-            match mode.refuses(&config) {
+            match unfit(mode).or_else(|| mode.refuses(&config)) {
                 Some(why) => refused.push((l, why)),
                 None => run.push(l),
             }

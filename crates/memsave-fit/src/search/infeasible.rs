@@ -98,7 +98,8 @@ fn least_peaks(
         .chain(grad_lever_sets(&everything, has_optimizer))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
-    let (sets, _refused) = in_modes(sets, modes, optimizer);
+    let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);
+    let (sets, _refused) = in_modes(sets, modes, optimizer, &unfit);
     for levers in sets {
         // One example per micro-batch, or, for the optimizer step in backward
         // (which frees the gradients accumulation needs, unless they are in
