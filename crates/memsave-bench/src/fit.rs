@@ -60,6 +60,12 @@ impl Workload for WithOptimizer {
     fn optimizer(&self) -> Option<OptimizerSpec> {
         self.optimizer
     }
+    fn layer_parameters(&self) -> Option<Vec<Vec<tch::Tensor>>> {
+        self.model.layer_parameters()
+    }
+    fn set_layer_wrapper(&self, wrapper: Option<memsave_step::LayerWrapper>) -> bool {
+        self.model.set_layer_wrapper(wrapper)
+    }
 }
 
 /// Why `fit` could not run on a suite's model.

@@ -233,7 +233,7 @@ struct FitArgs {
     plot: Option<PathBuf>,
     /// Fit on N local ranks (processes): every configuration is measured on all of
     /// them, each on its share of the global batch (which must divide by N), and the
-    /// data-parallel mode (ddp, zero stage 1 or 2) is chosen with the other levers.
+    /// data-parallel mode (ddp, zero stage 1, 2 or 3) is chosen with the other levers.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
     world_size: Option<u64>,
 }
