@@ -403,12 +403,17 @@ impl DataParallelHandle {
     }
 
     /// After the step's last backward: reduces what backward left unreduced (DDP's
-    /// incomplete buckets), so that every rank holds the averaged gradients. ZeRO
-    /// completes its reductions in its optimizer step.
+    /// incomplete buckets, ZeRO-3's units some of whose parameters got no gradient),
+    /// so that every rank holds the averaged gradients. ZeRO-1/2 complete their
+    /// reductions in their optimizer step.
     pub(crate) fn finish_backward(&self) -> Result<(), StepError> {
         if let Some(fsdp) = &self.fsdp {
-            fsdp.f_finish_backward()
-                .map_err(|e| StepError::lever("zero", e))?;
+            let zero = |e| StepError::lever("zero", e);
+            fsdp.f_finish_backward().map_err(zero)?;
+            // Gloo's worker thread may let go of the last reduce-scatter's input (a
+            // unit's full gradients) a moment after the call returns; the next
+            // collective waits for it, so what backward left is measured without it.
+            self.group.barrier().map_err(zero)?;
         }
         match &self.ddp {
             Some(ddp) => ddp
