@@ -1,6 +1,8 @@
 //! `memsave bench` times every step with glibc's `malloc` settled: its mmap threshold
 //! raised to the cap before the first timed step, whatever ran before. In a process of
-//! its own (this file), so that the state before the run is glibc's own.
+//! its own (this file), so that the state before the run is glibc's own: not a module of
+//! `tests/it`, whose earlier tests would have raised the threshold already, so this one
+//! could not fail.
 use memsave_bench::{run_suite_with, Observer, RunOptions, Suite};
 use memsave_sys::alloc::c_mapped_blocks;
 

@@ -1,15 +1,6 @@
 //! The `memsave` binary: exit codes, messages, and result files that are written
 //! atomically or not at all.
-use std::path::Path;
-use std::process::{Command, Output};
-
-fn memsave(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the memsave binary runs")
-}
+use crate::common::memsave;
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()

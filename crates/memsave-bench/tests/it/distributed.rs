@@ -4,6 +4,7 @@
 //! Expected figures are worked out here from the model's size, not by the code under
 //! test.
 use memsave_bench::{run_suite, CaseResult, Report, RunOptions, Status, Suite};
+use serial_test::serial;
 use std::path::Path;
 use std::process::Command;
 
@@ -163,6 +164,7 @@ strategies:
 }
 
 #[test]
+#[serial]
 fn zero_without_world_size_is_unavailable() {
     let yaml = "suite: z
 warmup: 0

@@ -5,6 +5,7 @@
 //! technique named, decided before any rank starts. Expected figures are worked out
 //! here from the model's size and the algorithms, not by the code under test.
 use memsave_bench::{availability, run_suite, CaseResult, Report, RunOptions, Status, Suite};
+use serial_test::serial;
 use std::process::Command;
 
 /// Three residual MLP blocks of width 16, expansion 2: 3 × (16 × 32 + 32 + 32 × 16 +
@@ -155,6 +156,7 @@ const REFUSED: [(&str, &str, &str); 7] = [
 ];
 
 #[test]
+#[serial]
 fn what_cannot_run_on_ranks_is_unavailable_before_any_rank_starts() {
     let mut yaml = "suite: refused
 warmup: 0

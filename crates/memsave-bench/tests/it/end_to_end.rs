@@ -1,5 +1,6 @@
 //! The bundled quick suite through the library, with exact bytes from formulas.
-use memsave_bench::{bundled, run_suite, CaseResult, Report, RunOptions, Status, Suite};
+use crate::common::case;
+use memsave_bench::{bundled, run_suite, Report, RunOptions, Status, Suite};
 use serial_test::serial;
 
 fn quick() -> Suite {
@@ -26,14 +27,6 @@ fn expected_libtorch_version() -> &'static str {
         }
     }
     PINNED
-}
-
-fn case<'r>(report: &'r Report, model: &str, strategy: &str) -> &'r CaseResult {
-    report
-        .cases
-        .iter()
-        .find(|c| c.model == model && c.strategy == strategy)
-        .unwrap_or_else(|| panic!("no case {model}/{strategy}"))
 }
 
 #[test]

@@ -1,9 +1,10 @@
 //! `fit` and `auto_batch` in the harness and the CLI: what each keeps of the batch,
 //! budgets met to the byte, the JSON of `memsave fit`, and bad input.
+use crate::common::memsave;
 use memsave_bench::{run_suite, RunOptions, Status, Suite};
-use serial_test::serial;
+use serial_test::{parallel, serial};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 const MODEL: &str =
     "  - {name: mlp, kind: residual_mlp, layers: 4, hidden: 32, expansion: 2, batch: [16, 16]}\n";
@@ -115,14 +116,6 @@ fn bad_entries_are_errors_at_their_place() {
     assert!(e.contains("fit chooses every lever itself"), "{e}");
     let e = error_of("  - fit\n");
     assert!(e.contains("needs arguments"), "{e}");
-}
-
-fn memsave(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the memsave binary runs")
 }
 
 /// `memsave fit ARGS --json fit.json` in `dir`, which must succeed; its JSON.
@@ -542,6 +535,7 @@ fn fit_says_what_it_is_doing_on_stderr() {
 }
 
 #[test]
+#[serial]
 fn the_largest_parameter_is_the_widest_weight_built() {
     for model in [
         "{name: a, kind: residual_linear, layers: 2, hidden: 8, batch: [2]}",
@@ -638,6 +632,7 @@ fn least_memory_counts_the_batch_at_its_dtypes_bytes() {
 }
 
 #[test]
+#[parallel]
 fn a_global_batch_refused_by_fit_keeps_the_suite_s_error_as_its_cause() {
     let suite = Suite::from_yaml(
         &format!("suite: s\nmodels:\n  - {LINEAR}\nstrategies:\n  - baseline\n"),

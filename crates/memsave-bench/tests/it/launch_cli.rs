@@ -1,14 +1,6 @@
 //! `memsave launch`: environment, rank-prefixed output, and a failing rank's exit code.
-use std::process::Command;
+use crate::common::launch;
 use std::time::{Duration, Instant};
-
-fn launch(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .arg("launch")
-        .args(args)
-        .output()
-        .expect("run memsave launch")
-}
 
 #[test]
 fn every_rank_gets_its_environment_and_a_prefix() {

@@ -3,6 +3,7 @@
 //!
 //! Every process of a launch inherits MEMSAVE_TEST_TAG, so a scan of /proc finds any
 //! left behind; each test SIGKILLs whatever it finds when it ends, passed or failed.
+use crate::common::launch;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -278,14 +279,6 @@ fn under_a_memory_limit_300_ranks_end_cleanly() {
         matches!(status.code(), Some(1 | 124 | 127)),
         "{status:?}: {stderr}"
     );
-}
-
-fn launch(args: &[&str]) -> std::process::Output {
-    Command::new(memsave())
-        .arg("launch")
-        .args(args)
-        .output()
-        .expect("run memsave launch")
 }
 
 #[test]

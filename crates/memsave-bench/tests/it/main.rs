@@ -11,6 +11,7 @@
 //! the first timed step of a process, which tests run before it would have settled.
 mod atomic;
 mod cli;
+mod common;
 mod distributed;
 mod distributed_techniques;
 mod end_to_end;

@@ -6,10 +6,10 @@
 //! Every test that makes tensors is `serial`: the meter's counters and the random
 //! stream are the process's, and another test's allocations or draws would change a
 //! case's bytes or its dropout masks.
+use crate::common::case;
 use memsave_bench::models::Model;
 use memsave_bench::{
-    availability, fit_model, run_suite, trace_case, CaseResult, ModelKind, ModelSpec, Report,
-    RunOptions, Status, Suite,
+    availability, fit_model, run_suite, trace_case, ModelKind, ModelSpec, RunOptions, Status, Suite,
 };
 use memsave_fit::FitRequest;
 use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, VitConfig};
@@ -363,14 +363,6 @@ fn parameter_counts_are_those_of_the_networks_built() {
     ] {
         assert_counts_match_the_build(&model);
     }
-}
-
-fn case<'r>(report: &'r Report, model: &str, strategy: &str) -> &'r CaseResult {
-    report
-        .cases
-        .iter()
-        .find(|c| c.model == model && c.strategy == strategy)
-        .unwrap_or_else(|| panic!("no case {model}/{strategy}"))
 }
 
 const STRATEGIES: &str = "  - baseline
