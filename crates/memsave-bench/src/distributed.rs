@@ -7,7 +7,13 @@
 //! `no_sync` on the micro-batches of `accumulate` before the last) with its `optimizer`
 //! whole on every rank; with `zero: 1` or `zero: 2` the `optimizer` is sharded over the
 //! ranks at that ZeRO stage (stage 2 reduces the gradients in buckets during backward,
-//! every micro-batch). Every other technique acts on each rank as on one process:
+//! every micro-batch); with `zero: 3` each layer of the model is a fully sharded unit
+//! (`memsave_step::DataParallel::Fsdp`): every rank keeps 1/N of every weight, gathers
+//! a layer's weights around its forward (and again in backward unless
+//! `{zero: {stage: 3, reshard_after_forward: false}}`), reduce-scatters its gradients
+//! every micro-batch, and steps the `optimizer` (if any; also `in_backward`) over its
+//! shards. The zoo's networks do not say which parameters each block uses, so `zero: 3`
+//! is unavailable on them. Every other technique acts on each rank as on one process:
 //! `checkpoint` (a budget is solved on the rank's share), the residual updates,
 //! `autocast`, `grad_scaler` (unscaled after the gradients are averaged, so every rank
 //! skips the same steps), `compress`, `offload`, `accumulate`, and the optimizer's
@@ -17,9 +23,10 @@
 //! Reported unavailable, with the reason, before any rank starts (decided from the
 //! suite alone by the function `memsave check` uses: [`crate::availability`]): what
 //! the step engine refuses under data parallel (`memsave_step::DataParallel::check`:
-//! optimizer `in_backward`, `offload_grads` except with `zero: 1`, `grad_scaler` with
-//! `zero`, `zero` without an optimizer), the harness's own searches (`auto_batch`,
-//! `fit`), and a batch that does not divide among the ranks.
+//! optimizer `in_backward` except with `zero: 3` and one micro-batch, `offload_grads`
+//! except with `zero: 1`, `grad_scaler` with `zero`, `zero: 1` or `2` without an
+//! optimizer), the harness's own searches (`auto_batch`, `fit`), `zero: 3` on a zoo
+//! network, and a batch that does not divide among the ranks.
 //!
 //! `memsave trace` of a suite with `world_size` runs the case on its ranks the same
 //! way and records rank 0's step ([`trace_on_ranks`]).
@@ -29,8 +36,11 @@
 //! ([`RankFigures`]) to a file; the case then reports `world_size`, the largest
 //! per-rank `start_bytes` and `peak_bytes`, and per rank (the largest over the ranks)
 //! `optimizer_state_bytes`, `gradient_bytes` (what backward left allocated, by the
-//! meter), `bytes_sent_per_step` (what the process group counted), and the step's
-//! `retained_after_forward_bytes`, `offloaded_bytes` and `compressed_saved_bytes`.
+//! meter), `bytes_sent_per_step` (what the process group counted), `parameter_bytes`
+//! (the parameters held between steps: every weight, or ZeRO-3's shards),
+//! `gathered_peak_bytes` (ZeRO-3 only: the most full weights held at once during the
+//! step), and the step's `retained_after_forward_bytes`, `offloaded_bytes` and
+//! `compressed_saved_bytes`.
 //! Gradients are not compared with a baseline (each rank holds its own until the step).
 //!
 //! Traps: the model's batch (its first dimension) must divide by the world size, and
@@ -39,13 +49,13 @@
 use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
 use crate::strategies::{resolve, StepConfig};
-use crate::suite::{ModelSpec, StrategySpec, Suite, Technique};
+use crate::suite::{ModelSpec, StrategySpec, Suite, Technique, ZeroSpec};
 use memsave_amp::GradScaler;
 use memsave_dist::{init_process_group, DistError, InitOptions, LaunchConfig, ProcessGroup};
 use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::{
-    Batch, CaseOptimizer, DataParallel, DataParallelHandle, DdpConfig, StepError, Workload,
-    ZeroStage,
+    Batch, CaseOptimizer, DataParallel, DataParallelHandle, DdpConfig, FsdpConfig, StepError,
+    Workload, ZeroStage,
 };
 use memsave_trace::{Phase, Recorder, Session};
 use serde::{Deserialize, Serialize};
@@ -87,6 +97,15 @@ pub struct RankFigures {
     /// Bytes the rank's compression saved, with `compress`.
     #[serde(default)]
     pub compressed_saved_bytes: Option<u64>,
+    /// Bytes of parameters the rank holds between steps: every weight (data parallel,
+    /// ZeRO-1/2), or under ZeRO-3 its shard of every unit with the padding and the
+    /// 4-byte zero freed weights read from (`memsave_dist::FsdpStats::parameter_bytes`).
+    #[serde(default)]
+    pub parameter_bytes: u64,
+    /// Under ZeRO-3: the most bytes of gathered (full) weights the rank held at once
+    /// during the last measured step; `None` in the other modes, which gather nothing.
+    #[serde(default)]
+    pub gathered_peak_bytes: Option<u64>,
 }
 
 impl RankFigures {
@@ -105,6 +124,8 @@ impl RankFigures {
             retained_after_forward_bytes: 0,
             offloaded_bytes: None,
             compressed_saved_bytes: None,
+            parameter_bytes: 0,
+            gathered_peak_bytes: None,
         }
     }
 }
@@ -360,6 +381,8 @@ fn combine(model: &str, strategy: &str, ranks: &[RankFigures]) -> CaseResult {
     case.optimizer_state_bytes = max_some(|r| r.optimizer_state_bytes);
     case.offloaded_bytes = max_some(|r| r.offloaded_bytes);
     case.compressed_saved_bytes = max_some(|r| r.compressed_saved_bytes);
+    case.parameter_bytes = max(|r| r.parameter_bytes);
+    case.gathered_peak_bytes = max_some(|r| r.gathered_peak_bytes);
     // The slowest rank sets the pace of each step.
     let repeats = ranks
         .iter()
@@ -717,11 +740,21 @@ pub(crate) fn rank_config(
         .techniques
         .iter()
         .find_map(|t| match t {
-            Technique::Zero(1) => Some(DataParallel::Zero(ZeroStage::One)),
-            Technique::Zero(_) => Some(DataParallel::Zero(ZeroStage::Two)),
+            Technique::Zero(ZeroSpec { stage: 1, .. }) => Some(DataParallel::Zero(ZeroStage::One)),
+            Technique::Zero(ZeroSpec { stage: 2, .. }) => Some(DataParallel::Zero(ZeroStage::Two)),
+            Technique::Zero(spec) => Some(DataParallel::Fsdp(FsdpConfig {
+                reshard_after_forward: spec.reshard_after_forward,
+            })),
             _ => None,
         })
         .unwrap_or(DataParallel::Ddp(DdpConfig::default()));
+    if matches!(mode, DataParallel::Fsdp(_)) && model.kind.architecture().is_some() {
+        return Err(RanksUnavailable::new(format!(
+            "zero: 3 shards one unit per layer, but the model '{}' ({}) does not say which parameters each of its blocks uses (the zoo's variables are not named by block); use zero: 2, or a harness kind",
+            model.name,
+            model.kind.as_str()
+        )));
+    }
     let rest = StrategySpec {
         name: strategy.name.clone(),
         techniques: strategy
@@ -782,6 +815,17 @@ fn measure(
         figures.compressed_saved_bytes = last.compressed_saved_bytes;
     }
     figures.optimizer_state_bytes = case.optimizer.as_ref().map(CaseOptimizer::state_bytes);
+    let fsdp = case.data_parallel.fsdp_stats();
+    figures.parameter_bytes = match fsdp {
+        Some(stats) => stats.parameter_bytes,
+        None => case
+            .model
+            .parameters()
+            .iter()
+            .map(memsave_sys::tensor::nbytes)
+            .sum(),
+    };
+    figures.gathered_peak_bytes = fsdp.map(|stats| stats.gathered_peak_bytes);
     figures.step_times_s = times;
     Ok(figures)
 }
@@ -824,7 +868,7 @@ impl RankCase {
             .into());
         }
         let params = model.parameters();
-        let data_parallel = DataParallelHandle::new(group, mode, &params)?;
+        let data_parallel = DataParallelHandle::for_workload(group, mode, &model)?;
         let optimizer = config
             .optimizer
             .map(|o| data_parallel.optimizer(&o, &params))

@@ -84,6 +84,6 @@ pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConf
 pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, FitLever, FitSpec, ModelKind, ModelSpec, ModelSpecError,
     OptimizerKind, OptimizerSpec, ScalerSpec, Size, StatePlacement, StatePrecision, StrategySpec,
-    Suite, SuiteError, Technique,
+    Suite, SuiteError, Technique, ZeroSpec,
 };
 pub use trace::{trace_case, TraceCaseError, TracedCase};

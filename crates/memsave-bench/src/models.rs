@@ -13,7 +13,7 @@ use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_meter::f_memory_allocated;
 use memsave_models::{Architecture, ModelError, Network};
-use memsave_step::{Batch, Workload};
+use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, Workload};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
@@ -30,6 +30,8 @@ pub struct LayerContext {
     recording: AtomicBool,
     trace: Mutex<Vec<TraceEntry>>,
     on_block: Mutex<Option<BlockObserver>>,
+    /// What every block's forward runs through (ZeRO-3 gathers its weights there).
+    wrapper: LayerWrapperSlot,
 }
 
 impl std::fmt::Debug for LayerContext {
@@ -49,6 +51,7 @@ impl LayerContext {
             recording: AtomicBool::new(false),
             trace: Mutex::new(Vec::new()),
             on_block: Mutex::new(None),
+            wrapper: LayerWrapperSlot::default(),
         }
     }
 
@@ -108,10 +111,10 @@ impl LayerContext {
             observer(index);
         }
         if !self.recording.load(Ordering::Relaxed) {
-            return f(x);
+            return self.wrapper.run(index, || f(x));
         }
         let before = self.allocated();
-        let y = f(x);
+        let y = self.wrapper.run(index, || f(x));
         let after = self.allocated();
         self.lock_trace().push(TraceEntry {
             mark: format!("layer {index}"),
@@ -400,6 +403,34 @@ impl Workload for Model {
             return update == ResidualUpdate::Add;
         }
         self.ctx.set_residual(update);
+        true
+    }
+
+    /// The harness's kinds: each block's variables (named `{block}.…`, in name
+    /// order). `None` for the zoo's networks, whose variables are not named by block.
+    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+        if self.is_zoo() {
+            return None;
+        }
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut layers: Vec<Vec<Tensor>> = (0..self.seq.len()).map(|_| Vec::new()).collect();
+        for (name, t) in named {
+            let block: usize = name.split('.').next()?.parse().ok()?;
+            layers.get_mut(block)?.push(t);
+        }
+        Some(layers)
+    }
+
+    /// Every block runs through the shared context's wrapper (the zoo's too, though
+    /// ZeRO-3 refuses them for want of [`Workload::layer_parameters`]).
+    fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
+        self.ctx.wrapper.set(wrapper);
         true
     }
 

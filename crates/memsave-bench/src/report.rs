@@ -21,9 +21,11 @@
 //!   allocation peaked) and `optimizer_state_bytes` (for a strategy with
 //!   `optimizer:`, as `pytorch_suite.py` reports it), `null` when not measured.
 //!
-//! - per case `world_size`, `gradient_bytes` and `bytes_sent_per_step`, for a suite
-//!   with `world_size` (see the `distributed` module); `null` otherwise. The CSV does not
-//!   carry them.
+//! - per case `world_size`, `gradient_bytes`, `bytes_sent_per_step` and
+//!   `parameter_bytes` (what a rank holds of the weights between steps), for a suite
+//!   with `world_size` (see the `distributed` module); `null` otherwise. Under `zero: 3`
+//!   also `gathered_peak_bytes` (the most full weights a rank held at once). The CSV
+//!   does not carry them.
 //! - per case `rounds`: how many interleaved rounds `step_time_s` is over (see
 //!   [`CaseResult::rounds`]); `null` where the times are back-to-back repeats (a
 //!   distributed case) or the file predates the field.
@@ -180,6 +182,15 @@ pub struct CaseResult {
     /// counted its collectives, for a suite with `world_size`.
     #[serde(default)]
     pub bytes_sent_per_step: Option<u64>,
+    /// Bytes of parameters a rank holds between steps, for a suite with `world_size`:
+    /// every weight under data parallel and ZeRO-1/2, this rank's shards (padding and a
+    /// 4-byte placeholder included) under ZeRO-3.
+    #[serde(default)]
+    pub parameter_bytes: Option<u64>,
+    /// Under ZeRO-3: the most bytes of gathered (full) weights a rank held at once
+    /// during the measured step; `None` otherwise.
+    #[serde(default)]
+    pub gathered_peak_bytes: Option<u64>,
     /// Examples per optimizer step the case trained on: the model's batch, except
     /// under `auto_batch`, which halves it until the step fits.
     #[serde(default)]
@@ -227,6 +238,8 @@ impl CaseResult {
             world_size: None,
             gradient_bytes: None,
             bytes_sent_per_step: None,
+            parameter_bytes: None,
+            gathered_peak_bytes: None,
             global_batch: None,
             tries: None,
             choice: None,
@@ -516,11 +529,13 @@ fn distributed_table(out: &mut String, cases: &[CaseResult]) {
         "peak/rank",
         "opt state/rank",
         "grads/rank",
+        "params/rank",
+        "gathered peak/rank",
         "sent/step/rank",
     ];
     let dash = || "-".to_owned();
     let bytes = |b: Option<u64>| b.map_or_else(dash, |b| Bytes(b).to_string());
-    let rows: Vec<[String; 7]> = cases
+    let rows: Vec<[String; 9]> = cases
         .iter()
         .filter(|c| c.world_size.is_some())
         .map(|c| {
@@ -531,6 +546,8 @@ fn distributed_table(out: &mut String, cases: &[CaseResult]) {
                 bytes(c.peak_bytes),
                 bytes(c.optimizer_state_bytes),
                 bytes(c.gradient_bytes),
+                bytes(c.parameter_bytes),
+                bytes(c.gathered_peak_bytes),
                 bytes(c.bytes_sent_per_step),
             ]
         })

@@ -786,6 +786,8 @@ fn measure_case(
         world_size: None,
         gradient_bytes: None,
         bytes_sent_per_step: None,
+        parameter_bytes: None,
+        gathered_peak_bytes: None,
         global_batch: Some(x.len()),
         tries,
         choice,

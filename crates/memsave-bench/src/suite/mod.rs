@@ -46,6 +46,8 @@
 //!   - optimizer: {kind: adamw, lr: 3e-4, betas: [0.9, 0.95], eps: 1e-8, weight_decay: 0.1}
 //!   - optimizer: {kind: sgd, lr: 0.1, momentum: 0.9, weight_decay: 0}
 //!   - {name: zero2, with: [{zero: 2}, {optimizer: {kind: adamw}}]}  # needs world_size
+//!   - {name: zero3, with: [{zero: 3}, {optimizer: {kind: adamw}}]}  # parameters sharded too
+//!   - {name: zero3-keep, with: [{zero: {stage: 3, reshard_after_forward: false}}]}
 //! ```
 //!
 //! Each model kind accepts only its own keys. The harness's kinds (`residual_linear`,
@@ -143,7 +145,7 @@ pub use model::{
 pub use optimizer::{OptimizerKind, OptimizerSpec, StatePlacement, StatePrecision};
 pub use strategy::{
     AutoBatchSpec, CheckpointSpec, CompressDtype, FitLever, FitSpec, OffloadSpec, ScalerSpec,
-    StrategySpec, Technique,
+    StrategySpec, Technique, ZeroSpec,
 };
 pub use values::{Dtype, Size};
 

@@ -163,10 +163,13 @@ pub enum Technique {
     /// passes (`memsave_hooks::GradOffload`); an `optimizer` with `in_backward: true`
     /// steps each whole gradient in the last micro-batch's backward.
     OffloadGrads,
-    /// `zero: 1 | 2`: the optimizer's state (stage 1), and the gradients (stage 2),
-    /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`).
-    /// Needs `world_size` and an `optimizer`.
-    Zero(u8),
+    /// `zero: 1 | 2 | 3`: the optimizer's state (stage 1), and the gradients (stage 2),
+    /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`), and
+    /// the parameters too (stage 3, `memsave_dist::Fsdp`: one unit per layer; written
+    /// `{zero: {stage: 3, reshard_after_forward: false}}` to keep each layer's weights
+    /// from its forward to its backward). Needs `world_size`; stages 1 and 2 need an
+    /// `optimizer`.
+    Zero(ZeroSpec),
     /// HF accelerate's `find_executable_batch_size`: halve the batch on each
     /// out-of-memory error under the simulated capacity (`budget`, else the suite's
     /// `memory_limit`), without raising accumulation, so the global batch shrinks.
@@ -181,6 +184,28 @@ pub enum Technique {
 pub struct AutoBatchSpec {
     /// The capacity; `None`: the suite's `memory_limit`.
     pub budget: Option<Size>,
+}
+
+/// What a `zero:` entry asks for: `zero: 2`, or `zero: {stage: 3,
+/// reshard_after_forward: false}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZeroSpec {
+    /// 1, 2 or 3.
+    pub stage: u8,
+    /// Stage 3 only: free each layer's gathered weights after its forward and gather
+    /// them again in backward (default true, FSDP2's `reshard_after_forward`); false
+    /// keeps them from the forward to the backward.
+    pub reshard_after_forward: bool,
+}
+
+impl ZeroSpec {
+    /// Stage `stage` with the default options.
+    pub fn stage(stage: u8) -> Self {
+        Self {
+            stage,
+            reshard_after_forward: true,
+        }
+    }
 }
 
 /// What a `fit:` entry asks for.
@@ -378,7 +403,13 @@ impl Technique {
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
             Technique::OffloadGrads => "offload_grads(to=disk)".into(),
-            Technique::Zero(stage) => format!("zero(stage={stage})"),
+            Technique::Zero(ZeroSpec {
+                stage,
+                reshard_after_forward: true,
+            }) => format!("zero(stage={stage})"),
+            Technique::Zero(ZeroSpec { stage, .. }) => {
+                format!("zero(stage={stage}, reshard_after_forward=false)")
+            }
             Technique::AutoBatch(AutoBatchSpec { budget: None }) => {
                 "auto_batch(policy=halving)".into()
             }
@@ -635,7 +666,7 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
                 )))
             }
         },
-        "zero" => Technique::Zero(map.next_value::<ZeroStageArg>()?.0),
+        "zero" => Technique::Zero(map.next_value::<ZeroArgs>()?.0),
         "auto_batch" => Technique::AutoBatch(auto_batch_args(map.next_value::<AutoBatchArgs>()?)?),
         "fit" => Technique::Fit(fit_args(map.next_value::<FitArgs>()?)?),
         _ if PLAIN.contains(&key) => {
@@ -647,32 +678,65 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
     })
 }
 
-/// `zero: 1 | 2`, reported at the value's position when it is neither.
-struct ZeroStageArg(u8);
+/// Why a stage is not one.
+fn not_a_stage(v: impl fmt::Display) -> String {
+    format!(
+        "a ZeRO stage must be 1 (optimizer state sharded), 2 (and gradients) or 3 (and parameters), got {v}"
+    )
+}
 
-impl<'de> Deserialize<'de> for ZeroStageArg {
+/// `zero: 1 | 2 | 3` or `zero: {stage: 3, reshard_after_forward: false}`, reported
+/// at the value's position when it is neither.
+struct ZeroArgs(ZeroSpec);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawZero {
+    stage: i64,
+    reshard_after_forward: Option<bool>,
+}
+
+impl RawZero {
+    fn check(self) -> Result<ZeroSpec, String> {
+        let stage = u8::try_from(self.stage)
+            .ok()
+            .filter(|s| (1..=3).contains(s))
+            .ok_or_else(|| not_a_stage(self.stage))?;
+        match self.reshard_after_forward {
+            Some(_) if stage != 3 => Err(format!(
+                "reshard_after_forward is an option of stage 3 (the parameters sharded); stage {stage} keeps every weight on every rank"
+            )),
+            reshard => Ok(ZeroSpec {
+                stage,
+                reshard_after_forward: reshard.unwrap_or(true),
+            }),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ZeroArgs {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
-        impl Visitor<'_> for V {
-            type Value = ZeroStageArg;
+        impl<'de> Visitor<'de> for V {
+            type Value = ZeroArgs;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a ZeRO stage: 1 or 2")
+                f.write_str("a ZeRO stage (1, 2 or 3), or {stage: 3, reshard_after_forward: false}")
             }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ZeroStageArg, E> {
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ZeroArgs, E> {
                 match v {
-                    1 | 2 => Ok(ZeroStageArg(v as u8)),
-                    _ => Err(E::custom(format!(
-                        "a ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients), got {v}"
-                    ))),
+                    1..=3 => Ok(ZeroArgs(ZeroSpec::stage(v as u8))),
+                    _ => Err(E::custom(not_a_stage(v))),
                 }
             }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ZeroStageArg, E> {
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ZeroArgs, E> {
                 match u64::try_from(v) {
                     Ok(v) => self.visit_u64(v),
-                    Err(_) => Err(E::custom(format!(
-                        "a ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients), got {v}"
-                    ))),
+                    Err(_) => Err(E::custom(not_a_stage(v))),
                 }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ZeroArgs, A::Error> {
+                let raw = RawZero::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                raw.check().map(ZeroArgs).map_err(de::Error::custom)
             }
         }
         d.deserialize_any(V)
