@@ -211,11 +211,11 @@ strategies:
     assert!(e.contains("must be at most 64, got 65"), "{e}");
     let e = error_of(&base.replace("world_size: 2", "world_size: two"));
     assert!(e.starts_with("bad.yaml:2:13: "), "{e}");
-    let e = error_of(&base.replace("{zero: 2}", "{zero: 3}"));
+    let e = error_of(&base.replace("{zero: 2}", "{zero: 4}"));
     assert!(e.starts_with("bad.yaml:6:29: "), "{e}");
     assert!(
         e.contains(
-            "strategies[0].with[0].zero: a ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients), got 3"
+            "strategies[0].with[0].zero: a ZeRO stage must be 1 (optimizer state sharded), 2 (and gradients) or 3 (and parameters), got 4"
         ),
         "{e}"
     );
