@@ -1,9 +1,10 @@
 //! `memsave fit SUITE --model M --budget B --world-size N`: the fit runs on N local
 //! ranks and the data-parallel mode is chosen with the other levers, for a per-rank
 //! budget below what ZeRO-2 alone needs (measured first by `memsave bench` on the same
-//! ranks); the choice is printed once, with each rank's measured peak; a rank's error
-//! comes back naming the rank; a batch that does not divide among the ranks is refused
-//! before any rank starts.
+//! ranks): on a model whose weights dominate the step only ZeRO-3 fits; the choice is
+//! printed once, with each rank's measured peak; a rank's error comes back naming the
+//! rank; a batch that does not divide among the ranks is refused before any rank
+//! starts.
 use serial_test::serial;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -51,6 +52,41 @@ fn zero2_per_rank_peak(dir: &Path) -> u64 {
     case["start_bytes"].as_u64().unwrap() + case["peak_bytes"].as_u64().unwrap()
 }
 
+/// `memsave fit ... --world-size 2 --json fit.json` at `budget` bytes: its JSON report,
+/// and its stdout.
+fn fit_on_two_ranks(dir: &Path, model: &str, budget: u64) -> (serde_json::Value, String) {
+    let out = memsave(
+        &[
+            "fit",
+            "suite.yaml",
+            "--model",
+            model,
+            "--budget",
+            &format!("{budget}B"),
+            "--world-size",
+            "2",
+            "--json",
+            "fit.json",
+        ],
+        dir,
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let json =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("fit.json")).unwrap()).unwrap();
+    (json, stdout)
+}
+
+/// Each rank's measured peak in a report.
+fn peaks_by_rank(json: &serde_json::Value) -> Vec<u64> {
+    json["measured_peak_bytes_by_rank"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect()
+}
+
 #[test]
 #[serial]
 fn fit_on_two_ranks_finds_a_configuration_below_zero2_s_per_rank_peak() {
@@ -64,23 +100,7 @@ fn fit_on_two_ranks_finds_a_configuration_below_zero2_s_per_rank_peak() {
     );
     let zero2 = zero2_per_rank_peak(dir.path());
     let budget = zero2 * 4 / 5;
-    let out = memsave(
-        &[
-            "fit",
-            "suite.yaml",
-            "--model",
-            "lin",
-            "--budget",
-            &format!("{budget}B"),
-            "--world-size",
-            "2",
-            "--json",
-            "fit.json",
-        ],
-        dir.path(),
-    );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (json, stdout) = fit_on_two_ranks(dir.path(), "lin", budget);
     // The choice once (rank 0), with each rank's measured peak.
     assert_eq!(stdout.matches("choice: ").count(), 1, "{stdout}");
     assert!(
@@ -88,23 +108,15 @@ fn fit_on_two_ranks_finds_a_configuration_below_zero2_s_per_rank_peak() {
         "{stdout}"
     );
     assert!(stdout.contains(", rank 1 "), "{stdout}");
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
-            .unwrap();
     assert_eq!(json["world_size"], 2, "{json}");
     assert_eq!(json["budget_bytes"].as_u64(), Some(budget));
     assert_eq!(json["global_batch"], 8, "the global batch is kept: {json}");
     let mode = json["choice"]["data_parallel"].as_str();
     assert!(
-        matches!(mode, Some("ddp" | "zero1" | "zero2")),
+        matches!(mode, Some("ddp" | "zero1" | "zero2" | "zero3")),
         "a data-parallel mode is chosen: {json}"
     );
-    let by_rank: Vec<u64> = json["measured_peak_bytes_by_rank"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b.as_u64().unwrap())
-        .collect();
+    let by_rank = peaks_by_rank(&json);
     assert_eq!(by_rank.len(), 2, "{json}");
     assert!(
         by_rank.iter().all(|&p| p > 0 && p <= budget),
@@ -118,6 +130,36 @@ fn fit_on_two_ranks_finds_a_configuration_below_zero2_s_per_rank_peak() {
         .find(|c| c["choice"]["strategy"] == "zero(stage=2)")
         .unwrap_or_else(|| panic!("zero(stage=2) considered\n{stdout}"));
     assert_eq!(zero2_alone["predicted_fits"], false, "{stdout}");
+}
+
+#[test]
+#[serial]
+fn where_the_weights_dominate_fit_on_two_ranks_fits_below_zero2_with_zero3() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 layers of 256 x 256: 263,168 parameters, with AdamW 16 bytes each (weights,
+    // gradients, two moments: 4.2 MB on one process) against a batch of 4 rows of 256.
+    write_suite(
+        dir.path(),
+        "{name: wide, kind: residual_linear, layers: 4, hidden: 256, batch: [4]}",
+    );
+    let zero2 = zero2_per_rank_peak(dir.path());
+    let budget = zero2 * 4 / 5;
+    let (json, stdout) = fit_on_two_ranks(dir.path(), "wide", budget);
+    assert_eq!(json["world_size"], 2, "{json}");
+    assert_eq!(json["global_batch"], 4, "the global batch is kept: {json}");
+    assert_eq!(
+        json["choice"]["data_parallel"], "zero3",
+        "only sharding the weights fits below ZeRO-2's {zero2} B\n{stdout}"
+    );
+    let by_rank = peaks_by_rank(&json);
+    assert_eq!(by_rank.len(), 2, "{json}");
+    assert!(
+        by_rank.iter().all(|&p| p > 0 && p <= budget),
+        "measured per rank {by_rank:?}, budget {budget} (ZeRO-2 alone: {zero2})\n{stdout}"
+    );
+    eprintln!(
+        "ZeRO-2 per rank {zero2} B, budget {budget} B, measured per rank {by_rank:?}\n{stdout}"
+    );
 }
 
 #[test]
