@@ -276,6 +276,10 @@ impl<'a> StepRun<'a> {
         config: &StepConfig,
     ) -> Result<StepMeasurement, StepError> {
         self.check(config)?;
+        // memsave's autograd engine frees the graph of a backward that fails (the
+        // seed's `x += f(x)`), which libtorch's leaves holding the input and weights;
+        // installed before the first step, not by whichever lever first pushes hooks.
+        memsave_sys::hooks::install_engine().map_err(|e| StepError::lever("autograd engine", e))?;
         let params = model.parameters();
         free_grads(&params).map_err(accumulation)?;
         if let Some(dp) = self.data_parallel {

@@ -4,6 +4,7 @@
 mod common;
 mod data_parallel;
 mod errors;
+mod failed_step;
 mod fsdp;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
