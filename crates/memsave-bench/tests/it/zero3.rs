@@ -265,6 +265,7 @@ fn zero3_and_its_option_parse_and_bad_ones_are_errors_at_their_position() {
 /// What the engine refuses under ZeRO-3 is unavailable before any rank starts, with
 /// the reason naming the lever; what it runs is available.
 #[test]
+#[serial_test::parallel]
 fn zero3_availability_is_decided_from_the_suite() {
     let yaml = "suite: t
 world_size: 2

@@ -5,17 +5,9 @@
 //! printed once, with each rank's measured peak; a rank's error comes back naming the
 //! rank; a batch that does not divide among the ranks is refused before any rank
 //! starts.
+use crate::common::memsave;
 use serial_test::serial;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn memsave(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run memsave")
-}
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
