@@ -58,7 +58,9 @@ impl Workload for InplaceResidual {
     }
     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
         // A copy, so that the in-place layers do not change the workload's data.
-        Ok(Batch::input(self.data.f_narrow(0, 0, size)?.f_detach_copy()?))
+        Ok(Batch::input(
+            self.data.f_narrow(0, 0, size)?.f_detach_copy()?,
+        ))
     }
 }
 
