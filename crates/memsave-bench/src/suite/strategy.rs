@@ -697,15 +697,15 @@ struct RawZero {
 }
 
 impl RawZero {
-    fn check(self) -> Result<ZeroSpec, String> {
+    fn check<E: de::Error>(self) -> Result<ZeroSpec, E> {
         let stage = u8::try_from(self.stage)
             .ok()
             .filter(|s| (1..=3).contains(s))
-            .ok_or_else(|| not_a_stage(self.stage))?;
+            .ok_or_else(|| E::custom(not_a_stage(self.stage)))?;
         match self.reshard_after_forward {
-            Some(_) if stage != 3 => Err(format!(
+            Some(_) if stage != 3 => Err(E::custom(format!(
                 "reshard_after_forward is an option of stage 3 (the parameters sharded); stage {stage} keeps every weight on every rank"
-            )),
+            ))),
             reshard => Ok(ZeroSpec {
                 stage,
                 reshard_after_forward: reshard.unwrap_or(true),
@@ -736,7 +736,7 @@ impl<'de> Deserialize<'de> for ZeroArgs {
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ZeroArgs, A::Error> {
                 let raw = RawZero::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                raw.check().map(ZeroArgs).map_err(de::Error::custom)
+                raw.check().map(ZeroArgs)
             }
         }
         d.deserialize_any(V)
