@@ -252,6 +252,26 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Starts [`ProcessGroup::all_gather`] without waiting (PyTorch's `all_gather_into_tensor`
+    /// with `async_op=True`): the collective runs on the group's worker thread, after
+    /// the collectives issued before it and before those issued after it, while this
+    /// thread goes on. [`Work::wait`] waits for it; its bytes are counted in
+    /// [`ProcessGroup::bytes_sent`] when it is done (as the blocking one's).
+    ///
+    /// Traps: do not read `output` or change `input` before the wait returns (the work
+    /// holds its own references to both, so dropping them early is safe). Dropping the
+    /// `Work` unwaited waits for it (a collective never runs on memory given back).
+    pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        self.check_tensor(output, "the output")?;
+        self.check_tensor(input, "the input")?;
+        let work = self.inner.gloo.all_gather_start(output, input)?;
+        Ok(Work {
+            work: Some(work),
+            group: self.clone(),
+            bytes: nbytes(input) * (self.world_size() as u64 - 1),
+        })
+    }
+
     /// Sends `input_splits[r]` values of `input` (taken in rank order) to rank `r` and
     /// receives `output_splits[r]` values from rank `r` into `output` (in rank order):
     /// PyTorch's `all_to_all_single` with split sizes (Gloo's alltoallv). Each slice
@@ -305,6 +325,46 @@ impl ProcessGroup {
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
         Ok(self.inner.gloo.barrier()?)
+    }
+}
+
+/// A collective started by [`ProcessGroup::all_gather_async`] (c10d's `Work`).
+///
+/// Wait with [`Work::wait`] to see its error. Dropped unwaited, it waits for the
+/// collective (at most the group's timeout), counts its bytes if it succeeded and drops
+/// its error.
+#[derive(Debug)]
+#[must_use = "a started collective is waited for when dropped; keep it to overlap"]
+pub struct Work {
+    work: Option<memsave_sys::dist::Work>,
+    group: ProcessGroup,
+    /// Bytes this rank sends, counted once the collective is done.
+    bytes: u64,
+}
+
+impl Work {
+    /// Waits until the collective is done (at most the group's timeout); an error
+    /// names the rank.
+    pub fn wait(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        match self.work.take() {
+            Some(work) => {
+                work.wait()?;
+                self.group.count(self.bytes);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // The error is dropped: wait to see it.
+        let _ = self.finish();
     }
 }
 

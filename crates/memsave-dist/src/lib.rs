@@ -54,6 +54,6 @@ mod zero;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
 pub use fsdp::{Fsdp, FsdpConfig, FsdpStats, FsdpUnit, FsdpUnits};
-pub use group::{init_process_group, Backend, InitOptions, ProcessGroup};
+pub use group::{init_process_group, Backend, InitOptions, ProcessGroup, Work};
 pub use launch::{free_port, launch, LaunchConfig, MAX_NPROC_PER_NODE, OUTPUT_DRAIN};
 pub use zero::{ZeroOptimizer, ZeroStage};

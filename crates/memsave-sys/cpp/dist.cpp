@@ -55,6 +55,14 @@ void finish(GroupHandle* g, c10::intrusive_ptr<c10d::Work> work) {
   while (work.use_count() > 1 && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
 }
 
+// A collective started without waiting (`async_op=True`): the work, the group it runs
+// on (kept alive while the work is) and the group's timeout and rank for errors.
+struct WorkHandle {
+  c10::intrusive_ptr<c10d::Work> work;
+  GroupHandle group;  // a copy: holds a reference to the process group
+  bool waited;
+};
+
 }  // namespace
 
 extern "C" {
@@ -163,6 +171,49 @@ int ms_dist_all_gather(void* group, at::Tensor* output, at::Tensor* input) {
       finish(g, g->pg->_allgather_base(*output, *input, c10d::AllgatherOptions()));
     });
   })
+}
+
+// Starts what ms_dist_all_gather does without waiting: `*out` receives a work handle
+// (the work keeps both tensors alive until it is done). Wait with ms_dist_work_wait;
+// ms_dist_work_free waits too when it was not waited.
+int ms_dist_all_gather_start(void* group, at::Tensor* output, at::Tensor* input, void** out) {
+  MS_TRY({
+    auto g = static_cast<GroupHandle*>(group);
+    as_rank(g->rank, "all_gather (started)", [&] {
+      MS_CHECK(output->numel() == input->numel() * g->size, "output has ", output->numel(),
+               " values; expected world size × input = ", g->size, " × ", input->numel());
+      auto work = g->pg->_allgather_base(*output, *input, c10d::AllgatherOptions());
+      *out = new WorkHandle{work, *g, false};
+    });
+  })
+}
+
+// Waits for a started collective (at most the group's timeout), as the blocking ones do,
+// and lets go of it. Only the first call waits; later ones return 0.
+int ms_dist_work_wait(void* work) {
+  MS_TRY({
+    auto w = static_cast<WorkHandle*>(work);
+    if (w->waited) return 0;
+    w->waited = true;
+    as_rank(w->group.rank, "waiting for a started collective", [&] { finish(&w->group, std::move(w->work)); });
+  })
+}
+
+// Frees a work handle; waits for the collective first when it was not waited, so that it
+// never runs on tensors the caller has given up. Errors are dropped here (wait first to
+// see them).
+void ms_dist_work_free(void* work) noexcept {
+  auto w = static_cast<WorkHandle*>(work);
+  if (!w->waited) {
+    try {
+      finish(&w->group, std::move(w->work));
+    } catch (...) {
+    }
+  }
+  try {
+    delete w;
+  } catch (...) {
+  }
 }
 
 // Sends `input_counts[r]` values of `input` (in rank order) to rank r and receives

@@ -172,6 +172,28 @@ impl GlooGroup {
         })
     }
 
+    /// Starts [`GlooGroup::all_gather`] without waiting for it (PyTorch's
+    /// `async_op=True`): the collective runs on the group's worker thread, after those
+    /// issued before it, and the returned [`Work`] says when it is done.
+    ///
+    /// Trap: do not read `output` or change `input` before [`Work::wait`] returns. The
+    /// work holds its own references to both tensors, so dropping them early is safe.
+    pub fn all_gather_start(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: `ptr` is live; both tensors are live tch tensors, which the started
+        // work keeps referenced (not borrowed) until it is done; `ptr` receives a new
+        // work handle on success only.
+        check(unsafe {
+            ffi::ms_dist_all_gather_start(
+                self.ptr,
+                output.as_ptr() as *mut _,
+                input.as_ptr() as *mut _,
+                &mut ptr,
+            )
+        })?;
+        Ok(Work { ptr })
+    }
+
     /// Sends `input_counts[r]` values of `input` (taken in rank order) to rank `r`, and
     /// receives `output_counts[r]` values from rank `r` into `output` (in rank order):
     /// c10d's `alltoall_base`. Both count slices have one entry per rank.
@@ -222,6 +244,37 @@ impl Drop for GlooGroup {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from ms_dist_group_gloo and is freed only here.
         unsafe { ffi::ms_dist_group_free(self.ptr) }
+    }
+}
+
+/// A collective started by [`GlooGroup::all_gather_start`] (c10d's `Work`).
+///
+/// Dropping it without [`Work::wait`] waits for the collective (at most the group's
+/// timeout) and drops its error: a collective never runs on memory given back.
+#[derive(Debug)]
+pub struct Work {
+    ptr: *mut c_void,
+}
+
+// SAFETY: a c10d work may be waited on from any thread; the handle is only an owning
+// pointer.
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Waits until the collective is done (at most the group's timeout); an error
+    /// names the rank.
+    pub fn wait(self) -> Result<()> {
+        // SAFETY: `ptr` is a live work handle; it is freed (without waiting again) when
+        // `self` drops at the end of this call.
+        check(unsafe { ffi::ms_dist_work_wait(self.ptr) })
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from ms_dist_all_gather_start and is freed only here; the
+        // call waits first when the work was not waited.
+        unsafe { ffi::ms_dist_work_free(self.ptr) }
     }
 }
 

@@ -224,6 +224,14 @@ extern "C" {
         output: *mut C_tensor,
         input: *mut C_tensor,
     ) -> c_int;
+    pub fn ms_dist_all_gather_start(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    pub fn ms_dist_work_wait(work: *mut c_void) -> c_int;
+    pub fn ms_dist_work_free(work: *mut c_void);
     pub fn ms_dist_all_to_all(
         group: *mut c_void,
         output: *mut C_tensor,
