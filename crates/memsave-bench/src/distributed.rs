@@ -744,6 +744,7 @@ pub(crate) fn rank_config(
             Technique::Zero(ZeroSpec { stage: 2, .. }) => Some(DataParallel::Zero(ZeroStage::Two)),
             Technique::Zero(spec) => Some(DataParallel::Fsdp(FsdpConfig {
                 reshard_after_forward: spec.reshard_after_forward,
+                ..FsdpConfig::default()
             })),
             _ => None,
         })

@@ -13,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
-use crate::group::ProcessGroup;
+use crate::group::{ProcessGroup, Work};
 
 /// Options of [`Fsdp`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,12 +25,21 @@ pub struct FsdpConfig {
     /// unit's full weights are held at the end of the forward, and backward gathers
     /// nothing.
     pub reshard_after_forward: bool,
+    /// In backward, when a unit is gathered again, start the all-gather of the unit
+    /// backward needs next (the one that ran before it in the forward) without waiting
+    /// for it (default `true`, as FSDP2's `BACKWARD_PRE`): the gather runs on the
+    /// group's worker thread while this unit's backward computes, and two units' full
+    /// weights are held at once (current and prefetched) instead of one. Only with
+    /// `reshard_after_forward` (otherwise backward gathers nothing). `false` gathers
+    /// each unit when backward asks for it, one at a time.
+    pub backward_prefetch: bool,
 }
 
 impl Default for FsdpConfig {
     fn default() -> Self {
         Self {
             reshard_after_forward: true,
+            backward_prefetch: true,
         }
     }
 }
@@ -121,11 +130,24 @@ pub struct FsdpStats {
 ///
 /// **Backward.** A unit is gathered again when backward first needs one of its weights
 /// (the first saved weight it unpacks) or, in a checkpointed unit, when the
-/// recomputation runs its forward; units are gathered one at a time, never prefetched:
-/// the collectives are blocking on the thread that runs backward, so gathering the
-/// next unit early would only hold two units at once without overlapping anything.
-/// A unit whose backward reads no weight (the first layer when its input needs no
-/// gradient) is not gathered again. When every parameter of a unit has its gradient
+/// recomputation runs its forward. A unit whose backward reads no weight (the first
+/// layer when its input needs no gradient) is not gathered again. With
+/// [`FsdpConfig::backward_prefetch`] (the default), when backward gathers a unit it
+/// also starts, without waiting, the all-gather of the unit that ran just before it in
+/// the forward, into that unit's own buffer; when backward asks for that unit's
+/// weights it waits on the gather instead of gathering. The gather runs on the
+/// group's worker thread while this unit's backward computes. At most one prefetch is
+/// in flight, so at most two units' full weights are gathered at once (current and
+/// prefetched; [`FsdpStats::gathered_bytes`] counts both), plus, while a gather runs,
+/// Gloo's own staging buffer of the same size (Gloo gathers into a flat buffer and
+/// copies it out; not in `gathered_bytes`, seen by the meter). Only units that
+/// backward will gather are prefetched: those whose resharded forward saved some of
+/// their weights, or saved nothing through [`Fsdp::forward`]'s hook (a checkpoint,
+/// whose recomputation gathers). So no prefetched buffer goes unused in a chain; one
+/// that does (backward took another order, or a unit ran outside [`Fsdp::forward`])
+/// is waited for and freed by [`Fsdp::f_finish_backward`], its bytes sent counted.
+/// When backward asks for another unit than the prefetched one, the prefetched one is
+/// kept as gathered until its reduction (three units at once). When every parameter of a unit has its gradient
 /// (post-accumulate-grad hooks), the gradients are flattened, reduce-scattered (summed
 /// into each rank's slice), divided by N (gradients are averaged, as in DDP) and added
 /// to the shard's `.grad`; the full gradients and weights are freed.
@@ -133,7 +155,8 @@ pub struct FsdpStats {
 /// **Bytes sent per micro-batch**: an all-gather per unit in forward and in backward,
 /// and a reduce-scatter, each (N-1)/N of the unit's padded bytes: 3 (N-1)/N of the
 /// padded weight bytes, less (N-1)/N of each unit not gathered again; 2 (N-1)/N
-/// without `reshard_after_forward`.
+/// without `reshard_after_forward`. Backward prefetch adds nothing in a chain (it
+/// gathers units backward gathers anyway), only the rare unused prefetch above.
 ///
 /// **Gradient accumulation**: every backward reduce-scatters (FSDP's default with
 /// gradient sync on, rather than accumulating full gradients under `no_sync`):
@@ -212,6 +235,15 @@ pub(crate) struct Shared {
     reductions: u64,
     /// Units whose gathered weights something still held after a resharding forward.
     held_after_forward: Vec<usize>,
+    /// The unit whose forward runs now (with grad, outside backward), whose saves the
+    /// saved-tensor hook counts.
+    forward_unit: Option<usize>,
+    /// Units in the order of their last forward with grad (outside backward): backward
+    /// runs them in reverse, so the unit before one is the one to prefetch.
+    forward_order: Vec<usize>,
+    /// The all-gather started ahead of backward's need (see
+    /// [`FsdpConfig::backward_prefetch`]); at most one.
+    prefetch: Option<Prefetch>,
     /// Set by [`Fsdp::step_in_backward`].
     step: Option<ShardStep>,
 }
@@ -231,6 +263,21 @@ pub(crate) struct Unit {
     ready: Vec<bool>,
     /// Some gradient arrived that is not reduced yet.
     owed: bool,
+    /// Tensors the saved-tensor hook of [`Fsdp::forward`] saw in this unit's last
+    /// forward, and how many of them lay in its gathered weights.
+    packs: u32,
+    saved_slices: u32,
+    /// Backward will gather this unit again: its resharded forward saved some of its
+    /// weights (by place), or saved nothing through our hook (a checkpoint, which
+    /// recomputes the forward in backward). Cleared when backward gathers it.
+    needs_weights: bool,
+}
+
+/// A unit's all-gather started ahead of backward's need, into its own buffer.
+struct Prefetch {
+    unit: usize,
+    flat: Tensor,
+    work: Work,
 }
 
 fn tensor_err(rank: usize, context: &'static str) -> impl Fn(tch::TchError) -> DistError + Copy {
@@ -262,6 +309,9 @@ impl Fsdp {
                 gathers: 0,
                 reductions: 0,
                 held_after_forward: Vec::new(),
+                forward_unit: None,
+                forward_order: Vec::new(),
+                prefetch: None,
                 step: None,
             })),
             group: group.clone(),
@@ -366,6 +416,9 @@ impl Fsdp {
             gathered: None,
             ready: vec![false; params.len()],
             owed: false,
+            packs: 0,
+            saved_slices: 0,
+            needs_weights: false,
         });
         state.free(unit)?;
         drop(state);
@@ -491,6 +544,7 @@ impl Fsdp {
     /// before the optimizer step.
     pub fn f_finish_backward(&self) -> Result<()> {
         let mut state = self.state();
+        state.drop_prefetch()?;
         for unit in 0..state.units.len() {
             if state.units[unit].owed {
                 state.reduce(unit)?;
@@ -498,6 +552,7 @@ impl Fsdp {
         }
         for unit in 0..state.units.len() {
             state.free(unit)?;
+            state.units[unit].needs_weights = false;
         }
         if !state.held_after_forward.is_empty() {
             let held = std::mem::take(&mut state.held_after_forward);
@@ -562,7 +617,8 @@ impl Fsdp {
     /// [`Fsdp::fully_shard`], as new tensors (copies, without grad). A collective: one
     /// all-gather per unit not gathered now.
     pub fn f_full_parameters(&self) -> Result<Vec<Tensor>> {
-        let state = self.state();
+        let mut state = self.state();
+        state.settle_prefetch()?;
         let rank = self.group.rank();
         let err = tensor_err(rank, "gathering the full parameters");
         let _no_grad = tch::no_grad_guard();
@@ -625,14 +681,109 @@ impl Shared {
         Ok(flat)
     }
 
-    /// Gathers `unit`'s weights and points its parameters at them, unless gathered.
-    fn gather(&mut self, unit: usize) -> Result<()> {
-        if self.units[unit].gathered.is_some() {
+    /// Gathers `unit`'s weights and points its parameters at them, unless gathered: from
+    /// the prefetch when it is this unit's, else with a blocking all-gather. In
+    /// `backward`, then starts the prefetch of the unit backward needs next.
+    fn gather(&mut self, unit: usize, backward: bool) -> Result<()> {
+        if self.units[unit].gathered.is_none() {
+            let flat = match self.prefetch.take() {
+                Some(p) if p.unit == unit => {
+                    p.work.wait()?;
+                    p.flat
+                }
+                other => {
+                    // Backward asked for another unit first (an order the forward did
+                    // not predict): the prefetched unit is kept as gathered, until its
+                    // reduction or the end of backward.
+                    if let Some(p) = other {
+                        p.work.wait()?;
+                        self.install(p.unit, p.flat)?;
+                    }
+                    self.allocate_and_gather(unit)?
+                }
+            };
+            self.install(unit, flat)?;
+        }
+        if backward {
+            self.units[unit].needs_weights = false;
+            self.start_prefetch(unit)?;
+        }
+        Ok(())
+    }
+
+    /// A new buffer with `unit`'s gathered weights, counted as gathered.
+    fn allocate_and_gather(&mut self, unit: usize) -> Result<Tensor> {
+        let flat = self.all_gather(&self.units[unit])?;
+        self.count_gathered(&flat);
+        Ok(flat)
+    }
+
+    fn count_gathered(&mut self, flat: &Tensor) {
+        self.gathers += 1;
+        self.gathered_bytes += memsave_sys::tensor::nbytes(flat);
+        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
+    }
+
+    /// After backward gathered `current`: starts the all-gather of the unit that ran
+    /// just before it in the forward, when prefetching is on, none is in flight, and
+    /// that unit will be gathered in backward and is not gathered now.
+    fn start_prefetch(&mut self, current: usize) -> Result<()> {
+        if !(self.config.backward_prefetch && self.config.reshard_after_forward)
+            || self.prefetch.is_some()
+        {
             return Ok(());
         }
+        let Some(at) = self.forward_order.iter().position(|&u| u == current) else {
+            return Ok(());
+        };
+        let Some(&next) = at.checked_sub(1).and_then(|i| self.forward_order.get(i)) else {
+            return Ok(());
+        };
+        let u = &self.units[next];
+        if !u.needs_weights || u.gathered.is_some() {
+            return Ok(());
+        }
+        let err = tensor_err(self.rank(), "prefetching a unit");
+        let n = self.group.world_size() as i64;
+        let flat = Tensor::f_empty([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+        let work = self.group.all_gather_async(&flat, &u.shard.detach())?;
+        self.count_gathered(&flat);
+        self.prefetch = Some(Prefetch {
+            unit: next,
+            flat,
+            work,
+        });
+        Ok(())
+    }
+
+    /// Waits for a prefetch in flight and keeps its weights as its unit's gathered ones.
+    fn settle_prefetch(&mut self) -> Result<()> {
+        if let Some(p) = self.prefetch.take() {
+            p.work.wait()?;
+            self.install(p.unit, p.flat)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a prefetch in flight that backward did not use (its unit's backward
+    /// never asked for weights) and frees its buffer; its bytes were sent and count in
+    /// [`ProcessGroup::bytes_sent`].
+    fn drop_prefetch(&mut self) -> Result<()> {
+        if let Some(p) = self.prefetch.take() {
+            let bytes = memsave_sys::tensor::nbytes(&p.flat);
+            let waited = p.work.wait();
+            drop(p.flat);
+            self.gathered_bytes -= bytes;
+            waited?;
+        }
+        Ok(())
+    }
+
+    /// Points `unit`'s parameters at their slices of `flat` (its gathered weights,
+    /// already counted) and keeps it as the unit's gathered buffer.
+    fn install(&mut self, unit: usize, flat: Tensor) -> Result<()> {
         let err = tensor_err(self.rank(), "gathering a unit");
         let _no_grad = tch::no_grad_guard();
-        let flat = self.all_gather(&self.units[unit])?;
         let mut offset = 0;
         for p in &self.units[unit].params {
             let k = p.numel() as i64;
@@ -643,11 +794,7 @@ impl Shared {
             p.shallow_clone().f_set_data(&view).map_err(err)?;
             offset += k;
         }
-        let bytes = memsave_sys::tensor::nbytes(&flat);
         self.units[unit].gathered = Some(flat);
-        self.gathers += 1;
-        self.gathered_bytes += bytes;
-        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
         Ok(())
     }
 
@@ -668,6 +815,12 @@ impl Shared {
     /// After `unit`'s forward: frees its weights unless backward will want them and
     /// the configuration keeps them (see [`FsdpConfig::reshard_after_forward`]).
     fn after_forward(&mut self, unit: usize, grad: bool, in_backward: bool) -> Result<()> {
+        if grad && !in_backward {
+            self.forward_unit = None;
+            let u = &mut self.units[unit];
+            u.needs_weights =
+                self.config.reshard_after_forward && (u.saved_slices > 0 || u.packs == 0);
+        }
         if grad && (in_backward || !self.config.reshard_after_forward) {
             return Ok(());
         }
@@ -752,6 +905,7 @@ impl Shared {
     /// Drops every parameter's and shard's gradient and every gathered weight, and
     /// forgets the current backward's progress (before loading a checkpoint).
     pub(crate) fn drop_gradients_and_weights(&mut self) -> Result<()> {
+        self.drop_prefetch()?;
         for unit in 0..self.units.len() {
             let u = &mut self.units[unit];
             for p in &u.params {
@@ -760,10 +914,22 @@ impl Shared {
             memsave_sys::tensor::set_grad_none(&u.shard)?;
             u.ready.iter_mut().for_each(|r| *r = false);
             u.owed = false;
+            u.needs_weights = false;
             self.free(unit)?;
         }
         self.held_after_forward.clear();
         Ok(())
+    }
+
+    /// Before `unit`'s forward with grad outside backward: its saves are counted from
+    /// zero, and it moves to the end of the forward order.
+    fn begin_forward(&mut self, unit: usize) {
+        self.forward_unit = Some(unit);
+        let u = &mut self.units[unit];
+        u.packs = 0;
+        u.saved_slices = 0;
+        self.forward_order.retain(|&v| v != unit);
+        self.forward_order.push(unit);
     }
 
     /// The unit whose gathered buffer holds the memory at `ptr`, and the value offset.
@@ -797,7 +963,13 @@ impl FsdpUnit {
 fn unit_forward<T>(shared: &Mutex<Shared>, unit: usize, forward: impl FnOnce() -> T) -> Result<T> {
     let grad = memsave_sys::tensor::grad_mode_enabled();
     let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
-    lock(shared).gather(unit)?;
+    {
+        let mut state = lock(shared);
+        if grad && !in_backward {
+            state.begin_forward(unit);
+        }
+        state.gather(unit, in_backward)?;
+    }
     // The lock is not held while the module runs: the saved-tensor hook takes it.
     let y = forward();
     lock(shared).after_forward(unit, grad, in_backward)?;
@@ -874,8 +1046,14 @@ impl RawHooks for GatheredSaves {
         tensor: &Tensor,
         saved_by: Option<&str>,
     ) -> std::result::Result<Packed, CallbackError> {
+        {
+            let mut state = lock(&self.shared);
+            if let Some(unit) = state.forward_unit {
+                state.units[unit].packs += 1;
+            }
+        }
         if tensor.device() == Device::Cpu && tensor.numel() > 0 {
-            let state = lock(&self.shared);
+            let mut state = lock(&self.shared);
             let ptr = tensor.data_ptr() as usize;
             if ptr == state.placeholder.data_ptr() as usize {
                 return Err(DistError::Config {
@@ -886,6 +1064,9 @@ impl RawHooks for GatheredSaves {
             }
             if tensor.kind() == Kind::Float {
                 if let Some((unit, offset)) = state.locate(ptr) {
+                    if let Some(current) = state.forward_unit {
+                        state.units[current].saved_slices += 1;
+                    }
                     return Ok(Box::new(GatheredSlice {
                         unit,
                         offset,
@@ -908,7 +1089,7 @@ impl RawHooks for GatheredSaves {
     fn unpack(&self, packed: &Packed) -> std::result::Result<Tensor, CallbackError> {
         if let Some(slice) = packed.downcast_ref::<GatheredSlice>() {
             let mut state = lock(&self.shared);
-            state.gather(slice.unit)?;
+            state.gather(slice.unit, true)?;
             let flat = state.units[slice.unit]
                 .gathered
                 .as_ref()

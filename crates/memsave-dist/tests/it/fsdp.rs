@@ -119,45 +119,69 @@ struct Setup {
     early_stop: bool,
     micro: i64,
     reshard_after_forward: bool,
+    backward_prefetch: bool,
 }
 
-const SETUPS: [Setup; 5] = [
+const SETUPS: [Setup; 7] = [
     Setup {
         checkpoint: false,
         early_stop: false,
         micro: 1,
         reshard_after_forward: true,
+        backward_prefetch: true,
     },
     Setup {
         checkpoint: true,
         early_stop: false,
         micro: 1,
         reshard_after_forward: true,
+        backward_prefetch: true,
     },
     Setup {
         checkpoint: false,
         early_stop: false,
         micro: 3,
         reshard_after_forward: true,
+        backward_prefetch: true,
     },
     Setup {
         checkpoint: true,
         early_stop: true,
         micro: 3,
         reshard_after_forward: true,
+        backward_prefetch: true,
     },
     Setup {
         checkpoint: false,
         early_stop: false,
         micro: 1,
         reshard_after_forward: false,
+        backward_prefetch: true,
+    },
+    // Without backward prefetch: one unit gathered at a time.
+    Setup {
+        checkpoint: false,
+        early_stop: false,
+        micro: 1,
+        reshard_after_forward: true,
+        backward_prefetch: false,
+    },
+    Setup {
+        checkpoint: true,
+        early_stop: false,
+        micro: 1,
+        reshard_after_forward: true,
+        backward_prefetch: false,
     },
 ];
 
 fn name(setup: Setup) -> String {
     format!(
-        "ckpt{}-m{}-reshard{}",
-        setup.checkpoint as u8, setup.micro, setup.reshard_after_forward as u8
+        "ckpt{}-m{}-reshard{}-prefetch{}",
+        setup.checkpoint as u8,
+        setup.micro,
+        setup.reshard_after_forward as u8,
+        setup.backward_prefetch as u8
     )
 }
 
@@ -220,6 +244,7 @@ fn train_rank(group: &ProcessGroup, setup: Setup, out: &Path) {
     let (vs, layers) = layers();
     let config = FsdpConfig {
         reshard_after_forward: setup.reshard_after_forward,
+        backward_prefetch: setup.backward_prefetch,
     };
     let mut fsdp = Fsdp::new(group, config).expect("fsdp");
     let units = sharded(&mut fsdp, layers);
@@ -237,6 +262,8 @@ fn train_rank(group: &ProcessGroup, setup: Setup, out: &Path) {
     let mut between = Vec::new();
     let mut peaks = Vec::new();
     let mut after_forward = Vec::new();
+    let mut saved = Vec::new();
+    let mut backward_peaks = Vec::new();
     for _ in 0..STEPS {
         let before = group.bytes_sent();
         fsdp.reset_gathered_peak();
@@ -254,11 +281,16 @@ fn train_rank(group: &ProcessGroup, setup: Setup, out: &Path) {
                 })
                 .expect("forward");
             if m == 0 {
-                after_forward.push(memory_allocated(Device::Cpu) - start);
+                let held = memory_allocated(Device::Cpu) - start;
+                after_forward.push(held);
+                // What the step saves for backward (and the loss): held after the
+                // forward, less the full weights still gathered then.
+                saved.push(held - fsdp.stats().gathered_bytes);
             }
             loss.backward();
         }
         fsdp.f_finish_backward().expect("finish_backward");
+        backward_peaks.push(max_memory_allocated(Device::Cpu) - start);
         opt.f_step().expect("step");
         opt.zero_grad(true);
         sent.push(group.bytes_sent() - before);
@@ -283,6 +315,8 @@ fn train_rank(group: &ProcessGroup, setup: Setup, out: &Path) {
     writeln!(figures, "state_bytes {}", opt.state_bytes()).unwrap();
     writeln!(figures, "peak_above_start {}", peaks[STEPS - 1]).unwrap();
     writeln!(figures, "after_forward {}", after_forward[STEPS - 1]).unwrap();
+    writeln!(figures, "saved_bytes {}", saved[STEPS - 1]).unwrap();
+    writeln!(figures, "backward_peak {}", backward_peaks[STEPS - 1]).unwrap();
     writeln!(figures, "gathered_peak_bytes {}", stats.gathered_peak_bytes).unwrap();
     writeln!(figures, "parameter_bytes {}", stats.parameter_bytes).unwrap();
     writeln!(figures, "padding_values {}", stats.padding_values).unwrap();
@@ -349,10 +383,12 @@ fn check_world(n: usize) {
     // ceil(P_u / N) values.
     let shard_values: u64 = (0..8).map(|i| unit_values(i).div_ceil(n64)).sum();
     let total: u64 = (0..8).map(unit_values).sum();
-    let largest_unit: u64 = (0..8)
-        .map(|i| unit_values(i).div_ceil(n64) * n64)
-        .max()
-        .unwrap();
+    let mut padded: Vec<u64> = (0..8).map(|i| unit_values(i).div_ceil(n64) * n64).collect();
+    padded.sort_unstable();
+    let largest_unit = padded[7];
+    // The two largest units (1 and 2, 221 and 224 values before padding) are
+    // neighbours: backward prefetches unit 1 while unit 2 is gathered.
+    let two_largest = padded[6] + padded[7];
     let padded_units: u64 = shard_values * n64;
     let mut report = String::new();
     // By the meter: after a forward without checkpoints, resharding holds every unit's
@@ -405,18 +441,43 @@ fn check_world(n: usize) {
                 f["gathered_bytes"], 0,
                 "{tag}: nothing gathered between steps"
             );
-            // One unit gathered at a time when resharding; every unit at the end of the
-            // forward otherwise.
-            let gathered_peak = if setup.reshard_after_forward {
-                4 * largest_unit
-            } else {
-                4 * padded_units
+            // When resharding: two units' full weights at once with backward prefetch
+            // (the one backward runs and the one it gathers ahead), one without; every
+            // unit at the end of the forward when not resharding.
+            let gathered_peak = match (setup.reshard_after_forward, setup.backward_prefetch) {
+                (true, true) => 4 * two_largest,
+                (true, false) => 4 * largest_unit,
+                (false, _) => 4 * padded_units,
             };
             assert_eq!(f["gathered_peak_bytes"], gathered_peak, "{tag}");
+            if setup.reshard_after_forward {
+                // The bound on the step's peak (meter, bytes above the step's
+                // start, optimizer step included): the gathered weights (4 x the two
+                // largest padded units: the one backward runs and the prefetched one),
+                // Gloo's staging buffer of an all-gather (4 x the largest padded unit:
+                // Gloo gathers into a flat buffer of its own and copies it out; with
+                // prefetch this overlaps backward's work), what the step saves (held after the first micro-batch's forward less
+                // the weights gathered then: activations and the loss), the gradient
+                // shards (4 x this rank's shard values), and one unit's full gradient
+                // twice (4 x the largest padded unit, twice: the reduce-scatter copies
+                // the parameters' .grad into one flat buffer before dropping them).
+                let bound = 4 * two_largest
+                    + 4 * largest_unit
+                    + f["saved_bytes"]
+                    + 4 * shard_values
+                    + 2 * 4 * largest_unit;
+                assert!(
+                    f["peak_above_start"] <= bound,
+                    "{tag}: step peak {} above start exceeds the bound {bound}",
+                    f["peak_above_start"]
+                );
+            }
             // Per micro-batch: an all-gather per unit in forward, another in backward
             // (except unit 0 without checkpointing: its input needs no gradient, so its
             // backward reads no weight) unless the weights stay, and a reduce-scatter;
-            // each sends (N-1)/N of the padded unit.
+            // each sends (N-1)/N of the padded unit. Backward prefetch sends nothing
+            // more: it prefetches only units whose backward gathers them (not unit 0
+            // without checkpointing), so no prefetched buffer goes unused.
             let unit0 = 4 * (n64 - 1) * unit_values(0).div_ceil(n64);
             let one = 4 * (n64 - 1) * shard_values;
             let per_micro = match (setup.reshard_after_forward, setup.checkpoint) {
@@ -431,8 +492,8 @@ fn check_world(n: usize) {
             );
             writeln!(
                 report,
-                "N={n} {tag}: parameter bytes {parameter_bytes}, sent/step {}, gathered peak {}, step peak above start {}",
-                f["bytes_sent_per_step"], f["gathered_peak_bytes"], f["peak_above_start"]
+                "N={n} {tag}: parameter bytes {parameter_bytes}, sent/step {}, gathered peak {}, step peak above start {}, saved {}",
+                f["bytes_sent_per_step"], f["gathered_peak_bytes"], f["peak_above_start"], f["saved_bytes"]
             )
             .unwrap();
         }
@@ -481,6 +542,7 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
             &group,
             FsdpConfig {
                 reshard_after_forward,
+                ..Default::default()
             },
         )
         .expect("fsdp");
@@ -518,4 +580,36 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
         let full = fsdp.f_full_parameters().expect("full parameters");
         assert_eq!(flat(&full), flat(&params));
     }
+}
+
+/// The started all-gather backward prefetch uses: waited, it has gathered; dropped
+/// unwaited, it is waited for by the drop (the output is written when the drop
+/// returns), and its error, if any, is dropped.
+#[test]
+#[serial]
+fn a_started_all_gather_is_done_when_waited_or_dropped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let group = ProcessGroup::new_file(&dir.path().join("store"), 0, 1, &InitOptions::default())
+        .expect("a group of one");
+    let input = Tensor::from_slice(&[1f32, 2.0, 3.0]);
+    let waited = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+    group
+        .all_gather_async(&waited, &input)
+        .expect("start")
+        .wait()
+        .expect("wait");
+    assert_eq!(flat(&[waited]), [1.0, 2.0, 3.0]);
+    let dropped = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+    drop(group.all_gather_async(&dropped, &input).expect("start"));
+    assert_eq!(flat(&[dropped]), [1.0, 2.0, 3.0]);
+    // A wrong output size is refused when starting, naming the rank.
+    let wrong = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+    let e = group
+        .all_gather_async(&wrong, &input)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank 0") && e.contains("output has 4 values"),
+        "{e}"
+    );
 }

@@ -292,6 +292,7 @@ fn run_on_rank(group: &ProcessGroup, case: &Case, out: &Path) {
     let base = memory_allocated(Device::Cpu);
     let mode = DataParallel::Fsdp(FsdpConfig {
         reshard_after_forward: case.reshard_after_forward,
+        ..Default::default()
     });
     let mut trainer = TrainerBuilder::new(config)
         .data_parallel(group, mode)
@@ -476,7 +477,12 @@ fn zero3_trains_on_two_ranks_as_on_one_process() {
                 f["gathered_bytes"], 0,
                 "{tag}: nothing gathered between steps"
             );
-            let gathered_peak = if case.reshard_after_forward {
+            // Resharding: backward prefetch (on by default) holds the unit backward
+            // runs and the next one at once when backward gathers units; one unit
+            // otherwise (only the forward gathers).
+            let gathered_peak = if case.reshard_after_forward && case.backward_reads_weights {
+                2 * padded_unit_bytes
+            } else if case.reshard_after_forward {
                 padded_unit_bytes
             } else {
                 LAYERS as u64 * padded_unit_bytes
