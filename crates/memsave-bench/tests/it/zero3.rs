@@ -87,6 +87,9 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     let shard = |n: u64| LAYERS * UNIT.div_ceil(n);
     let parameter_bytes = |n: u64| 4 * shard(n) + 4;
     let padded_unit = |n: u64| 4 * n * UNIT.div_ceil(n);
+    // Resharding ZeRO-3 prefetches in backward (FsdpConfig::backward_prefetch, on by
+    // default): the unit backward runs and the next one are gathered at once.
+    let gathered_peak = |n: u64| 2 * padded_unit(n);
     // Every all-gather and reduce-scatter sends (N-1)/N of a padded unit. The first
     // layer's input needs no gradient, so its backward reads no weight and its unit is
     // not gathered again.
@@ -97,7 +100,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     assert_eq!(figures(case(&one, "ddp")), (full, None, 0));
     assert_eq!(
         figures(case(&one, "zero3")),
-        (parameter_bytes(1), Some(padded_unit(1)), 0)
+        (parameter_bytes(1), Some(gathered_peak(1)), 0)
     );
 
     // Two ranks. DDP, ZeRO-1 and ZeRO-2 hold every weight and gather none.
@@ -105,14 +108,14 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         let (params, gathered, _) = figures(case(&two, strategy));
         assert_eq!((params, gathered), (full, None), "{strategy}");
     }
-    // ZeRO-3: half the weights (110 divides by 2: no padding), one unit gathered at a
-    // time; all-gathers in forward and backward and a reduce-scatter.
+    // ZeRO-3: half the weights (110 divides by 2: no padding), two units gathered at
+    // most; all-gathers in forward and backward and a reduce-scatter.
     assert_eq!(parameter_bytes(2), 4 * 165 + 4);
     assert_eq!(
         figures(case(&two, "zero3")),
         (
             parameter_bytes(2),
-            Some(padded_unit(2)),
+            Some(gathered_peak(2)),
             3 * pass(2) - unit0(2)
         )
     );
@@ -134,7 +137,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     // one again too), and each of two micro-batches reduce-scatters.
     assert_eq!(
         figures(case(&two, "zero3-ckpt-accum")),
-        (parameter_bytes(2), Some(padded_unit(2)), 2 * 3 * pass(2))
+        (parameter_bytes(2), Some(gathered_peak(2)), 2 * 3 * pass(2))
     );
     // ZeRO-3's optimizer state and gradients are the shards': two f32 moments and one
     // f32 gradient a shard value.
@@ -152,7 +155,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         figures(case(&four, "zero3")),
         (
             parameter_bytes(4),
-            Some(padded_unit(4)),
+            Some(gathered_peak(4)),
             3 * pass(4) - unit0(4)
         )
     );
