@@ -3,6 +3,7 @@
 //! optimizer state, the gradients held after backward and the bytes sent per step.
 //! Expected figures are worked out here from the model's size, not by the code under
 //! test.
+use crate::common::{bench_on_ranks, ok_case};
 use memsave_bench::{run_suite, CaseResult, Report, RunOptions, Status, Suite};
 use serial_test::serial;
 use std::path::Path;
@@ -27,38 +28,7 @@ strategies:
 
 /// Runs the suite on `n` ranks through the CLI; returns the JSON report and the table.
 fn bench(dir: &Path, n: usize, filter: Option<&str>) -> (Report, String) {
-    let suite = dir.join("dist.yaml");
-    std::fs::write(&suite, SUITE).unwrap();
-    let json = dir.join(format!("dist{n}.json"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memsave"));
-    cmd.arg("bench")
-        .arg(&suite)
-        .arg("--world-size")
-        .arg(n.to_string())
-        .arg("--json")
-        .arg(&json);
-    if let Some(f) = filter {
-        cmd.args(["--filter", f]);
-    }
-    let out = cmd.output().expect("memsave runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = Report::from_json(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    (report, stdout)
-}
-
-fn case<'r>(report: &'r Report, strategy: &str) -> &'r CaseResult {
-    let c = report
-        .cases
-        .iter()
-        .find(|c| c.strategy == strategy)
-        .unwrap_or_else(|| panic!("no case {strategy}"));
-    assert_eq!(c.status, Status::Ok, "{strategy}: {:?}", c.error);
-    c
+    bench_on_ranks(dir, "dist", SUITE, n, filter)
 }
 
 /// (optimizer state, gradients held after backward, bytes sent per step) of a case.
@@ -79,30 +49,33 @@ fn per_rank_state_gradients_and_traffic_follow_the_algorithms() {
     let f32_bytes = 4 * NUMEL;
     // One process: AdamW's two f32 moments and one f32 gradient per value, nothing sent.
     for strategy in ["ddp", "zero1", "zero2", "zero2+accum"] {
-        let c = case(&one, strategy);
+        let c = ok_case(&one, strategy);
         assert_eq!(c.world_size, Some(1));
         assert_eq!(figures(c), (2 * f32_bytes, f32_bytes, 0), "{strategy}");
     }
-    let single_state = case(&one, "ddp").optimizer_state_bytes.unwrap();
-    let single_grads = case(&one, "ddp").gradient_bytes.unwrap();
+    let single_state = ok_case(&one, "ddp").optimizer_state_bytes.unwrap();
+    let single_grads = ok_case(&one, "ddp").gradient_bytes.unwrap();
     // Two ranks, 165 values each (330 divides by 2: no padding).
     let shard = 4 * NUMEL / 2;
     // DDP: everything whole; a ring all-reduce sends 2 (N-1)/N of the gradients.
     assert_eq!(
-        figures(case(&two, "ddp")),
+        figures(ok_case(&two, "ddp")),
         (2 * f32_bytes, f32_bytes, f32_bytes)
     );
     // ZeRO-1: half the state; all-reduce the gradients, all-gather the parameters.
     assert_eq!(
-        figures(case(&two, "zero1")),
+        figures(ok_case(&two, "zero1")),
         (2 * shard, f32_bytes, f32_bytes + shard)
     );
     // ZeRO-2: half the state and half the gradients; each rank sends the half it
     // does not own, then its half of the parameters.
-    assert_eq!(figures(case(&two, "zero2")), (2 * shard, shard, 2 * shard));
+    assert_eq!(
+        figures(ok_case(&two, "zero2")),
+        (2 * shard, shard, 2 * shard)
+    );
     // With two micro-batches ZeRO-2 reduces after each backward.
     assert_eq!(
-        figures(case(&two, "zero2+accum")),
+        figures(ok_case(&two, "zero2+accum")),
         (2 * shard, shard, 3 * shard)
     );
     for c in &two.cases {
@@ -110,7 +83,7 @@ fn per_rank_state_gradients_and_traffic_follow_the_algorithms() {
         assert!(c.peak_bytes.is_some_and(|p| p > 0), "{c:?}");
     }
     // Four ranks: 330 values padded to 332, 83 per rank.
-    let c = case(&four, "zero2");
+    let c = ok_case(&four, "zero2");
     assert_eq!(c.world_size, Some(4));
     let (state, grads, sent) = figures(c);
     assert_eq!((state, grads), (2 * 4 * 83, 4 * 83));
@@ -263,10 +236,13 @@ fn zero_ranks_keep_their_optimizer_state_on_disk() {
     let report = Report::from_json(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Between steps the state is in files: none in memory, where ZeRO-2 with the
     // state in memory holds its half of the two f32 moments.
-    assert_eq!(case(&report, "zero2-disk").optimizer_state_bytes, Some(0));
-    assert_eq!(case(&report, "ddp-disk").optimizer_state_bytes, Some(0));
     assert_eq!(
-        case(&report, "zero2").optimizer_state_bytes,
+        ok_case(&report, "zero2-disk").optimizer_state_bytes,
+        Some(0)
+    );
+    assert_eq!(ok_case(&report, "ddp-disk").optimizer_state_bytes, Some(0));
+    assert_eq!(
+        ok_case(&report, "zero2").optimizer_state_bytes,
         Some(NUMEL / 2 * 2 * 4)
     );
 }

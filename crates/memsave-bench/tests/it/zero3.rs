@@ -4,9 +4,9 @@
 //! per-rank `parameter_bytes`, `gathered_peak_bytes` and bytes sent the algorithm says.
 //! Expected figures are worked out here from the model's size, not by the code under
 //! test.
-use memsave_bench::{availability, CaseResult, Report, Status, Suite, Technique, ZeroSpec};
+use crate::common::{bench_on_ranks, ok_case};
+use memsave_bench::{availability, CaseResult, Report, Suite, Technique, ZeroSpec};
 use std::path::Path;
-use std::process::Command;
 
 /// Three residual linear layers of width 10: units of 10 × 10 + 10 = 110 values.
 const UNIT: u64 = 110;
@@ -32,38 +32,7 @@ strategies:
 
 /// Runs the suite on `n` ranks through the CLI; returns the JSON report and the table.
 fn bench(dir: &Path, n: usize, filter: Option<&str>) -> (Report, String) {
-    let suite = dir.join("zero3.yaml");
-    std::fs::write(&suite, SUITE).unwrap();
-    let json = dir.join(format!("zero3-{n}.json"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memsave"));
-    cmd.arg("bench")
-        .arg(&suite)
-        .arg("--world-size")
-        .arg(n.to_string())
-        .arg("--json")
-        .arg(&json);
-    if let Some(f) = filter {
-        cmd.args(["--filter", f]);
-    }
-    let out = cmd.output().expect("memsave runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = Report::from_json(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    (report, stdout)
-}
-
-fn case<'r>(report: &'r Report, strategy: &str) -> &'r CaseResult {
-    let c = report
-        .cases
-        .iter()
-        .find(|c| c.strategy == strategy)
-        .unwrap_or_else(|| panic!("no case {strategy}"));
-    assert_eq!(c.status, Status::Ok, "{strategy}: {:?}", c.error);
-    c
+    bench_on_ranks(dir, "zero3", SUITE, n, filter)
 }
 
 /// (parameter bytes, gathered peak, bytes sent per step) of a case.
@@ -97,22 +66,22 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     let unit0 = |n: u64| 4 * (n - 1) * UNIT.div_ceil(n);
 
     // One rank: the shards are the weights (and the zero); nothing is sent.
-    assert_eq!(figures(case(&one, "ddp")), (full, None, 0));
+    assert_eq!(figures(ok_case(&one, "ddp")), (full, None, 0));
     assert_eq!(
-        figures(case(&one, "zero3")),
+        figures(ok_case(&one, "zero3")),
         (parameter_bytes(1), Some(gathered_peak(1)), 0)
     );
 
     // Two ranks. DDP, ZeRO-1 and ZeRO-2 hold every weight and gather none.
     for strategy in ["ddp", "zero1", "zero2"] {
-        let (params, gathered, _) = figures(case(&two, strategy));
+        let (params, gathered, _) = figures(ok_case(&two, strategy));
         assert_eq!((params, gathered), (full, None), "{strategy}");
     }
     // ZeRO-3: half the weights (110 divides by 2: no padding), two units gathered at
     // most; all-gathers in forward and backward and a reduce-scatter.
     assert_eq!(parameter_bytes(2), 4 * 165 + 4);
     assert_eq!(
-        figures(case(&two, "zero3")),
+        figures(ok_case(&two, "zero3")),
         (
             parameter_bytes(2),
             Some(gathered_peak(2)),
@@ -122,7 +91,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     // Kept from forward to backward: every unit gathered at the end of the forward,
     // and backward gathers nothing.
     assert_eq!(
-        figures(case(&two, "zero3-keep")),
+        figures(ok_case(&two, "zero3-keep")),
         (
             parameter_bytes(2),
             Some(LAYERS * padded_unit(2)),
@@ -130,29 +99,29 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         )
     );
     // Stepping in backward: the same traffic, and no gradient left after backward.
-    let c = case(&two, "zero3-in-backward");
-    assert_eq!(figures(c), figures(case(&two, "zero3")));
+    let c = ok_case(&two, "zero3-in-backward");
+    assert_eq!(figures(c), figures(ok_case(&two, "zero3")));
     assert_eq!(c.gradient_bytes, Some(0));
     // Every-layer checkpointing recomputes each unit in backward (gathering the first
     // one again too), and each of two micro-batches reduce-scatters.
     assert_eq!(
-        figures(case(&two, "zero3-ckpt-accum")),
+        figures(ok_case(&two, "zero3-ckpt-accum")),
         (parameter_bytes(2), Some(gathered_peak(2)), 2 * 3 * pass(2))
     );
     // ZeRO-3's optimizer state and gradients are the shards': two f32 moments and one
     // f32 gradient a shard value.
-    let c = case(&two, "zero3");
+    let c = ok_case(&two, "zero3");
     assert_eq!(c.optimizer_state_bytes, Some(2 * 4 * shard(2)));
     assert_eq!(c.gradient_bytes, Some(4 * shard(2)));
     // Without an optimizer the averaged gradients stay in the shards.
-    let c = case(&two, "zero3-grads");
+    let c = ok_case(&two, "zero3-grads");
     assert_eq!(c.optimizer_state_bytes, None);
     assert_eq!(c.gradient_bytes, Some(4 * shard(2)));
 
     // Four ranks: 110 values pad to 112, 28 a rank a unit.
     assert_eq!(shard(4), 84);
     assert_eq!(
-        figures(case(&four, "zero3")),
+        figures(ok_case(&four, "zero3")),
         (
             parameter_bytes(4),
             Some(gathered_peak(4)),
@@ -160,7 +129,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         )
     );
     assert_eq!(
-        figures(case(&four, "zero3-keep")),
+        figures(ok_case(&four, "zero3-keep")),
         (
             parameter_bytes(4),
             Some(LAYERS * padded_unit(4)),

@@ -385,7 +385,8 @@ fn run_on_one_process(case: &Case, split: bool) -> Vec<Vec<f32>> {
     values(trainer.model(), &config)
 }
 
-fn out_dir() -> PathBuf {
+/// Where the launching test wants the ranks' files (`MEMSAVE_TEST_OUT`).
+pub(crate) fn out_dir() -> PathBuf {
     std::env::var_os("MEMSAVE_TEST_OUT")
         .expect("MEMSAVE_TEST_OUT is set by the launching test")
         .into()
@@ -416,13 +417,8 @@ fn read_values(path: &Path, like: &[Vec<f32>]) -> Vec<Vec<f32>> {
 #[test]
 #[ignore = "a rank of data_parallel::every_lever_runs_on_two_ranks_as_on_one_process: started by the launcher"]
 fn data_parallel_worker() {
-    tch::set_num_threads(1);
     let out = out_dir();
-    let options = InitOptions {
-        timeout: Duration::from_secs(120),
-        ..Default::default()
-    };
-    let group = init_process_group(&options).expect("join the group");
+    let group = join_group();
     for case in cases() {
         let values = run_on_rank(&group, &case);
         write_values(
@@ -432,11 +428,22 @@ fn data_parallel_worker() {
     }
 }
 
-/// Starts `data_parallel_worker` of this binary as two ranks.
-fn run_ranks(out: &Path) {
+/// A rank's group, with one libtorch thread (the ranks share the machine's cores).
+pub(crate) fn join_group() -> ProcessGroup {
+    tch::set_num_threads(1);
+    let options = InitOptions {
+        timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    init_process_group(&options).expect("join the group")
+}
+
+/// Starts the ignored test `worker` (its path, e.g. `fsdp::fsdp_worker`) of this
+/// binary as [`WORLD`] ranks, writing their files into `out`.
+pub(crate) fn run_ranks(worker: &str, out: &Path) {
     let exe = std::env::current_exe().expect("the test binary's path");
     let args: Vec<OsString> = [
-        "data_parallel::data_parallel_worker",
+        worker,
         "--exact",
         "--ignored",
         "--nocapture",
@@ -459,7 +466,7 @@ fn run_ranks(out: &Path) {
 #[serial]
 fn every_lever_runs_on_two_ranks_as_on_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    run_ranks(dir.path());
+    run_ranks("data_parallel::data_parallel_worker", dir.path());
     let threads = tch::get_num_threads();
     tch::set_num_threads(1);
     let mut report = Vec::new();

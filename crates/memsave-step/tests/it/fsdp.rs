@@ -7,10 +7,10 @@
 //! parameter bytes between steps (the meter's), gathered peak and bytes sent must be
 //! what the algorithm says. What cannot run is refused before anything is sharded.
 use crate::common::Mlp;
-use crate::data_parallel::with_smallest_budget;
+use crate::data_parallel::{join_group, out_dir, run_ranks, with_smallest_budget};
 use memsave_amp::GradScalerConfig;
 use memsave_checkpoint::{CheckpointedSequential, Plan};
-use memsave_dist::{init_process_group, launch, InitOptions, LaunchConfig, ProcessGroup};
+use memsave_dist::{InitOptions, ProcessGroup};
 use memsave_meter::memory_allocated;
 use memsave_step::step::max_abs_diff;
 use memsave_step::{
@@ -20,10 +20,8 @@ use memsave_step::{
 };
 use serial_test::serial;
 use std::collections::BTreeMap;
-use std::ffi::OsString;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 const WORLD: i64 = 2;
@@ -371,56 +369,22 @@ fn figures(path: &Path) -> BTreeMap<String, i64> {
         .collect()
 }
 
-fn out_dir() -> PathBuf {
-    std::env::var_os("MEMSAVE_TEST_OUT")
-        .expect("MEMSAVE_TEST_OUT is set by the launching test")
-        .into()
-}
-
 #[test]
 #[ignore = "a rank of fsdp::zero3_trains_on_two_ranks_as_on_one_process: started by the launcher"]
 fn fsdp_worker() {
     memsave_meter::install();
-    tch::set_num_threads(1);
     let out = out_dir();
-    let options = InitOptions {
-        timeout: Duration::from_secs(120),
-        ..Default::default()
-    };
-    let group = init_process_group(&options).expect("join the group");
+    let group = join_group();
     for case in cases() {
         run_on_rank(&group, &case, &out);
     }
-}
-
-/// Starts `fsdp_worker` of this binary as two ranks.
-fn run_ranks(out: &Path) {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let args: Vec<OsString> = [
-        "fsdp::fsdp_worker",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ]
-    .iter()
-    .map(OsString::from)
-    .collect();
-    let config = LaunchConfig {
-        nproc_per_node: WORLD as usize,
-        timeout: Some(Duration::from_secs(300)),
-        env: vec![("MEMSAVE_TEST_OUT".into(), out.as_os_str().to_owned())],
-        ..Default::default()
-    };
-    launch(&config, exe.as_os_str(), &args).expect("every rank succeeds");
 }
 
 #[test]
 #[serial]
 fn zero3_trains_on_two_ranks_as_on_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    run_ranks(dir.path());
+    run_ranks("fsdp::fsdp_worker", dir.path());
     let threads = tch::get_num_threads();
     tch::set_num_threads(1);
     let n = WORLD as u64;
