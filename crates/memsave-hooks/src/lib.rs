@@ -78,4 +78,6 @@ pub use offload::{
 pub use pass_through::PassThrough;
 pub use policy::{Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS};
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
-pub use scope::{hooks_from_fn, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks};
+pub use scope::{
+    hooks_from_fn, raw_hooks, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks,
+};

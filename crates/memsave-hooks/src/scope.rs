@@ -85,6 +85,14 @@ pub trait SavedTensorHooks: Send + Sync + 'static {
 
 struct Erased<H>(H);
 
+/// `hooks` as memsave-sys's type-erased [`RawHooks`], as a hook scope installs them:
+/// for a saved-tensor hook of another crate that hands these hooks the tensors it does
+/// not keep itself (ZeRO-3's `Fsdp::forward_with`). Packing and unpacking are the
+/// hooks' own, `records_ops` included; a value packed by other hooks is refused.
+pub fn raw_hooks<H: SavedTensorHooks>(hooks: H) -> Arc<dyn RawHooks> {
+    Arc::new(Erased(hooks))
+}
+
 impl<H: SavedTensorHooks> RawHooks for Erased<H> {
     fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, CallbackError> {
         let packed = if self.0.records_ops() {
@@ -189,7 +197,7 @@ pub struct HooksGuard {
 impl HooksGuard {
     /// Pushes `hooks` as this thread's innermost saved-tensor hooks.
     pub fn new<H: SavedTensorHooks>(hooks: H) -> Result<Self, HooksError> {
-        let frame = raw::push(Arc::new(Erased(hooks)))?;
+        let frame = raw::push(raw_hooks(hooks))?;
         Ok(Self {
             frame,
             scope: ScopeId::open(),

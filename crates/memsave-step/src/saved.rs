@@ -3,9 +3,8 @@
 use crate::config::SavedTensors;
 use crate::error::StepError;
 use crate::levers::{CompressDtype, OffloadSpec};
-use memsave_hooks::{Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu, SavedTensorHooks};
-use memsave_sys::hooks::{Packed, RawHooks};
-use memsave_sys::CallbackError;
+use memsave_hooks::{raw_hooks, Codec, Compress, DiskOffload, HooksGuard, SaveOnCpu};
+use memsave_sys::hooks::RawHooks;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tch::Tensor;
@@ -117,9 +116,9 @@ impl StepHooks {
     /// packing of constants reads.
     pub fn raw(&self) -> Arc<dyn RawHooks> {
         match self {
-            StepHooks::Compress(h) => Arc::new(Raw(h.clone())),
-            StepHooks::Disk(h) => Arc::new(Raw(h.clone())),
-            StepHooks::Cpu(h) => Arc::new(Raw(h.clone())),
+            StepHooks::Compress(h) => raw_hooks(h.clone()),
+            StepHooks::Disk(h) => raw_hooks(h.clone()),
+            StepHooks::Cpu(h) => raw_hooks(h.clone()),
         }
     }
 
@@ -167,30 +166,5 @@ impl StepHooks {
                 compressed_saved_bytes: None,
             },
         })
-    }
-}
-
-/// memsave-hooks' hooks called as raw hooks (see [`StepHooks::raw`]).
-struct Raw<H>(H);
-
-impl<H: SavedTensorHooks> RawHooks for Raw<H> {
-    fn pack(&self, tensor: &Tensor, saved_by: Option<&str>) -> Result<Packed, CallbackError> {
-        let packed = if self.0.records_ops() {
-            self.0.pack_saved_by(tensor, saved_by)?
-        } else {
-            self.0.pack(tensor)?
-        };
-        Ok(Box::new(packed))
-    }
-
-    fn records_ops(&self) -> bool {
-        self.0.records_ops()
-    }
-
-    fn unpack(&self, packed: &Packed) -> Result<Tensor, CallbackError> {
-        match packed.downcast_ref::<H::Packed>() {
-            Some(packed) => Ok(self.0.unpack(packed)?),
-            None => Err("a saved tensor packed by other hooks".into()),
-        }
     }
 }
