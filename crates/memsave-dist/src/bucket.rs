@@ -139,12 +139,24 @@ pub(crate) trait BucketReduce {
 /// Copies consecutive slices of `flat` into `tensors`, each viewed in its shape: the
 /// first `numel` values into the first tensor, the next into the second, and so on.
 pub(crate) fn copy_from_flat(flat: &Tensor, tensors: &[Tensor]) -> Result<(), tch::TchError> {
-    let mut offset = 0;
-    for t in tensors {
-        let n = t.numel() as i64;
-        let src = flat.f_narrow(0, offset, n)?.f_view_as(t)?;
+    let offsets = tensors.iter().scan(0, |next, t| {
+        let at = *next;
+        *next += t.numel() as i64;
+        Some(at)
+    });
+    copy_from_flat_at(flat, tensors, offsets)
+}
+
+/// Copies the values of `flat` from each offset into the tensor at the same place in
+/// `tensors`, viewed in its shape; whatever lies between them (padding) is left behind.
+pub(crate) fn copy_from_flat_at(
+    flat: &Tensor,
+    tensors: &[Tensor],
+    offsets: impl IntoIterator<Item = i64>,
+) -> Result<(), tch::TchError> {
+    for (t, offset) in tensors.iter().zip(offsets) {
+        let src = flat.f_narrow(0, offset, t.numel() as i64)?.f_view_as(t)?;
         t.shallow_clone().f_copy_(&src)?;
-        offset += n;
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use memsave_sys::grad_hooks::GradHookHandle;
 use memsave_sys::tensor::nbytes;
 use tch::{Device, Kind, Tensor};
 
-use crate::bucket::{BucketReduce, Buckets};
+use crate::bucket::{copy_from_flat_at, BucketReduce, Buckets};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
@@ -573,11 +573,7 @@ impl Layout {
     /// Copies each parameter's values out of `flat` into the parameter, in its shape;
     /// the padding is left behind.
     fn unflatten(&self, flat: &Tensor, params: &[Tensor]) -> Result<(), tch::TchError> {
-        for (p, &offset) in params.iter().zip(&self.offsets) {
-            let src = flat.f_narrow(0, offset, p.numel() as i64)?.f_view_as(p)?;
-            p.shallow_clone().f_copy_(&src)?;
-        }
-        Ok(())
+        copy_from_flat_at(flat, params, self.offsets.iter().copied())
     }
 }
 
