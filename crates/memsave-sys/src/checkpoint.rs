@@ -6,13 +6,13 @@
 //! and hands the recomputed tensors to the original graph (PyTorch's non-reentrant
 //! scheme), so every autograd entry point works through a checkpoint.
 use crate::error::{callback_message, check, CallbackError};
+use crate::ffi::CTensor;
 use crate::{ffi, Error, Result};
 use parking_lot::ReentrantMutex;
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Once;
 use tch::Tensor;
-use torch_sys::C_tensor;
 
 /// The closure a checkpoint owns: maps its inputs to its outputs, or says why not
 /// with any error ([`CallbackError`]: `String`s, `&str`s and every
@@ -47,7 +47,7 @@ fn report_failure(out: *mut c_void, message: &str) {
 /// Called by the bridge in the forward and in every recomputation.
 unsafe extern "C" fn run(
     ctx: *mut c_void,
-    inputs: *const *mut C_tensor,
+    inputs: *const *mut CTensor,
     n: usize,
     out: *mut c_void,
 ) {
@@ -58,7 +58,7 @@ unsafe extern "C" fn run(
         let inputs: Vec<Tensor> = (0..n)
             // SAFETY: the bridge passes `n` valid at::Tensor pointers that outlive the
             // call; clone_from_ptr makes new handles to them.
-            .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
+            .map(|i| unsafe { Tensor::clone_from_ptr((*inputs.add(i)).cast()) })
             .collect();
         let f = shared.lock();
         // The error's text is made, and the error dropped, inside `catch_unwind`: its
@@ -69,7 +69,7 @@ unsafe extern "C" fn run(
         Ok(Ok(outputs)) => {
             for t in &outputs {
                 // SAFETY: `out` is the live Outputs object; the bridge copies the handle.
-                unsafe { ffi::ms_outputs_push(out, t.as_ptr()) }
+                unsafe { ffi::ms_outputs_push(out, t.as_ptr().cast()) }
             }
         }
         Ok(Err(message)) => report_failure(out, &message),
@@ -221,7 +221,7 @@ fn run_checkpoint(
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
     quiet_early_stop_panics();
-    let ptrs: Vec<*mut C_tensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
+    let ptrs: Vec<*mut CTensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let ctx = Box::into_raw(Box::new(ReentrantMutex::new(f))) as *mut c_void;
     let mut vec: *mut c_void = std::ptr::null_mut();
     // SAFETY: `ptrs` holds live at::Tensor pointers borrowed for the call; ownership of
@@ -252,12 +252,12 @@ fn take_tensor_vec(vec: *mut c_void) -> Result<Vec<Tensor>> {
     let mut outputs = Vec::with_capacity(n);
     let mut failure = None;
     for i in 0..n {
-        let mut t: *mut C_tensor = std::ptr::null_mut();
+        let mut t: *mut CTensor = std::ptr::null_mut();
         // SAFETY: `i < n`; on success `t` is a new at::Tensor owned by the Tensor that
         // wraps it.
         match check(unsafe { ffi::ms_tensor_vec_get(vec, i, &mut t) }) {
             // SAFETY: the bridge wrote a new at::Tensor that nothing else owns.
-            Ok(()) => outputs.push(unsafe { Tensor::from_ptr(t) }),
+            Ok(()) => outputs.push(unsafe { Tensor::from_ptr(t.cast()) }),
             Err(e) => {
                 failure = Some(e);
                 break;

@@ -283,5 +283,5 @@ impl Drop for Work {
 pub fn set_grad(t: &Tensor, grad: &Tensor) -> Result<()> {
     // SAFETY: both are live tch tensors; mutable_grad() is changed through the shared
     // TensorImpl, as `tensor::set_grad_none` does.
-    check(unsafe { ffi::ms_dist_set_grad(t.as_ptr() as *mut _, grad.as_ptr()) })
+    check(unsafe { ffi::ms_dist_set_grad(t.as_ptr() as *mut _, grad.as_ptr().cast()) })
 }

@@ -2,22 +2,26 @@
 #![allow(dead_code)]
 
 use std::ffi::{c_char, c_int, c_void};
-use torch_sys::C_tensor;
+
+/// libtorch's tensor handle, as tch passes it (`torch_sys::C_tensor`, behind
+/// `Tensor::as_ptr`); opaque, and cast at the boundary with tch. Declared here rather
+/// than taken from torch-sys so that this crate need not depend on torch-sys, whose
+/// build script would otherwise have to finish before this crate's starts.
+#[repr(C)]
+pub struct CTensor {
+    _opaque: [u8; 0],
+}
 
 /// Callback that runs a checkpointed closure on `inputs`, reporting via `ms_outputs_*`.
-pub type RunFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    inputs: *const *mut C_tensor,
-    n: usize,
-    out: *mut c_void,
-);
+pub type RunFn =
+    unsafe extern "C" fn(ctx: *mut c_void, inputs: *const *mut CTensor, n: usize, out: *mut c_void);
 /// Callback that drops a checkpointed closure or a hook context.
 pub type DropFn = unsafe extern "C" fn(ctx: *mut c_void);
 /// Saved-tensor pack hook: stores `t`, writes an opaque handle to `packed`; non-zero
 /// status after writing a message with `ms_error_sink_set(error, ..)`.
 pub type HookPackFn = unsafe extern "C" fn(
     ctx: *mut c_void,
-    t: *const C_tensor,
+    t: *const CTensor,
     saved_by: *const c_char,
     packed: *mut *mut c_void,
     error: *mut c_void,
@@ -26,7 +30,7 @@ pub type HookPackFn = unsafe extern "C" fn(
 pub type HookUnpackFn = unsafe extern "C" fn(
     ctx: *mut c_void,
     packed: *mut c_void,
-    out: *mut C_tensor,
+    out: *mut CTensor,
     error: *mut c_void,
 ) -> c_int;
 /// Frees a handle written by the pack hook (called once per successful pack).
@@ -42,12 +46,12 @@ pub struct MsAllocEvent {
 }
 /// Callback of a post-accumulate-grad hook; reports failure via `ms_grad_hook_fail`.
 pub type GradHookFn =
-    unsafe extern "C" fn(ctx: *mut c_void, tensor: *const C_tensor, status: *mut c_void);
+    unsafe extern "C" fn(ctx: *mut c_void, tensor: *const CTensor, status: *mut c_void);
 
 extern "C" {
     pub fn ms_last_error() -> *const c_char;
     pub fn ms_error_sink_set(sink: *mut c_void, message: *const c_char);
-    pub fn ms_tensor_assign(dst: *mut C_tensor, src: *const C_tensor);
+    pub fn ms_tensor_assign(dst: *mut CTensor, src: *const CTensor);
     pub fn ms_libtorch_version() -> *const c_char;
 
     pub fn ms_cpu_install_counting_allocator() -> c_int;
@@ -74,43 +78,43 @@ extern "C" {
     pub fn ms_device_empty_cache(device_type: c_int) -> c_int;
     pub fn ms_device_synchronize(device_type: c_int, index: i64) -> c_int;
 
-    pub fn ms_tensor_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
-    pub fn ms_tensor_storage_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
-    pub fn ms_tensor_version(t: *const C_tensor, out: *mut i64) -> c_int;
-    pub fn ms_tensor_is_view(t: *const C_tensor, out: *mut bool) -> c_int;
+    pub fn ms_tensor_use_count(t: *const CTensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_storage_use_count(t: *const CTensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_version(t: *const CTensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_is_view(t: *const CTensor, out: *mut bool) -> c_int;
     pub fn ms_tensor_write_bytes(
-        t: *const C_tensor,
+        t: *const CTensor,
         offset: i64,
         data: *const u8,
         len: i64,
     ) -> c_int;
-    pub fn ms_storage_weak_new(t: *const C_tensor, out: *mut *mut c_void) -> c_int;
+    pub fn ms_storage_weak_new(t: *const CTensor, out: *mut *mut c_void) -> c_int;
     pub fn ms_storage_weak_is_storage_of(
         w: *const c_void,
-        t: *const C_tensor,
+        t: *const CTensor,
         out: *mut bool,
     ) -> c_int;
     pub fn ms_storage_weak_free(w: *mut c_void);
-    pub fn ms_tensor_base_use_count(t: *const C_tensor, out: *mut i64) -> c_int;
-    pub fn ms_tensor_view_creation_meta(t: *const C_tensor, out: *mut i32) -> c_int;
-    pub fn ms_tensor_is_view_of_grad_leaf(t: *const C_tensor, out: *mut bool) -> c_int;
-    pub fn ms_tensor_set_grad_none(t: *mut C_tensor) -> c_int;
-    pub fn ms_tensor_set_grad(t: *mut C_tensor, g: *const C_tensor) -> c_int;
+    pub fn ms_tensor_base_use_count(t: *const CTensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_view_creation_meta(t: *const CTensor, out: *mut i32) -> c_int;
+    pub fn ms_tensor_is_view_of_grad_leaf(t: *const CTensor, out: *mut bool) -> c_int;
+    pub fn ms_tensor_set_grad_none(t: *mut CTensor) -> c_int;
+    pub fn ms_tensor_set_grad(t: *mut CTensor, g: *const CTensor) -> c_int;
     pub fn ms_set_detect_anomaly(enabled: bool) -> c_int;
     pub fn ms_is_anomaly_enabled(out: *mut bool) -> c_int;
     pub fn ms_backward_with_grads(
-        tensors: *const *mut C_tensor,
-        grads: *const *mut C_tensor,
+        tensors: *const *mut CTensor,
+        grads: *const *mut CTensor,
         n: usize,
         keep_graph: bool,
     ) -> c_int;
     pub fn ms_grad_mode_enabled() -> bool;
     pub fn ms_grad_mode_set_enabled(enabled: bool);
     pub fn ms_amp_non_finite_check_and_unscale(
-        tensors: *const *mut C_tensor,
+        tensors: *const *mut CTensor,
         n: usize,
-        found_inf: *mut C_tensor,
-        inv_scale: *const C_tensor,
+        found_inf: *mut CTensor,
+        inv_scale: *const CTensor,
     ) -> c_int;
 
     pub fn ms_autocast_is_enabled(device_type: c_int, out: *mut bool) -> c_int;
@@ -121,10 +125,10 @@ extern "C" {
     pub fn ms_autocast_decrement_nesting(out: *mut i64) -> c_int;
     pub fn ms_autocast_clear_cache() -> c_int;
 
-    pub fn ms_outputs_push(outputs: *mut c_void, t: *const C_tensor);
+    pub fn ms_outputs_push(outputs: *mut c_void, t: *const CTensor);
     pub fn ms_outputs_fail(outputs: *mut c_void, message: *const c_char);
     pub fn ms_checkpoint(
-        inputs: *const *mut C_tensor,
+        inputs: *const *mut CTensor,
         n_inputs: usize,
         ctx: *mut c_void,
         run: RunFn,
@@ -135,7 +139,7 @@ extern "C" {
         out_vec: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_tensor_vec_len(vec: *const c_void) -> usize;
-    pub fn ms_tensor_vec_get(vec: *const c_void, i: usize, out: *mut *mut C_tensor) -> c_int;
+    pub fn ms_tensor_vec_get(vec: *const c_void, i: usize, out: *mut *mut CTensor) -> c_int;
     pub fn ms_checkpoint_recomputation_done() -> bool;
     pub fn ms_running_stats_scope_enter() -> *mut c_void;
     pub fn ms_running_stats_scope_exit(scope: *mut c_void);
@@ -153,11 +157,11 @@ extern "C" {
         id: *mut u64,
     ) -> c_int;
     pub fn ms_hooks_pop(id: u64, popped: *mut c_int) -> c_int;
-    pub fn ms_tensor_grad_fn_name(t: *const C_tensor, sink: *mut c_void, has: *mut bool) -> c_int;
+    pub fn ms_tensor_grad_fn_name(t: *const CTensor, sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_current_autograd_node_name(sink: *mut c_void, has: *mut bool) -> c_int;
     pub fn ms_coupling_begin(recorder: *mut *mut c_void) -> c_int;
-    pub fn ms_rng_cpu_state(out: *mut *mut C_tensor) -> c_int;
-    pub fn ms_rng_set_cpu_state(state: *const C_tensor) -> c_int;
+    pub fn ms_rng_cpu_state(out: *mut *mut CTensor) -> c_int;
+    pub fn ms_rng_set_cpu_state(state: *const CTensor) -> c_int;
     pub fn ms_coupling_end(recorder: *mut c_void, sink: *mut c_void, found: *mut bool) -> c_int;
     pub fn ms_string_new(out: *mut *mut c_void) -> c_int;
     pub fn ms_string_data(s: *const c_void) -> *const c_char;
@@ -166,27 +170,27 @@ extern "C" {
 
     pub fn ms_grad_hook_fail(status: *mut c_void, message: *const c_char);
     pub fn ms_grad_hook_register(
-        t: *const C_tensor,
+        t: *const CTensor,
         ctx: *mut c_void,
         run: GradHookFn,
         drop: DropFn,
         out_id: *mut *mut c_void,
     ) -> c_int;
-    pub fn ms_grad_hook_remove(t: *const C_tensor, id: *mut c_void, removed: *mut bool) -> c_int;
+    pub fn ms_grad_hook_remove(t: *const CTensor, id: *mut c_void, removed: *mut bool) -> c_int;
     pub fn ms_blockwise_decode(
-        codes: *const C_tensor,
-        absmax: *const C_tensor,
+        codes: *const CTensor,
+        absmax: *const CTensor,
         table: *const f32,
         block: i64,
-        values: *mut C_tensor,
+        values: *mut CTensor,
     ) -> c_int;
     pub fn ms_blockwise_encode(
-        values: *const C_tensor,
+        values: *const CTensor,
         thresholds: *const f32,
         buckets: *const u8,
         block: i64,
-        codes: *mut C_tensor,
-        absmax: *mut C_tensor,
+        codes: *mut CTensor,
+        absmax: *mut CTensor,
     ) -> c_int;
 
     pub fn ms_dist_store_tcp(
@@ -213,36 +217,36 @@ extern "C" {
         out: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_dist_group_free(group: *mut c_void);
-    pub fn ms_dist_all_reduce_sum(group: *mut c_void, t: *mut C_tensor) -> c_int;
+    pub fn ms_dist_all_reduce_sum(group: *mut c_void, t: *mut CTensor) -> c_int;
     pub fn ms_dist_reduce_scatter_sum(
         group: *mut c_void,
-        output: *mut C_tensor,
-        input: *mut C_tensor,
+        output: *mut CTensor,
+        input: *mut CTensor,
     ) -> c_int;
     pub fn ms_dist_all_gather(
         group: *mut c_void,
-        output: *mut C_tensor,
-        input: *mut C_tensor,
+        output: *mut CTensor,
+        input: *mut CTensor,
     ) -> c_int;
     pub fn ms_dist_all_gather_start(
         group: *mut c_void,
-        output: *mut C_tensor,
-        input: *mut C_tensor,
+        output: *mut CTensor,
+        input: *mut CTensor,
         out: *mut *mut c_void,
     ) -> c_int;
     pub fn ms_dist_work_wait(work: *mut c_void) -> c_int;
     pub fn ms_dist_work_free(work: *mut c_void);
     pub fn ms_dist_all_to_all(
         group: *mut c_void,
-        output: *mut C_tensor,
-        input: *mut C_tensor,
+        output: *mut CTensor,
+        input: *mut CTensor,
         output_counts: *const i64,
         input_counts: *const i64,
         n: c_int,
     ) -> c_int;
-    pub fn ms_dist_broadcast(group: *mut c_void, t: *mut C_tensor, src: c_int) -> c_int;
+    pub fn ms_dist_broadcast(group: *mut c_void, t: *mut CTensor, src: c_int) -> c_int;
     pub fn ms_dist_barrier(group: *mut c_void) -> c_int;
-    pub fn ms_dist_set_grad(t: *mut C_tensor, grad: *const C_tensor) -> c_int;
+    pub fn ms_dist_set_grad(t: *mut CTensor, grad: *const CTensor) -> c_int;
 
     pub fn ms_cpu_trace_start(started: *mut bool) -> c_int;
     pub fn ms_cpu_trace_position(out: *mut usize) -> c_int;

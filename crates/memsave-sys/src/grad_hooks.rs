@@ -9,12 +9,12 @@
 //! closure makes that backward fail: tch's `f_backward` returns `Err` with the message.
 //! libtorch keeps one such hook per tensor, so registering a second one is refused.
 use crate::error::{callback_message, check, panic_message, CallbackError};
+use crate::ffi::CTensor;
 use crate::{ffi, Result};
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 use tch::Tensor;
-use torch_sys::C_tensor;
 
 /// The closure of a hook: receives the tensor (whose `.grad` is set), or says why not
 /// (any error: `String`s and `std::error::Error`s convert into [`CallbackError`]; the
@@ -33,14 +33,14 @@ pub struct GradHookHandle {
 }
 
 /// Called by the bridge each time the hook fires.
-unsafe extern "C" fn run(ctx: *mut c_void, tensor: *const C_tensor, status: *mut c_void) {
+unsafe extern "C" fn run(ctx: *mut c_void, tensor: *const CTensor, status: *mut c_void) {
     let result = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: `ctx` is the `Box<Shared>` leaked in `register`; the bridge drops it
         // only when the hook is destroyed, after its last call.
         let shared = unsafe { &*(ctx as *const Shared) };
         // SAFETY: the bridge passes the live at::Tensor the hook fired for;
         // clone_from_ptr makes a new handle to it.
-        let t = unsafe { Tensor::clone_from_ptr(tensor as *mut C_tensor) };
+        let t = unsafe { Tensor::clone_from_ptr((tensor as *mut CTensor).cast()) };
         let mut f = shared
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -81,7 +81,9 @@ pub fn register_post_accumulate_grad_hook(
     let mut id: *mut c_void = std::ptr::null_mut();
     // SAFETY: `tensor` is a live tch tensor; ownership of `ctx` passes to the bridge,
     // which calls `drop_hook` on it exactly once.
-    check(unsafe { ffi::ms_grad_hook_register(tensor.as_ptr(), ctx, run, drop_hook, &mut id) })?;
+    check(unsafe {
+        ffi::ms_grad_hook_register(tensor.as_ptr().cast(), ctx, run, drop_hook, &mut id)
+    })?;
     Ok(GradHookHandle {
         tensor: tensor.shallow_clone(),
         id: id as usize,
@@ -101,7 +103,11 @@ impl GradHookHandle {
         let mut removed = false;
         // SAFETY: `tensor` is a live tch tensor; `id` is only compared, never dereferenced.
         check(unsafe {
-            ffi::ms_grad_hook_remove(self.tensor.as_ptr(), self.id as *mut c_void, &mut removed)
+            ffi::ms_grad_hook_remove(
+                self.tensor.as_ptr().cast(),
+                self.id as *mut c_void,
+                &mut removed,
+            )
         })?;
         self.id = 0;
         Ok(removed)

@@ -17,6 +17,7 @@
 //! trap: running backward through such a graph again fails with libtorch's "Trying to
 //! backward through the graph a second time"; pass `keep_graph` to retry a backward.
 use crate::error::{callback_message, check, panic_message, CallbackError};
+use crate::ffi::CTensor;
 use crate::{ffi, Error, Result};
 use std::any::Any;
 use std::ffi::{c_char, c_void, CString};
@@ -24,7 +25,6 @@ use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
-use torch_sys::C_tensor;
 
 /// What a pack hook keeps in place of a saved tensor.
 pub type Packed = Box<dyn Any + Send>;
@@ -88,7 +88,7 @@ fn caught(e: CallbackError) -> Failed {
 
 unsafe extern "C" fn pack(
     ctx: *mut c_void,
-    t: *const C_tensor,
+    t: *const CTensor,
     saved_by: *const c_char,
     packed: *mut *mut c_void,
     error: *mut c_void,
@@ -97,7 +97,7 @@ unsafe extern "C" fn pack(
         // SAFETY: `ctx` is the `Box<Ctx>` leaked in `push`, alive until `drop_ctx`.
         let hooks = unsafe { &*(ctx as *const Ctx) };
         // SAFETY: `t` is a live at::Tensor for the call; this makes a new handle to it.
-        let tensor = unsafe { Tensor::clone_from_ptr(t as *mut C_tensor) };
+        let tensor = unsafe { Tensor::clone_from_ptr((t as *mut CTensor).cast()) };
         let saved_by = (!saved_by.is_null())
             // SAFETY: a non-null `saved_by` is a NUL-terminated op name that outlives the call.
             .then(|| unsafe { std::ffi::CStr::from_ptr(saved_by) }.to_string_lossy());
@@ -113,7 +113,7 @@ unsafe extern "C" fn pack(
 unsafe extern "C" fn unpack(
     ctx: *mut c_void,
     packed: *mut c_void,
-    out: *mut C_tensor,
+    out: *mut CTensor,
     error: *mut c_void,
 ) -> i32 {
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -126,7 +126,7 @@ unsafe extern "C" fn unpack(
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let t = hooks.unpack(&packed).map_err(caught)?;
         // SAFETY: `out` is a live at::Tensor slot of the bridge; the handle is copied.
-        unsafe { ffi::ms_tensor_assign(out, t.as_ptr()) };
+        unsafe { ffi::ms_tensor_assign(out, t.as_ptr().cast()) };
         Ok(())
     }));
     status(result, error)
@@ -258,7 +258,7 @@ pub fn grad_fn_name(t: &Tensor) -> Result<Option<String>> {
     check(unsafe { ffi::ms_string_new(&mut sink) })?;
     let mut has = false;
     // SAFETY: `t` is a live tch tensor and `sink` the string made above.
-    let status = check(unsafe { ffi::ms_tensor_grad_fn_name(t.as_ptr(), sink, &mut has) });
+    let status = check(unsafe { ffi::ms_tensor_grad_fn_name(t.as_ptr().cast(), sink, &mut has) });
     // SAFETY: `sink` is a live std::string; its text is copied before it is freed once.
     let name = unsafe { std::ffi::CStr::from_ptr(ffi::ms_string_data(sink)) }
         .to_string_lossy()

@@ -37,11 +37,11 @@ pub fn blockwise_decode(
     // devices and contiguity before touching any data.
     check(unsafe {
         ffi::ms_blockwise_decode(
-            codes.as_ptr(),
-            absmax.as_ptr(),
+            codes.as_ptr().cast(),
+            absmax.as_ptr().cast(),
             table.as_ptr(),
             block,
-            values.as_mut_ptr(),
+            values.as_mut_ptr().cast(),
         )
     })
 }
@@ -63,12 +63,12 @@ pub fn blockwise_encode(
     // writes go through the checked, contiguous `codes` and `absmax`.
     check(unsafe {
         ffi::ms_blockwise_encode(
-            values.as_ptr(),
+            values.as_ptr().cast(),
             thresholds.as_ptr(),
             buckets.as_ptr(),
             block,
-            codes.as_mut_ptr(),
-            absmax.as_mut_ptr(),
+            codes.as_mut_ptr().cast(),
+            absmax.as_mut_ptr().cast(),
         )
     })
 }

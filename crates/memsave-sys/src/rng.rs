@@ -5,9 +5,9 @@
 //!
 //! Trap: only the CPU generator; CUDA generators have states of their own.
 use crate::error::check;
+use crate::ffi::CTensor;
 use crate::{ffi, Result};
 use tch::Tensor;
-use torch_sys::C_tensor;
 
 /// A copy of the default CPU generator's state (a uint8 CPU tensor, as PyTorch's
 /// `torch.get_rng_state()` returns): later draws do not change it.
@@ -23,12 +23,12 @@ use torch_sys::C_tensor;
 /// assert!(memsave_sys::rng::set_cpu_state(&Tensor::zeros([3], (Kind::Float, Device::Cpu))).is_err());
 /// ```
 pub fn cpu_state() -> Result<Tensor> {
-    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut out: *mut CTensor = std::ptr::null_mut();
     // SAFETY: `out` is a writable pointer; on success the bridge writes a new
     // at::Tensor to it that nothing else owns.
     check(unsafe { ffi::ms_rng_cpu_state(&mut out) })?;
     // SAFETY: a new at::Tensor owned by the Tensor that wraps it from now on.
-    Ok(unsafe { Tensor::from_ptr(out) })
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
 /// Makes `state` (from [`cpu_state`]) the default CPU generator's state (PyTorch's
@@ -36,5 +36,5 @@ pub fn cpu_state() -> Result<Tensor> {
 /// state.
 pub fn set_cpu_state(state: &Tensor) -> Result<()> {
     // SAFETY: `state` is a live tensor for the call; the bridge only reads it.
-    check(unsafe { ffi::ms_rng_set_cpu_state(state.as_ptr()) })
+    check(unsafe { ffi::ms_rng_set_cpu_state(state.as_ptr().cast()) })
 }

@@ -8,7 +8,7 @@ use tch::Tensor;
 pub fn use_count(t: &Tensor) -> Result<u64> {
     let mut out = 0i64;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_use_count(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_use_count(t.as_ptr().cast(), &mut out) })?;
     Ok(out.max(0) as u64)
 }
 
@@ -17,7 +17,7 @@ pub fn use_count(t: &Tensor) -> Result<u64> {
 pub fn storage_use_count(t: &Tensor) -> Result<u64> {
     let mut out = 0i64;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_storage_use_count(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_storage_use_count(t.as_ptr().cast(), &mut out) })?;
     Ok(out.max(0) as u64)
 }
 
@@ -25,7 +25,7 @@ pub fn storage_use_count(t: &Tensor) -> Result<u64> {
 pub fn version(t: &Tensor) -> Result<u64> {
     let mut out = 0i64;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_version(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_version(t.as_ptr().cast(), &mut out) })?;
     Ok(out.max(0) as u64)
 }
 
@@ -51,7 +51,7 @@ pub fn write_bytes(t: &Tensor, offset: usize, data: &[u8]) -> Result<()> {
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*; `data`
     // is a live slice of `len` bytes, and the C++ side checks, without overflow, that
     // the range lies inside `t` before copying.
-    check(unsafe { ffi::ms_tensor_write_bytes(t.as_ptr(), offset, data.as_ptr(), len) })
+    check(unsafe { ffi::ms_tensor_write_bytes(t.as_ptr().cast(), offset, data.as_ptr(), len) })
 }
 
 /// A weak handle to a tensor's storage: it does not keep the storage's data alive, and
@@ -72,7 +72,7 @@ impl WeakStorage {
         let mut out = std::ptr::null_mut();
         // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*;
         // `out` is written only on success.
-        check(unsafe { ffi::ms_storage_weak_new(t.as_ptr(), &mut out) })?;
+        check(unsafe { ffi::ms_storage_weak_new(t.as_ptr().cast(), &mut out) })?;
         std::ptr::NonNull::new(out)
             .map(WeakStorage)
             .ok_or_else(|| crate::Error::new("no storage handle was made"))
@@ -84,7 +84,7 @@ impl WeakStorage {
         // SAFETY: `self.0` came from ms_storage_weak_new and is freed only on drop;
         // `t` is a live tch tensor.
         check(unsafe {
-            ffi::ms_storage_weak_is_storage_of(self.0.as_ptr(), t.as_ptr(), &mut out)
+            ffi::ms_storage_weak_is_storage_of(self.0.as_ptr(), t.as_ptr().cast(), &mut out)
         })?;
         Ok(out)
     }
@@ -101,7 +101,7 @@ impl Drop for WeakStorage {
 pub fn is_view(t: &Tensor) -> Result<bool> {
     let mut out = false;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_is_view(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_is_view(t.as_ptr().cast(), &mut out) })?;
     Ok(out)
 }
 
@@ -110,7 +110,7 @@ pub fn is_view(t: &Tensor) -> Result<bool> {
 pub fn is_view_of_grad_leaf(t: &Tensor) -> Result<bool> {
     let mut out = false;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_is_view_of_grad_leaf(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_is_view_of_grad_leaf(t.as_ptr().cast(), &mut out) })?;
     Ok(out)
 }
 
@@ -119,7 +119,7 @@ pub fn is_view_of_grad_leaf(t: &Tensor) -> Result<bool> {
 pub fn base_use_count(t: &Tensor) -> Result<Option<u64>> {
     let mut out = 0i64;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
-    check(unsafe { ffi::ms_tensor_base_use_count(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_base_use_count(t.as_ptr().cast(), &mut out) })?;
     Ok((out >= 0).then_some(out as u64))
 }
 
@@ -149,7 +149,7 @@ pub fn view_creation(t: &Tensor) -> Result<Option<ViewCreation>> {
     let mut out = -1i32;
     // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*, and
     // `out` is a valid, writable i32 for the duration of the call.
-    check(unsafe { ffi::ms_tensor_view_creation_meta(t.as_ptr(), &mut out) })?;
+    check(unsafe { ffi::ms_tensor_view_creation_meta(t.as_ptr().cast(), &mut out) })?;
     match out {
         -1 => Ok(None),
         0 => Ok(Some(ViewCreation::Default)),
@@ -176,7 +176,7 @@ pub fn set_grad_none(t: &Tensor) -> Result<()> {
 pub fn set_grad(t: &Tensor, grad: &Tensor) -> Result<()> {
     // SAFETY: both are live tch tensors; mutable_grad() is changed through the shared
     // TensorImpl, as in `set_grad_none`.
-    check(unsafe { ffi::ms_tensor_set_grad(t.as_ptr() as *mut _, grad.as_ptr()) })
+    check(unsafe { ffi::ms_tensor_set_grad(t.as_ptr() as *mut _, grad.as_ptr().cast()) })
 }
 
 /// Back-propagates `grads` from `tensors` (PyTorch's `torch.autograd.backward(tensors,
@@ -190,9 +190,9 @@ pub fn backward_with_grads(tensors: &[Tensor], grads: &[Tensor], keep_graph: boo
             grads.len()
         )));
     }
-    let roots: Vec<*mut torch_sys::C_tensor> =
+    let roots: Vec<*mut crate::ffi::CTensor> =
         tensors.iter().map(|t| t.as_ptr() as *mut _).collect();
-    let root_grads: Vec<*mut torch_sys::C_tensor> =
+    let root_grads: Vec<*mut crate::ffi::CTensor> =
         grads.iter().map(|t| t.as_ptr() as *mut _).collect();
     // SAFETY: both arrays hold live at::Tensor pointers borrowed for the call and have
     // the same length, checked above.
@@ -221,7 +221,7 @@ pub fn amp_non_finite_check_and_unscale(
     found_inf: &Tensor,
     inv_scale: &Tensor,
 ) -> Result<()> {
-    let ptrs: Vec<*mut torch_sys::C_tensor> =
+    let ptrs: Vec<*mut crate::ffi::CTensor> =
         tensors.iter().map(|t| t.as_ptr() as *mut _).collect();
     // SAFETY: every pointer comes from a live tch tensor borrowed for the call; the
     // kernel mutates them through their shared TensorImpls.
@@ -230,7 +230,7 @@ pub fn amp_non_finite_check_and_unscale(
             ptrs.as_ptr(),
             ptrs.len(),
             found_inf.as_ptr() as *mut _,
-            inv_scale.as_ptr(),
+            inv_scale.as_ptr().cast(),
         )
     })
 }
