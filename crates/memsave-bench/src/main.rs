@@ -109,7 +109,8 @@ struct RankCli {
 #[derive(clap::Args)]
 struct LaunchArgs {
     /// Processes on this node (at most 1024, and no more than the limits on open
-    /// files and processes allow).
+    /// files and processes allow). With more than one, each rank gets
+    /// OMP_NUM_THREADS=1 unless it is set (as torchrun does).
     #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
     nproc_per_node: usize,
     /// Number of nodes; run the same command on each, with its --node-rank.

@@ -40,6 +40,11 @@ pub const MAX_NPROC_PER_NODE: usize = 1024;
 /// rank's stdout or stderr: what it writes later is not copied.
 pub const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
 
+/// The variable the launcher sets to 1 for every rank when a node runs several and the
+/// user set no thread count (see [`launch()`]): libtorch's intra-op pool, OpenMP's,
+/// reads it when it starts.
+pub const RANK_THREADS_VAR: &str = "OMP_NUM_THREADS";
+
 /// How often the launcher looks at signals and the timeout while it waits.
 const TICK: Duration = Duration::from_millis(20);
 
@@ -137,6 +142,14 @@ pub fn free_port() -> std::io::Result<u16> {
 /// SIGKILL to the launcher cannot be caught: its ranks then run on until they fail or
 /// finish (end them with `kill -- -PID` for each rank's PID).
 ///
+/// Threads: as `torchrun` does, when this node runs more than one rank and neither
+/// this process's environment nor [`LaunchConfig::env`] sets `OMP_NUM_THREADS`, every
+/// rank gets `OMP_NUM_THREADS=1` ([`RANK_THREADS_VAR`]), and the launcher says so in
+/// one line on stderr. Otherwise each rank's libtorch starts one intra-op thread per
+/// core, and N ranks on one machine run N times as many threads as it has cores, which
+/// wait on each other. Set `OMP_NUM_THREADS` (or call
+/// `tch::set_num_threads` in the rank) to choose another count.
+///
 /// Nothing is started when the configuration cannot work
 /// ([`DistError::InvalidLaunch`], naming the option). When a rank, or a thread of the
 /// launcher, cannot be started, the ranks already started are ended as for a failure.
@@ -157,7 +170,17 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
             })?
     };
     let mut ranks = Ranks::new(config.nproc_per_node, config.grace);
-    let started = start_ranks(config, &plan, program, args, &mut ranks, &pipe_tx, &signals);
+    let one_thread = rank_threads_unset(config);
+    if one_thread {
+        eprintln!(
+            "memsave launch: {RANK_THREADS_VAR}=1 for each of the {} ranks on this node \
+             (set {RANK_THREADS_VAR} to choose)",
+            config.nproc_per_node
+        );
+    }
+    let started = start_ranks(
+        config, &plan, one_thread, program, args, &mut ranks, &pipe_tx, &signals,
+    );
     drop(pipe_tx);
     let outcome = started.and_then(|()| supervise(config, &mut ranks, &signals));
     // Whatever the outcome, no rank's process group outlives the launch; then the copier
@@ -170,6 +193,14 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     ranks_gone.store(true, Ordering::SeqCst);
     let _ = copier.join();
     outcome
+}
+
+/// Whether the ranks get [`RANK_THREADS_VAR`]` = 1`: several ranks on this node, and no
+/// thread count from the user, in this process's environment or the launch's.
+fn rank_threads_unset(config: &LaunchConfig) -> bool {
+    config.nproc_per_node > 1
+        && std::env::var_os(RANK_THREADS_VAR).is_none()
+        && !config.env.iter().any(|(k, _)| k == RANK_THREADS_VAR)
 }
 
 /// What [`check`] worked out.
@@ -263,9 +294,11 @@ fn check_limits(local: usize) -> Result<()> {
 
 /// Starts every rank, each with a thread that waits for it; on a failure (or a signal)
 /// ends those started.
+#[allow(clippy::too_many_arguments)]
 fn start_ranks(
     config: &LaunchConfig,
     plan: &Plan,
+    one_thread: bool,
     program: &OsStr,
     args: &[OsString],
     ranks: &mut Ranks,
@@ -297,7 +330,11 @@ fn start_ranks(
                 source,
             });
         }
-        let spawned = Command::new(program)
+        let mut command = Command::new(program);
+        if one_thread {
+            command.env(RANK_THREADS_VAR, "1");
+        }
+        let spawned = command
             .args(args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local_rank.to_string())

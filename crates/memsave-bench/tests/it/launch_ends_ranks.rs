@@ -223,11 +223,12 @@ fn sigint_ends_every_rank_and_exits_130_without_kill_on_path() {
 fn a_spawn_failure_midway_ends_the_ranks_already_started() {
     // 40 ranks need 83 open files by the launcher's own bound (two pipes a rank, and
     // stdio), so the launch is not refused up front; the seven descriptors the shell
-    // opens first make it run out of files part way. No `kill` on PATH.
+    // opens first make it run out of files part way. No `kill` on PATH. OMP_NUM_THREADS
+    // is set so that the launcher prints no notice about threads before its error.
     let mut run = Run::new();
     let path = run.path_without_kill();
     let script = format!(
-        r#"ulimit -n 83; exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null 7</dev/null 8</dev/null 9</dev/null; exec {} launch -n 40 -- sh -c '{SLEEPER}'"#,
+        r#"ulimit -n 83; exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null 7</dev/null 8</dev/null 9</dev/null; OMP_NUM_THREADS=1 exec {} launch -n 40 -- sh -c '{SLEEPER}'"#,
         memsave()
     );
     run.start("/bin/sh", &["-c", &script], Some(path));
@@ -259,10 +260,11 @@ fn a_spawn_failure_midway_ends_the_ranks_already_started() {
 #[test]
 fn under_a_memory_limit_300_ranks_end_cleanly() {
     // The launch either starts all 300 and --timeout ends them, or one cannot start and
-    // the launcher ends those that did; either way with one line and no panic.
+    // the launcher ends those that did; either way with one line and no panic
+    // (OMP_NUM_THREADS set: no notice about threads).
     let mut run = Run::new();
     let script = format!(
-        r#"ulimit -v 600000; exec {} launch --timeout 5 -n 300 -- sh -c 'echo $$ > "$MEMSAVE_TEST_OUT/rank$RANK.pid"; exec sleep 1000'"#,
+        r#"ulimit -v 600000; OMP_NUM_THREADS=1 exec {} launch --timeout 5 -n 300 -- sh -c 'echo $$ > "$MEMSAVE_TEST_OUT/rank$RANK.pid"; exec sleep 1000'"#,
         memsave()
     );
     run.start("/bin/sh", &["-c", &script], None);

@@ -604,3 +604,62 @@ fn master_port_0_is_a_free_port_shared_by_every_rank() {
     assert_ne!(ports[0], 0);
     assert!(ports.iter().all(|&p| p == ports[0]), "{ports:?}");
 }
+
+#[test]
+#[ignore = "a rank of ranks_on_one_node_get_one_thread_unless_told_otherwise"]
+fn writes_its_thread_count() {
+    let rank = common::env_usize("RANK");
+    let var = std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".to_owned());
+    std::fs::write(
+        common::out_dir().join(format!("threads{rank}")),
+        format!("{var} {}", tch::get_num_threads()),
+    )
+    .expect("write the thread count");
+}
+
+/// What each of `n` ranks of `writes_its_thread_count` saw, launched with `env`.
+fn rank_threads(n: usize, env: &[(&str, &str)]) -> Vec<String> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let args: Vec<std::ffi::OsString> = [
+        "launch::writes_its_thread_count",
+        "--exact",
+        "--ignored",
+        "--test-threads",
+        "1",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    let mut vars = vec![("MEMSAVE_TEST_OUT".into(), dir.path().as_os_str().to_owned())];
+    vars.extend(env.iter().map(|(k, v)| ((*k).into(), (*v).into())));
+    let config = LaunchConfig {
+        nproc_per_node: n,
+        timeout: Some(Duration::from_secs(60)),
+        env: vars,
+        ..Default::default()
+    };
+    launch(&config, exe.as_os_str(), &args).expect("launch");
+    (0..n)
+        .map(|r| std::fs::read_to_string(dir.path().join(format!("threads{r}"))).expect("read"))
+        .collect()
+}
+
+#[test]
+fn ranks_on_one_node_get_one_thread_unless_told_otherwise() {
+    // As torchrun: several ranks on a node each get one intra-op thread, unless the
+    // user set OMP_NUM_THREADS (here or in the launch's environment).
+    let expected = match std::env::var("OMP_NUM_THREADS") {
+        Ok(own) => format!("{own} {own}"),
+        Err(_) => "1 1".to_owned(),
+    };
+    assert_eq!(rank_threads(2, &[]), vec![expected.clone(), expected]);
+    assert_eq!(
+        rank_threads(2, &[("OMP_NUM_THREADS", "2")]),
+        vec!["2 2".to_owned(), "2 2".to_owned()]
+    );
+    // One rank: the machine is its own; nothing is set.
+    let own = std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".to_owned());
+    let alone = rank_threads(1, &[]);
+    assert!(alone[0].starts_with(&format!("{own} ")), "{alone:?}");
+}
