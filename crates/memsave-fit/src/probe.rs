@@ -11,7 +11,7 @@ use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
 use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::workload::{Batch, Workload};
-use memsave_step::DataParallelHandle;
+use memsave_step::{DataParallelHandle, StepError};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
@@ -83,6 +83,10 @@ pub(crate) enum ProbeError {
     OutOfMemory(String),
     /// Anything else: the workload's step failed.
     Failed(String),
+    /// The step ran but spoiled the model: a one-example micro-batch turned running
+    /// statistics NaN ([`StepError::NonFiniteStatistics`]). The configuration is not
+    /// one to train with; the statistics were put back.
+    Unusable(String),
     /// On ranks, this rank's step failed (for any reason: the others are left in a
     /// collective of the step and cannot agree on what to do next), or agreeing with
     /// the others failed: the fit ends with this error.
@@ -93,7 +97,9 @@ impl ProbeError {
     /// What went wrong, in one line.
     pub(crate) fn message(&self) -> String {
         match self {
-            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) => e.clone(),
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) | ProbeError::Unusable(e) => {
+                e.clone()
+            }
             ProbeError::Fatal(e) => e.to_string(),
         }
     }
@@ -103,6 +109,7 @@ impl ProbeError {
         match self {
             ProbeError::OutOfMemory(e) => ProbeError::OutOfMemory(format!("{what}: {e}")),
             ProbeError::Failed(e) => ProbeError::Failed(format!("{what}: {e}")),
+            ProbeError::Unusable(e) => ProbeError::Unusable(format!("{what}: {e}")),
             fatal @ ProbeError::Fatal(_) => fatal,
         }
     }
@@ -111,7 +118,9 @@ impl ProbeError {
     /// the rank); on one process the error as it is.
     fn on(self, ranks: &Ranks) -> ProbeError {
         match self {
-            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) if ranks.group().is_some() => {
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) | ProbeError::Unusable(e)
+                if ranks.group().is_some() =>
+            {
                 ProbeError::Fatal(FitError::Step(format!("rank {}: {e}", ranks.rank())))
             }
             other => other,
@@ -220,10 +229,12 @@ pub(crate) fn probe(
     runs: usize,
     budget: Option<u64>,
     record: bool,
+    check_statistics: bool,
     ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
     let (mut setup, outside) =
         Setup::new(workload, choice, batch, micro_batches, ranks).map_err(|e| e.on(ranks))?;
+    setup.check_statistics = check_statistics;
     if let Err(e) = setup.warm_up(&*workload, micro_batches) {
         let e = e.on(ranks);
         // Put the weights back (a step in backward may have moved some) before failing.
@@ -254,6 +265,15 @@ struct Setup {
     weights: Option<SavedWeights>,
     optimizer: Option<CaseOptimizer>,
     data_parallel: Option<DataParallelHandle>,
+    /// Whether the runs (not the warm-up) check the running statistics
+    /// ([`StepRun::check_statistics`]).
+    check_statistics: bool,
+    /// The buffers (running statistics) with copies of their values before the probe,
+    /// put back after the warm-up and after the runs: each probe starts from the
+    /// model's own statistics, not from what an earlier one left (a one-example
+    /// micro-batch leaves NaN in a BatchNorm's, which would hide the same from the
+    /// check of a later run).
+    buffers: Vec<(Tensor, Tensor)>,
 }
 
 impl Setup {
@@ -288,6 +308,16 @@ impl Setup {
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
+        let buffers = workload
+            .buffers()
+            .into_iter()
+            .map(|b| {
+                let mut copy = b.f_empty_like()?;
+                copy.f_copy_(&b)?;
+                Ok((b, copy))
+            })
+            .collect::<Result<Vec<_>, tch::TchError>>()
+            .map_err(failed)?;
         let weights = if config.optimizer.is_some() || shards {
             Some(SavedWeights::save(&params).map_err(failed)?)
         } else {
@@ -329,6 +359,8 @@ impl Setup {
             weights,
             optimizer,
             data_parallel,
+            check_statistics: false,
+            buffers,
         };
         Ok((setup, outside))
     }
@@ -353,11 +385,22 @@ impl Setup {
                         Some(optimizer),
                         self.data_parallel.as_ref(),
                         &Unobserved,
+                        false,
                     )
                 });
             warm.map_err(|e| e.context("warming up the optimizer"))?;
+            self.put_back_buffers()?;
         }
         memsave_accum::free_grads(&self.params).map_err(failed)
+    }
+
+    /// Writes the buffers' values from before the probe back, in place.
+    fn put_back_buffers(&self) -> Result<(), ProbeError> {
+        let _no_grad = tch::no_grad_guard();
+        for (b, saved) in &self.buffers {
+            b.shallow_clone().f_copy_(saved).map_err(failed)?;
+        }
+        Ok(())
     }
 
     /// Takes down the data parallel (its hooks; under ZeRO-3 the workload's
@@ -366,6 +409,7 @@ impl Setup {
     /// puts the weights back as they were before the probe. No collective: a rank
     /// whose step failed puts back alone.
     fn put_back(self, workload: &dyn Workload) -> Result<(), ProbeError> {
+        self.put_back_buffers()?;
         drop(self.optimizer);
         let sharded = self
             .data_parallel
@@ -510,6 +554,7 @@ fn run_once(
         setup.optimizer.as_mut(),
         setup.data_parallel.as_ref(),
         &clock,
+        setup.check_statistics,
     );
     let recorded = recording.then(|| {
         let events = memsave_sys::alloc::stop_recording();
@@ -545,6 +590,7 @@ fn run_once(
 /// workload's code may panic (tch's short methods do on any error, and a failed
 /// operation on a scalar panics even in its `f_` form): the panic is caught as the
 /// error it is.
+#[allow(clippy::too_many_arguments)]
 fn step_caught(
     workload: &dyn Workload,
     x: &Batch,
@@ -553,22 +599,26 @@ fn step_caught(
     optimizer: Option<&mut CaseOptimizer>,
     data_parallel: Option<&DataParallelHandle>,
     observer: &dyn StepObserver,
+    check_statistics: bool,
 ) -> Result<StepMeasurement, ProbeError> {
     panic::catch_unwind(AssertUnwindSafe(|| {
         StepRun::new(device)
             .optimizer(optimizer)
             .observer(observer)
             .data_parallel(data_parallel)
+            .check_statistics(check_statistics)
             .f_step(workload, x, config)
-            .map_err(|e| e.to_string())
+            .map_err(|e| match e {
+                StepError::NonFiniteStatistics { .. } => ProbeError::Unusable(e.to_string()),
+                e => step_error(e.to_string()),
+            })
     }))
     .unwrap_or_else(|payload| {
-        Err(format!(
+        Err(step_error(format!(
             "panicked: {}",
             memsave_sys::checkpoint::panic_message(&*payload)
-        ))
+        )))
     })
-    .map_err(step_error)
 }
 
 /// A step's failure as a probe's error: out of memory when its message says so.

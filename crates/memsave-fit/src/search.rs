@@ -382,6 +382,7 @@ impl Search<'_, '_> {
                 Err(ProbeError::OutOfMemory(e)) => {
                     candidate.note = Some(format!("did not fit when run: {e}"));
                 }
+                Err(ProbeError::Unusable(e)) => candidate.note = Some(e),
                 Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
                 Err(ProbeError::Fatal(e)) => return Err(e),
             }
@@ -456,7 +457,7 @@ impl Search<'_, '_> {
                     candidate.note = Some(format!("did not fit when run: {e}"));
                 }
                 // A runner-up that fails is left out; the choice stands.
-                Err(ProbeError::Failed(e)) => candidate.note = Some(e),
+                Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => candidate.note = Some(e),
                 Err(ProbeError::Fatal(e)) => return Err(e),
             }
         }
@@ -596,7 +597,7 @@ impl Search<'_, '_> {
                 Err(ProbeError::OutOfMemory(_)) => {
                     c.note = Some("over the budget when run at its real size".into())
                 }
-                Err(ProbeError::Failed(e)) => c.note = Some(e),
+                Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => c.note = Some(e),
                 Err(ProbeError::Fatal(e)) => return Err(e),
             }
         }

@@ -46,6 +46,27 @@ pub enum StepError {
         #[source]
         source: BoxError,
     },
+    /// A step whose micro-batches (or whose batch) held one example turned finite
+    /// running statistics NaN or infinite: a BatchNorm got one value per
+    /// channel in training (one example, a 1x1 feature map), where its unbiased
+    /// variance divides by zero. PyTorch refuses that input ("Expected more than 1
+    /// value per channel when training"); libtorch's kernel does not. The statistics
+    /// are put back as they were before the step; the step itself ran (the gradients,
+    /// and with an optimizer the parameters, are its). Use micro-batches of at least
+    /// two examples. Checked only for the buffers [`Workload::buffers`](crate::Workload::buffers)
+    /// lists, and only for steps with a one-example micro-batch.
+    #[error(
+        "a micro-batch of {micro_batch} example left {buffers} running statistic(s) NaN or \
+         infinite (BatchNorm given one value per channel in training, as with a 1x1 \
+         feature map; PyTorch refuses this input): they are put back as before the step; \
+         use micro-batches of at least 2 examples"
+    )]
+    NonFiniteStatistics {
+        /// How many buffers turned non-finite.
+        buffers: usize,
+        /// Examples in the smallest micro-batch of the step.
+        micro_batch: i64,
+    },
     /// A file or directory of the step (an offload store's) could not be made.
     #[error("{what}: {source}")]
     Io {

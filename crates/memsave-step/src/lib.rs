@@ -22,6 +22,7 @@ pub mod optimizer;
 pub mod parallel;
 pub mod plan;
 mod saved;
+mod statistics;
 pub mod step;
 mod trainer;
 pub mod workload;

@@ -14,6 +14,7 @@ use crate::measure::{PeakPhase, TraceEntry};
 use crate::optimizer::CaseOptimizer;
 use crate::parallel::{DataParallelHandle, SyncGuard};
 use crate::saved::{SavedBytes, StepHooks};
+use crate::statistics::StatisticsGuard;
 use crate::workload::{Batch, Workload};
 use memsave_accum::{free_grads, GradAccumulator, Split};
 use memsave_amp::{AutocastGuard, GradScaler};
@@ -196,6 +197,7 @@ pub struct StepRun<'a> {
     optimizer: Option<&'a mut CaseOptimizer>,
     observer: &'a dyn StepObserver,
     data_parallel: Option<&'a DataParallelHandle>,
+    check_statistics: bool,
 }
 
 impl std::fmt::Debug for StepRun<'_> {
@@ -206,6 +208,7 @@ impl std::fmt::Debug for StepRun<'_> {
             .field("scaler", &self.scaler.is_some())
             .field("optimizer", &self.optimizer.is_some())
             .field("data_parallel", &self.data_parallel.map(|d| d.mode()))
+            .field("check_statistics", &self.check_statistics)
             .finish_non_exhaustive()
     }
 }
@@ -221,7 +224,19 @@ impl<'a> StepRun<'a> {
             optimizer: None,
             observer: &Unobserved,
             data_parallel: None,
+            check_statistics: true,
         }
+    }
+
+    /// Whether a step with a micro-batch of one example (or a batch of one, unsplit)
+    /// checks that the running statistics [`Workload::buffers`] lists are still finite,
+    /// failing with [`StepError::NonFiniteStatistics`] (the statistics put back) when
+    /// one is not. On by default; the check copies the finite floating-point buffers
+    /// before the step (counted in its start bytes) and reads them after it. Turn it
+    /// off for a throwaway step whose statistics are put back anyway (a probe).
+    pub fn check_statistics(mut self, on: bool) -> Self {
+        self.check_statistics = on;
+        self
     }
 
     /// Records the per-block memory of the (first micro-batch's) forward into
@@ -291,6 +306,11 @@ impl<'a> StepRun<'a> {
         let hooks = step_hooks(config, &params, &input)?;
         let levers_before = model.layers().lever_stats();
         let sent_before = self.data_parallel.map(DataParallelHandle::bytes_sent);
+        let smallest = smallest_micro_batch(&input, config);
+        let guard = match smallest {
+            Some(1) if self.check_statistics => Some(StatisticsGuard::save(model)?),
+            _ => None,
+        };
         let device = self.device;
         let (result, m) = measure(device, |_| {
             self.measured(
@@ -304,6 +324,9 @@ impl<'a> StepRun<'a> {
         });
         release_step_leftovers(&input.input, config);
         let measured = result?;
+        if let (Some(guard), Some(smallest)) = (guard, smallest) {
+            guard.check(smallest)?;
+        }
         // Without an optimizer the gradients are the step's result: back into `.grad`,
         // after the measurement, as a caller reading them afterwards would do.
         if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
@@ -746,4 +769,13 @@ pub fn rel_l2_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     } else {
         (num / den).sqrt()
     }
+}
+
+/// Examples in the smallest micro-batch of a step of `config` on `input` (the whole
+/// batch when it is not split; as [`Split::Count`] splits: as evenly as possible), or
+/// `None` for an input without a batch dimension.
+fn smallest_micro_batch(input: &Batch, config: &StepConfig) -> Option<i64> {
+    let batch = *input.input.size().first()?;
+    let count = config.micro_batches.map_or(1, |k| k.max(1) as i64);
+    Some(batch / count.min(batch.max(1)))
 }

@@ -130,9 +130,20 @@ fn least_peaks(
                     continue;
                 }
             }
-            let peak = match probe(runs.workload, &choice, batch, n, 1, cap, true, &runs.ranks) {
+            let peak = match probe(
+                runs.workload,
+                &choice,
+                batch,
+                n,
+                1,
+                cap,
+                true,
+                true,
+                &runs.ranks,
+            ) {
                 Ok(p) => p.peak_bytes,
-                Err(ProbeError::OutOfMemory(_)) => continue,
+                // Not a configuration to suggest: it spoils the running statistics.
+                Err(ProbeError::OutOfMemory(_) | ProbeError::Unusable(_)) => continue,
                 Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
                 Err(ProbeError::Fatal(e)) => return Err(e),
             };
@@ -154,12 +165,13 @@ fn least_peaks(
 /// predictions); `None` when they did not run (out of the machine's memory).
 fn predict_whole_batch(runs: &mut Runs<'_>, choice: &Choice) -> Result<Option<u64>, FitError> {
     let ranks = runs.ranks.clone();
-    let mut at = |size: i64| match probe(runs.workload, choice, size, 1, 1, None, true, &ranks) {
-        Ok(p) => Ok(Some(p)),
-        Err(ProbeError::OutOfMemory(_)) => Ok(None),
-        Err(ProbeError::Failed(e)) => Err(FitError::Step(e)),
-        Err(ProbeError::Fatal(e)) => Err(e),
-    };
+    let mut at =
+        |size: i64| match probe(runs.workload, choice, size, 1, 1, None, true, false, &ranks) {
+            Ok(p) => Ok(Some(p)),
+            Err(ProbeError::OutOfMemory(_)) => Ok(None),
+            Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => Err(FitError::Step(e)),
+            Err(ProbeError::Fatal(e)) => Err(e),
+        };
     let (Some(p1), Some(p2)) = (at(1)?, at(2)?) else {
         return Ok(None);
     };

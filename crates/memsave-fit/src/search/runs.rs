@@ -193,6 +193,7 @@ impl Runs<'_> {
             PROBE_RUNS,
             Some(self.budget),
             true,
+            false,
             &self.ranks,
         ) {
             Ok(p) => Some(p),
@@ -200,7 +201,8 @@ impl Runs<'_> {
                 self.small_over += 1;
                 None
             }
-            Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+            // Small runs do not check the statistics: nothing is unusable here.
+            Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => return Err(FitError::Step(e)),
             Err(ProbeError::Fatal(e)) => return Err(e),
         };
         self.probes.insert(key, outcome.clone());
@@ -227,6 +229,7 @@ impl Runs<'_> {
             runs,
             Some(self.budget),
             false,
+            true,
             &self.ranks,
         )
     }
