@@ -14,6 +14,10 @@ use memsave_step::workload::Workload;
 /// The least peak found and the configuration that reaches it, if any.
 type Least = Option<(u64, String)>;
 
+/// What one example per micro-batch does to BatchNorm here, for the hint.
+const ONE_EXAMPLE_SPOILS: &str = "one example per micro-batch turns running statistics NaN \
+     here (BatchNorm given one value per channel), so such splits are not counted; ";
+
 /// The error for a budget nothing fits: the smallest budget that would do, and what it
 /// takes (see [`least_peaks`]). `Err` only when the workload's step itself failed.
 pub(super) fn error(
@@ -21,9 +25,13 @@ pub(super) fn error(
     candidates: &[Candidate],
     request: &FitRequest,
 ) -> Result<FitError, FitError> {
-    let (best_allowed, best_lossy) = least_peaks(runs, candidates, request)?;
+    let (best_allowed, best_lossy, one_example_spoils) = least_peaks(runs, candidates, request)?;
     let need = |peak: u64| Bytes(budget_for(peak, request.margin));
-    let mut hint = String::new();
+    let mut hint = if one_example_spoils {
+        ONE_EXAMPLE_SPOILS.to_owned()
+    } else {
+        String::new()
+    };
     if let (Some((lossy, how)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
         if lossy < lossless {
             hint = format!(
@@ -55,7 +63,8 @@ pub(super) fn error(
 }
 
 /// The least peaks with the allowed levers and with the lossy ones not allowed (to say
-/// what allowing them would reach). The configurations with the least memory (one
+/// what allowing them would reach), and whether one example per micro-batch spoiled the
+/// running statistics (then only larger micro-batches count). The configurations with the least memory (one
 /// example per micro-batch, each lever set, with and without the solver's least-memory
 /// schedule) are run once without the budget to learn their peaks; the allowed ones
 /// start from the least predicted peak among `candidates` at one example per
@@ -64,7 +73,7 @@ fn least_peaks(
     runs: &mut Runs<'_>,
     candidates: &[Candidate],
     request: &FitRequest,
-) -> Result<(Least, Least), FitError> {
+) -> Result<(Least, Least, bool), FitError> {
     let k = runs.global as usize;
     let n = if k > 1 { 2 } else { 1 };
     let optimizer = runs.workload.optimizer();
@@ -87,11 +96,21 @@ fn least_peaks(
         let profile = runs.profile(1)?;
         Solver::new(&profile).f_min_memory().ok()
     };
-    let mut best_allowed: Least = candidates
-        .iter()
-        .filter(|c| c.choice.micro_batches == k || c.predicted_fits)
-        .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
-        .min_by_key(|(p, _)| *p);
+    // The least predicted peak among the candidates whose micro-batches hold at least
+    // `examples` examples.
+    let predicted = |examples: i64| -> Least {
+        candidates
+            .iter()
+            .filter(|c| c.choice.micro_batches == k || c.predicted_fits)
+            .filter(|c| c.choice.micro_batch >= examples)
+            .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
+            .min_by_key(|(p, _)| *p)
+    };
+    let mut best_allowed: Least = predicted(1);
+    // What the runs below found with the allowed levers, and whether one example per
+    // micro-batch spoiled the running statistics.
+    let mut probed_allowed: Least = None;
+    let mut one_example_spoils = false;
     let mut best_lossy: Least = None;
     let sets = lever_sets(&everything, has_optimizer)
         .into_iter()
@@ -130,34 +149,61 @@ fn least_peaks(
                     continue;
                 }
             }
-            let peak = match probe(
-                runs.workload,
-                &choice,
-                batch,
-                n,
-                1,
-                cap,
-                true,
-                true,
-                &runs.ranks,
-            ) {
-                Ok(p) => p.peak_bytes,
-                // Not a configuration to suggest: it spoils the running statistics.
-                Err(ProbeError::OutOfMemory(_) | ProbeError::Unusable(_)) => continue,
-                Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
-                Err(ProbeError::Fatal(e)) => return Err(e),
-            };
-            let slot = if allowed(&levers, k) {
-                &mut best_allowed
-            } else {
-                &mut best_lossy
-            };
-            if slot.as_ref().is_none_or(|(p, _)| peak < *p) {
-                *slot = Some((peak, choice.strategy.clone()));
+            // One example per micro-batch first; where that spoils the running
+            // statistics, two.
+            let mut at = Some((choice, batch, k));
+            while let Some((choice, batch, k)) = at.take() {
+                let peak = match probe(
+                    runs.workload,
+                    &choice,
+                    batch,
+                    n,
+                    1,
+                    cap,
+                    true,
+                    true,
+                    &runs.ranks,
+                ) {
+                    Ok(p) => p.peak_bytes,
+                    Err(ProbeError::OutOfMemory(_)) => continue,
+                    // Not a configuration to suggest: it spoils the running statistics.
+                    Err(ProbeError::Unusable(_)) => {
+                        one_example_spoils = true;
+                        if batch == n as i64 && n > 1 {
+                            let two = ((runs.global + 1) / 2) as usize;
+                            let wider = levers
+                                .apply(Choice::new(runs.global, two))
+                                .with_schedule(choice.schedule().cloned());
+                            at = Some((wider, 2 * n as i64, two));
+                        }
+                        continue;
+                    }
+                    Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
+                    Err(ProbeError::Fatal(e)) => return Err(e),
+                };
+                let found = Some((peak, choice.strategy.clone()));
+                let slots = if allowed(&levers, k) {
+                    vec![&mut best_allowed, &mut probed_allowed]
+                } else {
+                    vec![&mut best_lossy]
+                };
+                for slot in slots {
+                    if slot.as_ref().is_none_or(|(p, _)| peak < *p) {
+                        *slot = found.clone();
+                    }
+                }
             }
         }
     }
-    Ok((best_allowed, best_lossy))
+    if one_example_spoils {
+        // The candidates of one example per micro-batch were predicted, never run:
+        // they would spoil the statistics too. Only larger micro-batches count.
+        best_allowed = [probed_allowed, predicted(2)]
+            .into_iter()
+            .flatten()
+            .min_by_key(|(p, _)| *p);
+    }
+    Ok((best_allowed, best_lossy, one_example_spoils))
 }
 
 /// The peak of `choice` on the whole batch in one micro-batch, predicted from runs

@@ -3,12 +3,12 @@
 //! one, and libtorch's kernel then writes a NaN running variance without an error
 //! (PyTorch refuses it in Python, "Expected more than 1 value per channel when
 //! training"). Neither the step nor `fit` may leave such a model with NaN statistics.
-use memsave_fit::{fit, Allow, FitRequest};
+use memsave_fit::{fit, Allow, FitError, FitRequest};
 use memsave_models::{Architecture, ResNetConfig, ZooWorkload};
 use memsave_step::{f_step, StepConfig, StepError, TrainerBuilder, Workload};
 use tch::{Device, Tensor};
 
-const BATCH: i64 = 8;
+const BATCH: i64 = 4;
 
 fn resnet18_at_32() -> ZooWorkload {
     tch::manual_seed(0);
@@ -52,7 +52,7 @@ fn two_examples_a_micro_batch_train_with_finite_statistics() {
     let mut model = resnet18_at_32();
     let batch = model.batch(BATCH).unwrap();
     let mut config = StepConfig::baseline();
-    config.micro_batches = Some(4);
+    config.micro_batches = Some(BATCH as usize / 2);
     let mut trainer = TrainerBuilder::new(config).build(&mut model).unwrap();
     trainer.step(&batch).unwrap();
     assert!(all_finite(&trainer.model().buffers()));
@@ -120,4 +120,48 @@ fn fit_runs_one_example_splits_but_never_offers_them() {
         choice.micro_batches,
         choice.micro_batch
     );
+}
+
+#[test]
+#[serial_test::serial]
+fn the_budget_fit_suggests_is_never_one_reached_only_by_one_example_splits() {
+    memsave_meter::install();
+    let mut model = resnet18_at_32();
+    let batch = model.batch(BATCH).unwrap();
+    let plain = f_step(
+        &model,
+        &batch,
+        &StepConfig::baseline(),
+        Device::Cpu,
+        false,
+        None,
+    )
+    .unwrap()
+    .peak_bytes;
+    drop(batch);
+    // Below what anything reaches; the least memory would be one example per
+    // micro-batch, which spoils the statistics here.
+    let mut request = FitRequest::new(plain / 3);
+    request.allow = Allow::all();
+    let e = match fit(&mut model, &request) {
+        Err(e) => e,
+        Ok(report) => panic!("fit a third of {plain} B: {}", report.to_text()),
+    };
+    let message = e.to_string();
+    let FitError::Infeasible {
+        smallest_bytes: smallest,
+        how,
+        ..
+    } = e
+    else {
+        panic!("expected nothing to fit a third of {plain} B: {message}");
+    };
+    println!("{message}");
+    assert!(message.contains("running statistics NaN"), "{message}");
+    assert!(!how.contains("micro_batches=8"), "{message}");
+    // The suggested budget is one a usable configuration fits.
+    request.budget_bytes = smallest;
+    let report = fit(&mut model, &request)
+        .unwrap_or_else(|e| panic!("fit at the suggested {smallest} B ({message}): {e}"));
+    assert!(report.choice.micro_batch >= 2, "{}", report.to_text());
 }
