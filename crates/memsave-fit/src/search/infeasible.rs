@@ -119,11 +119,15 @@ fn least_peaks(
     // Those a data-parallel mode refuses cannot run at all.
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);
     let (sets, _refused) = in_modes(sets, modes, optimizer, &unfit);
+    // Where a split changes the step (BatchNorm) and is not allowed, the least memory
+    // of the allowed levers is the whole batch at once.
+    let splits_allowed = !lossy_split || request.allow.micro_batches;
     for levers in sets {
         // One example per micro-batch, or, for the optimizer step in backward
         // (which frees the gradients accumulation needs, unless they are in
-        // files), the whole batch at once.
-        let (k, n, batch) = if levers.in_backward && !levers.offload_grads {
+        // files) and where splits are not allowed, the whole batch at once.
+        let whole = (levers.in_backward && !levers.offload_grads) || !splits_allowed;
+        let (k, n, batch) = if whole {
             (1, 1, runs.global)
         } else {
             (k, n, n as i64)
@@ -139,7 +143,7 @@ fn least_peaks(
             // would make the workload's own code fail), so the whole batch is first
             // predicted from runs of one and two examples, and run only when that
             // beats the least peak: one that cannot would take its full memory.
-            let cap = if levers.in_backward {
+            let cap = if whole {
                 best_allowed.as_ref().map(|(p, _)| *p)
             } else {
                 None
