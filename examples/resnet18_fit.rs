@@ -14,7 +14,7 @@
 //!
 //!   cargo run --release --example resnet18_fit
 //!   cargo run --release --example resnet18_fit -- --steps 10 --image 64
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Parser;
 use memsave::checkpoint::CheckpointedSequential;
 use memsave::fit::{fit, FitRequest};
@@ -23,7 +23,6 @@ use memsave::models::{Architecture, ResNetConfig, ZooWorkload};
 use memsave::step::{
     Batch, OptimizerKind, OptimizerSpec, StepConfig, Trainer, TrainerBuilder, Workload,
 };
-use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
@@ -49,13 +48,10 @@ struct Args {
     seed: i64,
 }
 
-/// The zoo's ResNet-18 on patterned images, trained with SGD. It notes the loss of each
-/// (micro-)batch the step computes, so that the training loss is read without another
-/// forward (which, in training mode, would move BatchNorm's running statistics).
+/// The zoo's ResNet-18 on patterned images, trained with SGD.
 struct PatternedResNet {
     zoo: ZooWorkload,
     data: Batch,
-    losses: RefCell<Vec<(f64, i64)>>,
 }
 
 impl PatternedResNet {
@@ -92,15 +88,7 @@ impl PatternedResNet {
                 input,
                 target: Some(labels),
             },
-            losses: RefCell::new(Vec::new()),
         })
-    }
-
-    /// The mean loss of the batches noted since the last call (weighted by size).
-    fn take_loss(&self) -> f64 {
-        let noted = std::mem::take(&mut *self.losses.borrow_mut());
-        let n: i64 = noted.iter().map(|(_, n)| n).sum();
-        noted.iter().map(|(l, k)| l * *k as f64).sum::<f64>() / n.max(1) as f64
     }
 }
 
@@ -142,12 +130,7 @@ impl Workload for PatternedResNet {
         })
     }
     fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, tch::TchError> {
-        let loss = self.zoo.loss(output, target)?;
-        let size = output.size().first().copied().unwrap_or(0);
-        self.losses
-            .borrow_mut()
-            .push((loss.f_double_value(&[])?, size));
-        Ok(loss)
+        self.zoo.loss(output, target)
     }
     fn optimizer(&self) -> Option<OptimizerSpec> {
         Some(OptimizerSpec {
@@ -158,15 +141,16 @@ impl Workload for PatternedResNet {
     }
 }
 
-/// Runs `steps` steps of `trainer` on its model's batch; returns each step's loss and
-/// peak.
+/// Runs `steps` steps of `trainer` on its model's batch; returns each step's loss (the
+/// step computes it: no other forward, which in training mode would move BatchNorm's
+/// running statistics) and peak.
 fn train(trainer: &mut Trainer<'_, PatternedResNet>, steps: usize) -> Result<Vec<(f64, u64)>> {
     let x = trainer.model().batch(trainer.model().global_batch())?;
-    trainer.model().take_loss();
     (0..steps)
         .map(|_| {
             let m = trainer.step(&x)?;
-            Ok((trainer.model().take_loss(), m.peak_bytes))
+            let loss = m.loss.context("the step reported no loss")?;
+            Ok((loss, m.peak_bytes))
         })
         .collect()
 }

@@ -54,6 +54,12 @@ pub struct StepMeasurement {
     /// collectives' sizes, see `memsave_dist::ProcessGroup::bytes_sent`), when the step
     /// ran data parallel; `None` on one process.
     pub bytes_sent: Option<u64>,
+    /// The step's loss: each micro-batch's (the workload's `loss`) weighted by its
+    /// examples, so for a mean loss the whole batch's, as one forward of it would
+    /// give (up to rounding; with BatchNorm a split changes it). Data parallel: this
+    /// rank's share's. `None` when the loss is not a single value. Read with one
+    /// device synchronization per micro-batch, as `loss.item()` in PyTorch.
+    pub loss: Option<f64>,
 }
 
 /// A point of a step that [`f_step_observed`] tells its observer about.
@@ -348,6 +354,7 @@ impl<'a> StepRun<'a> {
             bytes_sent: sent_before
                 .zip(self.data_parallel)
                 .map(|(before, dp)| dp.bytes_sent() - before),
+            loss: measured.loss,
         })
     }
 
@@ -424,6 +431,7 @@ impl<'a> StepRun<'a> {
             retained: Cell::new(0),
             trace: RefCell::new(Vec::new()),
             phases: PhaseTracker::new(device),
+            loss: Cell::new(Some((0.0, 0))),
         };
         self.passes(&pass, params, input, grad_offload)?;
         if let Some(g) = grad_offload {
@@ -444,6 +452,11 @@ impl<'a> StepRun<'a> {
             None => SavedBytes::default(),
         };
         Ok(Measured {
+            loss: pass
+                .loss
+                .get()
+                .filter(|&(_, n)| n > 0)
+                .map(|(sum, n)| sum / n as f64),
             retained: pass.retained.get(),
             after_backward,
             time_s,
@@ -539,6 +552,7 @@ impl<'a> StepRun<'a> {
 
 /// What the measured part of a step found.
 struct Measured {
+    loss: Option<f64>,
     retained: u64,
     after_backward: u64,
     time_s: f64,
@@ -561,6 +575,9 @@ struct Pass<'s> {
     retained: Cell<u64>,
     trace: RefCell<Vec<TraceEntry>>,
     phases: PhaseTracker,
+    /// The passes' losses times their examples, and the examples; `None` once a loss
+    /// was not a single value.
+    loss: Cell<Option<(f64, i64)>>,
 }
 
 impl Pass<'_> {
@@ -604,6 +621,15 @@ impl Pass<'_> {
             .set(self.retained.get().max(now.saturating_sub(self.start)));
         self.observer.step_event(StepEvent::ForwardDone);
         let loss = model.loss(&out, xin.target.as_ref())?;
+        let examples = xin.input.size().first().copied().unwrap_or(1);
+        let noted = match self.loss.get() {
+            Some((sum, n)) if loss.numel() == 1 => Some((
+                sum + loss.f_double_value(&[])? * examples as f64,
+                n + examples,
+            )),
+            _ => None,
+        };
+        self.loss.set(noted);
         self.phases.ended(PeakPhase::Forward)?;
         self.observer.step_event(StepEvent::Backward);
         Ok((out, loss))

@@ -6,5 +6,6 @@ mod data_parallel;
 mod errors;
 mod failed_step;
 mod fsdp;
+mod loss;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
