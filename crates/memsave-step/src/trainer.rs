@@ -219,7 +219,7 @@ fn validate(config: &StepConfig) -> Result<(), StepError> {
 ///
 /// Trap: the trainer borrows the model for its lifetime; read it through
 /// [`model`](Self::model) (e.g. for an evaluation loss) between steps.
-pub struct Trainer<'m, W: Workload> {
+pub struct Trainer<'m, W> {
     model: &'m mut W,
     config: StepConfig,
     optimizer: Option<CaseOptimizer>,
@@ -239,12 +239,17 @@ impl<W: Workload> std::fmt::Debug for Trainer<'_, W> {
     }
 }
 
-impl<'m, W: Workload> Trainer<'m, W> {
-    /// A builder for `config`'s levers (the same as [`TrainerBuilder::new`]).
+impl Trainer<'static, ()> {
+    /// A builder for `config`'s levers (the same as [`TrainerBuilder::new`]), called as
+    /// `Trainer::builder(config)`: the builder's [`build`](TrainerBuilder::build) takes
+    /// the model. (Declared on `Trainer<'static, ()>`, as `HashMap::new` is on one
+    /// hasher, so that the call needs no type for the model.)
     pub fn builder(config: StepConfig) -> TrainerBuilder {
         TrainerBuilder::new(config)
     }
+}
 
+impl<'m, W: Workload> Trainer<'m, W> {
     /// One training step on `batch`: gradients are freed first, and the optimizer (if
     /// any) steps at the end or in backward. The measurement's bytes are exact (the
     /// meter's) when memsave's allocator is installed.

@@ -1,7 +1,7 @@
 //! A step's measurement carries its loss: the whole batch's for a mean loss, however
 //! the step is split or what else it does.
 use crate::common::Mlp;
-use memsave_step::{StepConfig, TrainerBuilder, Workload};
+use memsave_step::{StepConfig, Trainer, Workload};
 use serial_test::serial;
 use tch::Kind;
 
@@ -26,7 +26,8 @@ fn the_step_s_loss_is_the_batch_s_under_every_split() {
             let mut config = StepConfig::baseline();
             config.micro_batches = micro_batches;
             config.autocast = autocast;
-            let mut trainer = TrainerBuilder::new(config).build(&mut model).unwrap();
+            // `Trainer::builder` needs no type for the model.
+            let mut trainer = Trainer::builder(config).build(&mut model).unwrap();
             let m = trainer.step(&x).unwrap();
             let loss = m.loss.expect("a scalar loss is reported");
             // bf16 activations: the loss to bf16's precision.
