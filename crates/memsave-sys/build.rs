@@ -63,6 +63,15 @@ fn libtorch() -> Option<Libtorch> {
 
 fn main() {
     println!("cargo:rerun-if-changed=cpp");
+    // torch-sys takes Python's torch over LIBTORCH when this is set: the bridge would
+    // then be compiled against other headers than tch's wrapper.
+    if var("LIBTORCH_USE_PYTORCH").is_some() {
+        panic!(
+            "memsave-sys: LIBTORCH_USE_PYTORCH is set, which makes torch-sys use Python's \
+             torch while memsave-sys reads LIBTORCH: unset it and set LIBTORCH to the torch \
+             package's directory (./libtorch-setup.sh does)"
+        );
+    }
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-env-changed=DOCS_RS");
     let Some(libtorch) = libtorch() else {
@@ -72,8 +81,7 @@ fn main() {
         }
         panic!(
             "memsave-sys: LIBTORCH is not set: run ./libtorch-setup.sh, which installs \
-             libtorch and sets it in .cargo/config.toml (LIBTORCH_USE_PYTORCH alone is \
-             not enough here: set LIBTORCH to the torch package's directory)"
+             libtorch and sets it in .cargo/config.toml"
         );
     };
     let include = libtorch.include_root.join("include");

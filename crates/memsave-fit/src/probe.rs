@@ -85,7 +85,9 @@ pub(crate) enum ProbeError {
     Failed(String),
     /// The step ran but spoiled the model: a one-example micro-batch turned running
     /// statistics NaN ([`StepError::NonFiniteStatistics`]). The configuration is not
-    /// one to train with; the statistics were put back.
+    /// one to train with; the statistics were put back. The check runs after the
+    /// step's collectives, so on ranks it is agreed like a peak (any rank's makes it
+    /// every rank's) and does not end the fit.
     Unusable(String),
     /// On ranks, this rank's step failed (for any reason: the others are left in a
     /// collective of the step and cannot agree on what to do next), or agreeing with
@@ -118,9 +120,7 @@ impl ProbeError {
     /// the rank); on one process the error as it is.
     fn on(self, ranks: &Ranks) -> ProbeError {
         match self {
-            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) | ProbeError::Unusable(e)
-                if ranks.group().is_some() =>
-            {
+            ProbeError::OutOfMemory(e) | ProbeError::Failed(e) if ranks.group().is_some() => {
                 ProbeError::Fatal(FitError::Step(format!("rank {}: {e}", ranks.rank())))
             }
             other => other,
@@ -409,7 +409,9 @@ impl Setup {
     /// puts the weights back as they were before the probe. No collective: a rank
     /// whose step failed puts back alone.
     fn put_back(self, workload: &dyn Workload) -> Result<(), ProbeError> {
-        self.put_back_buffers()?;
+        // Best effort: the weights are put back even if the buffers could not be, and
+        // the first error is returned at the end.
+        let buffers = self.put_back_buffers();
         drop(self.optimizer);
         let sharded = self
             .data_parallel
@@ -428,7 +430,7 @@ impl Setup {
         if let Some(weights) = self.weights {
             weights.restore().map_err(failed)?;
         }
-        Ok(())
+        buffers
     }
 }
 
@@ -468,22 +470,41 @@ fn measure(
         if run >= 2 && runs_s > LONG_RUNS_S {
             break;
         }
-        let Run {
-            step: m,
-            optimizer_time_s,
-            recorded,
-        } = run_once(setup, workload, record && run == 0, base).map_err(|e| e.on(ranks))?;
-        if let Some((events, second_at)) = recorded {
-            series = Some(events);
-            second = second_at;
-        }
-        let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
+        // A spoiled run (the check after the step's collectives) is agreed with the
+        // others below; any other failure ends the fit on ranks.
+        let (done, unusable) = match run_once(setup, workload, record && run == 0, base) {
+            Err(ProbeError::Unusable(e)) => (None, Some(e)),
+            other => (Some(other.map_err(|e| e.on(ranks))?), None),
+        };
+        let (peak, time_s, optimizer_time_s) = match &done {
+            Some(Run {
+                step: m,
+                optimizer_time_s,
+                recorded,
+            }) => {
+                if let Some((events, second_at)) = recorded {
+                    series = Some(events.clone());
+                    second = *second_at;
+                }
+                let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
+                (peak, m.time_s, *optimizer_time_s)
+            }
+            None => (0, 0.0, 0.0),
+        };
         let all = ranks.gather(&[
             peak as f64,
-            m.time_s,
+            time_s,
             optimizer_time_s,
             runs_started.elapsed().as_secs_f64(),
+            f64::from(u8::from(unusable.is_some())),
         ])?;
+        if all.iter().any(|r| r[4] != 0.0) {
+            return Err(ProbeError::Unusable(unusable.unwrap_or_else(|| {
+                "another rank's step turned running statistics NaN (BatchNorm given one \
+                 value per channel)"
+                    .to_owned()
+            })));
+        }
         for (b, r) in by_rank.iter_mut().zip(&all) {
             *b = (*b).max(r[0] as u64);
         }

@@ -237,9 +237,11 @@ impl<'a> StepRun<'a> {
     /// Whether a step with a micro-batch of one example (or a batch of one, unsplit)
     /// checks that the running statistics [`Workload::buffers`] lists are still finite,
     /// failing with [`StepError::NonFiniteStatistics`] (the statistics put back) when
-    /// one is not. On by default; the check copies the finite floating-point buffers
-    /// before the step (counted in its start bytes) and reads them after it. Turn it
-    /// off for a throwaway step whose statistics are put back anyway (a probe).
+    /// one is not. On by default; the check copies every finite floating-point buffer
+    /// the workload lists before the step (counted in its start bytes: running
+    /// statistics are kilobytes, but frozen weights listed as buffers are copied whole)
+    /// and reads them after it. Turn it off for a throwaway step whose statistics are
+    /// put back anyway (a probe).
     pub fn check_statistics(mut self, on: bool) -> Self {
         self.check_statistics = on;
         self
@@ -330,13 +332,14 @@ impl<'a> StepRun<'a> {
         });
         release_step_leftovers(&input.input, config);
         let measured = result?;
-        if let (Some(guard), Some(smallest)) = (guard, smallest) {
-            guard.check(smallest)?;
-        }
         // Without an optimizer the gradients are the step's result: back into `.grad`,
-        // after the measurement, as a caller reading them afterwards would do.
+        // after the measurement, as a caller reading them afterwards would do (also
+        // when the statistics check below fails: the gradients are the step's).
         if let (Some(g), Some(GradsAfter::Restored)) = (grad_offload, config.offload_grads) {
             g.restore().map_err(offload_grads)?;
+        }
+        if let (Some(guard), Some(smallest)) = (guard, smallest) {
+            guard.check(smallest)?;
         }
         let saved = measured
             .saved

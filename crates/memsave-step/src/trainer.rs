@@ -263,6 +263,10 @@ impl<'m, W: Workload> Trainer<'m, W> {
     /// [`StepError::OutOfMemory`] when the step does not fit; [`StepError::Torch`] for
     /// other failures. Either way the next step can run on one process; data parallel,
     /// the other ranks are left waiting in a collective until the group's timeout.
+    /// [`StepError::NonFiniteStatistics`] when a micro-batch of one example turned
+    /// BatchNorm's running statistics NaN: the step ran (its gradients, and the
+    /// optimizer's update, stand; it is not counted in [`steps`](Self::steps)) and the
+    /// statistics are put back.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMeasurement, StepError> {
         let device = self.model.device();
         let m = StepRun::new(device)

@@ -34,10 +34,10 @@ pub(super) fn error(
     };
     if let (Some((lossy, how)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
         if lossy < lossless {
-            hint = format!(
+            hint.push_str(&format!(
                 "allowing lossy levers would need {} ({how}); ",
                 need(*lossy)
-            );
+            ));
         }
     }
     Ok(match best_allowed {
@@ -97,12 +97,13 @@ fn least_peaks(
         Solver::new(&profile).f_min_memory().ok()
     };
     // The least predicted peak among the candidates whose micro-batches hold at least
-    // `examples` examples.
+    // `examples` examples each (the smallest of an uneven split too).
+    let global = runs.global;
     let predicted = |examples: i64| -> Least {
         candidates
             .iter()
             .filter(|c| c.choice.micro_batches == k || c.predicted_fits)
-            .filter(|c| c.choice.micro_batch >= examples)
+            .filter(|c| global / c.choice.micro_batches.max(1) as i64 >= examples)
             .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
             .min_by_key(|(p, _)| *p)
     };
@@ -173,12 +174,15 @@ fn least_peaks(
                     // Not a configuration to suggest: it spoils the running statistics.
                     Err(ProbeError::Unusable(_)) => {
                         one_example_spoils = true;
-                        if batch == n as i64 && n > 1 {
-                            let two = ((runs.global + 1) / 2) as usize;
+                        // As many micro-batches as leave at least two examples in
+                        // each, probed at the largest's size.
+                        let two = (runs.global / 2) as usize;
+                        if batch == n as i64 && n > 1 && two > 1 {
+                            let largest = (runs.global + two as i64 - 1) / two as i64;
                             let wider = levers
                                 .apply(Choice::new(runs.global, two))
                                 .with_schedule(choice.schedule().cloned());
-                            at = Some((wider, 2 * n as i64, two));
+                            at = Some((wider, largest * n as i64, two));
                         }
                         continue;
                     }

@@ -9,3 +9,4 @@ mod fsdp;
 mod loss;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
+mod statistics;
