@@ -2,6 +2,7 @@
 //! raised to the cap, whatever ran before. In a process of its own (this file), so
 //! that the state before `fit` is glibc's own.
 #[path = "../../memsave-step/tests/it/common.rs"]
+#[allow(dead_code)] // the other tests' models
 mod common;
 
 use common::Mlp;

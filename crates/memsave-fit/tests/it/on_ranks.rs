@@ -13,20 +13,17 @@
 //! The per-rank budget counts the parameters and the optimizer's state: a rank's
 //! peak is the most it allocated during the step less what it held before the
 //! trainer was built, the parameters excepted (the batch is a view of the data).
-use crate::common::Mlp;
-use memsave_checkpoint::CheckpointedSequential;
+use crate::common::{Mlp, Norm1d};
 use memsave_dist::{init_process_group, launch, InitOptions, LaunchConfig, ProcessGroup};
 use memsave_fit::{fit, FitRequest, ParallelMode};
 use memsave_step::{
-    Batch, DataParallel, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload,
-    ZeroStage,
+    DataParallel, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload, ZeroStage,
 };
 use serial_test::serial;
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 const WORLD: usize = 2;
@@ -292,63 +289,6 @@ fn a_step_that_fails_on_one_rank_ends_the_fit_naming_it() {
     eprintln!("rank 0: {rank0}\nrank 1: {rank1}");
 }
 
-/// `Linear`, `BatchNorm1d`, `Linear` on `[batch, 64]`: a micro-batch of one example
-/// gives the BatchNorm one value per channel, which turns its running variance NaN.
-struct Norm1d {
-    vs: nn::VarStore,
-    layers: CheckpointedSequential,
-    data: Tensor,
-}
-
-impl Norm1d {
-    fn new(batch: i64) -> Norm1d {
-        tch::manual_seed(3);
-        let vs = nn::VarStore::new(Device::Cpu);
-        let first = nn::linear(vs.root() / "first", 64, 64, Default::default());
-        let norm = nn::batch_norm1d(vs.root() / "norm", 64, Default::default());
-        let second = nn::linear(vs.root() / "second", 64, 64, Default::default());
-        let layers = CheckpointedSequential::new()
-            .add_fn(move |x| norm.forward_t(&first.forward(x), true))
-            .add_fn(move |x| second.forward(x).relu());
-        let data = Tensor::rand([batch, 64], (Kind::Float, Device::Cpu));
-        Norm1d { vs, layers, data }
-    }
-}
-
-impl Workload for Norm1d {
-    fn name(&self) -> &str {
-        "norm1d"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn layers(&self) -> &CheckpointedSequential {
-        &self.layers
-    }
-    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
-        &mut self.layers
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        self.vs.trainable_variables()
-    }
-    fn buffers(&self) -> Vec<Tensor> {
-        let mut named: Vec<(String, Tensor)> = self
-            .vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named.into_iter().map(|(_, t)| t).collect()
-    }
-    fn global_batch(&self) -> i64 {
-        self.data.size()[0]
-    }
-    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
-        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
-    }
-}
-
 #[test]
 #[ignore = "a rank of spoiled_splits_are_left_out_on_every_rank: started by the launcher"]
 fn spoiled_split_worker() {
@@ -360,7 +300,7 @@ fn spoiled_split_worker() {
     };
     let group = init_process_group(&options).expect("join the group");
     // A global batch of 4: each rank's share of 2 splits into micro-batches of one.
-    let mut model = Norm1d::new(4);
+    let mut model = Norm1d::new(4, 64);
     let mut request = FitRequest::new(1 << 30).on_ranks(&group);
     request.allow.micro_batches = true;
     request.exhaustive = true;

@@ -1,8 +1,8 @@
-//! The small model the integration tests of memsave-step and memsave-fit run on (fit's
+//! The small models the integration tests of memsave-step and memsave-fit run on (fit's
 //! include this file by path).
 use memsave_checkpoint::CheckpointedSequential;
 use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, OptimizerSpec, Workload};
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 /// A residual MLP: `layers` blocks of `x + W2 gelu(W1 x)` of width `hidden`; each
@@ -96,5 +96,64 @@ impl Workload for Mlp {
             return Err(tch::TchError::Kind("this loss always fails".into()));
         }
         output.f_square()?.f_mean(Kind::Float)
+    }
+}
+
+/// `relu(Linear(BatchNorm1d(Linear(x))))` of width `width` on `[batch, width]`: a
+/// micro-batch of one example gives the BatchNorm one value per channel, which turns
+/// its running variance NaN.
+pub struct Norm1d {
+    vs: nn::VarStore,
+    layers: CheckpointedSequential,
+    data: Tensor,
+}
+
+impl Norm1d {
+    pub fn new(batch: i64, width: i64) -> Norm1d {
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let first = nn::linear(vs.root() / "first", width, width, Default::default());
+        let norm = nn::batch_norm1d(vs.root() / "norm", width, Default::default());
+        let second = nn::linear(vs.root() / "second", width, width, Default::default());
+        let layers = CheckpointedSequential::new()
+            .add_fn(move |x| norm.forward_t(&first.forward(x), true))
+            .add_fn(move |x| second.forward(x).relu());
+        let data = Tensor::rand([batch, width], (Kind::Float, Device::Cpu));
+        Norm1d { vs, layers, data }
+    }
+}
+
+impl Workload for Norm1d {
+    fn name(&self) -> &str {
+        "norm1d"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    /// The running statistics, by name.
+    fn buffers(&self) -> Vec<Tensor> {
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named.into_iter().map(|(_, t)| t).collect()
+    }
+    fn global_batch(&self) -> i64 {
+        self.data.size()[0]
+    }
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
     }
 }
