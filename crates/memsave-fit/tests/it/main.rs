@@ -10,4 +10,5 @@ mod fit;
 mod mutex;
 mod on_ranks;
 mod sample_coupling;
+mod spoiled_splits;
 mod trainer;
