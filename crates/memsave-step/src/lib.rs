@@ -43,4 +43,6 @@ pub use parallel::{DataParallel, DataParallelHandle};
 pub use step::{
     f_step, f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver, StepRun,
 };
-pub use workload::{mean_square, Batch, LayerWrapper, LayerWrapperSlot, Workload};
+pub use workload::{
+    mean_square, var_store_buffers, Batch, LayerWrapper, LayerWrapperSlot, Workload,
+};

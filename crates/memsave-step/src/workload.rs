@@ -139,9 +139,11 @@ pub trait Workload {
 
     /// Tensors the step updates in place that are not parameters, e.g. BatchNorm's
     /// running statistics; `memsave_fit::fit` restores them after its probe runs, as
-    /// it restores the parameters. None by default: a workload with BatchNorm layers
-    /// should list them (e.g. the `VarStore`'s variables that are not trainable), or
-    /// `fit` leaves them moved by its runs.
+    /// it restores the parameters, and a step with a one-example micro-batch checks
+    /// they stay finite ([`StepError::NonFiniteStatistics`](crate::StepError)). None
+    /// by default: a workload with BatchNorm layers should list them
+    /// ([`var_store_buffers`] for a model in one `VarStore`), or `fit` leaves them
+    /// moved by its runs and a NaN statistic goes unnoticed.
     fn buffers(&self) -> Vec<Tensor> {
         Vec::new()
     }
@@ -274,4 +276,44 @@ pub fn mean_square(output: &Tensor) -> Result<Tensor, TchError> {
         output.f_to_kind(Kind::Float)?
     };
     output.f_square()?.f_mean(Kind::Float)
+}
+
+/// The variables of `vs` that are not trained (BatchNorm's running mean and variance),
+/// in the order of their names: what [`Workload::buffers`] returns for a model built in
+/// one `VarStore`.
+///
+/// Trap: a frozen weight (`requires_grad` off) is listed too, so `fit` puts it back
+/// after its runs (harmless) and a step with a one-example micro-batch copies it to
+/// check it (its size in the step's start bytes).
+pub fn var_store_buffers(vs: &tch::nn::VarStore) -> Vec<Tensor> {
+    let mut named: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, t)| t).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::var_store_buffers;
+    use tch::nn;
+
+    #[test]
+    fn var_store_buffers_are_the_untrained_variables_by_name() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _linear = nn::linear(vs.root() / "a", 4, 4, Default::default());
+        let norm = nn::batch_norm1d(vs.root() / "b", 4, Default::default());
+        let buffers = var_store_buffers(&vs);
+        assert_eq!(buffers.len(), 2);
+        assert!(buffers[0].shallow_clone().equal(&norm.running_mean));
+        assert!(buffers[1].shallow_clone().equal(&norm.running_var));
+        assert_eq!(
+            buffers[0].data_ptr(),
+            norm.running_mean.data_ptr(),
+            "the variable itself, not a copy"
+        );
+        assert_eq!(buffers[1].data_ptr(), norm.running_var.data_ptr());
+    }
 }

@@ -74,14 +74,7 @@ impl Workload for ConvNet {
         self.vs.trainable_variables()
     }
     fn buffers(&self) -> Vec<Tensor> {
-        let mut named: Vec<(String, Tensor)> = self
-            .vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named.into_iter().map(|(_, t)| t).collect()
+        memsave_step::var_store_buffers(&self.vs)
     }
     fn global_batch(&self) -> i64 {
         self.data.size()[0]
