@@ -4,6 +4,7 @@
 //! the step time.
 use super::choice::Choice;
 use crate::lockstep::Ranks;
+use crate::state::Snapshot;
 use crate::{Candidate, FitError, ParallelMode};
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
@@ -268,12 +269,11 @@ struct Setup {
     /// Whether the runs (not the warm-up) check the running statistics
     /// ([`StepRun::check_statistics`]).
     check_statistics: bool,
-    /// The buffers (running statistics) with copies of their values before the probe,
-    /// put back after the warm-up and after the runs: each probe starts from the
-    /// model's own statistics, not from what an earlier one left (a one-example
-    /// micro-batch leaves NaN in a BatchNorm's, which would hide the same from the
-    /// check of a later run).
-    buffers: Vec<(Tensor, Tensor)>,
+    /// The buffers (running statistics) as they were before the probe, put back after
+    /// the warm-up and after the runs: each probe starts from the model's own
+    /// statistics, not from what an earlier one left (a one-example micro-batch leaves
+    /// NaN in a BatchNorm's, which would hide the same from the check of a later run).
+    buffers: Snapshot,
 }
 
 impl Setup {
@@ -308,16 +308,7 @@ impl Setup {
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
-        let buffers = workload
-            .buffers()
-            .into_iter()
-            .map(|b| {
-                let mut copy = b.f_empty_like()?;
-                copy.f_copy_(&b)?;
-                Ok((b, copy))
-            })
-            .collect::<Result<Vec<_>, tch::TchError>>()
-            .map_err(failed)?;
+        let buffers = Snapshot::of(workload.buffers()).map_err(failed)?;
         let weights = if config.optimizer.is_some() || shards {
             Some(SavedWeights::save(&params).map_err(failed)?)
         } else {
@@ -396,11 +387,7 @@ impl Setup {
 
     /// Writes the buffers' values from before the probe back, in place.
     fn put_back_buffers(&self) -> Result<(), ProbeError> {
-        let _no_grad = tch::no_grad_guard();
-        for (b, saved) in &self.buffers {
-            b.shallow_clone().f_copy_(saved).map_err(failed)?;
-        }
-        Ok(())
+        self.buffers.restore().map_err(failed)
     }
 
     /// Takes down the data parallel (its hooks; under ZeRO-3 the workload's

@@ -18,9 +18,35 @@ pub(crate) enum StateError {
 
 /// Host copies of the parameters and buffers, bitwise, and the CPU generator's state.
 pub(crate) struct ModelState {
+    tensors: Snapshot,
+    rng: Tensor,
+}
+
+/// Host copies of some tensors' values, bitwise, to write back into them in place
+/// (views and optimizers holding the tensors see the values put back).
+pub(crate) struct Snapshot {
     /// (the tensor, a host copy of its values).
     tensors: Vec<(Tensor, Tensor)>,
-    rng: Tensor,
+}
+
+impl Snapshot {
+    /// Copies the values of `tensors`.
+    pub(crate) fn of(tensors: Vec<Tensor>) -> Result<Self, TchError> {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| host_copy(&t).map(|c| (t, c)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { tensors })
+    }
+
+    /// Writes the copied values back.
+    pub(crate) fn restore(&self) -> Result<(), TchError> {
+        let _no_grad = tch::no_grad_guard();
+        for (t, saved) in &self.tensors {
+            t.shallow_clone().f_copy_(saved)?;
+        }
+        Ok(())
+    }
 }
 
 /// A copy of `t`'s values on the host that later writes to `t` do not change.
@@ -38,13 +64,14 @@ fn host_copy(t: &Tensor) -> Result<Tensor, TchError> {
 impl ModelState {
     /// Saves the state of `workload` and of the CPU generator.
     pub(crate) fn save(workload: &dyn Workload) -> Result<Self, StateError> {
-        let tensors = workload
-            .parameters()
-            .into_iter()
-            .chain(workload.buffers())
-            .map(|t| host_copy(&t).map(|c| (t, c)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StateError::Save(e.into()))?;
+        let tensors = Snapshot::of(
+            workload
+                .parameters()
+                .into_iter()
+                .chain(workload.buffers())
+                .collect(),
+        )
+        .map_err(|e| StateError::Save(e.into()))?;
         let rng = memsave_sys::rng::cpu_state().map_err(|e| StateError::Save(e.into()))?;
         Ok(Self { tensors, rng })
     }
@@ -52,12 +79,9 @@ impl ModelState {
     /// Writes the saved values back (in place: views and optimizers holding the
     /// tensors see them) and puts the generator's state back.
     pub(crate) fn restore(&self) -> Result<(), StateError> {
-        let _no_grad = tch::no_grad_guard();
-        for (t, saved) in &self.tensors {
-            let mut t = t.shallow_clone();
-            t.f_copy_(saved)
-                .map_err(|e| StateError::Restore(e.into()))?;
-        }
+        self.tensors
+            .restore()
+            .map_err(|e| StateError::Restore(e.into()))?;
         memsave_sys::rng::set_cpu_state(&self.rng).map_err(|e| StateError::Restore(e.into()))
     }
 }

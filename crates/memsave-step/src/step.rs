@@ -801,10 +801,16 @@ pub fn rel_l2_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 }
 
 /// Examples in the smallest micro-batch of a step of `config` on `input` (the whole
-/// batch when it is not split; as [`Split::Count`] splits: as evenly as possible), or
-/// `None` for an input without a batch dimension.
+/// batch when it is not split; as [`Split::Count`] splits it), or `None` for an input
+/// without a batch dimension or a split the step refuses anyway.
 fn smallest_micro_batch(input: &Batch, config: &StepConfig) -> Option<i64> {
     let batch = *input.input.size().first()?;
-    let count = config.micro_batches.map_or(1, |k| k.max(1) as i64);
-    Some(batch / count.min(batch.max(1)))
+    match config.micro_batches {
+        None => Some(batch),
+        Some(count) => memsave_accum::f_split(batch, Split::Count(count))
+            .ok()?
+            .iter()
+            .map(|mb| mb.len)
+            .min(),
+    }
 }

@@ -1,7 +1,7 @@
 //! The error for a budget nothing fits: the smallest budget that would do, what reaches
 //! it, and what allowing the lossy levers would reach. It runs the configurations with
 //! the least memory once, without the budget, to learn their peaks.
-use super::candidates::{grad_lever_sets, in_modes, lever_sets, Levers};
+use super::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, split_sizes, Levers};
 use super::runs::Runs;
 use crate::choice::Choice;
 use crate::predict::Affine;
@@ -103,7 +103,11 @@ fn least_peaks(
         candidates
             .iter()
             .filter(|c| c.choice.micro_batches == k || c.predicted_fits)
-            .filter(|c| global / c.choice.micro_batches.max(1) as i64 >= examples)
+            .filter(|c| {
+                split_sizes(global, c.choice.micro_batches)
+                    .last()
+                    .is_some_and(|&smallest| smallest >= examples)
+            })
             .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
             .min_by_key(|(p, _)| *p)
     };
@@ -178,7 +182,7 @@ fn least_peaks(
                         // each, probed at the largest's size.
                         let two = (runs.global / 2) as usize;
                         if batch == n as i64 && n > 1 && two > 1 {
-                            let largest = (runs.global + two as i64 - 1) / two as i64;
+                            let largest = div_ceil(runs.global, two as i64);
                             let wider = levers
                                 .apply(Choice::new(runs.global, two))
                                 .with_schedule(choice.schedule().cloned());
