@@ -18,9 +18,15 @@ const MANIFEST_HEADER: &str = "memsave-fsdp-checkpoint 1";
 /// A shard file's first bytes.
 const MAGIC: &[u8; 8] = b"MSFSDP\x00\x01";
 
-/// The name of rank `rank`'s shard file among `world` ranks.
-fn shard_name(rank: usize, world: usize) -> String {
-    format!("rank-{rank}-of-{world}.shard")
+/// The name of rank `rank`'s shard file among `world` ranks, in one of two slots that
+/// successive saves take in turn (so that a save never writes over a file the current
+/// manifest names).
+fn shard_name(rank: usize, world: usize, slot: i64) -> String {
+    if slot == 0 {
+        format!("rank-{rank}-of-{world}.shard")
+    } else {
+        format!("rank-{rank}-of-{world}.next.shard")
+    }
 }
 
 /// What identifies the model: its units' parameter shapes.
@@ -287,12 +293,18 @@ fn io_refusal(rank: usize, dir: &Path, what: &str, path: &Path, e: std::io::Erro
 
 impl Fsdp {
     /// Saves the training state as a sharded checkpoint in directory `dir` (made if
-    /// missing): each rank writes `rank-R-of-N.shard` (its shard of every unit's
-    /// weights, its shard of the optimizer's state, `step`, and its CPU RNG state), and
-    /// rank 0 writes `manifest` last (the world size, the step, what identifies the
-    /// model, and each file's length and CRC-32), after every rank's file is complete.
-    /// A collective. A directory whose save did not finish has no manifest, and is
-    /// refused by [`Fsdp::load_sharded`]; an earlier checkpoint in `dir` is replaced.
+    /// missing): each rank writes its shard file (its shard of every unit's weights,
+    /// its shard of the optimizer's state, `step`, and its CPU RNG state), and rank 0
+    /// writes `manifest` last (the world size, the step, what identifies the model, and
+    /// each file's name, length and CRC-32), after every rank's file is complete. A
+    /// collective.
+    ///
+    /// An earlier checkpoint in `dir` stays whole until the new one is: the shard files
+    /// go under names the current manifest does not use (`rank-R-of-N.shard` and
+    /// `rank-R-of-N.next.shard` take turns), the ranks agree that every one was written,
+    /// and only then is the manifest replaced, by an atomic rename. A save that fails
+    /// on any rank removes the files it wrote and leaves the earlier checkpoint loadable;
+    /// after a save that succeeds rank 0 removes the files the earlier manifest named.
     ///
     /// `optimizer` must be the one over [`Fsdp::parameters`]. Its state goes through
     /// `Optimizer::save` (a temporary file next to the shard, removed after).
@@ -305,72 +317,107 @@ impl Fsdp {
         let group = self.state().group.clone();
         let (rank, world) = (group.rank(), group.world_size());
         let model = ModelKey::of(self);
-        if rank == 0 {
-            if let Err(e) = fs::create_dir_all(dir) {
-                return agree(
-                    &group,
-                    Err(io_refusal(rank, dir, "cannot create", dir, e)),
-                    "write it",
-                    dir,
-                );
-            }
-            // A save that fails from here on leaves no manifest.
-            match fs::remove_file(dir.join(MANIFEST)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return agree(
-                        &group,
-                        Err(io_refusal(
-                            rank,
-                            dir,
-                            "cannot replace",
-                            &dir.join(MANIFEST),
-                            e,
-                        )),
-                        "write it",
-                        dir,
-                    )
-                }
-                _ => {}
-            }
-        }
-        agree(&group, Ok(()), "write it", dir)?;
-        let local = self.write_shard(dir, optimizer, step, model);
-        let entry = agree(&group, local, "write it", dir)?;
-        // Every rank's (length, checksum) to rank 0, for the manifest.
         let err = |source| DistError::Tensor {
             rank,
             context: "writing a checkpoint",
             source,
         };
-        let mine = Tensor::f_from_slice(&[entry.len as i64, i64::from(entry.crc)]).map_err(err)?;
-        let all = Tensor::f_zeros([2 * world as i64], (Kind::Int64, Device::Cpu)).map_err(err)?;
-        group.all_gather(&all, &mine)?;
-        let all = Vec::<i64>::try_from(&all).map_err(err)?;
+        // Rank 0 makes the directory and picks the names the current manifest does
+        // not use; every rank takes rank 0's pick.
+        let (prepared, old_files) = if rank == 0 {
+            match fs::create_dir_all(dir) {
+                Ok(()) => {
+                    let old: Vec<String> = fs::read_to_string(dir.join(MANIFEST))
+                        .ok()
+                        .and_then(|text| Manifest::parse(&text))
+                        .map(|m| m.entries.into_iter().map(|e| e.file).collect())
+                        .unwrap_or_default();
+                    let next = i64::from(old.contains(&shard_name(0, world, 0)));
+                    (Ok(next), old)
+                }
+                Err(e) => (
+                    Err(io_refusal(rank, dir, "cannot create", dir, e)),
+                    Vec::new(),
+                ),
+            }
+        } else {
+            (Ok(0), Vec::new())
+        };
+        let slot = agree(&group, prepared, "write it", dir)?;
+        let slots = Tensor::f_zeros([world as i64], (Kind::Int64, Device::Cpu)).map_err(err)?;
+        group.all_gather(&slots, &Tensor::f_from_slice(&[slot]).map_err(err)?)?;
+        let slot = Vec::<i64>::try_from(&slots).map_err(err)?[0];
+        let name = shard_name(rank, world, slot);
+        let local = self.write_shard(dir, &name, optimizer, step, model);
+        let entry = agree(&group, local, "write it", dir);
+        let remove_mine = || {
+            let _ = fs::remove_file(dir.join(&name));
+            let _ = fs::remove_file(partial(&dir.join(&name)));
+        };
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(e) => {
+                remove_mine();
+                return Err(e);
+            }
+        };
+        // Every rank's (length, checksum) to rank 0, for the manifest.
+        let gathered = (|| {
+            let mine =
+                Tensor::f_from_slice(&[entry.len as i64, i64::from(entry.crc)]).map_err(err)?;
+            let all =
+                Tensor::f_zeros([2 * world as i64], (Kind::Int64, Device::Cpu)).map_err(err)?;
+            group.all_gather(&all, &mine)?;
+            Vec::<i64>::try_from(&all).map_err(err)
+        })();
+        let all = match gathered {
+            Ok(all) => all,
+            Err(e) => {
+                remove_mine();
+                return Err(e);
+            }
+        };
+        let manifest = Manifest {
+            world,
+            step,
+            model,
+            entries: (0..world)
+                .map(|r| Entry {
+                    file: shard_name(r, world, slot),
+                    len: all[2 * r] as u64,
+                    crc: all[2 * r + 1] as u32,
+                })
+                .collect(),
+        };
         let written = if rank == 0 {
-            let manifest = Manifest {
-                world,
-                step,
-                model,
-                entries: (0..world)
-                    .map(|r| Entry {
-                        file: shard_name(r, world),
-                        len: all[2 * r] as u64,
-                        crc: all[2 * r + 1] as u32,
-                    })
-                    .collect(),
-            };
             write_atomically(&dir.join(MANIFEST), manifest.render().as_bytes())
                 .map_err(|e| io_refusal(rank, dir, "cannot write", &dir.join(MANIFEST), e))
         } else {
             Ok(())
         };
-        agree(&group, written, "write it", dir)
+        if let Err(e) = agree(&group, written, "write it", dir) {
+            // The earlier manifest is still there, naming the earlier files.
+            remove_mine();
+            return Err(e);
+        }
+        // Committed: the earlier checkpoint's files are no longer named anywhere.
+        if rank == 0 {
+            let now: Vec<&str> = manifest.entries.iter().map(|e| e.file.as_str()).collect();
+            for file in old_files {
+                let named_elsewhere = file == MANIFEST || file.contains(['/', '\\']);
+                if !now.contains(&file.as_str()) && !named_elsewhere {
+                    let _ = fs::remove_file(dir.join(file));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Writes this rank's shard file; returns its manifest entry.
     fn write_shard<R: Rule>(
         &self,
         dir: &Path,
+        name: &str,
         optimizer: &Optimizer<R>,
         step: u64,
         model: ModelKey,
@@ -409,12 +456,11 @@ impl Fsdp {
             optimizer: optimizer_bytes?,
         };
         let bytes = file.to_bytes();
-        let name = shard_name(rank, world);
-        let path = dir.join(&name);
+        let path = dir.join(name);
         write_atomically(&path, &bytes)
             .map_err(|e| io_refusal(rank, dir, "cannot write", &path, e))?;
         Ok(Entry {
-            file: name,
+            file: name.to_owned(),
             len: bytes.len() as u64,
             crc: crc32(&bytes),
         })
@@ -453,13 +499,38 @@ impl Fsdp {
     /// are: a directory without a manifest (not a checkpoint, or a save that did not
     /// finish); one written by another number of ranks (naming both); one written for
     /// another model (other units or shapes); a missing or damaged shard file (naming
-    /// it; a rank whose own file is fine names the ranks that refused). Gradients
-    /// and gathered weights are dropped.
+    /// it; a rank whose own file is fine names the ranks that refused); an optimizer
+    /// state this rank's optimizer refuses (another rule, precision or grouping). All
+    /// ranks change or none: the ranks agree that every one has read and checked its
+    /// part, then that every one has loaded its optimizer state (a rank that did puts
+    /// its earlier state back, kept in host memory meanwhile, when another did not),
+    /// and only then copy in the weights and the RNG state. Gradients and gathered
+    /// weights are dropped.
     pub fn load_sharded<R: Rule>(&self, dir: &Path, optimizer: &mut Optimizer<R>) -> Result<u64> {
         let group = self.state().group.clone();
-        let local = self.read_shard(dir, optimizer);
-        let file = agree(&group, local, "load it", dir)?;
         let rank = group.rank();
+        let err = |source| DistError::Tensor {
+            rank,
+            context: "loading a checkpoint",
+            source,
+        };
+        // Stage 1: read, check and stage everything; nothing changes yet.
+        let local = self.read_shard(dir, optimizer).and_then(|file| {
+            let shards = file
+                .shards
+                .iter()
+                .map(|values| Tensor::f_from_slice(values).map_err(err))
+                .collect::<Result<Vec<_>>>()?;
+            let rng = Tensor::f_from_slice(&file.rng).map_err(err)?;
+            // What the optimizer holds now, to put back if another rank cannot load.
+            let before = optimizer
+                .state_dict()
+                .map_err(|source| DistError::Optim { rank, source })?;
+            Ok((file, shards, rng, before))
+        });
+        let (file, shards, rng, before) = agree(&group, local, "load it", dir)?;
+        // Stage 2: the optimizer's state, which may still be refused (another rule,
+        // precision or grouping); every rank puts its own back unless all loaded.
         let scratch = std::env::temp_dir().join(format!(
             "memsave-fsdp-{}-rank-{rank}-optimizer.json",
             std::process::id()
@@ -471,28 +542,29 @@ impl Fsdp {
                     refuse(
                         rank,
                         dir,
-                        format!(
-                            "the optimizer state in {}: {source}",
-                            shard_name(rank, group.world_size())
-                        ),
+                        format!("the optimizer state in rank {rank}'s shard file: {source}"),
                     )
                 })
             });
         let _ = fs::remove_file(&scratch);
-        agree(&group, loaded, "load it", dir)?;
+        let this_loaded = loaded.is_ok();
+        if let Err(e) = agree(&group, loaded, "load it", dir) {
+            if this_loaded {
+                optimizer
+                    .load_state_dict(&before)
+                    .map_err(|source| DistError::Optim { rank, source })?;
+            }
+            return Err(e);
+        }
+        drop(before);
+        // Stage 3: every rank loaded its optimizer state; the weights and RNG follow
+        // (copies into tensors of the shapes checked in stage 1).
         let mut state = self.state();
-        let err = |source| DistError::Tensor {
-            rank,
-            context: "loading a checkpoint",
-            source,
-        };
         state.drop_gradients_and_weights()?;
         let _no_grad = tch::no_grad_guard();
-        for (unit, values) in state.units.iter().zip(&file.shards) {
-            let src = Tensor::f_from_slice(values).map_err(err)?;
-            unit.shard.shallow_clone().f_copy_(&src).map_err(err)?;
+        for (unit, src) in state.units.iter().zip(&shards) {
+            unit.shard.shallow_clone().f_copy_(src).map_err(err)?;
         }
-        let rng = Tensor::f_from_slice(&file.rng).map_err(err)?;
         memsave_sys::rng::set_cpu_state(&rng)?;
         Ok(file.step)
     }
@@ -630,11 +702,17 @@ impl Fsdp {
     }
 }
 
+/// The temporary file [`write_atomically`] writes before renaming it to `path`.
+fn partial(path: &Path) -> PathBuf {
+    let mut tmp: PathBuf = path.to_owned();
+    tmp.set_extension("partial");
+    tmp
+}
+
 /// Writes `bytes` to `path` through a temporary file renamed over it, so that a reader
 /// sees the old file or the whole new one.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut tmp: PathBuf = path.to_owned();
-    tmp.set_extension("partial");
+    let tmp = partial(path);
     fs::write(&tmp, bytes)?;
     fs::rename(&tmp, path)
 }
@@ -662,12 +740,12 @@ mod tests {
             },
             entries: vec![
                 Entry {
-                    file: shard_name(0, 2),
+                    file: shard_name(0, 2, 0),
                     len: 100,
                     crc: 0xdead_beef,
                 },
                 Entry {
-                    file: shard_name(1, 2),
+                    file: shard_name(1, 2, 0),
                     len: 101,
                     crc: 7,
                 },

@@ -216,3 +216,124 @@ fn a_sharded_checkpoint_resumes_bitwise_and_refuses_what_does_not_fit() {
         "it was written by 2 ranks and this run has 1; resume on 2 ranks".to_owned()
     });
 }
+
+/// The files in `dir`, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("read the checkpoint directory")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+#[ignore = "a rank of the sharded checkpoint tests: started by the launcher"]
+fn failed_save_and_load_worker() {
+    let out = common::out_dir();
+    let options = InitOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).expect("join the group");
+    let rank = group.rank();
+    tch::manual_seed(100 + rank as i64);
+
+    // A save that fails on rank 1 (an optimizer over other tensors) after rank 0 wrote
+    // its file keeps the checkpoint saved before it, and leaves no file of its own.
+    let ckpt = out.join("ckpt");
+    let mut a = build(&group, &DIMS, 1);
+    train(&mut a, 2);
+    a.fsdp.save_sharded(&ckpt, &a.opt, 2).expect("save");
+    let at_2 = shard_values(&a);
+    train(&mut a, 1);
+    let stranger = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let stranger = AdamW::new(&[stranger], CONFIG).expect("optimizer");
+    let opt = if rank == 1 { &stranger } else { &a.opt };
+    let err = a
+        .fsdp
+        .save_sharded(&ckpt, opt, 3)
+        .expect_err("the save fails")
+        .to_string();
+    let wanted = if rank == 1 {
+        "the optimizer holds 1 tensors that are not this Fsdp's 8 shards"
+    } else {
+        "ranks [1] could not write it"
+    };
+    assert!(err.contains(wanted), "rank {rank}: {err}");
+    group.barrier().expect("barrier");
+    let first = ["manifest", "rank-0-of-2.shard", "rank-1-of-2.shard"];
+    assert_eq!(listing(&ckpt), first, "rank {rank}");
+    let mut c = build(&group, &DIMS, 7);
+    let step = c
+        .fsdp
+        .load_sharded(&ckpt, &mut c.opt)
+        .expect("the earlier checkpoint still loads");
+    assert_eq!((step, c.opt.step_count(0)), (2, 2), "rank {rank}");
+    assert_eq!(bits(&shard_values(&c)), bits(&at_2), "rank {rank}");
+
+    // The save that succeeds replaces it, and the earlier files go.
+    a.fsdp.save_sharded(&ckpt, &a.opt, 3).expect("save");
+    let at_3 = shard_values(&a);
+    group.barrier().expect("barrier");
+    let second = [
+        "manifest",
+        "rank-0-of-2.next.shard",
+        "rank-1-of-2.next.shard",
+    ];
+    assert_eq!(listing(&ckpt), second, "rank {rank}");
+    let step = c.fsdp.load_sharded(&ckpt, &mut c.opt).expect("load");
+    assert_eq!((step, c.opt.step_count(0)), (3, 3), "rank {rank}");
+    assert_eq!(bits(&shard_values(&c)), bits(&at_3), "rank {rank}");
+
+    // A load whose optimizer state rank 1 refuses (its optimizer has two parameter
+    // groups, the saved one had one) changes no rank: rank 0 loaded its own and puts
+    // it back.
+    let mut d = build(&group, &DIMS, 7);
+    if rank == 1 {
+        let shards = d.fsdp.parameters();
+        let mut opt = AdamW::new(&shards[..4], CONFIG).expect("optimizer");
+        opt.add_param_group(&shards[4..], CONFIG).expect("group");
+        d.opt = opt;
+    }
+    train(&mut d, 1);
+    let before = shard_values(&d);
+    let err = d
+        .fsdp
+        .load_sharded(&ckpt, &mut d.opt)
+        .expect_err("rank 1 refuses the optimizer state")
+        .to_string();
+    let wanted = if rank == 1 {
+        "the optimizer state in rank 1's shard file: "
+    } else {
+        "ranks [1] could not load it (their errors say why); nothing was loaded"
+    };
+    assert!(err.contains(wanted), "rank {rank}: {err}");
+    assert_eq!(d.opt.step_count(0), 1, "rank {rank}: optimizer unchanged");
+    assert_eq!(d.opt.step_count(7), 1, "rank {rank}: optimizer unchanged");
+    assert_eq!(bits(&shard_values(&d)), bits(&before), "rank {rank}");
+    // And it still trains, from where it was.
+    train(&mut d, 1);
+    assert_eq!(d.opt.step_count(0), 2, "rank {rank}");
+    std::fs::write(out.join(format!("ok-rank{rank}")), "").expect("write ok");
+}
+
+#[test]
+#[serial]
+fn a_failed_save_keeps_the_earlier_checkpoint_and_a_failed_load_changes_no_rank() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    common::run_ranks(
+        "fsdp_checkpoint::failed_save_and_load_worker",
+        2,
+        dir.path(),
+    )
+    .expect("every rank succeeds");
+    for rank in 0..2 {
+        assert!(dir.path().join(format!("ok-rank{rank}")).is_file());
+    }
+}
