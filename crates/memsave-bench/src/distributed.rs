@@ -48,7 +48,7 @@
 //! `threads` applies to each rank: N ranks with 2 threads each use 2N cores.
 use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
-use crate::strategies::{resolve, StepConfig};
+use crate::strategies::{resolve, StepConfig, Unavailable};
 use crate::suite::{ModelSpec, StrategySpec, Suite, Technique, ZeroSpec};
 use memsave_amp::GradScaler;
 use memsave_dist::{init_process_group, DistError, InitOptions, LaunchConfig, ProcessGroup};
@@ -765,7 +765,23 @@ pub(crate) fn rank_config(
             .cloned()
             .collect(),
     };
-    let config = resolve(&rest).map_err(|e| RanksUnavailable::new(e.to_string()))?;
+    let config = match resolve(&rest) {
+        // Its advice, offload_grads, runs on ranks only under zero: 1, which refuses
+        // in_backward: the mode's own refusal (checked with one micro-batch) says what
+        // works on ranks.
+        Err(Unavailable::InBackwardWithAccumulation) => {
+            let mut one = rest.clone();
+            one.techniques
+                .retain(|t| !matches!(t, Technique::Accumulate { .. }));
+            let mut config = resolve(&one).map_err(|e| RanksUnavailable::new(e.to_string()))?;
+            config.micro_batches = Some(2);
+            return Err(RanksUnavailable::new(match mode.check(&config) {
+                Err(StepError::InvalidConfig(reason)) => reason,
+                _ => Unavailable::InBackwardWithAccumulation.to_string(),
+            }));
+        }
+        other => other.map_err(|e| RanksUnavailable::new(e.to_string()))?,
+    };
     crate::models::residual_available(model, config.residual)
         .map_err(|e| RanksUnavailable::new(e.to_string()))?;
     mode.check(&config).map_err(|e| match e {

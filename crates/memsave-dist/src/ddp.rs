@@ -43,8 +43,12 @@ impl Default for DdpConfig {
 /// Inside [`DistributedDataParallel::no_sync`] nothing is communicated: gradients only
 /// accumulate locally (the micro-batches of gradient accumulation before the last).
 ///
+/// A parameter that gets a gradient on some ranks only is averaged as if the others
+/// had a zero gradient; one that gets none on any rank is left without a gradient, so
+/// an optimizer skips it as on one process (PyTorch's `find_unused_parameters=True`).
+///
 /// Traps: a parameter that gets no gradient in a backward leaves its bucket incomplete;
-/// [`DistributedDataParallel::f_backward`] then reduces it with zeros, but a plain
+/// [`DistributedDataParallel::f_backward`] then reduces it, but a plain
 /// `loss.backward()` does not, and the next collective on another rank waits for it
 /// until the timeout. The hooks run on the thread of backward (the caller's, on the
 /// CPU). Each parameter can carry only one post-accumulate-grad hook, so this cannot
@@ -122,8 +126,8 @@ impl DistributedDataParallel {
     }
 
     /// Reduces every bucket the last backward left incomplete (a parameter without a
-    /// gradient gets zeros), so that every rank has issued the same collectives and
-    /// holds the averaged gradients: what [`f_backward`](Self::f_backward) does after
+    /// gradient on any rank keeps none), so that every rank has issued the same
+    /// collectives and holds the averaged gradients: what [`f_backward`](Self::f_backward) does after
     /// its backward, for a backward run some other way. Nothing when every bucket was
     /// reduced already, or inside `no_sync`.
     pub fn f_flush(&self) -> Result<()> {
@@ -131,8 +135,8 @@ impl DistributedDataParallel {
     }
 
     /// Backward from `loss`, then reduces any bucket backward left incomplete (a
-    /// parameter without a gradient gets zeros), so that every rank has issued the same
-    /// collectives. Inside [`DistributedDataParallel::no_sync`] it only runs backward.
+    /// parameter without a gradient on any rank keeps none), so that every rank has
+    /// issued the same collectives. Inside [`DistributedDataParallel::no_sync`] it only runs backward.
     pub fn f_backward(&self, loss: &Tensor) -> Result<()> {
         let rank = self.lock().group.rank();
         loss.f_backward().map_err(|source| DistError::Tensor {
@@ -177,30 +181,42 @@ impl BucketReduce for Reducer {
         let _no_grad = tch::no_grad_guard();
         let members = self.buckets.members(bucket);
         let mut grads = Vec::with_capacity(members.len());
+        // 1 for each gradient this rank has, summed over the ranks with the gradients.
+        let mut used = Vec::with_capacity(members.len());
         for &i in members {
             let p = &self.params[i];
             let mut g = p.grad();
+            used.push(f32::from(u8::from(g.defined())));
             if !g.defined() {
                 g = p.f_zeros_like().map_err(err)?;
                 memsave_sys::dist::set_grad(p, &g)?;
             }
             grads.push(g);
         }
-        let flat = Tensor::f_cat(
-            &grads
-                .iter()
-                .map(|g| g.f_reshape([-1]))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(err)?,
-            0,
-        )
-        .map_err(err)?;
+        let mut pieces = grads
+            .iter()
+            .map(|g| g.f_reshape([-1]))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        pieces.push(Tensor::f_from_slice(&used).map_err(err)?);
+        let flat = Tensor::f_cat(&pieces, 0).map_err(err)?;
+        drop(pieces);
         self.group.all_reduce(&flat)?;
+        let n = grads.len() as i64;
+        let used = Vec::<f32>::try_from(flat.f_narrow(0, flat.numel() as i64 - n, n).map_err(err)?)
+            .map_err(err)?;
         let mut flat = flat;
         let _ = flat
             .f_div_scalar_(self.group.world_size() as f64)
             .map_err(err)?;
         copy_from_flat(&flat, &grads).map_err(err)?;
+        // A parameter no rank has a gradient for keeps none, so the optimizer skips it
+        // (PyTorch's DDP with `find_unused_parameters`): weight decay must not move it.
+        for (&i, u) in members.iter().zip(used) {
+            if u == 0.0 {
+                memsave_sys::tensor::set_grad_none(&self.params[i])?;
+            }
+        }
         self.reductions += 1;
         Ok(())
     }

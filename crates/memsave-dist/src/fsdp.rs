@@ -506,7 +506,9 @@ impl Fsdp {
     /// checkpoint) needs no such hook: the checkpoint's own hooks, innermost, keep
     /// nothing of its forward. Without `forward`, an unchecked unit's weights stay held
     /// by autograd until its backward: correct, but no memory saved, and
-    /// [`Fsdp::f_finish_backward`] says so (unless `reshard_after_forward` is off).
+    /// [`Fsdp::f_finish_backward`] says so (unless `reshard_after_forward` is off),
+    /// except for a forward outside before one inside (an evaluation loss with grad
+    /// between steps): its graph holds the weights until it is dropped.
     ///
     /// Trap: saved-tensor hooks entered inside `f` (offload, compression) are innermost
     /// and see the units' weights first; those that keep the weights make
@@ -527,6 +529,9 @@ impl Fsdp {
         others: Option<Arc<dyn RawHooks>>,
         f: impl FnOnce() -> T,
     ) -> Result<T> {
+        // A forward with grad before this one but outside it (a validation loss) held
+        // its units' weights in its own graph, not in this step's: allowed.
+        self.state().held_after_forward.clear();
         let hooks = Arc::new(GatheredSaves {
             shared: Arc::clone(&self.shared),
             others,

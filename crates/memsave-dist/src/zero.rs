@@ -73,8 +73,13 @@ pub enum ZeroStage {
 /// `dir/rank-R` (R its rank), so ranks on one machine (or a shared file system) can be
 /// given the same directory.
 ///
-/// Traps: a parameter without a gradient is updated with a zero gradient (weight decay
-/// and momentum still apply), where a single-process optimizer skips it. Under stage 2
+/// A parameter that has a gradient on no rank is skipped, its values, state and step
+/// count untouched, as a single-process optimizer skips it: the shard's optimizer has
+/// one parameter per parameter's part of the slice, and the step all-reduces one flag
+/// per parameter to agree which were used. One used on some ranks only is averaged as
+/// if the others had a zero gradient.
+///
+/// Traps: under stage 2
 /// a parameter that gets no gradient in a backward leaves its bucket incomplete until
 /// the step, which reduces it with zeros; every rank must run the same backwards, or
 /// the collectives wait on each other until the timeout. Each parameter can carry only
@@ -94,6 +99,9 @@ pub struct ZeroOptimizer<R: Rule> {
     params: Vec<Tensor>,
     layout: Layout,
     shard: Tensor,
+    /// The pieces of `shard` the inner optimizer steps, one per parameter that lies in
+    /// it: (parameter index, first value in the shard, length).
+    pieces: Vec<(usize, i64, i64)>,
     inner: Optimizer<R>,
     max_grad_norm: Option<f64>,
 }
@@ -180,7 +188,21 @@ impl<R: Rule> ZeroOptimizer<R> {
             placement,
             ..options
         };
-        let inner = Optimizer::with_options(&[shard.shallow_clone()], config, inner_options)
+        // One optimizer parameter per parameter's part of the slice (its padding with
+        // it), views of the shard: a parameter no rank has a gradient for is skipped,
+        // its values, state and step count untouched, as on one process.
+        let pieces = layout.pieces(rank as i64 * shard_len, shard_len);
+        let views = pieces
+            .iter()
+            .map(|&(_, at, len)| {
+                shard
+                    .detach()
+                    .f_narrow(0, at, len)
+                    .map(|v| v.set_requires_grad(true))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        let inner = Optimizer::with_options(&views, config, inner_options)
             .map_err(|source| DistError::Optim { rank, source })?;
         let (hooks, reducer) = match stage {
             ZeroStage::One => (Vec::new(), None),
@@ -204,6 +226,7 @@ impl<R: Rule> ZeroOptimizer<R> {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             layout,
             shard,
+            pieces,
             inner,
             max_grad_norm,
         })
@@ -282,9 +305,17 @@ impl<R: Rule> ZeroOptimizer<R> {
             .map(|r| r.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// The optimizer of this rank's shard (to change learning rates, read step counts).
+    /// The optimizer of this rank's shard (to change learning rates), with one
+    /// parameter per parameter that lies in the shard, in order.
     pub fn inner_mut(&mut self) -> &mut Optimizer<R> {
         &mut self.inner
+    }
+
+    /// Number of updates of parameter `index`'s part of this rank's shard (0 when no
+    /// part of it lies there, or before its first gradient).
+    pub fn step_count(&self, index: usize) -> u64 {
+        let piece = self.pieces.iter().position(|&(i, _, _)| i == index);
+        piece.map_or(0, |k| self.inner.step_count(k))
     }
 
     /// Clears the gradients of the parameters and of this rank's shard (see
@@ -296,9 +327,10 @@ impl<R: Rule> ZeroOptimizer<R> {
         if let Some(mut r) = self.reducer() {
             // Recreated as zeros by the next reduction.
             r.acc = None;
+            r.used.iter_mut().for_each(|u| *u = false);
         }
-        self.inner
-            .f_zero_grad(set_to_none)
+        memsave_optim::zero_grad(&[self.shard.shallow_clone()], set_to_none)
+            .and_then(|()| self.inner.f_zero_grad(set_to_none))
             .map_err(|source| DistError::Optim { rank, source })
     }
 
@@ -309,6 +341,7 @@ impl<R: Rule> ZeroOptimizer<R> {
         let err = tensor_err(rank, "sharded step");
         let _no_grad = tch::no_grad_guard();
         let n = self.group.world_size();
+        let mut used: Vec<bool> = self.params.iter().map(|p| p.grad().defined()).collect();
         let mut shard_grad = match self.stage {
             ZeroStage::One => {
                 let (start, len) = self.shard_range();
@@ -328,24 +361,51 @@ impl<R: Rule> ZeroOptimizer<R> {
             }
             ZeroStage::Two => {
                 let mut r = self.reducer().expect("stage 2 has a reducer");
-                r.finish_step()?
+                let acc = r.finish_step()?;
+                for (u, seen) in used.iter_mut().zip(r.used.iter_mut()) {
+                    *u |= std::mem::take(seen);
+                }
+                acc
             }
         };
+        let used = self.used_anywhere(&used)?;
         let _ = shard_grad.f_div_scalar_(n as f64).map_err(err)?;
         if let Some(max_norm) = self.max_grad_norm {
             self.clip(&mut shard_grad, max_norm)?;
         }
         memsave_sys::dist::set_grad(&self.shard, &shard_grad)?;
+        for (view, &(index, at, len)) in self.inner.params().iter().zip(&self.pieces) {
+            if used[index] {
+                let g = shard_grad.f_narrow(0, at, len).map_err(err)?;
+                memsave_sys::dist::set_grad(view, &g)?;
+            } else {
+                memsave_sys::tensor::set_grad_none(view)?;
+            }
+        }
         self.inner
             .f_step()
             .map_err(|source| DistError::Optim { rank, source })?;
         if self.stage == ZeroStage::One {
             memsave_sys::tensor::set_grad_none(&self.shard)?;
+            for view in self.inner.params() {
+                memsave_sys::tensor::set_grad_none(view)?;
+            }
         }
         let gathered =
             Tensor::f_empty([self.layout.padded], (Kind::Float, Device::Cpu)).map_err(err)?;
         self.group.all_gather(&gathered, &self.shard.detach())?;
         self.layout.unflatten(&gathered, &self.params).map_err(err)
+    }
+
+    /// Whether each parameter had a gradient on any rank (`mine`: on this one), with one
+    /// all-reduce of a flag per parameter.
+    fn used_anywhere(&self, mine: &[bool]) -> Result<Vec<bool>> {
+        let err = tensor_err(self.group.rank(), "used parameters");
+        let flags: Vec<f32> = mine.iter().map(|&u| f32::from(u8::from(u))).collect();
+        let flags = Tensor::f_from_slice(&flags).map_err(err)?;
+        self.group.all_reduce(&flags)?;
+        let sums = Vec::<f32>::try_from(&flags).map_err(err)?;
+        Ok(sums.into_iter().map(|s| s > 0.0).collect())
     }
 
     /// Scales the shard's gradient so that the norm of the whole (all ranks') gradient
@@ -385,6 +445,8 @@ struct Reducer {
     shard_len: i64,
     /// This rank's slice of the gradients summed over the ranks since the last step.
     acc: Option<Tensor>,
+    /// Which parameters had a gradient here since the last step.
+    used: Vec<bool>,
     reductions: u64,
 }
 
@@ -418,6 +480,7 @@ impl Reducer {
             sync: true,
             shard_len,
             acc: None,
+            used: vec![false; params.len()],
             reductions: 0,
         }
     }
@@ -472,6 +535,7 @@ impl BucketReduce for Reducer {
             let p = &self.params[i];
             let g = p.grad();
             if g.defined() {
+                self.used[i] = true;
                 let k = p.numel() as i64;
                 flat.f_narrow(0, self.layout.offsets[i] - start, k)
                     .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
@@ -551,6 +615,22 @@ impl Layout {
             offsets,
             padded: round_up(end, ranks * block),
         }
+    }
+
+    /// Each parameter's part of the slice `[start, start + len)`, with the padding after
+    /// it (the last one's to the end): (parameter index, first value in the slice,
+    /// length), for the parameters that have one.
+    fn pieces(&self, start: i64, len: i64) -> Vec<(usize, i64, i64)> {
+        let ends = self.offsets.iter().skip(1).copied().chain([self.padded]);
+        self.offsets
+            .iter()
+            .zip(ends)
+            .enumerate()
+            .filter_map(|(i, (&a, b))| {
+                let (lo, hi) = (a.max(start), b.min(start + len));
+                (lo < hi).then_some((i, lo - start, hi - lo))
+            })
+            .collect()
     }
 
     /// The tensors `pick` returns for the parameters, each copied to its offset in a

@@ -288,8 +288,8 @@ impl<'a> StepRun<'a> {
     /// [`f_step_with`]).
     ///
     /// # Errors
-    /// [`StepError::InvalidConfig`] before anything runs for options that contradict
-    /// each other (a scaler with an optimizer in backward or with offloaded gradients,
+    /// [`StepError::InvalidConfig`] before anything runs for an empty batch, and for
+    /// options that contradict each other (a scaler with an optimizer in backward or with offloaded gradients,
     /// data parallel options [`DataParallel::check`](crate::DataParallel::check)
     /// refuses); [`StepError::OutOfMemory`] and the others when the step fails.
     pub fn f_step(
@@ -299,6 +299,12 @@ impl<'a> StepRun<'a> {
         config: &StepConfig,
     ) -> Result<StepMeasurement, StepError> {
         self.check(config)?;
+        // Split or not, before any gradient is freed: weight decay would step on nothing.
+        if x.input.size().first() == Some(&0) {
+            return Err(StepError::invalid(
+                "the batch is empty (0 examples): a step needs at least one",
+            ));
+        }
         // memsave's autograd engine frees the graph of a backward that fails (the
         // seed's `x += f(x)`), which libtorch's leaves holding the input and weights;
         // installed before the first step, not by whichever lever first pushes hooks.

@@ -11,6 +11,8 @@ use std::process::Command;
 
 /// Three residual linear layers of width 10: 3 × (10 × 10 + 10) = 330 f32 values.
 const NUMEL: u64 = 330;
+/// One f32 used-flag per parameter (a weight and a bias a layer), all-reduced each step.
+const FLAGS: u64 = 4 * 6;
 const SUITE: &str = "suite: dist
 seed: 0
 threads: 1
@@ -60,23 +62,23 @@ fn per_rank_state_gradients_and_traffic_follow_the_algorithms() {
     // DDP: everything whole; a ring all-reduce sends 2 (N-1)/N of the gradients.
     assert_eq!(
         figures(ok_case(&two, "ddp")),
-        (2 * f32_bytes, f32_bytes, f32_bytes)
+        (2 * f32_bytes, f32_bytes, f32_bytes + FLAGS)
     );
     // ZeRO-1: half the state; all-reduce the gradients, all-gather the parameters.
     assert_eq!(
         figures(ok_case(&two, "zero1")),
-        (2 * shard, f32_bytes, f32_bytes + shard)
+        (2 * shard, f32_bytes, f32_bytes + shard + FLAGS)
     );
     // ZeRO-2: half the state and half the gradients; each rank sends the half it
     // does not own, then its half of the parameters.
     assert_eq!(
         figures(ok_case(&two, "zero2")),
-        (2 * shard, shard, 2 * shard)
+        (2 * shard, shard, 2 * shard + FLAGS)
     );
     // With two micro-batches ZeRO-2 reduces after each backward.
     assert_eq!(
         figures(ok_case(&two, "zero2+accum")),
-        (2 * shard, shard, 3 * shard)
+        (2 * shard, shard, 3 * shard + FLAGS)
     );
     for c in &two.cases {
         assert_eq!(c.world_size, Some(2));
@@ -90,7 +92,8 @@ fn per_rank_state_gradients_and_traffic_follow_the_algorithms() {
     // 1/N of one process, plus at most one block (one f32 value) of padding.
     assert!(state <= single_state / 4 + 2 * 4, "{state}");
     assert!(grads <= single_grads / 4 + 4, "{grads}");
-    assert_eq!(sent, 4 * (332 - 83) + 3 * 4 * 83);
+    // The flags' ring all-reduce sends 2 (N-1)/N of them.
+    assert_eq!(sent, 4 * (332 - 83) + 3 * 4 * 83 + FLAGS * 6 / 4);
     // The table shows them.
     assert!(table.contains("per rank:"), "{table}");
     assert!(table.contains("sent/step/rank"), "{table}");

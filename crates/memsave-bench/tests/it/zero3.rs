@@ -251,6 +251,8 @@ strategies:
   - {name: scaler, with: [{zero: 3}, grad_scaler]}
   - {name: offload-grads, with: [{zero: 3}, {offload_grads: {to: disk}}]}
   - {name: in-backward+accum, with: [{zero: 3}, {optimizer: {kind: adamw, in_backward: true}}, {accumulate: {micro_batches: 2}}, {offload_grads: {to: disk}}]}
+  - {name: in-backward+accum-only, with: [{zero: 3}, {optimizer: {kind: adamw, in_backward: true}}, {accumulate: {micro_batches: 2}}]}
+  - {name: ddp-in-backward+accum, with: [{optimizer: {kind: adamw, in_backward: true}}, {accumulate: {micro_batches: 2}}]}
 ";
     let suite = Suite::from_yaml(yaml, "t.yaml").unwrap();
     let lin = &suite.models[0];
@@ -272,9 +274,19 @@ strategies:
             "in-backward+accum",
             "in_backward cannot accumulate over micro-batches with zero: 3",
         ),
+        // Not one-process advice to add offload_grads, which zero: 3 and DDP refuse.
+        (
+            "in-backward+accum-only",
+            "in_backward cannot accumulate over micro-batches with zero: 3",
+        ),
+        (
+            "ddp-in-backward+accum",
+            "in_backward cannot run data parallel",
+        ),
     ] {
         let e = availability(lin, strategy(name), Some(2)).expect_err(name);
         assert!(e.to_string().contains(needle), "{name}: {e}");
+        assert!(!e.to_string().contains("add offload_grads"), "{name}: {e}");
     }
     // The zoo's networks do not attribute their variables to blocks.
     let e = availability(net, strategy("plain"), Some(2)).expect_err("zoo");

@@ -163,6 +163,13 @@ fn weights_that_autograd_keeps_after_a_resharding_forward_are_reported() {
     // Reported once; the next step is clean again.
     fsdp.forward(run).expect("forward").backward();
     fsdp.f_finish_backward().expect("clean again");
+    // A loss with grad outside a step (a validation loss), dropped: the next step's
+    // forward inside Fsdp::forward goes on, its update not lost to a wrong report.
+    let validation = run();
+    drop(validation);
+    fsdp.forward(run).expect("forward").backward();
+    fsdp.f_finish_backward()
+        .expect("a forward before the step's is not the step's");
 }
 
 /// A parameter of one unit used in another unit's forward (tied weights) reads the

@@ -14,5 +14,6 @@ mod fsdp_launch;
 mod fsdp_optim;
 mod launch;
 mod parity;
+mod unused;
 mod zero_disk;
 mod zero_int8;

@@ -405,6 +405,7 @@ fn check_world(n: usize) {
         .expect("a number");
     let n64 = n as u64;
     let grad_bytes = 4 * NUMEL as u64;
+    let flags = 4 * SIZES.len() as u64;
     assert_eq!(single_grads, grad_bytes, "one process holds every gradient");
     for strategy in STRATEGIES {
         for micro in [1, 2] {
@@ -424,9 +425,10 @@ fn check_world(n: usize) {
                             f["reductions"], STEPS as u64,
                             "{tag}: one all-reduce per step, none under no_sync"
                         );
+                        // With one used-flag per parameter in the bucket.
                         assert_eq!(
                             sent,
-                            grad_bytes * 2 * (n64 - 1) / n64,
+                            (grad_bytes + flags) * 2 * (n64 - 1) / n64,
                             "{tag}: ring all-reduce"
                         );
                         assert_eq!(f["state_bytes"], single_state);
@@ -467,7 +469,9 @@ fn check_world(n: usize) {
                                 (backwards * 4 * (padded - shard), 4 * shard, 4 * shard)
                             }
                         };
-                        assert_eq!(sent, reduce + gather, "{tag}: bytes sent per step");
+                        // The used-flags' all-reduce, one f32 per parameter.
+                        let used = flags * 2 * (n64 - 1) / n64;
+                        assert_eq!(sent, reduce + gather + used, "{tag}: bytes sent per step");
                         assert_eq!(
                             f["gradient_bytes"], grads,
                             "{tag}: gradient bytes held after the step"

@@ -92,3 +92,46 @@ fn a_failing_loss_is_an_error_of_the_profiler_not_a_panic() {
     model.fail = false;
     f_profile(&mut model, &x).expect("profiles once the loss works");
 }
+
+/// An empty batch is refused before anything runs, split or not: unsplit it used to
+/// step the optimizer on no example (weight decay moved every parameter).
+#[test]
+#[serial]
+fn an_empty_batch_is_refused_split_or_not() {
+    let model = Mlp::new(2, 16, 8, 1);
+    let empty = model.batch(0).unwrap();
+    let params = model.parameters();
+    let before: Vec<Vec<f32>> = params
+        .iter()
+        .map(|p| Vec::<f32>::try_from(p.detach().reshape([-1])).unwrap())
+        .collect();
+    let spec = OptimizerSpec {
+        kind: OptimizerKind::Adamw,
+        weight_decay: Some(0.1),
+        ..Default::default()
+    };
+    let mut optimizer = CaseOptimizer::build(&spec, &params).unwrap();
+    for micro_batches in [None, Some(2)] {
+        let mut config = StepConfig::baseline();
+        config.micro_batches = micro_batches;
+        let err = f_step_with(
+            &model,
+            &empty,
+            &config,
+            Device::Cpu,
+            false,
+            None,
+            Some(&mut optimizer),
+        )
+        .expect_err("an empty batch is refused");
+        assert!(
+            matches!(&err, StepError::InvalidConfig(m) if m.contains("empty")),
+            "{micro_batches:?}: {err:?}"
+        );
+        let after: Vec<Vec<f32>> = params
+            .iter()
+            .map(|p| Vec::<f32>::try_from(p.detach().reshape([-1])).unwrap())
+            .collect();
+        assert_eq!(after, before, "{micro_batches:?}: the parameters moved");
+    }
+}
