@@ -599,7 +599,7 @@ fn run_once(
 /// operation on a scalar panics even in its `f_` form): the panic is caught as the
 /// error it is.
 #[allow(clippy::too_many_arguments)]
-fn step_caught(
+pub(crate) fn step_caught(
     workload: &dyn Workload,
     x: &Batch,
     config: &StepConfig,
