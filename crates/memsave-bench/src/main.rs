@@ -93,6 +93,9 @@ struct RankCli {
     repeats: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
+    /// Memory limit in bytes instead of the suite's.
+    #[arg(long)]
+    memory_limit: Option<u64>,
     /// Record one step (rank 0) instead of measuring, listing this many tensors.
     #[arg(long)]
     trace_top: Option<usize>,
@@ -477,6 +480,7 @@ fn rank(args: RankCli) -> Result<()> {
         warmup: args.warmup,
         repeats: args.repeats,
         threads: args.threads,
+        memory_limit: args.memory_limit,
         trace: args
             .trace_top
             .map(|top| memsave_bench::distributed::RankTrace {
