@@ -541,7 +541,8 @@ fn fit(args: FitArgs) -> Result<()> {
             e @ memsave_bench::FitCaseError::Fit(
                 memsave_fit::FitError::ZeroBudget
                 | memsave_fit::FitError::BadGlobalBatch(_)
-                | memsave_fit::FitError::BadMargin(_),
+                | memsave_fit::FitError::BadMargin(_)
+                | memsave_fit::FitError::BatchOfOne { .. },
             ),
         ) => return Err(invalid(e)),
         Err(e) => return Err(e.into()),

@@ -496,6 +496,14 @@ pub enum FitError {
     /// message names, for any reason: a rank cannot go on alone).
     #[error("the workload's step failed: {0}")]
     Step(String),
+    /// The batch (on ranks, each rank's share) is one example, and a step on one
+    /// example turns running statistics NaN (BatchNorm given one value per channel in
+    /// training): no budget and no lever helps.
+    #[error("a batch of one example{} turns running statistics NaN (BatchNorm given one value per channel in training), whatever the budget: the batch must have 2 or more examples{}", if *world_size > 1 { " per rank" } else { "" }, if *world_size > 1 { format!(" per rank (a global batch of at least {})", 2 * world_size) } else { String::new() })]
+    BatchOfOne {
+        /// Ranks in the group (1: one process).
+        world_size: usize,
+    },
     /// On ranks: the global batch does not divide among them.
     #[error("the global batch of {global_batch} does not divide among {world_size} ranks: give a multiple of {world_size}")]
     Indivisible {
