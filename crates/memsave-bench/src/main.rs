@@ -294,7 +294,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // A signal ended a distributed case's ranks: end as the shells do.
         Err(e) if interrupted_by(&e).is_some() => {
-            eprintln!("error: {}", memsave_bench::one_line(&format!("{e:#}")));
+            // The error alone: each error of its chain repeats its source's message.
+            eprintln!("error: {}", memsave_bench::one_line(&format!("{e}")));
             let signal = interrupted_by(&e).unwrap_or(0);
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
