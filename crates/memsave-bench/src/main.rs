@@ -213,8 +213,9 @@ struct FitArgs {
     global_batch: Option<i64>,
     /// Lossy levers you accept, comma-separated: bf16, compress, int8-state,
     /// micro-batches (matters only when the step couples the samples of a batch, as
-    /// BatchNorm in training mode does: fit finds that itself; otherwise micro-batches
-    /// are lossless and always considered).
+    /// BatchNorm in training mode or a reduction over the batch does: fit finds that
+    /// itself, from the gradients of a split; otherwise micro-batches are lossless and
+    /// always considered).
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<memsave_bench::FitLever>,
     /// The optimizer stepped in every step (its state counts in the peak; it allows
