@@ -26,7 +26,7 @@
 //! numbers, draws that depend on the data (the interaction test assumes they depend
 //! on the batch's shape only).
 use crate::choice::Choice;
-use crate::probe::{step_caught, ProbeError};
+use crate::probe::{machine_cap, step_caught, ProbeError};
 use crate::state::Snapshot;
 use memsave_checkpoint::Schedule;
 use memsave_step::step::Unobserved;
@@ -85,14 +85,19 @@ impl Coupling {
     }
 }
 
+/// The most examples the check runs on: coupling shows at any size from two, and the
+/// check's runs, unlike the probes, are not retried smaller when they take too much.
+pub(crate) const MAX_CHECK_SIZE: i64 = 64;
+
 /// The size of the batch the check runs on for a step of `global` examples (on ranks,
-/// each rank's share): as the first small runs of the plain step (a quarter of it),
-/// even, at least 2; `None` below 2 examples, which no split divides.
+/// each rank's share): as the first small runs of the plain step (a quarter of it), at
+/// most [`MAX_CHECK_SIZE`], even, at least 2; `None` below 2 examples, which no split
+/// divides.
 pub(crate) fn check_size(global: i64) -> Option<i64> {
     if global < 2 {
         return None;
     }
-    let quarter = (global + 3) / 4;
+    let quarter = ((global + 3) / 4).min(MAX_CHECK_SIZE);
     Some((quarter - quarter % 2).max(2))
 }
 
@@ -135,7 +140,10 @@ pub(crate) fn split_changes_gradients(
         seed,
         params,
     };
+    // As the probes: the machine's memory the one cap (see `crate::probe`).
+    let cap = machine_cap(runs.device)?;
     let outcome = runs.compare(&*workload, size, tolerance);
+    drop(cap);
     let put_back = runs.put_back();
     let outcome = outcome?;
     put_back?;
@@ -278,4 +286,19 @@ fn rel_l2(a: &[Tensor], b: &[Tensor]) -> f64 {
 
 fn failed(e: impl std::fmt::Display) -> ProbeError {
     ProbeError::Failed(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_check_runs_on_an_even_quarter_of_at_most_64() {
+        assert_eq!(check_size(1), None);
+        assert_eq!(check_size(2), Some(2));
+        assert_eq!(check_size(3), Some(2));
+        assert_eq!(check_size(16), Some(4));
+        assert_eq!(check_size(22), Some(6));
+        assert_eq!(check_size(4096), Some(64));
+    }
 }

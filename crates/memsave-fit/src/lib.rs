@@ -138,7 +138,7 @@
 //! `fit` finds either from what the step does: it runs its first step under
 //! `memsave_sys::ops::sample_coupling_op`, which names a batch-norm-family op; when that
 //! names none, it runs one step of a small batch (a quarter of the batch, as its first
-//! small runs) whole and split in two, from the same random stream and statistics, and
+//! small runs, at most 64 examples) whole and split in two, from the same random stream and statistics, and
 //! compares the gradients: more than 1e-4 apart (relative L2 over all parameters; 3e-2
 //! for f16 or bf16 parameters), the step couples its samples (where the step draws
 //! random numbers, dropout, the halves of the batch are checked for interaction instead,
