@@ -43,6 +43,10 @@
 //! `compressed_saved_bytes`.
 //! Gradients are not compared with a baseline (each rank holds its own until the step).
 //!
+//! The suite's `memory_limit` (or `--memory-limit`) holds on each rank, checked against
+//! what each step allocated at its peak rather than enforced (see [`run_rank`]): a
+//! rank above it makes the case an error that says so.
+//!
 //! Traps: the model's batch (its first dimension) must divide by the world size, and
 //! each rank's share by `accumulate`'s micro-batches, or the case is unavailable.
 //! `threads` applies to each rank: N ranks with 2 threads each use 2N cores.
@@ -106,6 +110,11 @@ pub struct RankFigures {
     /// during the last measured step; `None` in the other modes, which gather nothing.
     #[serde(default)]
     pub gathered_peak_bytes: Option<u64>,
+    /// Set when a step's allocation (its `start_bytes` plus its peak) went above the
+    /// memory limit (`memory_limit`, `--memory-limit`): what it reached, in words. The
+    /// case is then an error, as on one process.
+    #[serde(default)]
+    pub over_memory_limit: Option<String>,
 }
 
 impl RankFigures {
@@ -126,6 +135,7 @@ impl RankFigures {
             compressed_saved_bytes: None,
             parameter_bytes: 0,
             gathered_peak_bytes: None,
+            over_memory_limit: None,
         }
     }
 }
@@ -238,6 +248,8 @@ pub struct RankSettings {
     /// The program whose hidden `rank` subcommand runs one rank (default: this
     /// process's executable, which must then be the `memsave` binary).
     pub rank_program: Option<PathBuf>,
+    /// Memory limit in bytes instead of the suite's `memory_limit` (see [`run_rank`]).
+    pub memory_limit: Option<u64>,
 }
 
 /// A point of a distributed run, told to the caller's progress.
@@ -335,14 +347,19 @@ impl Ranks<'_> {
             out.display()
         )))?;
         let mut args = rank_args(self.suite_file, &model.name, &strategy.name, &out);
+        let text = |v: Option<usize>| v.map(|v| v.to_string());
         for (flag, value) in [
-            ("--warmup", self.settings.warmup),
-            ("--repeats", self.settings.repeats),
-            ("--threads", self.settings.threads),
+            ("--warmup", text(self.settings.warmup)),
+            ("--repeats", text(self.settings.repeats)),
+            ("--threads", text(self.settings.threads)),
+            (
+                "--memory-limit",
+                self.settings.memory_limit.map(|b| b.to_string()),
+            ),
         ] {
             if let Some(v) = value {
                 args.push(flag.into());
-                args.push(v.to_string().into());
+                args.push(v.into());
             }
         }
         launch_ranks(self.program, &args, self.world_size)?;
@@ -352,6 +369,14 @@ impl Ranks<'_> {
         let _ = std::fs::remove_dir_all(&out);
         if let Some(reason) = ranks.iter().find_map(|r| r.unavailable.clone()) {
             return Err(RanksUnavailable::new(reason).into());
+        }
+        if let Some(over) = ranks.iter().find_map(|r| r.over_memory_limit.clone()) {
+            return Ok(CaseResult::failed(
+                &model.name,
+                &strategy.name,
+                Status::Error,
+                over,
+            ));
         }
         Ok(combine(&model.name, &strategy.name, &ranks))
     }
@@ -481,6 +506,8 @@ pub struct RankArgs {
     pub repeats: Option<usize>,
     /// libtorch threads instead of the suite's.
     pub threads: Option<usize>,
+    /// Memory limit in bytes instead of the suite's `memory_limit`.
+    pub memory_limit: Option<u64>,
     /// Record one step instead of measuring (`memsave trace` of a case with
     /// `world_size`): see [`RankTrace`].
     pub trace: Option<RankTrace>,
@@ -508,6 +535,13 @@ pub struct RankTrace {
 /// Runs one case of `suite` as the rank the environment names (`RANK`, `WORLD_SIZE`,
 /// `MASTER_ADDR`, `MASTER_PORT`, set by the launcher) and writes its
 /// [`RankFigures`] to `rank{RANK}.json` in `args.out_dir`.
+///
+/// The memory limit (`args.memory_limit`, else the suite's `memory_limit`) is checked
+/// against what each step allocated at its peak (its `start_bytes` plus its
+/// `peak_bytes`), not enforced as a simulated capacity: an allocation failing on one
+/// rank would leave the others waiting in a collective of the step. A rank over it
+/// says so in its figures ([`RankFigures::over_memory_limit`]) and the case is an
+/// error, as a step out of memory is on one process.
 pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), DistributedError> {
     memsave_meter::install();
     if let Some(n) = args.threads.or(suite.threads) {
@@ -540,7 +574,12 @@ pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), DistributedError> 
         return trace_rank(&group, case, warmup, request, &args.out_dir);
     }
     let figures = match RankCase::build(&group, suite.seed, model, strategy) {
-        Ok(case) => measure(&group, case, warmup, repeats)?,
+        Ok(case) => {
+            let limit = args
+                .memory_limit
+                .or(suite.memory_limit.as_ref().map(|l| l.bytes));
+            measure(&group, case, warmup, repeats, limit)?
+        }
         Err(DistributedError::Unavailable(why)) => {
             RankFigures::unavailable(rank, world_size, why.reason)
         }
@@ -804,17 +843,21 @@ pub(crate) fn rank_config(
     Ok((config, mode))
 }
 
-/// The case's warm-up and measured steps on this rank; the figures of the last.
+/// The case's warm-up and measured steps on this rank; the figures of the last, and
+/// whether any step went above `limit` (see [`run_rank`]).
 fn measure(
     group: &ProcessGroup,
     mut case: RankCase,
     warmup: usize,
     repeats: usize,
+    limit: Option<u64>,
 ) -> Result<RankFigures, DistributedError> {
     let mut last: Option<StepMeasurement> = None;
     let mut times = Vec::with_capacity(repeats);
+    let mut reached = 0;
     for i in 0..warmup + repeats {
         let step = case.step(&Unobserved)?;
+        reached = reached.max(step.start_bytes + step.peak_bytes);
         if i >= warmup {
             times.push(step.time_s);
             last = Some(step);
@@ -822,6 +865,14 @@ fn measure(
     }
     let mut figures = RankFigures::unavailable(group.rank(), group.world_size(), String::new());
     figures.unavailable = None;
+    figures.over_memory_limit = limit.filter(|&l| reached > l).map(|l| {
+        format!(
+            "out of memory: rank {} allocated {} at its step's peak, above the memory limit of {} (on ranks the limit is checked against each step's peak, not enforced)",
+            group.rank(),
+            memsave_meter::Bytes(reached),
+            memsave_meter::Bytes(l)
+        )
+    });
     if let Some(last) = last {
         figures.start_bytes = last.start_bytes;
         figures.peak_bytes = last.peak_bytes;

@@ -93,6 +93,9 @@ struct RankCli {
     repeats: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
+    /// Memory limit in bytes instead of the suite's.
+    #[arg(long)]
+    memory_limit: Option<u64>,
     /// Record one step (rank 0) instead of measuring, listing this many tensors.
     #[arg(long)]
     trace_top: Option<usize>,
@@ -210,8 +213,9 @@ struct FitArgs {
     global_batch: Option<i64>,
     /// Lossy levers you accept, comma-separated: bf16, compress, int8-state,
     /// micro-batches (matters only when the step couples the samples of a batch, as
-    /// BatchNorm in training mode does: fit finds that itself; otherwise micro-batches
-    /// are lossless and always considered).
+    /// BatchNorm in training mode or a reduction over the batch does: fit finds that
+    /// itself, from the gradients of a split; otherwise micro-batches are lossless and
+    /// always considered).
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<memsave_bench::FitLever>,
     /// The optimizer stepped in every step (its state counts in the peak; it allows
@@ -291,7 +295,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // A signal ended a distributed case's ranks: end as the shells do.
         Err(e) if interrupted_by(&e).is_some() => {
-            eprintln!("error: {}", memsave_bench::one_line(&format!("{e:#}")));
+            // The error alone: each error of its chain repeats its source's message.
+            eprintln!("error: {}", memsave_bench::one_line(&format!("{e}")));
             let signal = interrupted_by(&e).unwrap_or(0);
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
@@ -477,6 +482,7 @@ fn rank(args: RankCli) -> Result<()> {
         warmup: args.warmup,
         repeats: args.repeats,
         threads: args.threads,
+        memory_limit: args.memory_limit,
         trace: args
             .trace_top
             .map(|top| memsave_bench::distributed::RankTrace {
@@ -537,7 +543,8 @@ fn fit(args: FitArgs) -> Result<()> {
             e @ memsave_bench::FitCaseError::Fit(
                 memsave_fit::FitError::ZeroBudget
                 | memsave_fit::FitError::BadGlobalBatch(_)
-                | memsave_fit::FitError::BadMargin(_),
+                | memsave_fit::FitError::BadMargin(_)
+                | memsave_fit::FitError::BatchOfOne { .. },
             ),
         ) => return Err(invalid(e)),
         Err(e) => return Err(e.into()),

@@ -211,6 +211,7 @@ pub fn run_suite_with(
             repeats: options.repeats,
             threads: options.threads,
             rank_program: options.rank_program.clone(),
+            memory_limit: options.memory_limit,
         };
         let selected = selected_cases(suite, options);
         let cases = run_cases(suite, &selected, &settings, n, &mut |event| match event {

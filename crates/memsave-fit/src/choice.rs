@@ -39,13 +39,15 @@ pub struct Choice {
     pub compress_int8: bool,
     /// Optimizer state in 8 bits (lossy; only when allowed).
     pub int8_state: bool,
-    /// With more than one micro-batch: the op of the step that couples the samples of
-    /// a batch (a batch-norm-family op in training mode, as
-    /// `memsave_sys::ops::sample_coupling_op` names it), which makes the split lossy:
-    /// each micro-batch is normalized with its own statistics, so the gradients and the
-    /// running statistics differ from the full batch's. `fit` offers such a split only
-    /// when [`Allow::micro_batches`](super::Allow::micro_batches) is set. `None` when
-    /// the step runs no such op, or with one micro-batch.
+    /// With more than one micro-batch: how the step couples the samples of a batch,
+    /// which makes the split lossy. Either the op that does (a batch-norm-family op in
+    /// training mode, as `memsave_sys::ops::sample_coupling_op` names it: each
+    /// micro-batch is normalized with its own statistics, so the gradients and the
+    /// running statistics differ from the full batch's), or, where no such op runs, how
+    /// much a split of a small batch changed the gradients (`y - y.mean(0)`, say; see
+    /// the [crate docs](crate) for what is and is not found). `fit` offers such a split
+    /// only when [`Allow::micro_batches`](super::Allow::micro_batches) is set. `None`
+    /// when nothing coupling was found, or with one micro-batch.
     pub sample_coupling_op: Option<String>,
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
@@ -95,12 +97,20 @@ impl Choice {
     /// on the same micro-batches, and the split into micro-batches itself changes
     /// nothing but rounding (false when the step couples the samples of a batch: see
     /// [`sample_coupling_op`](Self::sample_coupling_op)).
+    ///
+    /// What `fit` checks for the split: a batch-norm-family op in the step, and the
+    /// gradients of one step of a small batch split in two against the whole batch's
+    /// (relative L2 within 1e-4). Coupling that does not show in the gradients of the
+    /// batch it probed (only at larger sizes, or on other examples) is not found, and
+    /// a split is then called lossless; a step's random draws (dropout), which a split
+    /// draws otherwise, are not counted as a change. Set by hand, a choice knows only
+    /// what its `sample_coupling_op` says.
     pub fn is_lossless(&self) -> bool {
         !(self.autocast_bf16 || self.compress_int8 || self.int8_state || self.lossy_split())
     }
 
     /// True when the split into micro-batches changes the step: more than one, and the
-    /// step runs an op that couples the samples of a batch.
+    /// step couples the samples of a batch ([`sample_coupling_op`](Self::sample_coupling_op)).
     pub fn lossy_split(&self) -> bool {
         self.micro_batches > 1 && self.sample_coupling_op.is_some()
     }

@@ -131,13 +131,23 @@
 //! rank, and the others' fail in their next collective (when the failed rank's process
 //! ends, or at the group's timeout).
 //!
-//! Micro-batches are lossless only when no op of the step computes a sample's output
-//! from other samples of the batch. BatchNorm in training mode does (it normalizes each
-//! sample with the whole batch's statistics): `fit` runs its first step under
-//! `memsave_sys::ops::sample_coupling_op`, and when that names an op, a split into
-//! micro-batches is a lossy lever like the others, considered only with
-//! [`Allow::micro_batches`] ([`Choice::is_lossless`] is then false for it, and the
-//! report's `why` names the op).
+//! Micro-batches are lossless only when nothing in the step computes a sample's output
+//! (or its loss) from other samples of the batch. BatchNorm in training mode does (it
+//! normalizes each sample with the whole batch's statistics), and so does any reduction
+//! over the batch (`y - y.mean(0)`, a loss divided by a count over the whole batch).
+//! `fit` finds either from what the step does: it runs its first step under
+//! `memsave_sys::ops::sample_coupling_op`, which names a batch-norm-family op; when that
+//! names none, it runs one step of a small batch (a quarter of the batch, as its first
+//! small runs, at most 64 examples) whole and split in two, from the same random stream and statistics, and
+//! compares the gradients: more than 1e-4 apart (relative L2 over all parameters; 3e-2
+//! for f16 or bf16 parameters), the step couples its samples (where the step draws
+//! random numbers, dropout, the halves of the batch are checked for interaction instead,
+//! each run from the same draws: other draws are not a change of the step). Either way,
+//! a split into micro-batches is then a lossy lever like the others, considered only
+//! with [`Allow::micro_batches`] ([`Choice::is_lossless`] is then false for it, and the
+//! report's `why` says why). Not found: coupling that does not show in the gradients of
+//! the batch probed (one that starts only past some batch size, or only on other
+//! examples than the workload's first ones), or that moves them less than the tolerance.
 //!
 //! Traps: the model is left bitwise as `fit` found it: its parameters, its
 //! [`buffers`](memsave_step::Workload::buffers) (BatchNorm's running statistics, which every
@@ -153,6 +163,7 @@
 //! giving it back.
 mod allocator;
 mod choice;
+mod coupling;
 mod lockstep;
 mod parallel;
 mod predict;
@@ -224,7 +235,8 @@ impl FitRequest {
 /// The lossy levers `fit` may use besides the lossless ones (recompute, offload,
 /// micro-batches, optimizer step in backward, gradients in files). All off by default.
 /// Micro-batches are lossless unless the step couples the samples of a batch
-/// (BatchNorm in training mode): then they are lossy and need [`micro_batches`](Self::micro_batches).
+/// (BatchNorm in training mode, a reduction over the batch): then they are lossy and
+/// need [`micro_batches`](Self::micro_batches).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Allow {
     /// Forward under bf16 autocast.
@@ -235,9 +247,10 @@ pub struct Allow {
     pub int8_state: bool,
     /// More than one micro-batch when the step couples the samples of a batch (BatchNorm
     /// in training mode normalizes each sample with the whole batch's statistics, so
-    /// micro-batches change the gradients and the running statistics). `fit` finds such
-    /// an op itself, in its first run of the step; without one, micro-batching is
-    /// lossless and always considered, whatever this says.
+    /// micro-batches change the gradients and the running statistics; so does
+    /// `y - y.mean(0)`). `fit` finds such coupling itself, from its first runs of the
+    /// step (see the [crate docs](crate)); without it, micro-batching is lossless and
+    /// always considered, whatever this says.
     pub micro_batches: bool,
 }
 
@@ -293,9 +306,10 @@ pub struct FitReport {
     pub margin: f64,
     /// The lossy levers allowed.
     pub allow: Allow,
-    /// The first op of the step that couples the samples of a batch (a batch-norm-family
-    /// op in training mode), if any: micro-batches are then lossy, and considered only
-    /// with [`Allow::micro_batches`].
+    /// How the step couples the samples of a batch, if it does: the first
+    /// batch-norm-family op in training mode it runs, or, with none, a description of
+    /// how much a split changed the gradients (see the [crate docs](crate)).
+    /// Micro-batches are then lossy, and considered only with [`Allow::micro_batches`].
     pub sample_coupling_op: Option<String>,
     /// The chosen configuration.
     pub choice: Choice,
@@ -482,6 +496,14 @@ pub enum FitError {
     /// message names, for any reason: a rank cannot go on alone).
     #[error("the workload's step failed: {0}")]
     Step(String),
+    /// The batch (on ranks, each rank's share) is one example, and a step on one
+    /// example turns running statistics NaN (BatchNorm given one value per channel in
+    /// training): no budget and no lever helps.
+    #[error("a batch of one example{} turns running statistics NaN (BatchNorm given one value per channel in training), whatever the budget: the batch must have 2 or more examples{}", if *world_size > 1 { " per rank" } else { "" }, if *world_size > 1 { format!(" per rank (a global batch of at least {})", 2 * world_size) } else { String::new() })]
+    BatchOfOne {
+        /// Ranks in the group (1: one process).
+        world_size: usize,
+    },
     /// On ranks: the global batch does not divide among them.
     #[error("the global batch of {global_batch} does not divide among {world_size} ranks: give a multiple of {world_size}")]
     Indivisible {

@@ -424,7 +424,7 @@ impl Setup {
 /// On the CPU, the machine's memory as a simulated capacity for the probe's runs: the
 /// one cap in force (see [`machine_memory`]); none elsewhere or where the system does
 /// not say.
-fn machine_cap(device: Device) -> Result<Option<MemoryLimitGuard>, ProbeError> {
+pub(crate) fn machine_cap(device: Device) -> Result<Option<MemoryLimitGuard>, ProbeError> {
     // No budget as a simulated capacity (see `machine_memory`): only the machine's.
     Ok(match (device, machine_memory()) {
         (Device::Cpu, Some(machine)) => {
@@ -599,7 +599,7 @@ fn run_once(
 /// operation on a scalar panics even in its `f_` form): the panic is caught as the
 /// error it is.
 #[allow(clippy::too_many_arguments)]
-fn step_caught(
+pub(crate) fn step_caught(
     workload: &dyn Workload,
     x: &Batch,
     config: &StepConfig,

@@ -22,7 +22,7 @@ mod tuning;
 pub use self::explain::table;
 
 use self::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, splits, Levers};
-use self::explain::{coupling_sentence, front, why};
+use self::explain::{front, why};
 use self::race::{
     close_to_fastest, ends_before, fastest_of, fastest_of_run, racers, rounds,
     sort_by_measured_time, sort_by_predicted_time, Rounds,
@@ -35,6 +35,7 @@ use self::tuning::{
     RECHECK_SHARE, RECHECK_WITHIN,
 };
 use super::choice::Choice;
+use super::coupling::{check_size, split_changes_gradients, Coupling};
 use super::lockstep::Ranks;
 use super::probe::ProbeError;
 use super::state::ModelState;
@@ -209,10 +210,10 @@ struct Search<'w, 'q> {
     cost_ratio: HashMap<Levers, f64>,
     /// Candidates run at their real size already.
     run_already: HashSet<usize>,
-    /// The first op of the step that couples the samples of a batch, found in the
-    /// first evaluation of the plain step (one micro-batch): with one, micro-batches
-    /// change the step and are a lossy lever. `None` until that evaluation.
-    coupling: Option<Option<String>>,
+    /// How the step couples the samples of a batch, found at the first evaluation of
+    /// the plain step (see `crate::coupling`): with coupling, micro-batches change the
+    /// step and are a lossy lever. `None` until that evaluation.
+    coupling: Option<Option<Coupling>>,
     /// Real steps of chosen configurations run to confirm one.
     tries: usize,
 }
@@ -311,8 +312,10 @@ impl Search<'_, '_> {
     }
 
     /// The plain step of the pass (`base`'s levers) with `k` micro-batches of at most
-    /// `m`; its first evaluation runs under `memsave_sys::ops::sample_coupling_op`, to
-    /// learn whether the step couples the samples of a batch.
+    /// `m`; its first evaluation runs under `memsave_sys::ops::sample_coupling_op`, and
+    /// when that names no op, the gradients of a split are compared with the whole
+    /// batch's, to learn whether the step couples the samples of a batch (see
+    /// `crate::coupling`).
     fn evaluate_plain(&mut self, base: Levers, k: usize, m: i64) -> Result<Candidate, FitError> {
         let plain_choice = base.apply(Choice::new(self.global, k));
         if self.coupling.is_none() {
@@ -320,12 +323,59 @@ impl Search<'_, '_> {
                 self.runs.evaluate(&plain_choice, m, k, None)
             })
             .map_err(|e| FitError::Step(e.to_string()))?;
-            self.runs.lossy_split = op.is_some();
-            self.coupling = Some(op);
-            plain
+            let plain = plain?;
+            let coupling = match op {
+                Some(op) => Some(Coupling::Op(op)),
+                None => self.split_check()?,
+            };
+            self.runs.lossy_split = coupling.is_some();
+            self.coupling = Some(coupling);
+            Ok(plain)
         } else {
             self.runs.evaluate(&plain_choice, m, k, None)
         }
+    }
+
+    /// The comparison of a split's gradients with the whole batch's (see
+    /// `crate::coupling`), run by each rank on its own examples and agreed: coupling
+    /// on any rank is coupling; a failure on any rank ends the fit on every rank.
+    fn split_check(&mut self) -> Result<Option<Coupling>, FitError> {
+        let Some(size) = check_size(self.global) else {
+            return Ok(None);
+        };
+        let ranks = &self.runs.ranks;
+        let outcome = split_changes_gradients(&mut *self.runs.workload, size);
+        let (rel, failed) = match &outcome {
+            // A NaN difference is coupling too: infinite, to survive the max.
+            Ok(Some(rel)) if rel.is_nan() => (f64::INFINITY, 0.0),
+            Ok(Some(rel)) => (*rel, 0.0),
+            Ok(None) => (-1.0, 0.0),
+            Err(_) => (-1.0, 1.0),
+        };
+        let agreed = ranks.max(&[rel, failed])?;
+        if let Err(e) = outcome {
+            let e = format!(
+                "comparing a split's gradients with the whole batch's: {}",
+                e.message()
+            );
+            return Err(FitError::Step(match ranks.group() {
+                Some(_) => format!("rank {}: {e}", ranks.rank()),
+                None => e,
+            }));
+        }
+        if agreed[1] > 0.0 {
+            return Err(FitError::Step(
+                "another rank failed to compare a split's gradients with the whole batch's".into(),
+            ));
+        }
+        Ok((agreed[0] >= 0.0).then(|| Coupling::Gradients {
+            examples: size,
+            rel_l2: if agreed[0].is_infinite() {
+                f64::NAN
+            } else {
+                agreed[0]
+            },
+        }))
     }
 
     /// Predicts `levers` with `k` micro-batches of at most `m`, unless (outside
@@ -390,17 +440,18 @@ impl Search<'_, '_> {
         Ok(None)
     }
 
-    /// The op that couples the samples of a batch, if the step runs one, named on
-    /// every candidate with more than one micro-batch.
-    fn name_coupling(&mut self) -> Option<String> {
+    /// How the step couples the samples of a batch, if it does, named on every
+    /// candidate with more than one micro-batch.
+    fn name_coupling(&mut self) -> Option<Coupling> {
         let coupling = self.coupling.clone().flatten();
-        if let Some(op) = &coupling {
+        if let Some(coupling) = &coupling {
+            let name = coupling.name();
             for c in self
                 .candidates
                 .iter_mut()
                 .filter(|c| c.choice.micro_batches > 1)
             {
-                c.choice.sample_coupling_op = Some(op.clone());
+                c.choice.sample_coupling_op = Some(name.clone());
             }
         }
         coupling
@@ -608,7 +659,7 @@ impl Search<'_, '_> {
     fn report(
         self,
         chosen: usize,
-        coupling: Option<String>,
+        coupling: Option<Coupling>,
         raced: Raced,
         fastest_measured: Option<Candidate>,
     ) -> FitReport {
@@ -642,10 +693,10 @@ impl Search<'_, '_> {
             world_size,
             raced.measured,
         );
-        if let Some(op) = &coupling {
+        if let Some(coupling) = &coupling {
             why.push_str(&format!(
                 "; {}",
-                coupling_sentence(op, request.allow.micro_batches)
+                coupling.sentence(request.allow.micro_batches)
             ));
         }
         FitReport {
@@ -654,7 +705,7 @@ impl Search<'_, '_> {
             global_batch: global,
             margin: request.margin,
             allow: request.allow,
-            sample_coupling_op: coupling.clone(),
+            sample_coupling_op: coupling.as_ref().map(Coupling::name),
             choice: c.choice.clone(),
             predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
             measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),

@@ -56,16 +56,21 @@ pub enum StepError {
     /// two examples. Checked only for the buffers [`Workload::buffers`](crate::Workload::buffers)
     /// lists, and only for steps with a one-example micro-batch.
     #[error(
-        "a micro-batch of {micro_batch} example left {buffers} running statistic(s) NaN or \
+        "{} of {micro_batch} example left {buffers} running statistic(s) NaN or \
          infinite (BatchNorm given one value per channel in training, as with a 1x1 \
          feature map; PyTorch refuses this input): they are put back as before the step; \
-         use micro-batches of at least 2 examples"
+         {}",
+        if *split { "a micro-batch" } else { "a batch" },
+        if *split { "use micro-batches of at least 2 examples" } else { "the batch must have 2 or more examples" }
     )]
     NonFiniteStatistics {
         /// How many buffers turned non-finite.
         buffers: usize,
-        /// Examples in the smallest micro-batch of the step.
+        /// Examples in the smallest micro-batch of the step (the batch's, unsplit).
         micro_batch: i64,
+        /// Whether the step split its batch into micro-batches: if not, the batch
+        /// itself is too small, and no split helps.
+        split: bool,
     },
     /// A file or directory of the step (an offload store's) could not be made.
     #[error("{what}: {source}")]

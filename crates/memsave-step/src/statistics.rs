@@ -47,8 +47,8 @@ impl StatisticsGuard {
 
     /// `Ok` when every saved buffer is still finite; otherwise puts every saved buffer
     /// back as it was before the step and returns
-    /// [`StepError::NonFiniteStatistics`].
-    pub(crate) fn check(self, smallest_micro_batch: i64) -> Result<(), StepError> {
+    /// [`StepError::NonFiniteStatistics`] (`split`: the step split its batch).
+    pub(crate) fn check(self, smallest_micro_batch: i64, split: bool) -> Result<(), StepError> {
         let _no_grad = tch::no_grad_guard();
         let mut spoiled = 0;
         for (b, _) in &self.saved {
@@ -65,6 +65,7 @@ impl StatisticsGuard {
         Err(StepError::NonFiniteStatistics {
             buffers: spoiled,
             micro_batch: smallest_micro_batch,
+            split,
         })
     }
 }

@@ -345,7 +345,7 @@ impl<'a> StepRun<'a> {
             g.restore().map_err(offload_grads)?;
         }
         if let (Some(guard), Some(smallest)) = (guard, smallest) {
-            guard.check(smallest)?;
+            guard.check(smallest, config.micro_batches.is_some_and(|k| k > 1))?;
         }
         let saved = measured
             .saved

@@ -349,3 +349,48 @@ strategies:
         );
     }
 }
+
+/// Issue "Trust III" item 3: the memory limit (the suite's `memory_limit`, and
+/// `--memory-limit` over it) counts on ranks as on one process: a step that allocates
+/// above it is an error naming the limit (a 120 KiB limit passed with a 133 KiB peak).
+/// The limit is set one byte below what the unlimited run's step reached (every rank's
+/// share is the same size, so both reach the same), and at exactly that.
+#[test]
+#[serial]
+fn the_memory_limit_counts_on_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (report, _) = bench(dir.path(), 2, Some("^lin/ddp$"));
+    let c = ok_case(&report, "ddp");
+    let reached = c.start_bytes.unwrap() + c.peak_bytes.unwrap();
+    let run = |suite_limit: u64, cli_limit: Option<u64>| -> CaseResult {
+        let yaml = SUITE.replace(
+            "world_size: 2\n",
+            &format!("world_size: 2\nmemory_limit: {suite_limit}\n"),
+        );
+        let file = dir.path().join("limited.yaml");
+        std::fs::write(&file, yaml).unwrap();
+        let json = dir.path().join("limited.json");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_memsave"));
+        cmd.arg("bench")
+            .arg(&file)
+            .args(["--filter", "^lin/ddp$", "--json"])
+            .arg(&json);
+        if let Some(limit) = cli_limit {
+            cmd.args(["--memory-limit", &limit.to_string()]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let report = Report::from_json(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        report.cases.into_iter().next().unwrap()
+    };
+    let over = run(reached - 1, None);
+    assert_eq!(over.status, Status::Error, "{over:?}");
+    let error = over.error.unwrap_or_default();
+    assert!(
+        error.contains("out of memory") && error.contains("memory limit"),
+        "{error}"
+    );
+    // --memory-limit wins over the suite's.
+    let within = run(reached - 1, Some(reached));
+    assert_eq!(within.status, Status::Ok, "{:?}", within.error);
+}

@@ -405,4 +405,60 @@ fn sigint_to_bench_during_a_distributed_case_ends_the_ranks_and_the_run() {
         .expect("bench exits after SIGINT");
     assert_eq!(status.code(), Some(130), "stderr: {}", run.stderr());
     run.assert_none_left(since, Duration::from_secs(10));
+    let stderr = run.stderr();
+    assert_eq!(
+        stderr.matches("interrupted by SIGINT").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `memsave fit --world-size` interrupted while its ranks run: the ranks end, and so
+/// does fit, with 128 + SIGINT and the interruption said once (it was said twice).
+#[test]
+fn sigint_to_fit_on_ranks_ends_them_and_says_so_once() {
+    let mut run = Run::new();
+    let suite = run.dir.path().join("fit.yaml");
+    std::fs::write(
+        &suite,
+        "suite: fit\nseed: 0\nthreads: 1\nmodels:\n  \
+         - {name: lin, kind: residual_linear, layers: 8, hidden: 256, batch: [64]}\nstrategies:\n  \
+         - {name: ddp, with: [{optimizer: {kind: adamw}}]}\n",
+    )
+    .expect("suite file");
+    let suite = suite.display().to_string();
+    run.start(
+        memsave(),
+        &[
+            "fit",
+            &suite,
+            "--model",
+            "lin",
+            "--budget",
+            "1GiB",
+            "--world-size",
+            "2",
+            "--exhaustive",
+        ],
+        None,
+    );
+    let tag = run.tag();
+    assert!(
+        within(Duration::from_secs(120), || tagged(&tag).len() >= 3),
+        "the ranks never started; stderr: {}",
+        run.stderr()
+    );
+    kill(Pid::from_raw(run.pid() as i32), Signal::SIGINT).expect("SIGINT");
+    let since = Instant::now();
+    let status = run
+        .exits_within(Duration::from_secs(15))
+        .expect("fit exits after SIGINT");
+    assert_eq!(status.code(), Some(130), "stderr: {}", run.stderr());
+    run.assert_none_left(since, Duration::from_secs(10));
+    let stderr = run.stderr();
+    assert_eq!(
+        stderr.matches("interrupted by SIGINT").count(),
+        1,
+        "{stderr}"
+    );
 }

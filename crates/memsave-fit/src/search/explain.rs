@@ -33,19 +33,6 @@ pub(super) fn front(candidates: &[Candidate]) -> Vec<Candidate> {
     front
 }
 
-/// Why micro-batches are lossy for a step that runs `op`, in one sentence, and whether
-/// they were considered.
-pub(super) fn coupling_sentence(op: &str, allowed: bool) -> String {
-    format!(
-        "the step runs {op} in training mode, which normalizes each sample with the whole batch's statistics: micro-batches change the gradients and the running statistics, so {}",
-        if allowed {
-            "they are a lossy lever here (allowed)"
-        } else {
-            "they were not considered (allow micro_batches to consider them)"
-        }
-    )
-}
-
 /// Why `chosen` among `candidates`: the fastest predicted within `target` (the budget
 /// less the margin), or, when `raced` configurations (the choice included) ran at
 /// their real size, the fastest measured; what faster one would need; and the split

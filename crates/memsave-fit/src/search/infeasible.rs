@@ -26,6 +26,12 @@ pub(super) fn error(
     request: &FitRequest,
 ) -> Result<FitError, FitError> {
     let (best_allowed, best_lossy, one_example_spoils) = least_peaks(runs, candidates, request)?;
+    if one_example_spoils && runs.global == 1 {
+        // The whole batch (each rank's share) is one example: no budget helps.
+        return Ok(FitError::BatchOfOne {
+            world_size: runs.ranks.world_size(),
+        });
+    }
     let need = |peak: u64| Bytes(budget_for(peak, request.margin));
     let mut hint = if one_example_spoils {
         ONE_EXAMPLE_SPOILS.to_owned()

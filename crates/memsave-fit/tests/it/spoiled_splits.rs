@@ -119,3 +119,21 @@ fn without_splits_the_budget_fit_suggests_is_one_the_whole_batch_reaches() {
     let message = fit_at_the_suggested_budget(Allow::default());
     assert!(!message.contains("accumulate"), "{message}");
 }
+
+/// Issue "Trust III" item 10: a batch of one example on a BatchNorm net spoils the
+/// statistics whatever the budget; `fit` said to give a larger budget, and now says the
+/// batch must have 2 or more examples.
+#[test]
+#[serial]
+fn a_batch_of_one_is_told_to_grow_not_given_a_budget() {
+    let mut model = Norm1d::new(1, WIDTH);
+    let mut request = FitRequest::new(1 << 30);
+    request.global_batch = Some(1);
+    let e = fit(&mut model, &request).expect_err("one value per channel");
+    assert_eq!(e, FitError::BatchOfOne { world_size: 1 }, "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("the batch must have 2 or more examples") && !text.contains("budget of"),
+        "{text}"
+    );
+}

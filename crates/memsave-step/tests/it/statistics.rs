@@ -26,7 +26,8 @@ fn one_value_per_channel_is_refused_with_the_statistics_put_back_and_the_gradien
                 e,
                 StepError::NonFiniteStatistics {
                     buffers: 1,
-                    micro_batch: 1
+                    micro_batch: 1,
+                    split: true
                 }
             ),
             "{offload_grads:?}: {e:?}"
@@ -57,4 +58,29 @@ fn one_value_per_channel_is_refused_with_the_statistics_put_back_and_the_gradien
             .any(|b| b.isnan().any().int64_value(&[]) == 1);
         assert!(nan, "{offload_grads:?}: no NaN without the check");
     }
+}
+
+/// Issue "Trust III" item 10: an unsplit batch of one example spoils the statistics as
+/// a one-example micro-batch does, and no split helps: the error says the batch must
+/// have 2 or more examples (it spoke of micro-batches).
+#[test]
+#[serial]
+fn a_batch_of_one_is_told_to_grow_not_to_split() {
+    memsave_meter::install();
+    let model = Norm1d::new(1, 8);
+    let x = model.batch(1).unwrap();
+    let e = StepRun::new(Device::Cpu)
+        .f_step(&model, &x, &StepConfig::baseline())
+        .expect_err("one value per channel");
+    let text = e.to_string();
+    assert!(
+        matches!(e, StepError::NonFiniteStatistics { split: false, .. }),
+        "{e:?}"
+    );
+    assert!(
+        text.starts_with("a batch of 1 example")
+            && text.contains("the batch must have 2 or more examples")
+            && !text.contains("micro-batch"),
+        "{text}"
+    );
 }
