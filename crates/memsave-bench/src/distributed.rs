@@ -54,14 +54,15 @@ use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
 use crate::strategies::{resolve, StepConfig, Unavailable};
 use crate::suite::{ModelSpec, StrategySpec, Suite, Technique, ZeroSpec};
+use crate::trace::{Phases, Roles};
 use memsave_amp::GradScaler;
 use memsave_dist::{init_process_group, DistError, InitOptions, LaunchConfig, ProcessGroup};
-use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
+use memsave_step::step::{StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::{
     Batch, CaseOptimizer, DataParallel, DataParallelHandle, DdpConfig, FsdpConfig, StepError,
     Workload, ZeroStage,
 };
-use memsave_trace::{Phase, Recorder, Session};
+use memsave_trace::{Phase, Recorder};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -590,26 +591,6 @@ pub fn run_rank(suite: &Suite, args: &RankArgs) -> Result<(), DistributedError> 
     std::fs::write(&path, text).map_err(DistributedError::io(format!("writing {}", path.display())))
 }
 
-/// Tells a recording session the phases of a rank's step.
-struct Phases<'s>(&'s Session);
-
-impl StepObserver for Phases<'_> {
-    fn step_event(&self, event: StepEvent) {
-        match event {
-            StepEvent::Forward => self.0.phase(Phase::Forward),
-            StepEvent::ForwardDone => self.0.mark(crate::trace::END_OF_FORWARD),
-            StepEvent::Backward => {
-                self.0.phase(Phase::Backward);
-                self.0.mark("backward");
-            }
-            StepEvent::Optimizer => {
-                self.0.phase(Phase::Optimizer);
-                self.0.mark("optimizer");
-            }
-        }
-    }
-}
-
 /// The rank's side of `memsave trace` (see [`RankTrace`]).
 fn trace_rank(
     group: &ProcessGroup,
@@ -630,7 +611,15 @@ fn trace_rank(
         .as_ref()
         .map(CaseOptimizer::state_tensors)
         .unwrap_or_default();
-    let params = case.model.parameters();
+    // ZeRO-3's shards are the parameters this rank holds (the model's read from a
+    // shared zero between gathers).
+    let mut params = case.model.parameters();
+    params.extend(
+        case.data_parallel
+            .fsdp()
+            .map(|f| f.parameters())
+            .unwrap_or_default(),
+    );
     let (step, trace) = Recorder::new(Device::Cpu)
         .parameters(&params)
         .inputs(&[case.local.input.shallow_clone()])
@@ -640,9 +629,17 @@ fn trace_rank(
             case.model
                 .ctx
                 .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
-            let step = case.step(&Phases(session));
+            if let Some(o) = case.optimizer.as_mut() {
+                o.set_observer(Some(Arc::new(Roles(session.clone()))));
+            }
+            let phases = Phases {
+                session,
+                params: params.iter().map(|p| p.shallow_clone()).collect(),
+            };
+            let step = case.step(&phases);
             case.model.ctx.set_block_observer(None);
-            if let Some(o) = &case.optimizer {
+            if let Some(o) = case.optimizer.as_mut() {
+                o.set_observer(None);
                 session.optimizer_state(&o.state_tensors());
             }
             session.phase(Phase::Other);

@@ -11,12 +11,12 @@
 //! fetched from disk for one update, gradients a step in backward frees).
 use crate::models::Model;
 use crate::optimizer::CaseOptimizer;
-use crate::runner::{apply_plan, LimitGuard};
 use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
 use crate::strategies::{resolve, Unavailable};
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
 use memsave_optim::Observer;
+use memsave_step::plan::apply_plan;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::Arc;
 use tch::{Device, Tensor};
@@ -67,21 +67,30 @@ pub enum TraceCaseError {
     Record(#[from] memsave_trace::TraceError),
 }
 
-/// Tells a recording session the phases of the step.
-struct Phases<'s>(&'s Session);
+/// Tells a recording session the phases of the step, and, when backward is done, the
+/// gradients of `params` (the model's, and ZeRO-3's shards): data parallel's hooks
+/// take the parameters' post-accumulate-grad slots, so the recorder's own hooks
+/// cannot see them, and the optimizer frees them before the recording ends.
+pub(crate) struct Phases<'s> {
+    pub session: &'s Session,
+    pub params: Vec<Tensor>,
+}
 
 impl StepObserver for Phases<'_> {
     fn step_event(&self, event: StepEvent) {
+        let s = self.session;
         match event {
-            StepEvent::Forward => self.0.phase(Phase::Forward),
-            StepEvent::ForwardDone => self.0.mark(END_OF_FORWARD),
+            StepEvent::Forward => s.phase(Phase::Forward),
+            StepEvent::ForwardDone => s.mark(END_OF_FORWARD),
             StepEvent::Backward => {
-                self.0.phase(Phase::Backward);
-                self.0.mark("backward");
+                s.phase(Phase::Backward);
+                s.mark("backward");
             }
             StepEvent::Optimizer => {
-                self.0.phase(Phase::Optimizer);
-                self.0.mark("optimizer");
+                let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+                s.gradients(&grads);
+                s.phase(Phase::Optimizer);
+                s.mark("optimizer");
             }
         }
     }
@@ -89,8 +98,8 @@ impl StepObserver for Phases<'_> {
 
 /// Tells a recording session the optimizer's gradients and state as the optimizer
 /// works with them (state created in the first update or fetched from disk for one
-/// update, gradients freed by a step in backward).
-struct Roles(Session);
+/// update, gradients freed by a step in backward, a ZeRO shard's gradient).
+pub(crate) struct Roles(pub Session);
 
 impl Observer for Roles {
     fn gradient(&self, _index: usize, grad: &Tensor) {
@@ -141,8 +150,12 @@ pub fn trace_case(
     let config = resolve(strategy_spec)?;
     // The suite's simulated capacity, as `memsave bench` applies it: over the model,
     // its input and the steps.
-    let _limit = LimitGuard::set(device, suite.memory_limit.as_ref().map(|s| s.bytes))
-        .map_err(|e| TraceCaseError::Setup(e.to_string()))?;
+    let _limit = suite
+        .memory_limit
+        .as_ref()
+        .map(|s| memsave_meter::MemoryLimitGuard::f_new(device, s.bytes))
+        .transpose()
+        .map_err(|e| TraceCaseError::Setup(format!("cannot apply the memory limit: {e}")))?;
     tch::manual_seed(suite.seed as i64);
     let model = Model::build(spec, device).map_err(|e| TraceCaseError::Setup(e.to_string()))?;
     let x = model.data();
@@ -208,7 +221,10 @@ pub fn trace_case(
                 false,
                 scaler.as_mut(),
                 optimizer.as_mut(),
-                &Phases(session),
+                &Phases {
+                    session,
+                    params: params.iter().map(Tensor::shallow_clone).collect(),
+                },
             );
             model.ctx.set_block_observer(None);
             if let Some(optimizer) = optimizer.as_mut() {

@@ -137,8 +137,10 @@ pub fn free_port() -> std::io::Result<u16> {
 /// exit with 128 + the signal, as `memsave launch` does. To do this, the first launch
 /// installs handlers for these three signals (through `signal-hook`) that stay for the
 /// life of the process; outside a launch they end the process as the default action
-/// would. A signal this process ignores when the first launch starts (`nohup` ignores
-/// SIGHUP, a shell's background job SIGINT) stays ignored and is not passed on.
+/// would. SIGINT and SIGTERM are caught during a launch even when this process
+/// ignored them at the start (a shell's background job starts with SIGINT ignored), as
+/// `torchrun` does: they stay ignored outside a launch. SIGHUP ignored at the first
+/// launch (`nohup`) stays ignored and is not passed on.
 /// SIGKILL to the launcher cannot be caught: its ranks then run on until they fail or
 /// finish (end them with `kill -- -PID` for each rank's PID).
 ///
@@ -529,7 +531,7 @@ struct Signals {
 static IDLE: AtomicBool = AtomicBool::new(true);
 /// Launches running now (threads may run several).
 static ACTIVE: Mutex<usize> = Mutex::new(0);
-/// The signals with a handler: those of FORWARDED not ignored at the first launch.
+/// The signals with a handler: FORWARDED, less SIGHUP when ignored at the first launch.
 static WATCHED: OnceLock<Vec<Signal>> = OnceLock::new();
 
 impl Signals {
@@ -546,9 +548,14 @@ impl Signals {
             let ignored = ignored_signals();
             FORWARDED
                 .into_iter()
-                .filter(|&s| ignored & (1u64 << (s as i32 - 1)) == 0)
                 .filter(|&s| {
-                    signal_hook::flag::register_conditional_default(s as i32, &IDLE).is_ok()
+                    if ignored & (1u64 << (s as i32 - 1)) == 0 {
+                        signal_hook::flag::register_conditional_default(s as i32, &IDLE).is_ok()
+                    } else {
+                        // Ignored outside a launch, as before: signal-hook's handler with
+                        // no action does nothing. SIGHUP stays ignored altogether (nohup).
+                        s != Signal::SIGHUP
+                    }
                 })
                 .collect()
         });

@@ -178,14 +178,24 @@ impl Drop for Run {
 /// Each rank writes its pid and sleeps 1000 s (with a child of its own).
 const SLEEPER: &str = r#"echo $$ > "$MEMSAVE_TEST_OUT/rank$RANK.pid"; sleep 1000 & wait"#;
 
-fn signal_ends_the_launch(signal: Signal, without_kill: bool) {
+/// `memsave launch` of sleepers ended by `signal`; with `ignored`, started by a shell
+/// that ignores `signal` first (as a background job of a script ignores SIGINT).
+fn signal_ends_the_launch(signal: Signal, without_kill: bool, ignored: bool) {
     let mut run = Run::new();
     let path = without_kill.then(|| run.path_without_kill());
-    run.start(
-        memsave(),
-        &["launch", "-n", "3", "--", "sh", "-c", SLEEPER],
-        path,
-    );
+    if ignored {
+        let script = format!(
+            r#"trap '' {}; exec "$0" launch -n 3 -- sh -c '{SLEEPER}'"#,
+            &signal.as_str()[3..]
+        );
+        run.start("/bin/sh", &["-c", &script, memsave()], path);
+    } else {
+        run.start(
+            memsave(),
+            &["launch", "-n", "3", "--", "sh", "-c", SLEEPER],
+            path,
+        );
+    }
     assert!(
         within(Duration::from_secs(30), || run.rank_pids().len() == 3),
         "the ranks wrote their pids: {}",
@@ -211,12 +221,17 @@ fn signal_ends_the_launch(signal: Signal, without_kill: bool) {
 
 #[test]
 fn sigterm_ends_every_rank_and_exits_143() {
-    signal_ends_the_launch(Signal::SIGTERM, false);
+    signal_ends_the_launch(Signal::SIGTERM, false, false);
 }
 
 #[test]
 fn sigint_ends_every_rank_and_exits_130_without_kill_on_path() {
-    signal_ends_the_launch(Signal::SIGINT, true);
+    signal_ends_the_launch(Signal::SIGINT, true, false);
+}
+
+#[test]
+fn sigint_ends_every_rank_even_when_ignored_at_the_start() {
+    signal_ends_the_launch(Signal::SIGINT, false, true);
 }
 
 #[test]

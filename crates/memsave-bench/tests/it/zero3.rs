@@ -298,3 +298,58 @@ strategies:
     let e = availability(lin, strategy("plain"), None).expect_err("no ranks");
     assert!(e.to_string().contains("world_size"), "{e}");
 }
+
+/// `memsave trace` of the suite's `strategy` on its two ranks: rank 0's summary.
+fn traced(dir: &Path, strategy: &str) -> String {
+    std::fs::write(dir.join("zero3.yaml"), SUITE).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args([
+            "trace",
+            "zero3.yaml",
+            "--model",
+            "lin",
+            "--strategy",
+            strategy,
+        ])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// (start, peak, end) of the `category` row of a summary, as printed.
+fn row(summary: &str, category: &str) -> [String; 3] {
+    let line = summary
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(category))
+        .unwrap_or_else(|| panic!("no {category} row: {summary}"));
+    // "parameter  664 B  664 B  664 B": a number and its unit per column.
+    let cells: Vec<&str> = line.split_whitespace().skip(1).collect();
+    assert_eq!(cells.len(), 6, "{line}");
+    std::array::from_fn(|i| format!("{} {}", cells[2 * i], cells[2 * i + 1]))
+}
+
+#[test]
+fn trace_on_ranks_files_zero3_shards_as_parameters_and_gradients_as_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 holds half of every unit (165 values) and the 4-byte zero, as
+    // `parameter_bytes` says; without an optimizer its shards' averaged gradients (165
+    // f32) stay to the end of the step.
+    let zero3 = traced(dir.path(), "zero3-grads");
+    assert_eq!(
+        row(&zero3, "parameter"),
+        ["664 B", "664 B", "664 B"].map(String::from),
+        "{zero3}"
+    );
+    assert_eq!(row(&zero3, "gradient")[2], "660 B", "{zero3}");
+    // DDP keeps the 330 gradients (1,320 bytes) until AdamW frees them; the peak, in
+    // backward, holds them all.
+    let ddp = traced(dir.path(), "ddp");
+    assert_eq!(row(&ddp, "gradient")[1], "1.29 KiB", "{ddp}");
+}

@@ -361,7 +361,16 @@ fn sleeper_files(ranks: usize) -> Vec<String> {
 }
 
 fn signal_ends_every_rank(signal: nix::sys::signal::Signal, path: Option<std::ffi::OsString>) {
-    let mut launcher = Launcher::start(3, SLEEPERS, path);
+    signal_ends_every_rank_after(signal, path, None);
+}
+
+/// As `signal_ends_every_rank`, with `shell` run first in the launcher's process.
+fn signal_ends_every_rank_after(
+    signal: nix::sys::signal::Signal,
+    path: Option<std::ffi::OsString>,
+    shell: Option<&str>,
+) {
+    let mut launcher = Launcher::start_after(3, SLEEPERS, path, shell);
     let pids = launcher.wait_for_pids(&sleeper_files(3));
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(launcher.child.id() as i32),
@@ -409,6 +418,13 @@ fn sigint_to_the_launcher_ends_every_rank_without_kill_on_path() {
         nix::sys::signal::Signal::SIGINT,
         Some(path_without_kill(bin.path())),
     );
+}
+
+#[test]
+fn sigint_ignored_when_the_launcher_starts_still_ends_every_rank() {
+    // A background job of a non-interactive shell starts with SIGINT ignored (so does
+    // `cargo test` run as one); the launcher catches it anyway, as torchrun does.
+    signal_ends_every_rank_after(nix::sys::signal::Signal::SIGINT, None, Some("trap '' INT"));
 }
 
 #[test]
