@@ -234,10 +234,13 @@ def step(counter, net, chain, classes, x, y, ckpt):
     out = forward(chain, x, ckpt)
     retained = counter.allocated() - start
     logits = out if out.dtype == torch.float32 else out.float()
+    del out
+    # The careful loop: nothing holds the output (the logits) through backward; what
+    # the loss's backward needs of it, autograd keeps.
     loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
     del logits
     loss.backward()
-    del out, loss
+    del loss
     seconds = time.perf_counter() - t0
     peak = counter.high_water() - start
     grads = [p.grad.detach().clone() for p in net.parameters() if p.grad is not None]

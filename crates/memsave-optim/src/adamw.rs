@@ -90,19 +90,18 @@ impl Rule for AdamWConfig {
         let (exp_avg, exp_avg_sq) = (&mut exp_avg[0], &mut rest[0]);
         // Everything the update allocates comes first, so that running out of memory
         // leaves the parameter and its moments as they were: the numbers (0-dim
-        // tensors, see `number`), `(1 - beta2) * g`, and the two results computed
-        // from the moments. The writes after that allocate nothing.
+        // tensors, see `number`) and one buffer for the denominator, libtorch's own
+        // temporary. The writes after that allocate nothing: the numbers of addcmul_
+        // and addcdiv_ reach the kernel as C++ Scalars (`memsave_sys::tensor`), as in
+        // libtorch's AdamW, so `(1 - beta2) * g` and `-step_size * m` need no copy.
         let n = |v: f64| number_like(v, param);
         let decay = (self.weight_decay != 0.0)
             .then(|| n(1.0 - self.lr * self.weight_decay))
             .transpose()?;
         let (beta1_t, one_minus_beta1) = (n(beta1)?, n(1.0 - beta1)?);
         let beta2_t = n(beta2)?;
-        let grad_scaled = grad.f_mul(&n(1.0 - beta2)?)?;
-        let (sqrt_bias_correction2, eps, minus_step_size) =
-            (n(bias_correction2.sqrt())?, n(self.eps)?, n(-step_size)?);
+        let (sqrt_bias_correction2, eps) = (n(bias_correction2.sqrt())?, n(self.eps)?);
         let denom = exp_avg_sq.f_empty_like()?;
-        let scaled_exp_avg = exp_avg.f_empty_like()?;
 
         if let Some(decay) = &decay {
             let _ = param.f_mul_(decay)?;
@@ -110,12 +109,17 @@ impl Rule for AdamWConfig {
         let _ = exp_avg.f_mul_(&beta1_t)?;
         let _ = exp_avg.f_addcmul_(grad, &one_minus_beta1)?;
         let _ = exp_avg_sq.f_mul_(&beta2_t)?;
-        let _ = exp_avg_sq.f_addcmul_(&grad_scaled, grad)?;
+        memsave_sys::tensor::addcmul_(exp_avg_sq, grad, grad, 1.0 - beta2).map_err(torch)?;
         let mut denom = exp_avg_sq.f_sqrt_out(&denom)?;
         let _ = denom.f_div_(&sqrt_bias_correction2)?;
         let _ = denom.f_add_(&eps)?;
-        let scaled_exp_avg = exp_avg.f_mul_out(&scaled_exp_avg, &minus_step_size)?;
-        let _ = param.f_addcdiv_(&scaled_exp_avg, &denom)?;
+        memsave_sys::tensor::addcdiv_(param, exp_avg, &denom, -step_size).map_err(torch)?;
         Ok(())
     }
+}
+
+/// A bridge error as the `TchError` [`Rule::update`] returns (its message kept, so that
+/// an out-of-memory one is still recognised as such).
+fn torch(e: memsave_sys::Error) -> tch::TchError {
+    tch::TchError::Torch(e.message().to_owned())
 }

@@ -57,7 +57,9 @@ pub enum OptimError {
     },
     /// A state file of [`crate::Placement::Disk`] is not what the optimizer wrote: it
     /// is shorter or longer, or its CRC-32 differs (a byte changed on disk). The step
-    /// that read it did not update the parameter.
+    /// that read it did not update the parameter. Also a file of
+    /// [`Optimizer::save`](crate::Optimizer::save) holding a tensor whose bytes do not
+    /// match their CRC-32: [`Optimizer::load`](crate::Optimizer::load) loaded nothing.
     #[error("{}: {reason}", path.display())]
     StateFile {
         /// The file.

@@ -7,7 +7,7 @@ use tch::{Device, Tensor};
 use crate::error::{OptimError, Result};
 use crate::optimizer::{Optimizer, Rule};
 use crate::placement::{tensor_bytes, StateStore};
-use crate::state::{Buffer, BufferLayout, ParamState, State};
+use crate::state::{Buffer, BufferLayout, ParamState, Sign, State};
 
 /// Everything an optimizer needs to continue exactly where it was: hyper-parameters of
 /// each group, and each parameter's step count and state buffers, bit for bit at the
@@ -44,7 +44,7 @@ pub struct SavedParam {
     pub buffers: Vec<Vec<SavedTensor>>,
 }
 
-/// A tensor's raw bytes (native byte order) with its kind and shape.
+/// A tensor's raw bytes (native byte order) with its kind, shape and checksum.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedTensor {
     /// The kind, as tch's `Kind` prints it (`Float`, `BFloat16`, `Int8`, `Uint8`).
@@ -54,6 +54,49 @@ pub struct SavedTensor {
     /// The bytes, written as a hex string.
     #[serde(with = "hex")]
     pub data: Vec<u8>,
+    /// The CRC-32 of `data` when it was saved: loading refuses a tensor whose bytes no
+    /// longer match it (a changed hex digit is still valid hex, and would otherwise be
+    /// loaded as a silently different moment). Set it with [`SavedTensor::checksum`]
+    /// when you change `data` on purpose.
+    pub crc32: u32,
+}
+
+impl SavedTensor {
+    /// The CRC-32 of `data`, what [`SavedTensor::crc32`] holds for unchanged bytes.
+    pub fn checksum(&self) -> u32 {
+        crc32fast::hash(&self.data)
+    }
+}
+
+impl<R: Rule> SavedState<R> {
+    /// The first tensor whose bytes do not match their checksum, named (parameter,
+    /// shape, buffer, part), with both checksums.
+    fn changed_tensor(&self) -> Option<String> {
+        let names = self.groups.first().map_or(&[][..], |g| g.config.buffers());
+        for (index, p) in self.params.iter().enumerate() {
+            for (b, parts) in p.buffers.iter().enumerate() {
+                let (buffer, sign) = names
+                    .get(b)
+                    .map_or((format!("buffer {b}"), Sign::Signed), |n| {
+                        (n.0.to_owned(), n.1)
+                    });
+                let layout = Buffer::layout(self.state, p.shape.iter().product(), sign);
+                for (k, t) in parts.iter().enumerate() {
+                    let found = t.checksum();
+                    if found != t.crc32 {
+                        let part = layout
+                            .get(k)
+                            .map_or_else(|| format!("{k}"), |l| l.0.to_owned());
+                        return Some(format!(
+                            "parameter {index} (shape {:?}), {buffer}.{part}: its bytes changed after it was saved (CRC-32 {found:08x}, {:08x} saved); nothing was loaded",
+                            p.shape, t.crc32
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
 }
 
 impl<R: Rule> Optimizer<R> {
@@ -69,10 +112,12 @@ impl<R: Rule> Optimizer<R> {
                     b.parts()
                         .into_iter()
                         .map(|(_, t)| {
+                            let data = tensor_bytes(t)?;
                             Ok(SavedTensor {
                                 kind: format!("{:?}", t.kind()),
                                 shape: t.size(),
-                                data: tensor_bytes(t)?,
+                                crc32: crc32fast::hash(&data),
+                                data,
                             })
                         })
                         .collect::<Result<Vec<_>>>()
@@ -106,9 +151,14 @@ impl<R: Rule> Optimizer<R> {
     /// Replaces the state (and the groups' hyper-parameters) with a saved one. Checks
     /// everything first and changes nothing on error: a state saved for another rule,
     /// precision, number of parameters or groups, or with a parameter of another shape,
-    /// is refused with an error naming the first parameter that does not fit.
+    /// is refused with an error naming the first parameter that does not fit; a tensor
+    /// whose bytes do not match their checksum ([`SavedTensor::crc32`]) is refused
+    /// naming it.
     pub fn load_state_dict(&mut self, saved: &SavedState<R>) -> Result<()> {
         let mismatch = |m: String| Err(OptimError::StateMismatch(m));
+        if let Some(changed) = saved.changed_tensor() {
+            return mismatch(changed);
+        }
         if saved.rule != R::NAME {
             return mismatch(format!(
                 "it was saved by {}, this is {}",
@@ -230,7 +280,9 @@ impl<R: Rule> Optimizer<R> {
     }
 
     /// Reads a state written by [`Optimizer::save`] and loads it with
-    /// [`Optimizer::load_state_dict`].
+    /// [`Optimizer::load_state_dict`]. A tensor whose bytes changed in the file (its
+    /// CRC-32 differs from the one saved beside it) is [`OptimError::StateFile`] naming
+    /// the file and the tensor, and the optimizer is left as it was.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|source| OptimError::Io {
@@ -254,6 +306,12 @@ impl<R: Rule> Optimizer<R> {
             _ => {}
         }
         let saved: SavedState<R> = serde_json::from_value(value).map_err(format)?;
+        if let Some(reason) = saved.changed_tensor() {
+            return Err(OptimError::StateFile {
+                path: path.to_owned(),
+                reason,
+            });
+        }
         self.load_state_dict(&saved)
     }
 

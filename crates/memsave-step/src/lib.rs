@@ -17,6 +17,7 @@
 pub mod config;
 mod error;
 pub mod levers;
+pub mod lr_scheduler;
 pub mod measure;
 pub mod optimizer;
 pub mod parallel;
@@ -29,6 +30,7 @@ pub mod workload;
 
 pub use config::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use error::StepError;
+pub use lr_scheduler::{CosineDecay, LRScheduler, LinearWarmup};
 pub use trainer::{Trainer, TrainerBuilder};
 
 pub use levers::{

@@ -8,6 +8,7 @@ use memsave_amp::GradScaler;
 use memsave_dist::{Fsdp, ProcessGroup, ZeroOptimizer, ZeroStage};
 use memsave_hooks::OnComplete;
 use memsave_optim::{AdamW, InBackward, Observer, Optimizer, Rule, Sgd};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
@@ -153,6 +154,18 @@ impl<R: Rule> Stepper<R> {
         }
     }
 
+    /// Runs `f` on the optimizer, wherever it is held.
+    fn with<T>(&mut self, f: impl FnOnce(&mut Optimizer<R>) -> T) -> Option<T> {
+        match self {
+            Stepper::After(opt) => Some(f(opt)),
+            Stepper::InBackward(hooked) => Some(f(&mut hooked.optimizer())),
+            Stepper::Offloaded(shared) | Stepper::ShardsInBackward(shared) => {
+                Some(f(&mut lock(shared)))
+            }
+            Stepper::Switching => None,
+        }
+    }
+
     fn params(&self) -> Vec<Tensor> {
         let copy = |p: &[Tensor]| p.iter().map(Tensor::shallow_clone).collect();
         match self {
@@ -193,6 +206,46 @@ trait Step {
     fn steps_shards_in_backward(&self) -> bool {
         false
     }
+    /// Sets the learning rate of `group` (every group: `None`).
+    fn set_lr(&mut self, group: Option<usize>, lr: f64) -> Result<(), StepError>;
+    /// The learning rate of each group.
+    fn lrs(&mut self) -> Vec<f64>;
+    /// Writes the state to `path` (`Optimizer::save`).
+    fn save(&mut self, path: &Path) -> Result<(), StepError> {
+        let _ = path;
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
+    /// Reads the state from `path` (`Optimizer::load`).
+    fn load(&mut self, path: &Path) -> Result<(), StepError> {
+        let _ = path;
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
+}
+
+/// Why a ZeRO-1/2 optimizer's state is not saved through the trainer.
+const SHARDED_SAVE: &str = "a ZeRO optimizer's state is sharded over the ranks: save and load it with memsave_dist's sharded checkpoint, not through the trainer";
+
+/// Sets `lr` on `group` of `opt`, or on every group.
+fn set_lr<R: Rule>(opt: &mut Optimizer<R>, group: Option<usize>, lr: f64) -> Result<(), StepError> {
+    let set = match group {
+        None => opt.set_lr(lr),
+        Some(g) => {
+            let Some(mut config) = opt.groups().get(g).cloned() else {
+                return Err(StepError::invalid(format!(
+                    "parameter group {g} does not exist: the optimizer has {}",
+                    opt.groups().len()
+                )));
+            };
+            config.set_lr(lr);
+            opt.set_group(g, config)
+        }
+    };
+    set.map_err(|e| StepError::invalid(e.to_string()))
+}
+
+/// The optimizer is being switched to a gradient offload's stepping.
+fn switching() -> StepError {
+    StepError::invalid("the optimizer is being handed to the gradient offload")
 }
 
 /// A ZeRO optimizer (`memsave_dist::ZeroOptimizer`): this rank's shard of the state,
@@ -229,6 +282,12 @@ impl<R: Rule> Step for Sharded<R> {
     fn params(&self) -> Vec<Tensor> {
         Vec::new()
     }
+    fn set_lr(&mut self, group: Option<usize>, lr: f64) -> Result<(), StepError> {
+        set_lr(self.0.inner_mut(), group, lr)
+    }
+    fn lrs(&mut self) -> Vec<f64> {
+        self.0.inner_mut().groups().iter().map(Rule::lr).collect()
+    }
 }
 
 impl<R: Rule> Step for Stepper<R> {
@@ -255,6 +314,22 @@ impl<R: Rule> Step for Stepper<R> {
     }
     fn steps_shards_in_backward(&self) -> bool {
         matches!(self, Stepper::ShardsInBackward(_))
+    }
+    fn set_lr(&mut self, group: Option<usize>, lr: f64) -> Result<(), StepError> {
+        self.with(|opt| set_lr(opt, group, lr))
+            .unwrap_or_else(|| Err(switching()))
+    }
+    fn lrs(&mut self) -> Vec<f64> {
+        self.with(|opt| opt.groups().iter().map(Rule::lr).collect())
+            .unwrap_or_default()
+    }
+    fn save(&mut self, path: &Path) -> Result<(), StepError> {
+        self.with(|opt| opt.save(path).map_err(optimizer_error))
+            .unwrap_or_else(|| Err(switching()))
+    }
+    fn load(&mut self, path: &Path) -> Result<(), StepError> {
+        self.with(|opt| opt.load(path).map_err(optimizer_error))
+            .unwrap_or_else(|| Err(switching()))
     }
 }
 
@@ -406,6 +481,39 @@ impl CaseOptimizer {
     /// counts), to register with a memory recorder.
     pub fn state_tensors(&self) -> Vec<Tensor> {
         self.stepper.state_tensors()
+    }
+
+    /// Sets the learning rate of every parameter group (PyTorch's
+    /// `for g in opt.param_groups: g["lr"] = lr`), between steps. A negative, infinite
+    /// or NaN rate is refused and nothing changes.
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), StepError> {
+        self.stepper.set_lr(None, lr)
+    }
+
+    /// Sets the learning rate of parameter group `group` only (PyTorch's
+    /// `opt.param_groups[group]["lr"] = lr`); a group that does not exist is refused.
+    pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<(), StepError> {
+        self.stepper.set_lr(Some(group), lr)
+    }
+
+    /// The learning rate of each parameter group, in order (a scheduler's
+    /// `get_last_lr()`).
+    pub fn lrs(&mut self) -> Vec<f64> {
+        self.stepper.lrs()
+    }
+
+    /// Writes the optimizer's state (step counts, moments, hyper-parameters) to `path`
+    /// (`memsave_optim::Optimizer::save`, with a CRC-32 per tensor). A ZeRO-1/2
+    /// optimizer's state is refused: it is sharded over the ranks.
+    pub fn save(&mut self, path: impl AsRef<Path>) -> Result<(), StepError> {
+        self.stepper.save(path.as_ref())
+    }
+
+    /// Reads a state written by [`save`](Self::save) into this optimizer, bit for bit;
+    /// a state that does not fit (another rule, precision or parameter shapes) or whose
+    /// bytes changed is refused and the optimizer keeps its own.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<(), StepError> {
+        self.stepper.load(path.as_ref())
     }
 
     /// Shows `observer` the gradients and state the optimizer works with during its

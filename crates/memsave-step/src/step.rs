@@ -7,7 +7,8 @@
 //!   weight cache alive, a disk offload store's writes finished) minus start; with
 //!   micro-batches the largest over them, which from the second on includes the
 //!   gradients accumulated so far;
-//! - the output is held until its backward has finished, as a Python variable would be.
+//! - the output is dropped once the loss is computed, as in a careful loop
+//!   (`loss = ce(model(x), y)`): what backward needs of it, autograd keeps.
 use crate::config::{GradsAfter, StepConfig};
 use crate::error::StepError;
 use crate::measure::{PeakPhase, TraceEntry};
@@ -487,7 +488,7 @@ impl<'a> StepRun<'a> {
     ) -> Result<(), StepError> {
         let record_trace = self.record_trace;
         let Some(count) = pass.config.micro_batches else {
-            let (out, loss) = pass.forward(input, record_trace)?;
+            let loss = pass.forward(input, record_trace)?;
             if let Some(g) = grad_offload {
                 g.set_last_micro_batch(true);
             }
@@ -496,7 +497,6 @@ impl<'a> StepRun<'a> {
                 None => loss.f_backward()?,
             }
             drop(loss);
-            drop(out);
             return pass.phases.ended(PeakPhase::Backward);
         };
         let batch = *input
@@ -506,16 +506,13 @@ impl<'a> StepRun<'a> {
             .ok_or_else(|| StepError::invalid("the input has no batch dimension"))?;
         let data_parallel = self.data_parallel;
         let _sync = SyncGuard(data_parallel);
-        let mut held: Option<Tensor> = None;
         GradAccumulator::with_split(Split::Count(count))
             .f_accumulate(params, self.scaler.as_deref_mut(), batch, |mb| {
-                // The previous micro-batch's output, alive until its backward ended.
-                held = None;
                 if mb.index > 0 {
                     pass.phases.ended(PeakPhase::Backward)?;
                 }
                 let xin = input.f_narrow(mb.start, mb.len)?;
-                let (out, loss) = pass.forward(&xin, record_trace && mb.index == 0)?;
+                let loss = pass.forward(&xin, record_trace && mb.index == 0)?;
                 let last = mb.end() == batch;
                 if let Some(g) = grad_offload {
                     g.set_last_micro_batch(last);
@@ -523,11 +520,9 @@ impl<'a> StepRun<'a> {
                 if let Some(dp) = data_parallel {
                     dp.set_grad_sync(last);
                 }
-                held = Some(out);
                 Ok::<_, StepError>(loss)
             })
             .map_err(micro_batch_error)?;
-        drop(held);
         pass.phases.ended(PeakPhase::Backward)
     }
 
@@ -590,9 +585,10 @@ struct Pass<'s> {
 }
 
 impl Pass<'_> {
-    /// The forward and the loss of `xin`; the output is returned so the caller holds it
-    /// until its backward has finished, as a Python variable would be.
-    fn forward(&self, xin: &Batch, trace_this: bool) -> Result<(Tensor, Tensor), StepError> {
+    /// The forward and the loss of `xin`. The output is dropped here, once the loss is
+    /// computed: a loop that keeps it (`out = model(x); loss = ce(out, y)`) holds the
+    /// logits through backward, which the loss's backward does not need.
+    fn forward(&self, xin: &Batch, trace_this: bool) -> Result<Tensor, StepError> {
         let model = self.model;
         let _autocast = self
             .config
@@ -630,6 +626,7 @@ impl Pass<'_> {
             .set(self.retained.get().max(now.saturating_sub(self.start)));
         self.observer.step_event(StepEvent::ForwardDone);
         let loss = model.loss(&out, xin.target.as_ref())?;
+        drop(out);
         let examples = xin.input.size().first().copied().unwrap_or(1);
         let noted = match self.loss.get() {
             Some((sum, n)) if loss.numel() == 1 => Some((
@@ -641,7 +638,7 @@ impl Pass<'_> {
         self.loss.set(noted);
         self.phases.ended(PeakPhase::Forward)?;
         self.observer.step_event(StepEvent::Backward);
-        Ok((out, loss))
+        Ok(loss)
     }
 }
 

@@ -3,6 +3,7 @@
 use crate::config::{PlanChoice, StepConfig};
 use crate::error::StepError;
 use crate::levers::OptimizerSpec;
+use crate::lr_scheduler::LRScheduler;
 use crate::optimizer::CaseOptimizer;
 use crate::parallel::{DataParallel, DataParallelHandle};
 use crate::step::{StepMeasurement, StepRun};
@@ -165,6 +166,7 @@ impl TrainerBuilder {
             data_parallel,
             record_trace: self.record_trace,
             steps: 0,
+            lr_scheduler: None,
         })
     }
 }
@@ -227,6 +229,7 @@ pub struct Trainer<'m, W> {
     data_parallel: Option<DataParallelHandle>,
     record_trace: bool,
     steps: u64,
+    lr_scheduler: Option<Box<dyn LRScheduler>>,
 }
 
 impl<W: Workload> std::fmt::Debug for Trainer<'_, W> {
@@ -268,6 +271,9 @@ impl<'m, W: Workload> Trainer<'m, W> {
     /// optimizer's update, stand; it is not counted in [`steps`](Self::steps)) and the
     /// statistics are put back.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMeasurement, StepError> {
+        if let (Some(scheduler), Some(opt)) = (&mut self.lr_scheduler, &mut self.optimizer) {
+            opt.set_lr(scheduler.lr(self.steps))?;
+        }
         let device = self.model.device();
         let m = StepRun::new(device)
             .record_trace(self.record_trace)
@@ -310,5 +316,29 @@ impl<'m, W: Workload> Trainer<'m, W> {
     /// Steps run successfully so far.
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// The optimizer (`None` without one): to change learning rates
+    /// ([`CaseOptimizer::set_lr`], [`CaseOptimizer::set_group_lr`]) between steps, or
+    /// save and load its state ([`CaseOptimizer::save`], [`CaseOptimizer::load`]).
+    pub fn optimizer(&mut self) -> Option<&mut CaseOptimizer> {
+        self.optimizer.as_mut()
+    }
+
+    /// Sets the learning rate of every parameter group from the next step on
+    /// ([`CaseOptimizer::set_lr`]); an error without an optimizer.
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), StepError> {
+        self.optimizer
+            .as_mut()
+            .ok_or_else(|| StepError::invalid("set_lr: the trainer has no optimizer"))?
+            .set_lr(lr)
+    }
+
+    /// Asks `scheduler` for the learning rate before every following step (with the
+    /// number of steps run so far, [`steps`](Self::steps)) and sets it on every group;
+    /// `None` stops it and leaves the last rate. Trap: it overrides
+    /// [`set_lr`](Self::set_lr) at each step.
+    pub fn set_lr_scheduler(&mut self, scheduler: Option<Box<dyn LRScheduler>>) {
+        self.lr_scheduler = scheduler;
     }
 }

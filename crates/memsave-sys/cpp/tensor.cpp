@@ -1,5 +1,6 @@
 // Tensor introspection that tch does not expose: reference counts, the version
-// counter, grad mode, setting a gradient to none, and the AMP unscale kernel.
+// counter, grad mode, setting a gradient to none, the AMP unscale kernel, and the
+// in-place pointwise ops whose number tch cannot pass without a Scalar.
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -159,6 +160,17 @@ int ms_amp_non_finite_check_and_unscale(at::Tensor* const* tensors, size_t n, at
     for (size_t i = 0; i < n; ++i) list.push_back(*tensors[i]);
     at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
   })
+}
+
+// self += value * t1 * t2 and self += value * t1 / t2, in place (torch.addcmul_ and
+// torch.addcdiv_ with `value`, as libtorch's Adam and AdamW call them). The kernel
+// reads the number from the c10::Scalar: nothing is allocated.
+int ms_addcmul_(at::Tensor* self, const at::Tensor* t1, const at::Tensor* t2, double value) {
+  MS_TRY({ self->addcmul_(*t1, *t2, value); })
+}
+
+int ms_addcdiv_(at::Tensor* self, const at::Tensor* t1, const at::Tensor* t2, double value) {
+  MS_TRY({ self->addcdiv_(*t1, *t2, value); })
 }
 
 }  // extern "C"

@@ -110,6 +110,18 @@ extern "C" {
     ) -> c_int;
     pub fn ms_grad_mode_enabled() -> bool;
     pub fn ms_grad_mode_set_enabled(enabled: bool);
+    pub fn ms_addcmul_(
+        this: *mut CTensor,
+        t1: *const CTensor,
+        t2: *const CTensor,
+        value: f64,
+    ) -> c_int;
+    pub fn ms_addcdiv_(
+        this: *mut CTensor,
+        t1: *const CTensor,
+        t2: *const CTensor,
+        value: f64,
+    ) -> c_int;
     pub fn ms_amp_non_finite_check_and_unscale(
         tensors: *const *mut CTensor,
         n: usize,

@@ -235,6 +235,38 @@ pub fn amp_non_finite_check_and_unscale(
     })
 }
 
+/// `t += value * t1 * t2` in place: PyTorch's `t.addcmul_(t1, t2, value=value)`. tch's
+/// `addcmul_` has no `value`, and its ops that take a number panic when they fail (see
+/// memsave-optim's `number` module); here the number reaches the kernel as a C++
+/// `Scalar`, so the op allocates nothing (a number passed as a 0-dim tensor costs one)
+/// and a failure is an error. `value` is rounded to `t`'s kind as libtorch rounds it.
+pub fn addcmul_(t: &mut Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: the three are live tch tensors borrowed for the call; `t` is changed in
+    // place through its TensorImpl, as tch's own in-place ops do.
+    check(unsafe {
+        ffi::ms_addcmul_(
+            t.as_mut_ptr().cast(),
+            t1.as_ptr().cast(),
+            t2.as_ptr().cast(),
+            value,
+        )
+    })
+}
+
+/// `t += value * t1 / t2` in place: PyTorch's `t.addcdiv_(t1, t2, value=value)`; see
+/// [`addcmul_`].
+pub fn addcdiv_(t: &mut Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: as in `addcmul_`.
+    check(unsafe {
+        ffi::ms_addcdiv_(
+            t.as_mut_ptr().cast(),
+            t1.as_ptr().cast(),
+            t2.as_ptr().cast(),
+            value,
+        )
+    })
+}
+
 /// Turns autograd's anomaly detection on or off for the process (PyTorch's
 /// `torch.autograd.set_detect_anomaly`): a failing backward then names the forward op
 /// whose node failed, and NaNs produced in backward become errors. Slow: for debugging.
@@ -278,6 +310,27 @@ mod anomaly_tests {
                 && !rust.contains("(True"),
             "{rust}"
         );
+    }
+}
+
+#[cfg(test)]
+mod pointwise_tests {
+    use super::{addcdiv_, addcmul_};
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn addcmul_and_addcdiv_take_a_value_and_report_a_bad_shape() {
+        let mut t = Tensor::from_slice(&[1.0f32, 2.0]);
+        let a = Tensor::from_slice(&[3.0f32, 4.0]);
+        let b = Tensor::from_slice(&[0.5f32, 2.0]);
+        addcmul_(&mut t, &a, &b, 0.5).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1.75, 6.0]);
+        addcdiv_(&mut t, &a, &b, -0.25).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [0.25, 5.5]);
+        let wrong = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        let e = addcmul_(&mut t, &a, &wrong, 1.0).unwrap_err();
+        assert!(e.to_string().contains("size"), "{e}");
+        assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [0.25, 5.5]);
     }
 }
 

@@ -310,7 +310,7 @@ fn the_seed_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+bf16",
             [
                 Some(20746240),
-                Some(87698440),
+                Some(84017160),
                 Some(46213120),
                 None,
                 None,
@@ -321,7 +321,7 @@ fn the_seed_suite_measures_the_bytes_it_did_back_to_back() {
             "offload(to=disk)",
             [
                 Some(20746240),
-                Some(59602952),
+                Some(51200008),
                 Some(10240000),
                 Some(92160000),
                 None,
@@ -375,7 +375,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "baseline",
             [
                 Some(6743040),
-                Some(13025928),
+                Some(12862088),
                 Some(11796480),
                 None,
                 None,
@@ -386,7 +386,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "adamw",
             [
                 Some(19901440),
-                Some(13025928),
+                Some(12862088),
                 Some(11796480),
                 None,
                 None,
@@ -397,7 +397,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "adamw-in-backward",
             [
                 Some(19901440),
-                Some(13598756),
+                Some(12862088),
                 Some(11796480),
                 None,
                 None,
@@ -408,7 +408,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt",
             [
                 Some(6743040),
-                Some(8460168),
+                Some(8296328),
                 Some(1310720),
                 None,
                 None,
@@ -419,7 +419,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+adamw",
             [
                 Some(19901440),
-                Some(8460168),
+                Some(8296328),
                 Some(1310720),
                 None,
                 None,
@@ -430,7 +430,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+adamw-in-backward",
             [
                 Some(19901440),
-                Some(4423716),
+                Some(3686408),
                 Some(1310720),
                 None,
                 None,
@@ -441,7 +441,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+sgd-in-backward",
             [
                 Some(6743040),
-                Some(3850248),
+                Some(3686408),
                 Some(1310720),
                 None,
                 None,
@@ -452,7 +452,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+adamw-bf16-in-backward",
             [
                 Some(13322240),
-                Some(5242916),
+                Some(4259872),
                 Some(1310720),
                 None,
                 None,
@@ -463,7 +463,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+adamw-int8-in-backward",
             [
                 Some(10084096),
-                Some(5242916),
+                Some(4259872),
                 Some(1310720),
                 None,
                 None,
@@ -474,7 +474,7 @@ fn the_optimizer_suite_measures_the_bytes_it_did_back_to_back() {
             "ckpt+adamw-int8-disk",
             [
                 Some(6743040),
-                Some(8835228),
+                Some(8296328),
                 Some(1310720),
                 None,
                 None,

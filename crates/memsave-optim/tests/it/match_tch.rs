@@ -330,3 +330,44 @@ fn sgd_matches_tch_for_100_steps_on_the_transformer_example_model() {
         "transformer, SGD with Nesterov momentum after 100 steps",
     );
 }
+
+/// One warmed-up AdamW step of tch's `nn::AdamW` and of memsave's on the same
+/// parameters and gradients, measured by the meter above what was allocated before it:
+/// libtorch holds the square root of the second moment and its quotient by the bias
+/// correction at once (two copies of the largest parameter, plus 12 bytes of numbers);
+/// memsave holds one copy of the largest parameter (the denominator, written in place)
+/// and its six 4-byte numbers, and passes `1 - beta2` and `-step_size` to addcmul_ and
+/// addcdiv_ as libtorch does instead of as two more copies.
+#[test]
+#[serial_test::serial]
+fn an_adamw_step_holds_no_more_than_tchs() {
+    use memsave_meter::f_measure;
+    use tch::{nn, Device, Kind, Tensor};
+    memsave_meter::install();
+    let largest = 40 * 25;
+    let build = || {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _ = vs.root().zeros("w", &[40, 25]);
+        let _ = vs.root().zeros("b", &[25]);
+        for p in vs.trainable_variables() {
+            (&p * Tensor::ones_like(&p)).sum(Kind::Float).backward();
+        }
+        vs
+    };
+    let theirs = build();
+    let mut reference = nn::AdamW::default().build(&theirs, 1e-3).unwrap();
+    reference.step();
+    let (_, tch_step) = f_measure(Device::Cpu, |_| reference.step()).unwrap();
+    let ours = build();
+    let mut opt = AdamW::new(&ours.trainable_variables(), AdamWConfig::default()).unwrap();
+    opt.step();
+    let (_, our_step) = f_measure(Device::Cpu, |_| opt.step()).unwrap();
+    assert_eq!(tch_step.peak_bytes, 2 * 4 * largest + 12);
+    assert_eq!(our_step.peak_bytes, 4 * largest + 6 * 4);
+    assert!(our_step.peak_bytes <= tch_step.peak_bytes);
+    assert_bitwise(
+        &ours.trainable_variables(),
+        &theirs.trainable_variables(),
+        "two steps",
+    );
+}

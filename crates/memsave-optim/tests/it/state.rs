@@ -345,3 +345,54 @@ fn cpu_placement_keeps_no_state_on_the_gpu_and_matches_the_device_placement() {
         "Placement::Cpu differs from Placement::Device on CUDA"
     );
 }
+
+/// One hex digit changed in a saved state file is still valid JSON of the right
+/// shape: the tensor's CRC-32 refuses it, naming the file and the tensor, and the
+/// optimizer loading it keeps its own state.
+#[test]
+#[serial]
+fn a_changed_byte_in_a_saved_state_is_refused_naming_the_file_and_the_tensor() {
+    let a = net(6);
+    let mut opt = adamw(&a.params(), State::F32, Placement::Device);
+    train(&a, &mut opt, 0, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("adamw.json");
+    opt.save(&file).unwrap();
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    // The first digit of parameter 0's exp_avg_sq, swapped for another hex digit.
+    let at = text.match_indices("\"data\":\"").nth(1).unwrap().0 + 8;
+    let digit = &text[at..at + 1];
+    let other = if digit == "7" { "8" } else { "7" };
+    text.replace_range(at..at + 1, other);
+    std::fs::write(&file, &text).unwrap();
+
+    let b = net(7);
+    let mut other_opt = adamw(&b.params(), State::F32, Placement::Device);
+    train(&b, &mut other_opt, 0, 1);
+    let before = other_opt.state_dict().unwrap();
+    let e = other_opt.load(&file).unwrap_err();
+    assert!(matches!(e, OptimError::StateFile { .. }), "{e:?}");
+    let message = e.to_string();
+    assert!(message.contains(&file.display().to_string()), "{message}");
+    let shape = a.params()[0].size();
+    assert!(
+        message.contains(&format!(
+            "parameter 0 (shape {shape:?}), exp_avg_sq.values: its bytes changed"
+        )),
+        "{message}"
+    );
+    assert!(!message.contains('\n'), "{message}");
+    assert_eq!(other_opt.state_dict().unwrap(), before);
+
+    // The same through load_state_dict.
+    let mut changed = opt.state_dict().unwrap();
+    changed.params[3].buffers[0][0].data[5] ^= 1;
+    let e = other_opt.load_state_dict(&changed).unwrap_err();
+    let shape = a.params()[3].size();
+    assert!(
+        e.to_string()
+            .contains(&format!("parameter 3 (shape {shape:?}), exp_avg.values")),
+        "{e}"
+    );
+    assert_eq!(other_opt.state_dict().unwrap(), before);
+}

@@ -10,3 +10,4 @@ mod loss;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
 mod statistics;
+mod steering;
