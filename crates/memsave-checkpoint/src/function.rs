@@ -7,7 +7,8 @@ use std::fmt::Display;
 use std::sync::Arc;
 use tch::Tensor;
 
-/// Options of a checkpointed call; `Checkpoint::default()` preserves the RNG state.
+/// Options of a checkpointed call; `Checkpoint::default()` preserves the RNG state and
+/// runs the function to its end in the recomputation (no early stop).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Checkpoint {
     preserve_rng: bool,
@@ -18,13 +19,14 @@ impl Default for Checkpoint {
     fn default() -> Self {
         Self {
             preserve_rng: true,
-            early_stop: true,
+            early_stop: false,
         }
     }
 }
 
 impl Checkpoint {
-    /// Default options: RNG state preserved, early stop on.
+    /// Default options: RNG state preserved, early stop off (see
+    /// [`early_stop`](Self::early_stop) for why, unlike PyTorch).
     pub fn new() -> Self {
         Self::default()
     }
@@ -48,55 +50,67 @@ impl Checkpoint {
         self
     }
 
-    /// Whether the recomputation ends right after the last tensor backward needs
-    /// (default `true`, as PyTorch's `early_stop`): what `f` does after it, it does once,
-    /// in the forward.
+    /// Whether the recomputation ends right after the last tensor backward needs, by
+    /// unwinding `f` (default `false`; PyTorch's `early_stop` defaults to `true`).
     ///
-    /// Trap: the stop unwinds `f` from the op that saves that tensor (tch's short-named
-    /// ops panic; the `f_` ones return the error, which `f` should pass on with `?`). A
-    /// `std::sync::Mutex` locked across that op is poisoned by the unwinding. Lock only
-    /// around the call that needs it (`let y = layer.lock().unwrap().forward(x);` then
-    /// carry on with `y`), use a lock that does not poison, or turn early stop off: `f`
-    /// then runs to its end in every recomputation, and may end early by itself once
-    /// `memsave_sys::checkpoint::recomputation_done()` says so (as
-    /// [`CheckpointedSequential`](crate::CheckpointedSequential) does between layers).
+    /// Off, `f` runs to its end in the recomputation: a stop is then always safe, and
+    /// costs only the ops after the last tensor backward needs (in a block
+    /// `x + mlp(norm(x))`, the residual add). `f` may end early by itself once
+    /// [`recomputation_done`](crate::recomputation_done) says so, at a point it
+    /// chooses (as [`CheckpointedSequential`](crate::CheckpointedSequential) does
+    /// between layers).
+    ///
+    /// On, the stop unwinds `f` from the op that saves that tensor (tch's short-named
+    /// ops panic; the `f_` ones return the error, which `f` should pass on with `?`),
+    /// so what `f` does after it runs once, in the forward. Turn it on only for a
+    /// function that, across its ops:
+    /// - holds no `std::sync::Mutex` guard: the unwinding poisons it, and the next
+    ///   step's `lock().unwrap()` panics. Lock only around the call that needs it
+    ///   (`let y = layer.lock().unwrap().forward(x);` then carry on with `y`), or use a
+    ///   lock that does not poison;
+    /// - starts no `std::thread` that it joins later: the unwinding skips the `join`
+    ///   and leaves the thread running (scoped threads, `std::thread::scope`, are
+    ///   joined on unwind and are fine);
+    /// - needs nothing else that runs after its ops (a file finished, a counter
+    ///   updated, a channel answered).
     pub fn early_stop(mut self, early_stop: bool) -> Self {
         self.early_stop = early_stop;
         self
     }
 
-    /// Checkpoints an infallible function; a panic inside it becomes an `Err`.
+    /// Checkpoints an infallible function; a panic inside it becomes an `Err` naming
+    /// where it was checkpointed (the caller's file, line and column), also when it
+    /// happens in the recomputation (then the backward fails with it).
+    #[track_caller]
     pub fn run<F>(self, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
     {
-        self.try_run(inputs, move |xs| Ok::<_, std::convert::Infallible>(f(xs)))
+        let name = caller_name();
+        self.try_run_named(inputs, &name, None, move |xs| {
+            Ok::<_, std::convert::Infallible>(f(xs))
+        })
     }
 
     /// Checkpoints a fallible function; its error comes back from the forward, or from
-    /// `f_backward` when the recompute fails.
+    /// `f_backward` when the recompute fails, naming where it was checkpointed.
+    #[track_caller]
     pub fn try_run<F, E>(self, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
         E: Display,
     {
-        let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-        let boxed: raw::CheckpointFn =
-            Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| CallbackError::from(e.to_string())));
-        Ok(raw::checkpoint(
-            &inputs,
-            self.preserve_rng,
-            self.early_stop,
-            boxed,
-        )?)
+        let name = caller_name();
+        self.try_run_named(inputs, &name, None, f)
     }
 
-    /// [`try_run`](Self::try_run) with the inputs kept by `store` until the recompute
-    /// instead of by the checkpoint.
-    pub(crate) fn try_run_stored<F, E>(
+    /// [`try_run`](Self::try_run) whose errors call the function `name`; with `store`,
+    /// the inputs are kept by it until the recompute instead of by the checkpoint.
+    pub(crate) fn try_run_named<F, E>(
         self,
         inputs: &[&Tensor],
-        store: Lever,
+        name: &str,
+        store: Option<Lever>,
         f: F,
     ) -> Result<Vec<Tensor>>
     where
@@ -106,12 +120,34 @@ impl Checkpoint {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
         let boxed: raw::CheckpointFn =
             Box::new(move |xs: &[Tensor]| f(xs).map_err(|e| CallbackError::from(e.to_string())));
+        let run = |pack_inputs, f| {
+            raw::checkpoint_named(
+                &inputs,
+                Some(name),
+                self.preserve_rng,
+                self.early_stop,
+                pack_inputs,
+                f,
+            )
+        };
+        let Some(store) = store else {
+            return Ok(run(false, boxed)?);
+        };
         let frame = memsave_sys::hooks::push(Arc::new(store))?;
-        let out =
-            raw::checkpoint_packing_inputs(&inputs, self.preserve_rng, self.early_stop, boxed);
+        let out = run(true, boxed);
         frame.exit()?;
         Ok(out?)
     }
+}
+
+/// "the function checkpointed at src/model.rs:42:17", for the caller of a
+/// `#[track_caller]` function.
+#[track_caller]
+fn caller_name() -> String {
+    format!(
+        "the function checkpointed at {}",
+        std::panic::Location::caller()
+    )
 }
 
 /// Runs `f(inputs)` keeping only its inputs for backward, and recomputes it there.
@@ -122,9 +158,14 @@ impl Checkpoint {
 /// gradients even when no input requires grad, and several inputs and outputs, outputs
 /// that do not require grad, undefined outputs (`Tensor::new()`, PyTorch's `None`),
 /// nested checkpoints and a backward inside `f` (`Tensor::run_backward` on its own
-/// computation, PyTorch's `autograd.grad` in a checkpointed function) all work. As in
-/// PyTorch, the recomputation stops right after the last tensor backward needs, so what
-/// `f` does after that runs once.
+/// computation, PyTorch's `autograd.grad` in a checkpointed function) all work. Unlike
+/// PyTorch, the recomputation runs `f` to its end (no early stop, see
+/// [`Checkpoint::early_stop`]): a `Mutex` `f` locks is never poisoned by it and a
+/// thread `f` starts and joins is joined, at the cost of the ops after the last tensor
+/// backward needs. An error or panic of `f` comes back as an `Err` (from the forward,
+/// or from `f_backward` when it happens in the recomputation) naming the file, line
+/// and column of this call; the graph is freed with the tensors that hold it, and the
+/// next step runs as usual.
 ///
 /// `f` is `Fn`: a backward inside `f` may need the recomputation while the forward is
 /// still in `f`, so `f` can be called again from within its own call.
@@ -150,6 +191,7 @@ impl Checkpoint {
 /// // x does not require grad, yet w gets its gradient (PyTorch's reentrant variant would not).
 /// assert_eq!(w.grad().sum(Kind::Float).double_value(&[]), 32.0);
 /// ```
+#[track_caller]
 pub fn checkpoint<F>(inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
 where
     F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
@@ -158,6 +200,7 @@ where
 }
 
 /// [`checkpoint`] for a function of one tensor to one tensor.
+#[track_caller]
 pub fn checkpoint1<F>(input: &Tensor, f: F) -> Result<Tensor>
 where
     F: Fn(&Tensor) -> Tensor + Send + 'static,

@@ -64,6 +64,10 @@ mod solver;
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
 pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, StoreError, Stored};
+/// Whether the recomputation running on this thread has every tensor its backward
+/// needs back: a checkpointed function may return at once (what it returns there is
+/// not used). False outside recomputations.
+pub use memsave_sys::checkpoint::recomputation_done;
 pub use plan::Plan;
 pub use profile::{ChainProfile, LayerProfile};
 pub use schedule::{Block, Schedule, StoredBoundary};

@@ -405,10 +405,8 @@ fn run_blocks(
                 let f = move |xs: &[Tensor]| {
                     run_blocks(&owned, &inner, &xs[0], train, options, &|_| None).map(|y| vec![y])
                 };
-                let mut out = match store_for(*start) {
-                    Some(store) => options.try_run_stored(&[&x], store, f)?,
-                    None => options.try_run(&[&x], f)?,
-                };
+                let name = format!("the layers of ckpt[{start}..{end}]");
+                let mut out = options.try_run_named(&[&x], &name, store_for(*start), f)?;
                 out.remove(0)
             }
         };

@@ -341,8 +341,8 @@ struct RecomputePreHook final : torch::autograd::FunctionPreHook {
 // the handles that autograd holds.
 class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_shared_from_this<CheckpointFrame> {
  public:
-  CheckpointFrame(std::unique_ptr<Closure> closure, bool preserve_rng, bool early_stop)
-      : closure_(std::move(closure)), preserve_rng_(preserve_rng), early_stop_(early_stop) {}
+  CheckpointFrame(std::unique_ptr<Closure> closure, std::string name, bool preserve_rng, bool early_stop)
+      : closure_(std::move(closure)), name_(std::move(name)), preserve_rng_(preserve_rng), early_stop_(early_stop) {}
 
   // Whether the recomputation running on this thread has every tensor it needs back
   // (the function may return early: what it computes from there on is thrown away).
@@ -387,14 +387,14 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
       memsave::hooks::FrameScope scope(shared_from_this());
       out = closure_->call(inputs);
     }
-    MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+    MS_CHECK(!out.error, "checkpoint: ", name_, " failed during the forward: ", *out.error);
     backward_inside_ = memsave::hooks::backward_calls_started() != backward_calls_at_forward_;
     drop_unused_rng_states();
-    MS_CHECK(!region.overlapped() || state_.rng.empty(), "checkpoint: the function", kRngOverlap);
+    MS_CHECK(!region.overlapped() || state_.rng.empty(), "checkpoint: ", name_, kRngOverlap);
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& t = inputs[i];
       if (!t.defined() || t.is_inference()) continue;
-      MS_CHECK(t._version() == versions_[i], "checkpoint: the function modified its input ", i, " (",
+      MS_CHECK(t._version() == versions_[i], "checkpoint: ", name_, " modified its input ", i, " (",
                   t.sizes(), " ", t.scalar_type(),
                   ") in place; the recomputation in backward would modify it again. Clone the input inside "
                   "the function before modifying it.");
@@ -501,6 +501,8 @@ class CheckpointFrame final : public memsave::hooks::Frame, public std::enable_s
   }
 
   std::unique_ptr<Closure> closure_;
+  // What errors call the function: "the function", or the name the caller gave.
+  std::string name_;
   bool preserve_rng_;
   bool early_stop_;
   bool recomputing_ = false;
@@ -650,8 +652,8 @@ void CheckpointFrame::recompute(const std::string& needed_for) {
   const bool stopped = stopped_;
   stopped_ = false;
   if (out.error && !stopped) {
-    MS_CHECK(false, "checkpoint: the function failed during the recomputation in backward (needed for ",
-             needed_for, "): ", *out.error);
+    MS_CHECK(false, "checkpoint: ", name_, " failed during the recomputation in backward (needed for ", needed_for,
+             "): ", *out.error);
   }
   MS_CHECK(missing_ == 0, "checkpoint: the recomputation saved ", next_capture_,
               " tensors for backward but the forward saved ", storage_.size(),
@@ -715,8 +717,10 @@ const char* ms_checkpoint_stop_message() noexcept { return kStopMessage; }
 //
 // With `pack_inputs`, the inputs are handed to the calling thread's innermost hook
 // frame at the forward instead of being kept, and unpacked for the recompute.
+//
+// `name` (null: "the function") is what error messages call the function.
 int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_fn run, ms_drop_fn drop,
-                  bool preserve_rng, bool early_stop, bool pack_inputs, void** out_vec) {
+                  const char* name, bool preserve_rng, bool early_stop, bool pack_inputs, void** out_vec) {
   std::unique_ptr<Closure> closure;
   try {
     closure = std::make_unique<Closure>(ctx, run, drop);
@@ -726,6 +730,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     return 1;
   }
   MS_TRY({
+    const std::string label = name == nullptr ? "the function" : name;
     std::vector<at::Tensor> in;
     in.reserve(n_inputs);
     for (size_t i = 0; i < n_inputs; ++i) in.push_back(inputs[i] == nullptr ? at::Tensor() : *inputs[i]);
@@ -733,7 +738,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     if (!at::GradMode::is_enabled()) {
       // No graph is being built (inference or an outer no_grad): nothing to save.
       auto out = closure->call(in);
-      MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+      MS_CHECK(!out.error, "checkpoint: ", label, " failed during the forward: ", *out.error);
       *result = std::move(out.tensors);
       *out_vec = result.release();
       return 0;
@@ -746,7 +751,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
         memsave::hooks::FrameScope scope(std::make_shared<DiscardFrame>());
         out = closure->call(in);
       }
-      MS_CHECK(!out.error, "checkpoint: the function failed during the forward: ", *out.error);
+      MS_CHECK(!out.error, "checkpoint: ", label, " failed during the forward: ", *out.error);
       *result = std::move(out.tensors);
       *out_vec = result.release();
       return 0;
@@ -754,7 +759,7 @@ int ms_checkpoint(at::Tensor* const* inputs, size_t n_inputs, void* ctx, ms_run_
     // Inside a recomputation that runs a backward the frame is light: its inputs are not
     // packed, and what it builds is thrown away when the recomputation ends.
     const bool light = recompute_depth > 0;
-    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), preserve_rng, early_stop);
+    auto frame = std::make_shared<CheckpointFrame>(std::move(closure), label, preserve_rng, early_stop);
     if (pack_inputs && !light) frame->pack_inputs_with_current_hooks(in);
     *result = frame->forward(in);
     *out_vec = result.release();

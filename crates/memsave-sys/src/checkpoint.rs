@@ -144,15 +144,17 @@ fn quiet_early_stop_panics() {
 ///
 /// With `early_stop` (PyTorch's default), the recomputation is ended right after the
 /// last tensor backward needs, by making the op that saves it fail: `f` is unwound from
-/// there (a panic through tch's short-named ops, kept off stderr). Without it, `f` runs
-/// to its end and may stop early itself by asking [`recomputation_done`].
+/// there (a panic through tch's short-named ops, kept off stderr). Trap: the unwinding
+/// poisons a `std::sync::Mutex` that `f` holds across that op and skips the rest of
+/// `f`, a `join` of a thread it started included (the thread is left running). Without
+/// it, `f` runs to its end and may stop early itself by asking [`recomputation_done`].
 pub fn checkpoint(
     inputs: &[Tensor],
     preserve_rng: bool,
     early_stop: bool,
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
-    run_checkpoint(inputs, preserve_rng, early_stop, false, f)
+    checkpoint_named(inputs, None, preserve_rng, early_stop, false, f)
 }
 
 /// Whether the recomputation running on this thread has every tensor its backward needs
@@ -210,22 +212,29 @@ pub fn checkpoint_packing_inputs(
     early_stop: bool,
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
-    run_checkpoint(inputs, preserve_rng, early_stop, true, f)
+    checkpoint_named(inputs, None, preserve_rng, early_stop, true, f)
 }
 
-fn run_checkpoint(
+/// [`checkpoint`] (or, with `pack_inputs`, [`checkpoint_packing_inputs`]) whose error
+/// messages call the function `name` (`None`: "the function"), e.g. "the function
+/// checkpointed at src/model.rs:42:17": a failure in backward then says which
+/// checkpointed function it came from.
+pub fn checkpoint_named(
     inputs: &[Tensor],
+    name: Option<&str>,
     preserve_rng: bool,
     early_stop: bool,
     pack_inputs: bool,
     f: CheckpointFn,
 ) -> Result<Vec<Tensor>> {
     quiet_early_stop_panics();
+    let name = name.map(|n| CString::new(n.replace('\0', " ")).unwrap_or_default());
     let ptrs: Vec<*mut CTensor> = inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let ctx = Box::into_raw(Box::new(ReentrantMutex::new(f))) as *mut c_void;
     let mut vec: *mut c_void = std::ptr::null_mut();
     // SAFETY: `ptrs` holds live at::Tensor pointers borrowed for the call; ownership of
-    // `ctx` passes to the bridge, which calls `drop_closure` on it exactly once.
+    // `ctx` passes to the bridge, which calls `drop_closure` on it exactly once; `name`
+    // is null or a NUL-terminated string the bridge copies before returning.
     check(unsafe {
         ffi::ms_checkpoint(
             ptrs.as_ptr(),
@@ -233,6 +242,7 @@ fn run_checkpoint(
             ctx,
             run,
             drop_closure,
+            name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr()),
             preserve_rng,
             early_stop,
             pack_inputs,

@@ -145,6 +145,7 @@ extern "C" {
         ctx: *mut c_void,
         run: RunFn,
         drop: DropFn,
+        name: *const c_char,
         preserve_rng: bool,
         early_stop: bool,
         pack_inputs: bool,

@@ -143,7 +143,6 @@ fn a_checkpointed_batch_norm_updates_its_statistics_once() {
         )
     };
     let layer = bn.clone();
-    // The lock is released before tanh, whose save ends the recomputation (early stop).
     let y = checkpoint1(&x, move |x| {
         let y = layer.lock().unwrap().forward_t(x, true);
         y.tanh()

@@ -223,9 +223,10 @@ fn the_recompute_replays_autocast_and_clears_its_cast_cache() {
     assert_eq!(memory_allocated(CPU), start + 16 * 16 * 4);
 }
 
-/// Early stop (Trust II, item 13; PyTorch's `set_checkpoint_early_stop`, on by default):
-/// the recomputation ends at the last tensor backward needs, so ops after it that save
-/// nothing (the clone here) run once, in the forward, as in PyTorch.
+/// Early stop (Trust II, item 13; PyTorch's `set_checkpoint_early_stop`; an opt-in
+/// here, see `user_loop`): the recomputation ends at the last tensor backward needs, so
+/// ops after it that save nothing (the clone here) run once, in the forward, as in
+/// PyTorch.
 #[test]
 #[serial]
 fn the_recomputation_stops_at_the_last_tensor_backward_needs() {
@@ -234,12 +235,15 @@ fn the_recomputation_stops_at_the_last_tensor_backward_needs() {
         let after_last_save = Arc::new(AtomicUsize::new(0));
         let counter = after_last_save.clone();
         // sin saves x, cos saves sin(x); the clone after them saves nothing.
-        let y = checkpoint1(&x, move |x| {
-            let h = x.sin().cos();
-            counter.fetch_add(1, Ordering::SeqCst);
-            h.copy()
-        })
-        .unwrap();
+        let y = Checkpoint::new()
+            .early_stop(true)
+            .run(&[&x], move |xs| {
+                let h = xs[0].sin().cos();
+                counter.fetch_add(1, Ordering::SeqCst);
+                vec![h.copy()]
+            })
+            .unwrap()
+            .remove(0);
         assert_eq!(after_last_save.load(Ordering::SeqCst), 1);
         y.sum(Kind::Float).backward();
         assert_eq!(after_last_save.load(Ordering::SeqCst), 1, "n = {n}");

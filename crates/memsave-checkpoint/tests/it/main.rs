@@ -14,3 +14,4 @@ mod memory;
 mod pytorch_checkpoint;
 mod reported;
 mod solver;
+mod user_loop;
