@@ -1,5 +1,5 @@
 //! Criterion benches of memsave's overheads: a meter query, checkpointing a small
-//! function against running it plainly, the in-place exclusivity check against the copy
+//! function against running it plainly, early stop off against on, the in-place exclusivity check against the copy
 //! it avoids, and one GradScaler step.
 //!
 //!   cargo bench --bench overhead
@@ -55,6 +55,36 @@ fn checkpoint_overhead(c: &mut Criterion) {
     group.bench_function("checkpoint1_forward_only", |b| {
         b.iter(|| black_box(checkpoint1(&x, |x| x.relu()).unwrap()))
     });
+    group.finish();
+}
+
+/// The seed's network (x = x + Linear(x), ten layers of 512) with `checkpoint()` around
+/// each layer: early stop off (the default, safe for any function) against on (the
+/// recomputation unwinds once the last saved tensor is rebuilt).
+fn early_stop(c: &mut Criterion) {
+    let mut group = c.benchmark_group("early_stop");
+    group.sample_size(20);
+    let vs = nn::VarStore::new(CPU);
+    let layers: Vec<nn::Linear> = (0..10)
+        .map(|i| nn::linear(vs.root() / i, 512, 512, Default::default()))
+        .collect();
+    let x = Tensor::rand([1000, 512], (Kind::Float, CPU)).set_requires_grad(true);
+    for (name, stop) in [("seed_residual_off", false), ("seed_residual_on", true)] {
+        let options = Checkpoint::new().early_stop(stop);
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let mut h = x.shallow_clone();
+                for lin in &layers {
+                    let l = lin.shallow_clone_module();
+                    h = options
+                        .run(&[&h], move |xs| vec![&xs[0] + l.forward(&xs[0])])
+                        .unwrap()
+                        .remove(0);
+                }
+                h.sum(Kind::Float).backward();
+            })
+        });
+    }
     group.finish();
 }
 
@@ -118,6 +148,7 @@ criterion_group!(
     benches,
     meter,
     checkpoint_overhead,
+    early_stop,
     inplace_check,
     grad_scaler
 );
