@@ -2,6 +2,7 @@
 //! weights and of the optimizer state, its step and RNG state, to a file of its own; a
 //! manifest names the files with their lengths and checksums.
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memsave_optim::{Optimizer, Rule};
@@ -395,9 +396,20 @@ impl Fsdp {
         } else {
             Ok(())
         };
+        let renamed = rank == 0 && written.is_ok();
         if let Err(e) = agree(&group, written, "write it", dir) {
-            // The earlier manifest is still there, naming the earlier files.
-            remove_mine();
+            // The rename is the commit: once it is done (this rank 0's own, or, as a
+            // rank that lost the others in the last agreement, a manifest on disk that
+            // names this rank's file), the new files are the checkpoint and stay. A
+            // file no manifest names is harmless: the next save writes over its slot.
+            let committed = renamed
+                || fs::read_to_string(dir.join(MANIFEST))
+                    .ok()
+                    .and_then(|text| Manifest::parse(&text))
+                    .is_some_and(|m| m == manifest);
+            if !committed {
+                remove_mine();
+            }
             return Err(e);
         }
         // Committed: the earlier checkpoint's files are no longer named anywhere.
@@ -522,6 +534,18 @@ impl Fsdp {
                 .map(|values| Tensor::f_from_slice(values).map_err(err))
                 .collect::<Result<Vec<_>>>()?;
             let rng = Tensor::f_from_slice(&file.rng).map_err(err)?;
+            // Checked here rather than refused by set_cpu_state after the weights are in.
+            let current = memsave_sys::rng::cpu_state()?.numel();
+            if file.rng.len() != current {
+                return Err(refuse(
+                    rank,
+                    dir,
+                    format!(
+                        "rank {rank}'s shard file holds a random generator state of {} bytes, and this libtorch's is {current} bytes (written by another version?)",
+                        file.rng.len()
+                    ),
+                ));
+            }
             // What the optimizer holds now, to put back if another rank cannot load.
             let before = optimizer
                 .state_dict()
@@ -711,10 +735,31 @@ fn partial(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` through a temporary file renamed over it, so that a reader
 /// sees the old file or the whole new one.
+/// Writes `bytes` to `path` through a temporary name and a rename, each flushed to the
+/// disk (the file before the rename, the directory after), so that a machine that goes
+/// down after a save, not only a process, finds the whole file or the earlier one.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = partial(path);
-    fs::write(&tmp, bytes)?;
-    fs::rename(&tmp, path)
+    let mut file = fs::File::create(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&tmp, path)?;
+    sync_dir(path)
+}
+
+/// Flushes the directory holding `path`, so that a rename in it is on the disk.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        // Opening a directory to sync it works on Unix; elsewhere the rename stands.
+        Some(dir) if cfg!(unix) => fs::File::open(if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        })?
+        .sync_all(),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
