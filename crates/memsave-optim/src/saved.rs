@@ -57,8 +57,10 @@ pub struct SavedTensor {
     /// The CRC-32 of `data` when it was saved: loading refuses a tensor whose bytes no
     /// longer match it (a changed hex digit is still valid hex, and would otherwise be
     /// loaded as a silently different moment). Set it with [`SavedTensor::checksum`]
-    /// when you change `data` on purpose.
-    pub crc32: u32,
+    /// when you change `data` on purpose. `None` in a file saved before checksums
+    /// were written, which loads unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32: Option<u32>,
 }
 
 impl SavedTensor {
@@ -83,13 +85,14 @@ impl<R: Rule> SavedState<R> {
                 let layout = Buffer::layout(self.state, p.shape.iter().product(), sign);
                 for (k, t) in parts.iter().enumerate() {
                     let found = t.checksum();
-                    if found != t.crc32 {
+                    let Some(saved) = t.crc32 else { continue };
+                    if found != saved {
                         let part = layout
                             .get(k)
                             .map_or_else(|| format!("{k}"), |l| l.0.to_owned());
                         return Some(format!(
                             "parameter {index} (shape {:?}), {buffer}.{part}: its bytes changed after it was saved (CRC-32 {found:08x}, {:08x} saved); nothing was loaded",
-                            p.shape, t.crc32
+                            p.shape, saved
                         ));
                     }
                 }
@@ -116,7 +119,7 @@ impl<R: Rule> Optimizer<R> {
                             Ok(SavedTensor {
                                 kind: format!("{:?}", t.kind()),
                                 shape: t.size(),
-                                crc32: crc32fast::hash(&data),
+                                crc32: Some(crc32fast::hash(&data)),
                                 data,
                             })
                         })

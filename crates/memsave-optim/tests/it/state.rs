@@ -396,3 +396,36 @@ fn a_changed_byte_in_a_saved_state_is_refused_naming_the_file_and_the_tensor() {
     );
     assert_eq!(other_opt.state_dict().unwrap(), before);
 }
+
+/// A state file saved before checksums were written (no `crc32` fields) still loads,
+/// unchecked, and continues bitwise.
+#[test]
+#[serial]
+fn a_state_file_from_before_checksums_still_loads() {
+    let a = net(6);
+    let mut opt = adamw(&a.params(), State::F32, Placement::Device);
+    train(&a, &mut opt, 0, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("adamw.json");
+    opt.save(&file).unwrap();
+    let text = std::fs::read_to_string(&file).unwrap();
+    // Each tensor ends `..."data":"<hex>","crc32":<digits>}`: drop the last field.
+    let mut old = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    let mut dropped = 0;
+    while let Some(at) = rest.find(",\"crc32\":") {
+        old.push_str(&rest[..at]);
+        let after = &rest[at + ",\"crc32\":".len()..];
+        let digits = after.find(|c: char| !c.is_ascii_digit()).unwrap();
+        rest = &after[digits..];
+        dropped += 1;
+    }
+    old.push_str(rest);
+    assert!(dropped > 0, "no crc32 field in {text}");
+    std::fs::write(&file, &old).unwrap();
+
+    let b = net(6);
+    let mut loaded = adamw(&b.params(), State::F32, Placement::Device);
+    loaded.load(&file).unwrap();
+    assert_eq!(loaded.state_dict().unwrap(), opt.state_dict().unwrap());
+}
