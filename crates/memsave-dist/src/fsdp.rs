@@ -48,7 +48,7 @@ impl Default for FsdpConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FsdpStats {
     /// Bytes of parameters this rank keeps between uses: its shard of every unit
-    /// (padding included) and the 4-byte zero that freed parameters read as.
+    /// (padding included) and the 4-byte NaN that freed parameters read as.
     pub parameter_bytes: u64,
     /// Values this rank holds beyond ceil(P/N), P all units' values: what padding each
     /// unit on its own adds (see [`Fsdp`]'s padding rule); fewer than the units.
@@ -95,7 +95,7 @@ pub struct FsdpStats {
 ///     opt.f_step()?;
 ///     opt.zero_grad(true);
 /// }
-/// // Between steps a rank holds its shards (4 x 72 values here) and one zero.
+/// // Between steps a rank holds its shards (4 x 72 values here) and one NaN.
 /// assert_eq!(fsdp.stats().parameter_bytes, 4 * 4 * 72 + 4);
 /// assert_eq!(fsdp.stats().gathered_bytes, 0);
 /// # Ok::<(), anyhow::Error>(())
@@ -114,10 +114,13 @@ pub struct FsdpStats {
 ///
 /// **Parameters between uses.** The parameter tensors the module holds (tch layers keep
 /// their weight `Tensor`s) stay the same objects: their data is swapped in place. Outside
-/// their unit's forward and backward they keep their shape but read as zeros (a
-/// broadcast view of one 4-byte zero): read the weights with
-/// [`Fsdp::f_full_parameters`], and use a parameter only inside its unit (tied weights
-/// across units are refused when saved for backward).
+/// their unit's forward and backward they keep their shape but read as NaN (a
+/// broadcast view of one 4-byte NaN, so that nothing mistakes them for weights: a
+/// `VarStore::save` then writes NaN, not plausible zeros): read the weights with
+/// [`Fsdp::f_full_parameters`], put them back into the module's parameters with
+/// [`Fsdp::f_restore_full_parameters`] (before saving the module's own way, or before
+/// dropping the `Fsdp`), and use a parameter only inside its unit (tied weights across
+/// units are refused when saved for backward).
 ///
 /// **Forward.** A unit's forward all-gathers its shard into one flat buffer, points
 /// each parameter at its slice (so autograd records the full weights and gradients land
@@ -180,8 +183,17 @@ pub struct FsdpStats {
 /// `step_in_backward` does not fire on the shards (their gradients are not set by
 /// autograd): use [`Fsdp::step_in_backward`]. With `Placement::Disk`, give each rank its own directory. Each parameter
 /// carries one post-accumulate-grad hook, so it cannot also be given to data parallel
-/// or ZeRO-2. Keep the `Fsdp` alive while its units are used: dropping it removes the
-/// hooks that reduce the gradients.
+/// or ZeRO-2.
+///
+/// **Dropping it** removes the hooks that reduce the gradients, and the weights live
+/// only in the shards, 1/N on each rank: call [`Fsdp::f_restore_full_parameters`] first
+/// (a collective) to put the full weights back into the module's parameters, which
+/// then stay with the module. Dropping communicates nothing: a collective in a
+/// destructor could report no error, and would pair with whatever collective the other
+/// ranks run next, or wait until the group's timeout for a rank that returned early or
+/// died. So without that call the parameters keep reading NaN after the drop, and the
+/// units refuse to run their forward (an `Err` saying the weights are lost); with it,
+/// the units run their module as it is, on the restored weights.
 pub struct Fsdp {
     // Dropped first: removing the hooks releases their references to the state.
     hooks: Vec<GradHookHandle>,
@@ -226,8 +238,11 @@ type ShardStep = Box<dyn FnMut(usize) -> Result<()> + Send>;
 pub(crate) struct Shared {
     pub(crate) group: ProcessGroup,
     config: FsdpConfig,
-    /// One f32 zero: what freed parameters are views of.
+    /// One f32 NaN: what freed parameters are views of.
     placeholder: Tensor,
+    /// The `Fsdp` was dropped: its hooks are gone, and units run their module as it is
+    /// when their weights were restored, and refuse otherwise.
+    closed: bool,
     pub(crate) units: Vec<Unit>,
     gathered_bytes: u64,
     gathered_peak_bytes: u64,
@@ -271,6 +286,9 @@ pub(crate) struct Unit {
     /// weights (by place), or saved nothing through our hook (a checkpoint, which
     /// recomputes the forward in backward). Cleared when backward gathers it.
     needs_weights: bool,
+    /// The parameters hold full copies of the weights ([`Fsdp::f_restore_full_parameters`])
+    /// until the unit is next gathered or freed.
+    restored: bool,
 }
 
 /// A unit's all-gather started ahead of backward's need, into its own buffer.
@@ -296,13 +314,14 @@ impl Fsdp {
     /// No units yet: register them with [`Fsdp::fully_shard`].
     pub fn new(group: &ProcessGroup, config: FsdpConfig) -> Result<Self> {
         let err = tensor_err(group.rank(), "the freed-parameter placeholder");
-        let placeholder = Tensor::f_zeros([1], (Kind::Float, Device::Cpu)).map_err(err)?;
+        let placeholder = Tensor::f_full([1], f64::NAN, (Kind::Float, Device::Cpu)).map_err(err)?;
         Ok(Self {
             hooks: Vec::new(),
             shared: Arc::new(Mutex::new(Shared {
                 group: group.clone(),
                 config,
                 placeholder,
+                closed: false,
                 units: Vec::new(),
                 gathered_bytes: 0,
                 gathered_peak_bytes: 0,
@@ -419,6 +438,7 @@ impl Fsdp {
             packs: 0,
             saved_slices: 0,
             needs_weights: false,
+            restored: false,
         });
         state.free(unit)?;
         drop(state);
@@ -648,6 +668,57 @@ impl Fsdp {
         Ok(out)
     }
 
+    /// Puts every unit's full weights back into its parameters, as copies of their own
+    /// (contiguous, the parameters' shapes), so that the module holds the trained
+    /// weights: to save it its own way (`VarStore::save`), evaluate it without `Fsdp`,
+    /// or keep it after dropping the `Fsdp` (see [`Fsdp`]'s "Dropping it"). A
+    /// collective: one all-gather per unit; call it between steps, on every rank.
+    ///
+    /// Every rank then holds the whole model (4 bytes per value) besides its shards,
+    /// until a unit's next forward gathers it again (training goes on from the shards,
+    /// so writes to the restored parameters are not seen by it and are lost then; use
+    /// [`Fsdp::load_sharded`] to change the weights). Refused (an `Err`, nothing
+    /// changed) while a step is under way: a unit's weights are gathered or its
+    /// gradients not yet reduced (call [`Fsdp::f_finish_backward`] first).
+    pub fn f_restore_full_parameters(&self) -> Result<()> {
+        let mut state = self.state();
+        let rank = self.group.rank();
+        let busy =
+            state.prefetch.is_some() || state.units.iter().any(|u| u.gathered.is_some() || u.owed);
+        if busy {
+            return Err(DistError::Config {
+                rank,
+                reason: "f_restore_full_parameters: a step is under way (a unit's weights are gathered or its gradients not reduced); call it between steps, after f_finish_backward".to_owned(),
+            });
+        }
+        let err = tensor_err(rank, "restoring the full parameters");
+        let _no_grad = tch::no_grad_guard();
+        for unit in 0..state.units.len() {
+            let flat = state.all_gather(&state.units[unit])?;
+            let mut offset = 0;
+            let copies = state.units[unit]
+                .params
+                .iter()
+                .map(|p| {
+                    let k = p.numel() as i64;
+                    let copy = flat
+                        .f_narrow(0, offset, k)
+                        .and_then(|t| t.f_reshape(p.size()))
+                        .and_then(|t| t.f_detach_copy());
+                    offset += k;
+                    copy
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(err)?;
+            let u = &mut state.units[unit];
+            for (p, copy) in u.params.iter().zip(&copies) {
+                p.shallow_clone().f_set_data(copy).map_err(err)?;
+            }
+            u.restored = true;
+        }
+        Ok(())
+    }
+
     /// What this rank holds and has done (see [`FsdpStats`]).
     pub fn stats(&self) -> FsdpStats {
         let state = self.state();
@@ -799,6 +870,7 @@ impl Shared {
             p.shallow_clone().f_set_data(&view).map_err(err)?;
             offset += k;
         }
+        self.units[unit].restored = false;
         self.units[unit].gathered = Some(flat);
         Ok(())
     }
@@ -808,9 +880,10 @@ impl Shared {
         let err = tensor_err(self.rank(), "freeing a unit's weights");
         let scalar = self.placeholder.f_reshape([0i64; 0]).map_err(err)?;
         for p in &self.units[unit].params {
-            let zeros = scalar.f_expand(p.size(), false).map_err(err)?;
-            p.shallow_clone().f_set_data(&zeros).map_err(err)?;
+            let nans = scalar.f_expand(p.size(), false).map_err(err)?;
+            p.shallow_clone().f_set_data(&nans).map_err(err)?;
         }
+        self.units[unit].restored = false;
         if let Some(flat) = self.units[unit].gathered.take() {
             self.gathered_bytes -= memsave_sys::tensor::nbytes(&flat);
         }
@@ -950,6 +1023,22 @@ impl Shared {
     }
 }
 
+impl Drop for Fsdp {
+    /// Communicates nothing (see [`Fsdp`]'s "Dropping it"): the units are closed, and
+    /// those not restored are freed, their parameters reading NaN.
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared);
+        state.closed = true;
+        for unit in 0..state.units.len() {
+            if !state.units[unit].restored {
+                // An error here (out of memory for a view) leaves the parameter as it
+                // was; a destructor has no one to tell.
+                let _ = state.free(unit);
+            }
+        }
+    }
+}
+
 impl FsdpUnit {
     /// The unit's index in its [`Fsdp`].
     pub fn index(&self) -> usize {
@@ -970,6 +1059,18 @@ fn unit_forward<T>(shared: &Mutex<Shared>, unit: usize, forward: impl FnOnce() -
     let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
     {
         let mut state = lock(shared);
+        if state.closed {
+            if state.units[unit].restored {
+                drop(state);
+                return Ok(forward());
+            }
+            return Err(DistError::Config {
+                rank: state.rank(),
+                reason: format!(
+                    "unit {unit}: its Fsdp was dropped without f_restore_full_parameters, so its weights are lost (each rank kept only its shard); restore them before dropping the Fsdp"
+                ),
+            });
+        }
         if grad && !in_backward {
             state.begin_forward(unit);
         }

@@ -220,6 +220,16 @@ trait Step {
         let _ = path;
         Err(StepError::invalid(SHARDED_SAVE))
     }
+    /// `Fsdp::save_sharded` with this optimizer (over `fsdp`'s shards).
+    fn save_sharded(&mut self, fsdp: &Fsdp, dir: &Path, step: u64) -> Result<(), StepError> {
+        let _ = (fsdp, dir, step);
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
+    /// `Fsdp::load_sharded` into this optimizer; the step saved.
+    fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        let _ = (fsdp, dir);
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
 }
 
 /// Why a ZeRO-1/2 optimizer's state is not saved through the trainer.
@@ -329,6 +339,14 @@ impl<R: Rule> Step for Stepper<R> {
     }
     fn load(&mut self, path: &Path) -> Result<(), StepError> {
         self.with(|opt| opt.load(path).map_err(optimizer_error))
+            .unwrap_or_else(|| Err(switching()))
+    }
+    fn save_sharded(&mut self, fsdp: &Fsdp, dir: &Path, step: u64) -> Result<(), StepError> {
+        self.with(|opt| fsdp.save_sharded(dir, opt, step).map_err(zero_error))
+            .unwrap_or_else(|| Err(switching()))
+    }
+    fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        self.with(|opt| fsdp.load_sharded(dir, opt).map_err(zero_error))
             .unwrap_or_else(|| Err(switching()))
     }
 }
@@ -514,6 +532,25 @@ impl CaseOptimizer {
     /// bytes changed is refused and the optimizer keeps its own.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<(), StepError> {
         self.stepper.load(path.as_ref())
+    }
+
+    /// Saves a sharded checkpoint of ZeRO-3 training in `dir` (`Fsdp::save_sharded`:
+    /// each rank's shards, its part of this optimizer's state, `step` and the RNG state,
+    /// committed across the ranks). The optimizer must be `fsdp`'s
+    /// ([`build_over_shards`](Self::build_over_shards)). A collective.
+    pub(crate) fn save_sharded(
+        &mut self,
+        fsdp: &Fsdp,
+        dir: &Path,
+        step: u64,
+    ) -> Result<(), StepError> {
+        self.stepper.save_sharded(fsdp, dir, step)
+    }
+
+    /// Loads a checkpoint written by [`save_sharded`](Self::save_sharded) into `fsdp`'s
+    /// shards and this optimizer (all ranks or none); returns its step. A collective.
+    pub(crate) fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        self.stepper.load_sharded(fsdp, dir)
     }
 
     /// Shows `observer` the gradients and state the optimizer works with during its

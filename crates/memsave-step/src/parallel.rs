@@ -161,8 +161,10 @@ const ZERO_WITHOUT_OPTIMIZER: &str = "zero shards the optimizer's state over the
 /// Under ZeRO-3 it holds the `memsave_dist::Fsdp` that shards the workload's layers
 /// ([`fsdp`](Self::fsdp): statistics, the full weights, sharded checkpoints): keep it
 /// as long as the model trains, since dropping it removes the hooks that reduce the
-/// gradients, and the workload's parameters read as zeros from then on (they live in
-/// the shards; read them with `Fsdp::f_full_parameters`).
+/// gradients. The workload's parameters read NaN between steps (the weights live in
+/// the shards; read them with `Fsdp::f_full_parameters`), and still after the drop
+/// unless `Fsdp::f_restore_full_parameters` (`Trainer::restore_full_parameters`) put
+/// the full weights back first.
 #[derive(Debug)]
 pub struct DataParallelHandle {
     group: ProcessGroup,

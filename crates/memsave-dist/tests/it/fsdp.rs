@@ -565,13 +565,20 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
         let stats = fsdp.stats();
         assert_eq!(stats.gathered_bytes, 0);
         assert_eq!(stats.gathers, 8);
-        // Every parameter reads as zeros between uses, in its own shape.
+        // Every parameter reads as NaN between uses, in its own shape (not zeros, which
+        // a VarStore::save would write as if they were weights).
         for (p, q) in held
             .iter()
             .zip(plain.iter().flat_map(|l| [&l.ws, l.bs.as_ref().unwrap()]))
         {
             assert_eq!(p.size(), q.size());
-            assert_eq!(p.abs().max().double_value(&[]), 0.0);
+            assert!(
+                Vec::<f32>::try_from(&p.reshape([-1]))
+                    .unwrap()
+                    .iter()
+                    .all(|v| v.is_nan()),
+                "a freed parameter reads a number"
+            );
         }
         let params: Vec<Tensor> = plain
             .iter()
@@ -579,6 +586,20 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
             .collect();
         let full = fsdp.f_full_parameters().expect("full parameters");
         assert_eq!(flat(&full), flat(&params));
+        // Restored, the module's own parameters hold the weights, and keep them when
+        // the Fsdp is dropped; the units then run their module as it is.
+        fsdp.f_restore_full_parameters().expect("restore");
+        assert_eq!(flat(&held), flat(&params));
+        drop(fsdp);
+        assert_eq!(flat(&held), flat(&params));
+        let y = tch::no_grad(|| {
+            let mut h = x.shallow_clone();
+            for unit in &units {
+                h = units_forward(unit, &h);
+            }
+            h
+        });
+        assert!(y.equal(&expected), "after the drop");
     }
 }
 
