@@ -153,13 +153,23 @@ pub struct FsdpStats {
 /// kept as gathered until its reduction (three units at once). When every parameter of a unit has its gradient
 /// (post-accumulate-grad hooks), the gradients are flattened, reduce-scattered (summed
 /// into each rank's slice), divided by N (gradients are averaged, as in DDP) and added
-/// to the shard's `.grad`; the full gradients and weights are freed.
+/// to the parameter shards' `.grad` ([`Fsdp::parameters`]); the full gradients and
+/// weights are freed.
+///
+/// **Unused parameters**: a parameter that gets a gradient on some ranks only is
+/// averaged as if the others had a zero gradient; one that gets none on any rank in a
+/// step (its unit ran without it, or its unit did not run) keeps no gradient in its
+/// shard, so the optimizer leaves it as one process does (its values, state and step
+/// count; PyTorch's FSDP2, whose gradient stays `None`). Each rank's chunk of the
+/// reduce-scatter carries one f32 flag per parameter of the unit after its values, 1
+/// where this rank has a gradient, so the sum says which parameters some rank used.
 ///
 /// **Bytes sent per micro-batch**: an all-gather per unit in forward and in backward,
 /// and a reduce-scatter, each (N-1)/N of the unit's padded bytes: 3 (N-1)/N of the
 /// padded weight bytes, less (N-1)/N of each unit not gathered again; 2 (N-1)/N
-/// without `reshard_after_forward`. Backward prefetch adds nothing in a chain (it
-/// gathers units backward gathers anyway), only the rare unused prefetch above.
+/// without `reshard_after_forward`; and the used-flags, 4 (N-1) bytes per parameter.
+/// Backward prefetch adds nothing in a chain (it gathers units backward gathers
+/// anyway), only the rare unused prefetch above.
 ///
 /// **Gradient accumulation**: every backward reduce-scatters (FSDP's default with
 /// gradient sync on, rather than accumulating full gradients under `no_sync`):
@@ -168,13 +178,14 @@ pub struct FsdpStats {
 /// (P × 4 bytes per rank) between micro-batches, the memory ZeRO-3 exists to remove.
 ///
 /// **The step**: build any `memsave-optim` optimizer over [`Fsdp::parameters`] (the
-/// shards); it steps only this rank's shard, with any rule, state precision or
-/// placement (8-bit state's blocks then run over each shard from its first value, so
-/// they group values differently than over each parameter on one process). Or hand
-/// the optimizer to [`Fsdp::step_in_backward`]: each shard then steps as soon as its
-/// unit's reduce-scatter lands. Call [`Fsdp::f_finish_backward`] after a step's last backward: it
-/// reduces the units some of whose parameters got no gradient (with zeros for those)
-/// and frees any weights still gathered.
+/// parameter shards: each parameter's part of this rank's slice); it steps only this
+/// rank's slice, with any rule, state precision or placement (8-bit state's blocks
+/// then run over each parameter shard from its first value, so they group values
+/// differently than over each whole parameter on one process). Or hand the optimizer
+/// to [`Fsdp::step_in_backward`]: each parameter shard then steps as soon as its unit's
+/// reduce-scatter lands. Call [`Fsdp::f_finish_backward`] after a step's last
+/// backward: it reduces the units some of whose parameters got no gradient here (with
+/// zeros for those; see unused parameters above) and frees any weights still gathered.
 ///
 /// Traps: every rank must run the same units in the same order, forward and backward,
 /// or the collectives wait on each other until the group's timeout. Parameters must be
@@ -230,8 +241,8 @@ impl fmt::Debug for FsdpUnit {
     }
 }
 
-/// Steps one shard (its unit's index) when its gradients land: see
-/// [`Fsdp::step_in_backward`].
+/// Steps one parameter shard (its index in [`Fsdp::parameters`]) when its gradients
+/// land: see [`Fsdp::step_in_backward`].
 type ShardStep = Box<dyn FnMut(usize) -> Result<()> + Send>;
 
 /// The state the units, the hooks and the saved-tensor hook share.
@@ -272,6 +283,9 @@ pub(crate) struct Unit {
     /// This rank's slice: `shard_len` values.
     pub(crate) shard: Tensor,
     pub(crate) shard_len: i64,
+    /// The optimizer's tensors: views of `shard`, one per parameter with values in
+    /// this rank's slice (see [`Fsdp::parameters`]).
+    pieces: Vec<Piece>,
     /// The full flat weights (world size × shard_len values) while gathered.
     gathered: Option<Tensor>,
     /// Which parameters got their gradient in the current backward.
@@ -289,6 +303,18 @@ pub(crate) struct Unit {
     /// The parameters hold full copies of the weights ([`Fsdp::f_restore_full_parameters`])
     /// until the unit is next gathered or freed.
     restored: bool,
+}
+
+/// One parameter's part of a rank's slice of its unit: what the optimizer steps.
+struct Piece {
+    /// The parameter's index in its unit.
+    param: usize,
+    /// Where the part starts in the shard, and its length (the unit's padding goes with
+    /// its last parameter).
+    at: i64,
+    len: i64,
+    /// A view of the shard (a leaf that requires grad).
+    view: Tensor,
 }
 
 /// A unit's all-gather started ahead of backward's need, into its own buffer.
@@ -424,14 +450,39 @@ impl Fsdp {
             flat.f_narrow(0, rank as i64 * shard_len, shard_len)
                 .and_then(|s| s.f_detach_copy())
                 .map_err(err)?
-                .set_requires_grad(true)
         };
+        // Each parameter's part of this rank's slice, the padding with the last one.
+        let start = rank as i64 * shard_len;
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for (index, p) in params.iter().enumerate() {
+            let end = if index + 1 == params.len() {
+                shard_len * n
+            } else {
+                offset + p.numel() as i64
+            };
+            let (lo, hi) = (offset.max(start), end.min(start + shard_len));
+            if lo < hi {
+                let view = shard
+                    .f_narrow(0, lo - start, hi - lo)
+                    .map_err(err)?
+                    .set_requires_grad(true);
+                pieces.push(Piece {
+                    param: index,
+                    at: lo - start,
+                    len: hi - lo,
+                    view,
+                });
+            }
+            offset = end;
+        }
         let mut state = self.state();
         state.units.push(Unit {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             numel,
             shard,
             shard_len,
+            pieces,
             gathered: None,
             ready: vec![false; params.len()],
             owed: false,
@@ -495,14 +546,19 @@ impl Fsdp {
         Ok(())
     }
 
-    /// The shards this rank keeps, one flat f32 tensor per unit in the order of
-    /// [`Fsdp::fully_shard`]: give them to the optimizer. Their `.grad` holds the
-    /// averaged gradients of this rank's slice after backward.
+    /// The parameter shards this rank keeps, to give to the optimizer: one flat f32
+    /// tensor per parameter with values in this rank's slice of its unit (the part of
+    /// it that lies there; the unit's padding goes with its last parameter), units in
+    /// the order of [`Fsdp::fully_shard`] and parameters in the order given, so that
+    /// together they are this rank's slice of every unit, in order (FSDP2's sharded
+    /// parameters, flattened). After backward their `.grad` holds their averaged
+    /// gradients; a parameter that got a gradient on no rank keeps none, so that the
+    /// optimizer skips it (its values, state and step count), as on one process.
     pub fn parameters(&self) -> Vec<Tensor> {
         self.state()
             .units
             .iter()
-            .map(|u| u.shard.shallow_clone())
+            .flat_map(|u| u.pieces.iter().map(|p| p.view.shallow_clone()))
             .collect()
     }
 
@@ -563,7 +619,8 @@ impl Fsdp {
     }
 
     /// Ends a step's backward(s): reduce-scatters the gradients of units some of whose
-    /// parameters got no gradient (zeros for those), frees any gathered weights, and
+    /// parameters got no gradient here (zeros for those; a parameter no rank used keeps
+    /// no gradient in its shard), frees any gathered weights, and
     /// refuses when a unit's weights could not be freed after its forward (see
     /// [`Fsdp::forward`]). A collective; call it after the last backward of a step,
     /// before the optimizer step.
@@ -592,10 +649,11 @@ impl Fsdp {
     }
 
     /// The optimizer step in backward (ZeRO-3's counterpart of memsave-optim's
-    /// `step_in_backward`): from now on, each unit's shard is stepped (the optimizer's
-    /// `f_step_param`) as soon as its gradients are reduce-scattered into it, and its
-    /// gradient is then dropped; so a rank never holds more than one unit's shard
-    /// gradient, and no step follows backward. Returns the optimizer, shared with the
+    /// `step_in_backward`): from now on, each parameter shard is stepped (the
+    /// optimizer's `f_step_param`) as soon as its unit's gradients are reduce-scattered
+    /// into it (not when no rank used its parameter), and its gradient is then dropped;
+    /// so a rank never holds more than one unit's shard gradients, and no step follows
+    /// backward. Returns the optimizer, shared with the
     /// hook: read its state or step counts through the mutex; do not call its `f_step`.
     ///
     /// `optimizer` must hold exactly [`Fsdp::parameters`], in that order (an `Err`
@@ -621,7 +679,7 @@ impl Fsdp {
             return Err(DistError::Config {
                 rank,
                 reason: format!(
-                    "step_in_backward: the optimizer holds {} parameters that are not this Fsdp's {} shards in order; build it over Fsdp::parameters()",
+                    "step_in_backward: the optimizer holds {} parameters that are not this Fsdp's {} parameter shards in order; build it over Fsdp::parameters()",
                     params.len(),
                     shards.len()
                 ),
@@ -629,9 +687,9 @@ impl Fsdp {
         }
         let optimizer = Arc::new(Mutex::new(optimizer));
         let stepped = Arc::clone(&optimizer);
-        self.state().step = Some(Box::new(move |unit| {
+        self.state().step = Some(Box::new(move |index| {
             let mut opt = stepped.lock().unwrap_or_else(|e| e.into_inner());
-            opt.f_step_param(unit)
+            opt.f_step_param(index)
                 .map(|_| ())
                 .map_err(|source| DistError::Optim { rank, source })
         }));
@@ -932,40 +990,84 @@ impl Shared {
     }
 
     /// Reduce-scatters `unit`'s gradients (zeros where a parameter has none) into its
-    /// shard's `.grad` (averaged over the ranks, added to what is there), and frees the
-    /// full gradients and weights.
+    /// parameter shards' `.grad` (averaged over the ranks, added to what is there), and
+    /// frees the full gradients and weights. Each rank's chunk carries one flag per
+    /// parameter after its values, 1 where this rank has a gradient, so that the sum
+    /// says which parameters some rank used: a shard whose parameter no rank used keeps
+    /// no gradient (or the one an earlier micro-batch gave it), and the optimizer skips
+    /// it.
     fn reduce(&mut self, unit: usize) -> Result<()> {
         let rank = self.rank();
         let err = tensor_err(rank, "reducing a unit's gradients");
         let n = self.group.world_size() as i64;
         let _no_grad = tch::no_grad_guard();
+        let first = self.units[..unit]
+            .iter()
+            .map(|u| u.pieces.len())
+            .sum::<usize>();
+        let mut stepped = Vec::new();
         {
             let u = &self.units[unit];
-            let flat =
-                Tensor::f_zeros([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let (len, flags) = (u.shard_len, u.params.len() as i64);
+            let chunk = len + flags;
+            let flat = Tensor::f_zeros([chunk * n], (Kind::Float, Device::Cpu)).map_err(err)?;
             let mut offset = 0;
-            for p in &u.params {
+            for (index, p) in u.params.iter().enumerate() {
                 let k = p.numel() as i64;
                 let g = p.grad();
                 if g.defined() {
-                    flat.f_narrow(0, offset, k)
-                        .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
-                        .map_err(err)?;
+                    let g = g.f_reshape([-1]).map_err(err)?;
+                    // The gradient's values, chunk by chunk.
+                    let mut at = offset;
+                    while at < offset + k {
+                        let c = at / len;
+                        let upto = (offset + k).min((c + 1) * len);
+                        flat.f_narrow(0, c * chunk + at - c * len, upto - at)
+                            .and_then(|mut dst| {
+                                dst.f_copy_(&g.f_narrow(0, at - offset, upto - at)?)
+                            })
+                            .map_err(err)?;
+                        at = upto;
+                    }
+                    for c in 0..n {
+                        let _ = flat
+                            .f_narrow(0, c * chunk + len + index as i64, 1)
+                            .and_then(|mut f| f.f_fill_(1.0))
+                            .map_err(err)?;
+                    }
                     memsave_sys::tensor::set_grad_none(p)?;
                 }
                 offset += k;
             }
-            let mut mine =
-                Tensor::f_empty([u.shard_len], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let mine = Tensor::f_empty([chunk], (Kind::Float, Device::Cpu)).map_err(err)?;
             self.group.reduce_scatter(&mine, &flat)?;
             drop(flat);
-            let _ = mine.f_div_scalar_(n as f64).map_err(err)?;
-            let g = u.shard.grad();
-            if g.defined() {
-                let mut g = g;
-                let _ = g.f_add_(&mine).map_err(err)?;
-            } else {
-                memsave_sys::tensor::set_grad(&u.shard, &mine)?;
+            let used = mine
+                .f_narrow(0, len, flags)
+                .and_then(|f| Vec::<f32>::try_from(&f))
+                .map_err(err)?;
+            if u.pieces.iter().any(|p| used[p.param] != 0.0) {
+                // The averaged values, in a tensor of their own (without the flags):
+                // what the shards' gradients are views of.
+                let grads = mine
+                    .f_narrow(0, 0, len)
+                    .and_then(|g| g.f_div_scalar(n as f64))
+                    .map_err(err)?;
+                drop(mine);
+                for (k, piece) in u.pieces.iter().enumerate() {
+                    if used[piece.param] == 0.0 {
+                        continue;
+                    }
+                    let src = grads.f_narrow(0, piece.at, piece.len).map_err(err)?;
+                    let g = piece.view.grad();
+                    if g.defined() {
+                        let mut g = g;
+                        let _ = g.f_add_(&src).map_err(err)?;
+                    } else {
+                        memsave_sys::tensor::set_grad(&piece.view, &src)?;
+                    }
+                    stepped.push(first + k);
+                }
             }
         }
         let u = &mut self.units[unit];
@@ -974,8 +1076,12 @@ impl Shared {
         self.reductions += 1;
         self.free(unit)?;
         if let Some(step) = self.step.as_mut() {
-            step(unit)?;
-            memsave_sys::tensor::set_grad_none(&self.units[unit].shard)?;
+            for index in stepped {
+                step(index)?;
+            }
+            for piece in &self.units[unit].pieces {
+                memsave_sys::tensor::set_grad_none(&piece.view)?;
+            }
         }
         Ok(())
     }
@@ -989,7 +1095,9 @@ impl Shared {
             for p in &u.params {
                 memsave_sys::tensor::set_grad_none(p)?;
             }
-            memsave_sys::tensor::set_grad_none(&u.shard)?;
+            for piece in &u.pieces {
+                memsave_sys::tensor::set_grad_none(&piece.view)?;
+            }
             u.ready.iter_mut().for_each(|r| *r = false);
             u.owed = false;
             u.needs_weights = false;

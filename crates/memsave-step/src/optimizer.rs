@@ -407,11 +407,13 @@ impl CaseOptimizer {
     }
 
     /// The optimizer `spec` asks for over the shards of ZeRO-3 (`fsdp`'s parameters,
-    /// this rank's 1/N of every unit), with every rule, state precision and placement
-    /// [`build`](Self::build) takes (8-bit state's blocks then run over each shard
-    /// from its first value, not over each parameter). With `in_backward` it is handed
-    /// to `Fsdp::step_in_backward`: each shard steps as soon as its unit's gradients
-    /// are reduce-scattered into it, and [`step`](Self::step) does nothing.
+    /// each parameter's part of this rank's 1/N of its unit), with every rule, state
+    /// precision and placement [`build`](Self::build) takes (8-bit state's blocks then
+    /// run over each parameter's shard from its first value, not over each whole
+    /// parameter). A parameter no rank used in a step keeps no gradient and is skipped.
+    /// With `in_backward` it is handed to `Fsdp::step_in_backward`: each shard steps as
+    /// soon as its unit's gradients are reduce-scattered into it, and
+    /// [`step`](Self::step) does nothing.
     pub fn build_over_shards(spec: &OptimizerSpec, fsdp: &Fsdp) -> Result<Self, StepError> {
         let shards = fsdp.parameters();
         if !spec.in_backward {

@@ -23,7 +23,7 @@
 //!   and state precision), sharded under ZeRO-1/2 (`memsave_dist::ZeroOptimizer`, with
 //!   the same placements and precisions; 8-bit blocks hold one parameter each, as on
 //!   one process), over the parameter shards under ZeRO-3 (any rule, precision and
-//!   placement; 8-bit blocks run over each unit's shard), where it may also step in
+//!   placement; 8-bit blocks run over each parameter's shard), where it may also step in
 //!   backward, each shard as its unit's gradients land.
 //!
 //! **ZeRO-3** (`memsave_dist::Fsdp`, PyTorch's FSDP2) shards each layer of the
