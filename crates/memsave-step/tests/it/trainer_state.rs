@@ -78,7 +78,8 @@ fn trainer_state_worker() {
     let rank = group.rank() as i64;
     let share = BATCH / WORLD;
     let checkpoint = out.join("checkpoint");
-    // Trained, checkpointed after BEFORE steps, trained on, then given back and dropped.
+    // Trained, checkpointed after BEFORE steps, given back, trained on, then given back
+    // again and dropped.
     let mut trained = model();
     let x = trained
         .batch(BATCH)
@@ -94,6 +95,8 @@ fn trainer_state_worker() {
             trainer.step(&x).unwrap();
         }
         trainer.save_sharded(&checkpoint).unwrap();
+        // Given back between steps, training goes on from the shards as before.
+        trainer.restore_full_parameters().unwrap();
         for _ in 0..AFTER {
             trainer.step(&x).unwrap();
         }
