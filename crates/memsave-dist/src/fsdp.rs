@@ -48,7 +48,7 @@ impl Default for FsdpConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FsdpStats {
     /// Bytes of parameters this rank keeps between uses: its shard of every unit
-    /// (padding included) and the 4-byte zero that freed parameters read as.
+    /// (padding included) and the 4-byte NaN that freed parameters read as.
     pub parameter_bytes: u64,
     /// Values this rank holds beyond ceil(P/N), P all units' values: what padding each
     /// unit on its own adds (see [`Fsdp`]'s padding rule); fewer than the units.
@@ -95,7 +95,7 @@ pub struct FsdpStats {
 ///     opt.f_step()?;
 ///     opt.zero_grad(true);
 /// }
-/// // Between steps a rank holds its shards (4 x 72 values here) and one zero.
+/// // Between steps a rank holds its shards (4 x 72 values here) and one NaN.
 /// assert_eq!(fsdp.stats().parameter_bytes, 4 * 4 * 72 + 4);
 /// assert_eq!(fsdp.stats().gathered_bytes, 0);
 /// # Ok::<(), anyhow::Error>(())
@@ -114,10 +114,13 @@ pub struct FsdpStats {
 ///
 /// **Parameters between uses.** The parameter tensors the module holds (tch layers keep
 /// their weight `Tensor`s) stay the same objects: their data is swapped in place. Outside
-/// their unit's forward and backward they keep their shape but read as zeros (a
-/// broadcast view of one 4-byte zero): read the weights with
-/// [`Fsdp::f_full_parameters`], and use a parameter only inside its unit (tied weights
-/// across units are refused when saved for backward).
+/// their unit's forward and backward they keep their shape but read as NaN (a
+/// broadcast view of one 4-byte NaN, so that nothing mistakes them for weights: a
+/// `VarStore::save` then writes NaN, not plausible zeros): read the weights with
+/// [`Fsdp::f_full_parameters`], put them back into the module's parameters with
+/// [`Fsdp::f_restore_full_parameters`] (before saving the module's own way, or before
+/// dropping the `Fsdp`), and use a parameter only inside its unit (tied weights across
+/// units are refused when saved for backward).
 ///
 /// **Forward.** A unit's forward all-gathers its shard into one flat buffer, points
 /// each parameter at its slice (so autograd records the full weights and gradients land
@@ -150,13 +153,23 @@ pub struct FsdpStats {
 /// kept as gathered until its reduction (three units at once). When every parameter of a unit has its gradient
 /// (post-accumulate-grad hooks), the gradients are flattened, reduce-scattered (summed
 /// into each rank's slice), divided by N (gradients are averaged, as in DDP) and added
-/// to the shard's `.grad`; the full gradients and weights are freed.
+/// to the parameter shards' `.grad` ([`Fsdp::parameters`]); the full gradients and
+/// weights are freed.
+///
+/// **Unused parameters**: a parameter that gets a gradient on some ranks only is
+/// averaged as if the others had a zero gradient; one that gets none on any rank in a
+/// step (its unit ran without it, or its unit did not run) keeps no gradient in its
+/// shard, so the optimizer leaves it as one process does (its values, state and step
+/// count; PyTorch's FSDP2, whose gradient stays `None`). Each rank's chunk of the
+/// reduce-scatter carries one f32 flag per parameter of the unit after its values, 1
+/// where this rank has a gradient, so the sum says which parameters some rank used.
 ///
 /// **Bytes sent per micro-batch**: an all-gather per unit in forward and in backward,
 /// and a reduce-scatter, each (N-1)/N of the unit's padded bytes: 3 (N-1)/N of the
 /// padded weight bytes, less (N-1)/N of each unit not gathered again; 2 (N-1)/N
-/// without `reshard_after_forward`. Backward prefetch adds nothing in a chain (it
-/// gathers units backward gathers anyway), only the rare unused prefetch above.
+/// without `reshard_after_forward`; and the used-flags, 4 (N-1) bytes per parameter.
+/// Backward prefetch adds nothing in a chain (it gathers units backward gathers
+/// anyway), only the rare unused prefetch above.
 ///
 /// **Gradient accumulation**: every backward reduce-scatters (FSDP's default with
 /// gradient sync on, rather than accumulating full gradients under `no_sync`):
@@ -165,13 +178,14 @@ pub struct FsdpStats {
 /// (P × 4 bytes per rank) between micro-batches, the memory ZeRO-3 exists to remove.
 ///
 /// **The step**: build any `memsave-optim` optimizer over [`Fsdp::parameters`] (the
-/// shards); it steps only this rank's shard, with any rule, state precision or
-/// placement (8-bit state's blocks then run over each shard from its first value, so
-/// they group values differently than over each parameter on one process). Or hand
-/// the optimizer to [`Fsdp::step_in_backward`]: each shard then steps as soon as its
-/// unit's reduce-scatter lands. Call [`Fsdp::f_finish_backward`] after a step's last backward: it
-/// reduces the units some of whose parameters got no gradient (with zeros for those)
-/// and frees any weights still gathered.
+/// parameter shards: each parameter's part of this rank's slice); it steps only this
+/// rank's slice, with any rule, state precision or placement (8-bit state's blocks
+/// then run over each parameter shard from its first value, so they group values
+/// differently than over each whole parameter on one process). Or hand the optimizer
+/// to [`Fsdp::step_in_backward`]: each parameter shard then steps as soon as its unit's
+/// reduce-scatter lands. Call [`Fsdp::f_finish_backward`] after a step's last
+/// backward: it reduces the units some of whose parameters got no gradient here (with
+/// zeros for those; see unused parameters above) and frees any weights still gathered.
 ///
 /// Traps: every rank must run the same units in the same order, forward and backward,
 /// or the collectives wait on each other until the group's timeout. Parameters must be
@@ -180,8 +194,17 @@ pub struct FsdpStats {
 /// `step_in_backward` does not fire on the shards (their gradients are not set by
 /// autograd): use [`Fsdp::step_in_backward`]. With `Placement::Disk`, give each rank its own directory. Each parameter
 /// carries one post-accumulate-grad hook, so it cannot also be given to data parallel
-/// or ZeRO-2. Keep the `Fsdp` alive while its units are used: dropping it removes the
-/// hooks that reduce the gradients.
+/// or ZeRO-2.
+///
+/// **Dropping it** removes the hooks that reduce the gradients, and the weights live
+/// only in the shards, 1/N on each rank: call [`Fsdp::f_restore_full_parameters`] first
+/// (a collective) to put the full weights back into the module's parameters, which
+/// then stay with the module. Dropping communicates nothing: a collective in a
+/// destructor could report no error, and would pair with whatever collective the other
+/// ranks run next, or wait until the group's timeout for a rank that returned early or
+/// died. So without that call the parameters keep reading NaN after the drop, and the
+/// units refuse to run their forward (an `Err` saying the weights are lost); with it,
+/// the units run their module as it is, on the restored weights.
 pub struct Fsdp {
     // Dropped first: removing the hooks releases their references to the state.
     hooks: Vec<GradHookHandle>,
@@ -218,16 +241,19 @@ impl fmt::Debug for FsdpUnit {
     }
 }
 
-/// Steps one shard (its unit's index) when its gradients land: see
-/// [`Fsdp::step_in_backward`].
+/// Steps one parameter shard (its index in [`Fsdp::parameters`]) when its gradients
+/// land: see [`Fsdp::step_in_backward`].
 type ShardStep = Box<dyn FnMut(usize) -> Result<()> + Send>;
 
 /// The state the units, the hooks and the saved-tensor hook share.
 pub(crate) struct Shared {
     pub(crate) group: ProcessGroup,
     config: FsdpConfig,
-    /// One f32 zero: what freed parameters are views of.
+    /// One f32 NaN: what freed parameters are views of.
     placeholder: Tensor,
+    /// The `Fsdp` was dropped: its hooks are gone, and units run their module as it is
+    /// when their weights were restored, and refuse otherwise.
+    closed: bool,
     pub(crate) units: Vec<Unit>,
     gathered_bytes: u64,
     gathered_peak_bytes: u64,
@@ -257,6 +283,9 @@ pub(crate) struct Unit {
     /// This rank's slice: `shard_len` values.
     pub(crate) shard: Tensor,
     pub(crate) shard_len: i64,
+    /// The optimizer's tensors: views of `shard`, one per parameter with values in
+    /// this rank's slice (see [`Fsdp::parameters`]).
+    pieces: Vec<Piece>,
     /// The full flat weights (world size × shard_len values) while gathered.
     gathered: Option<Tensor>,
     /// Which parameters got their gradient in the current backward.
@@ -271,6 +300,21 @@ pub(crate) struct Unit {
     /// weights (by place), or saved nothing through our hook (a checkpoint, which
     /// recomputes the forward in backward). Cleared when backward gathers it.
     needs_weights: bool,
+    /// The parameters hold full copies of the weights ([`Fsdp::f_restore_full_parameters`])
+    /// until the unit is next gathered or freed.
+    restored: bool,
+}
+
+/// One parameter's part of a rank's slice of its unit: what the optimizer steps.
+struct Piece {
+    /// The parameter's index in its unit.
+    param: usize,
+    /// Where the part starts in the shard, and its length (the unit's padding goes with
+    /// its last parameter).
+    at: i64,
+    len: i64,
+    /// A view of the shard (a leaf that requires grad).
+    view: Tensor,
 }
 
 /// A unit's all-gather started ahead of backward's need, into its own buffer.
@@ -296,13 +340,14 @@ impl Fsdp {
     /// No units yet: register them with [`Fsdp::fully_shard`].
     pub fn new(group: &ProcessGroup, config: FsdpConfig) -> Result<Self> {
         let err = tensor_err(group.rank(), "the freed-parameter placeholder");
-        let placeholder = Tensor::f_zeros([1], (Kind::Float, Device::Cpu)).map_err(err)?;
+        let placeholder = Tensor::f_full([1], f64::NAN, (Kind::Float, Device::Cpu)).map_err(err)?;
         Ok(Self {
             hooks: Vec::new(),
             shared: Arc::new(Mutex::new(Shared {
                 group: group.clone(),
                 config,
                 placeholder,
+                closed: false,
                 units: Vec::new(),
                 gathered_bytes: 0,
                 gathered_peak_bytes: 0,
@@ -405,20 +450,46 @@ impl Fsdp {
             flat.f_narrow(0, rank as i64 * shard_len, shard_len)
                 .and_then(|s| s.f_detach_copy())
                 .map_err(err)?
-                .set_requires_grad(true)
         };
+        // Each parameter's part of this rank's slice, the padding with the last one.
+        let start = rank as i64 * shard_len;
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for (index, p) in params.iter().enumerate() {
+            let end = if index + 1 == params.len() {
+                shard_len * n
+            } else {
+                offset + p.numel() as i64
+            };
+            let (lo, hi) = (offset.max(start), end.min(start + shard_len));
+            if lo < hi {
+                let view = shard
+                    .f_narrow(0, lo - start, hi - lo)
+                    .map_err(err)?
+                    .set_requires_grad(true);
+                pieces.push(Piece {
+                    param: index,
+                    at: lo - start,
+                    len: hi - lo,
+                    view,
+                });
+            }
+            offset = end;
+        }
         let mut state = self.state();
         state.units.push(Unit {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             numel,
             shard,
             shard_len,
+            pieces,
             gathered: None,
             ready: vec![false; params.len()],
             owed: false,
             packs: 0,
             saved_slices: 0,
             needs_weights: false,
+            restored: false,
         });
         state.free(unit)?;
         drop(state);
@@ -475,14 +546,19 @@ impl Fsdp {
         Ok(())
     }
 
-    /// The shards this rank keeps, one flat f32 tensor per unit in the order of
-    /// [`Fsdp::fully_shard`]: give them to the optimizer. Their `.grad` holds the
-    /// averaged gradients of this rank's slice after backward.
+    /// The parameter shards this rank keeps, to give to the optimizer: one flat f32
+    /// tensor per parameter with values in this rank's slice of its unit (the part of
+    /// it that lies there; the unit's padding goes with its last parameter), units in
+    /// the order of [`Fsdp::fully_shard`] and parameters in the order given, so that
+    /// together they are this rank's slice of every unit, in order (FSDP2's sharded
+    /// parameters, flattened). After backward their `.grad` holds their averaged
+    /// gradients; a parameter that got a gradient on no rank keeps none, so that the
+    /// optimizer skips it (its values, state and step count), as on one process.
     pub fn parameters(&self) -> Vec<Tensor> {
         self.state()
             .units
             .iter()
-            .map(|u| u.shard.shallow_clone())
+            .flat_map(|u| u.pieces.iter().map(|p| p.view.shallow_clone()))
             .collect()
     }
 
@@ -543,7 +619,8 @@ impl Fsdp {
     }
 
     /// Ends a step's backward(s): reduce-scatters the gradients of units some of whose
-    /// parameters got no gradient (zeros for those), frees any gathered weights, and
+    /// parameters got no gradient here (zeros for those; a parameter no rank used keeps
+    /// no gradient in its shard), frees any gathered weights, and
     /// refuses when a unit's weights could not be freed after its forward (see
     /// [`Fsdp::forward`]). A collective; call it after the last backward of a step,
     /// before the optimizer step.
@@ -572,10 +649,11 @@ impl Fsdp {
     }
 
     /// The optimizer step in backward (ZeRO-3's counterpart of memsave-optim's
-    /// `step_in_backward`): from now on, each unit's shard is stepped (the optimizer's
-    /// `f_step_param`) as soon as its gradients are reduce-scattered into it, and its
-    /// gradient is then dropped; so a rank never holds more than one unit's shard
-    /// gradient, and no step follows backward. Returns the optimizer, shared with the
+    /// `step_in_backward`): from now on, each parameter shard is stepped (the
+    /// optimizer's `f_step_param`) as soon as its unit's gradients are reduce-scattered
+    /// into it (not when no rank used its parameter), and its gradient is then dropped;
+    /// so a rank never holds more than one unit's shard gradients, and no step follows
+    /// backward. Returns the optimizer, shared with the
     /// hook: read its state or step counts through the mutex; do not call its `f_step`.
     ///
     /// `optimizer` must hold exactly [`Fsdp::parameters`], in that order (an `Err`
@@ -601,7 +679,7 @@ impl Fsdp {
             return Err(DistError::Config {
                 rank,
                 reason: format!(
-                    "step_in_backward: the optimizer holds {} parameters that are not this Fsdp's {} shards in order; build it over Fsdp::parameters()",
+                    "step_in_backward: the optimizer holds {} parameters that are not this Fsdp's {} parameter shards in order; build it over Fsdp::parameters()",
                     params.len(),
                     shards.len()
                 ),
@@ -609,9 +687,9 @@ impl Fsdp {
         }
         let optimizer = Arc::new(Mutex::new(optimizer));
         let stepped = Arc::clone(&optimizer);
-        self.state().step = Some(Box::new(move |unit| {
+        self.state().step = Some(Box::new(move |index| {
             let mut opt = stepped.lock().unwrap_or_else(|e| e.into_inner());
-            opt.f_step_param(unit)
+            opt.f_step_param(index)
                 .map(|_| ())
                 .map_err(|source| DistError::Optim { rank, source })
         }));
@@ -646,6 +724,57 @@ impl Fsdp {
             }
         }
         Ok(out)
+    }
+
+    /// Puts every unit's full weights back into its parameters, as copies of their own
+    /// (contiguous, the parameters' shapes), so that the module holds the trained
+    /// weights: to save it its own way (`VarStore::save`), evaluate it without `Fsdp`,
+    /// or keep it after dropping the `Fsdp` (see [`Fsdp`]'s "Dropping it"). A
+    /// collective: one all-gather per unit; call it between steps, on every rank.
+    ///
+    /// Every rank then holds the whole model (4 bytes per value) besides its shards,
+    /// until a unit's next forward gathers it again (training goes on from the shards,
+    /// so writes to the restored parameters are not seen by it and are lost then; use
+    /// [`Fsdp::load_sharded`] to change the weights). Refused (an `Err`, nothing
+    /// changed) while a step is under way: a unit's weights are gathered or its
+    /// gradients not yet reduced (call [`Fsdp::f_finish_backward`] first).
+    pub fn f_restore_full_parameters(&self) -> Result<()> {
+        let mut state = self.state();
+        let rank = self.group.rank();
+        let busy =
+            state.prefetch.is_some() || state.units.iter().any(|u| u.gathered.is_some() || u.owed);
+        if busy {
+            return Err(DistError::Config {
+                rank,
+                reason: "f_restore_full_parameters: a step is under way (a unit's weights are gathered or its gradients not reduced); call it between steps, after f_finish_backward".to_owned(),
+            });
+        }
+        let err = tensor_err(rank, "restoring the full parameters");
+        let _no_grad = tch::no_grad_guard();
+        for unit in 0..state.units.len() {
+            let flat = state.all_gather(&state.units[unit])?;
+            let mut offset = 0;
+            let copies = state.units[unit]
+                .params
+                .iter()
+                .map(|p| {
+                    let k = p.numel() as i64;
+                    let copy = flat
+                        .f_narrow(0, offset, k)
+                        .and_then(|t| t.f_reshape(p.size()))
+                        .and_then(|t| t.f_detach_copy());
+                    offset += k;
+                    copy
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(err)?;
+            let u = &mut state.units[unit];
+            for (p, copy) in u.params.iter().zip(&copies) {
+                p.shallow_clone().f_set_data(copy).map_err(err)?;
+            }
+            u.restored = true;
+        }
+        Ok(())
     }
 
     /// What this rank holds and has done (see [`FsdpStats`]).
@@ -799,6 +928,7 @@ impl Shared {
             p.shallow_clone().f_set_data(&view).map_err(err)?;
             offset += k;
         }
+        self.units[unit].restored = false;
         self.units[unit].gathered = Some(flat);
         Ok(())
     }
@@ -808,9 +938,10 @@ impl Shared {
         let err = tensor_err(self.rank(), "freeing a unit's weights");
         let scalar = self.placeholder.f_reshape([0i64; 0]).map_err(err)?;
         for p in &self.units[unit].params {
-            let zeros = scalar.f_expand(p.size(), false).map_err(err)?;
-            p.shallow_clone().f_set_data(&zeros).map_err(err)?;
+            let nans = scalar.f_expand(p.size(), false).map_err(err)?;
+            p.shallow_clone().f_set_data(&nans).map_err(err)?;
         }
+        self.units[unit].restored = false;
         if let Some(flat) = self.units[unit].gathered.take() {
             self.gathered_bytes -= memsave_sys::tensor::nbytes(&flat);
         }
@@ -859,40 +990,84 @@ impl Shared {
     }
 
     /// Reduce-scatters `unit`'s gradients (zeros where a parameter has none) into its
-    /// shard's `.grad` (averaged over the ranks, added to what is there), and frees the
-    /// full gradients and weights.
+    /// parameter shards' `.grad` (averaged over the ranks, added to what is there), and
+    /// frees the full gradients and weights. Each rank's chunk carries one flag per
+    /// parameter after its values, 1 where this rank has a gradient, so that the sum
+    /// says which parameters some rank used: a shard whose parameter no rank used keeps
+    /// no gradient (or the one an earlier micro-batch gave it), and the optimizer skips
+    /// it.
     fn reduce(&mut self, unit: usize) -> Result<()> {
         let rank = self.rank();
         let err = tensor_err(rank, "reducing a unit's gradients");
         let n = self.group.world_size() as i64;
         let _no_grad = tch::no_grad_guard();
+        let first = self.units[..unit]
+            .iter()
+            .map(|u| u.pieces.len())
+            .sum::<usize>();
+        let mut stepped = Vec::new();
         {
             let u = &self.units[unit];
-            let flat =
-                Tensor::f_zeros([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let (len, flags) = (u.shard_len, u.params.len() as i64);
+            let chunk = len + flags;
+            let flat = Tensor::f_zeros([chunk * n], (Kind::Float, Device::Cpu)).map_err(err)?;
             let mut offset = 0;
-            for p in &u.params {
+            for (index, p) in u.params.iter().enumerate() {
                 let k = p.numel() as i64;
                 let g = p.grad();
                 if g.defined() {
-                    flat.f_narrow(0, offset, k)
-                        .and_then(|mut dst| dst.f_copy_(&g.f_reshape([-1])?))
-                        .map_err(err)?;
+                    let g = g.f_reshape([-1]).map_err(err)?;
+                    // The gradient's values, chunk by chunk.
+                    let mut at = offset;
+                    while at < offset + k {
+                        let c = at / len;
+                        let upto = (offset + k).min((c + 1) * len);
+                        flat.f_narrow(0, c * chunk + at - c * len, upto - at)
+                            .and_then(|mut dst| {
+                                dst.f_copy_(&g.f_narrow(0, at - offset, upto - at)?)
+                            })
+                            .map_err(err)?;
+                        at = upto;
+                    }
+                    for c in 0..n {
+                        let _ = flat
+                            .f_narrow(0, c * chunk + len + index as i64, 1)
+                            .and_then(|mut f| f.f_fill_(1.0))
+                            .map_err(err)?;
+                    }
                     memsave_sys::tensor::set_grad_none(p)?;
                 }
                 offset += k;
             }
-            let mut mine =
-                Tensor::f_empty([u.shard_len], (Kind::Float, Device::Cpu)).map_err(err)?;
+            let mine = Tensor::f_empty([chunk], (Kind::Float, Device::Cpu)).map_err(err)?;
             self.group.reduce_scatter(&mine, &flat)?;
             drop(flat);
-            let _ = mine.f_div_scalar_(n as f64).map_err(err)?;
-            let g = u.shard.grad();
-            if g.defined() {
-                let mut g = g;
-                let _ = g.f_add_(&mine).map_err(err)?;
-            } else {
-                memsave_sys::tensor::set_grad(&u.shard, &mine)?;
+            let used = mine
+                .f_narrow(0, len, flags)
+                .and_then(|f| Vec::<f32>::try_from(&f))
+                .map_err(err)?;
+            if u.pieces.iter().any(|p| used[p.param] != 0.0) {
+                // The averaged values, in a tensor of their own (without the flags):
+                // what the shards' gradients are views of.
+                let grads = mine
+                    .f_narrow(0, 0, len)
+                    .and_then(|g| g.f_div_scalar(n as f64))
+                    .map_err(err)?;
+                drop(mine);
+                for (k, piece) in u.pieces.iter().enumerate() {
+                    if used[piece.param] == 0.0 {
+                        continue;
+                    }
+                    let src = grads.f_narrow(0, piece.at, piece.len).map_err(err)?;
+                    let g = piece.view.grad();
+                    if g.defined() {
+                        let mut g = g;
+                        let _ = g.f_add_(&src).map_err(err)?;
+                    } else {
+                        memsave_sys::tensor::set_grad(&piece.view, &src)?;
+                    }
+                    stepped.push(first + k);
+                }
             }
         }
         let u = &mut self.units[unit];
@@ -901,8 +1076,12 @@ impl Shared {
         self.reductions += 1;
         self.free(unit)?;
         if let Some(step) = self.step.as_mut() {
-            step(unit)?;
-            memsave_sys::tensor::set_grad_none(&self.units[unit].shard)?;
+            for index in stepped {
+                step(index)?;
+            }
+            for piece in &self.units[unit].pieces {
+                memsave_sys::tensor::set_grad_none(&piece.view)?;
+            }
         }
         Ok(())
     }
@@ -916,7 +1095,9 @@ impl Shared {
             for p in &u.params {
                 memsave_sys::tensor::set_grad_none(p)?;
             }
-            memsave_sys::tensor::set_grad_none(&u.shard)?;
+            for piece in &u.pieces {
+                memsave_sys::tensor::set_grad_none(&piece.view)?;
+            }
             u.ready.iter_mut().for_each(|r| *r = false);
             u.owed = false;
             u.needs_weights = false;
@@ -950,6 +1131,22 @@ impl Shared {
     }
 }
 
+impl Drop for Fsdp {
+    /// Communicates nothing (see [`Fsdp`]'s "Dropping it"): the units are closed, and
+    /// those not restored are freed, their parameters reading NaN.
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared);
+        state.closed = true;
+        for unit in 0..state.units.len() {
+            if !state.units[unit].restored {
+                // An error here (out of memory for a view) leaves the parameter as it
+                // was; a destructor has no one to tell.
+                let _ = state.free(unit);
+            }
+        }
+    }
+}
+
 impl FsdpUnit {
     /// The unit's index in its [`Fsdp`].
     pub fn index(&self) -> usize {
@@ -970,6 +1167,18 @@ fn unit_forward<T>(shared: &Mutex<Shared>, unit: usize, forward: impl FnOnce() -
     let in_backward = memsave_sys::hooks::current_autograd_node_name()?.is_some();
     {
         let mut state = lock(shared);
+        if state.closed {
+            if state.units[unit].restored {
+                drop(state);
+                return Ok(forward());
+            }
+            return Err(DistError::Config {
+                rank: state.rank(),
+                reason: format!(
+                    "unit {unit}: its Fsdp was dropped without f_restore_full_parameters, so its weights are lost (each rank kept only its shard); restore them before dropping the Fsdp"
+                ),
+            });
+        }
         if grad && !in_backward {
             state.begin_forward(unit);
         }

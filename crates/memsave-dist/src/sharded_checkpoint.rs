@@ -480,22 +480,22 @@ impl Fsdp {
 
     /// Refuses an optimizer that is not over this `Fsdp`'s shards.
     fn check_optimizer<R: Rule>(&self, optimizer: &Optimizer<R>) -> Result<()> {
-        let state = self.state();
-        let ours = state.units.iter().map(|u| &u.shard);
+        let ours = self.parameters();
         let theirs = optimizer.params();
-        let same = theirs.len() == state.units.len()
+        let same = theirs.len() == ours.len()
             && ours
+                .iter()
                 .zip(theirs)
                 .all(|(a, b)| a.data_ptr() == b.data_ptr() && a.size() == b.size());
         if same {
             Ok(())
         } else {
             Err(DistError::Config {
-                rank: state.group.rank(),
+                rank: self.state().group.rank(),
                 reason: format!(
-                    "the optimizer holds {} tensors that are not this Fsdp's {} shards; build it over Fsdp::parameters()",
+                    "the optimizer holds {} tensors that are not this Fsdp's {} parameter shards; build it over Fsdp::parameters()",
                     theirs.len(),
-                    state.units.len()
+                    ours.len()
                 ),
             })
         }

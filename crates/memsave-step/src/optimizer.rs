@@ -220,6 +220,16 @@ trait Step {
         let _ = path;
         Err(StepError::invalid(SHARDED_SAVE))
     }
+    /// `Fsdp::save_sharded` with this optimizer (over `fsdp`'s shards).
+    fn save_sharded(&mut self, fsdp: &Fsdp, dir: &Path, step: u64) -> Result<(), StepError> {
+        let _ = (fsdp, dir, step);
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
+    /// `Fsdp::load_sharded` into this optimizer; the step saved.
+    fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        let _ = (fsdp, dir);
+        Err(StepError::invalid(SHARDED_SAVE))
+    }
 }
 
 /// Why a ZeRO-1/2 optimizer's state is not saved through the trainer.
@@ -331,6 +341,14 @@ impl<R: Rule> Step for Stepper<R> {
         self.with(|opt| opt.load(path).map_err(optimizer_error))
             .unwrap_or_else(|| Err(switching()))
     }
+    fn save_sharded(&mut self, fsdp: &Fsdp, dir: &Path, step: u64) -> Result<(), StepError> {
+        self.with(|opt| fsdp.save_sharded(dir, opt, step).map_err(zero_error))
+            .unwrap_or_else(|| Err(switching()))
+    }
+    fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        self.with(|opt| fsdp.load_sharded(dir, opt).map_err(zero_error))
+            .unwrap_or_else(|| Err(switching()))
+    }
 }
 
 impl CaseOptimizer {
@@ -389,11 +407,13 @@ impl CaseOptimizer {
     }
 
     /// The optimizer `spec` asks for over the shards of ZeRO-3 (`fsdp`'s parameters,
-    /// this rank's 1/N of every unit), with every rule, state precision and placement
-    /// [`build`](Self::build) takes (8-bit state's blocks then run over each shard
-    /// from its first value, not over each parameter). With `in_backward` it is handed
-    /// to `Fsdp::step_in_backward`: each shard steps as soon as its unit's gradients
-    /// are reduce-scattered into it, and [`step`](Self::step) does nothing.
+    /// each parameter's part of this rank's 1/N of its unit), with every rule, state
+    /// precision and placement [`build`](Self::build) takes (8-bit state's blocks then
+    /// run over each parameter's shard from its first value, not over each whole
+    /// parameter). A parameter no rank used in a step keeps no gradient and is skipped.
+    /// With `in_backward` it is handed to `Fsdp::step_in_backward`: each shard steps as
+    /// soon as its unit's gradients are reduce-scattered into it, and
+    /// [`step`](Self::step) does nothing.
     pub fn build_over_shards(spec: &OptimizerSpec, fsdp: &Fsdp) -> Result<Self, StepError> {
         let shards = fsdp.parameters();
         if !spec.in_backward {
@@ -514,6 +534,25 @@ impl CaseOptimizer {
     /// bytes changed is refused and the optimizer keeps its own.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<(), StepError> {
         self.stepper.load(path.as_ref())
+    }
+
+    /// Saves a sharded checkpoint of ZeRO-3 training in `dir` (`Fsdp::save_sharded`:
+    /// each rank's shards, its part of this optimizer's state, `step` and the RNG state,
+    /// committed across the ranks). The optimizer must be `fsdp`'s
+    /// ([`build_over_shards`](Self::build_over_shards)). A collective.
+    pub(crate) fn save_sharded(
+        &mut self,
+        fsdp: &Fsdp,
+        dir: &Path,
+        step: u64,
+    ) -> Result<(), StepError> {
+        self.stepper.save_sharded(fsdp, dir, step)
+    }
+
+    /// Loads a checkpoint written by [`save_sharded`](Self::save_sharded) into `fsdp`'s
+    /// shards and this optimizer (all ranks or none); returns its step. A collective.
+    pub(crate) fn load_sharded(&mut self, fsdp: &Fsdp, dir: &Path) -> Result<u64, StepError> {
+        self.stepper.load_sharded(fsdp, dir)
     }
 
     /// Shows `observer` the gradients and state the optimizer works with during its

@@ -23,7 +23,7 @@
 //!   and state precision), sharded under ZeRO-1/2 (`memsave_dist::ZeroOptimizer`, with
 //!   the same placements and precisions; 8-bit blocks hold one parameter each, as on
 //!   one process), over the parameter shards under ZeRO-3 (any rule, precision and
-//!   placement; 8-bit blocks run over each unit's shard), where it may also step in
+//!   placement; 8-bit blocks run over each parameter's shard), where it may also step in
 //!   backward, each shard as its unit's gradients land.
 //!
 //! **ZeRO-3** (`memsave_dist::Fsdp`, PyTorch's FSDP2) shards each layer of the
@@ -161,8 +161,10 @@ const ZERO_WITHOUT_OPTIMIZER: &str = "zero shards the optimizer's state over the
 /// Under ZeRO-3 it holds the `memsave_dist::Fsdp` that shards the workload's layers
 /// ([`fsdp`](Self::fsdp): statistics, the full weights, sharded checkpoints): keep it
 /// as long as the model trains, since dropping it removes the hooks that reduce the
-/// gradients, and the workload's parameters read as zeros from then on (they live in
-/// the shards; read them with `Fsdp::f_full_parameters`).
+/// gradients. The workload's parameters read NaN between steps (the weights live in
+/// the shards; read them with `Fsdp::f_full_parameters`), and still after the drop
+/// unless `Fsdp::f_restore_full_parameters` (`Trainer::restore_full_parameters`) put
+/// the full weights back first.
 #[derive(Debug)]
 pub struct DataParallelHandle {
     group: ProcessGroup,

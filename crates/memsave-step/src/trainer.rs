@@ -220,7 +220,11 @@ fn validate(config: &StepConfig) -> Result<(), StepError> {
 /// optimizer, and returns what it measured. Built by [`TrainerBuilder`].
 ///
 /// Trap: the trainer borrows the model for its lifetime; read it through
-/// [`model`](Self::model) (e.g. for an evaluation loss) between steps.
+/// [`model`](Self::model) (e.g. for an evaluation loss) between steps. Under ZeRO-3
+/// the model's weights live in the ranks' shards: call
+/// [`restore_full_parameters`](Self::restore_full_parameters) before dropping the
+/// trainer (or saving the model its own way), or they are lost (the parameters read
+/// NaN); [`save_sharded`](Self::save_sharded) checkpoints the training.
 pub struct Trainer<'m, W> {
     model: &'m mut W,
     config: StepConfig,
@@ -323,6 +327,87 @@ impl<'m, W: Workload> Trainer<'m, W> {
     /// save and load its state ([`CaseOptimizer::save`], [`CaseOptimizer::load`]).
     pub fn optimizer(&mut self) -> Option<&mut CaseOptimizer> {
         self.optimizer.as_mut()
+    }
+
+    /// Puts the full weights back into the model's parameters under ZeRO-3 (nothing to
+    /// do otherwise: the model holds them), so that the model holds what training made:
+    /// call it before saving the model its own way (`VarStore::save`), evaluating it
+    /// outside the trainer, or dropping the trainer (`memsave_dist::Fsdp::f_restore_full_parameters`).
+    /// A collective: every rank calls it, between steps.
+    ///
+    /// Trap: under ZeRO-3 the model's parameters read NaN between steps (each rank keeps
+    /// only its shard of the weights), and a trainer dropped without this call leaves
+    /// them so: the trained weights are then lost, except in a sharded checkpoint
+    /// ([`save_sharded`](Self::save_sharded)). Dropping gathers nothing itself: a
+    /// collective in a destructor could report no error and would wait on a rank that
+    /// returned early. After the call every rank holds the whole model until the next
+    /// step, and changes to the parameters are not seen by the training (which goes on
+    /// from the shards).
+    pub fn restore_full_parameters(&mut self) -> Result<(), StepError> {
+        match self
+            .data_parallel
+            .as_ref()
+            .and_then(DataParallelHandle::fsdp)
+        {
+            Some(fsdp) => fsdp
+                .f_restore_full_parameters()
+                .map_err(|e| StepError::lever("zero", e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Saves a sharded checkpoint of ZeRO-3 training in directory `dir`
+    /// (`memsave_dist::Fsdp::save_sharded`): each rank writes its shard of the weights
+    /// and of the optimizer's state, the step count ([`steps`](Self::steps)) and its RNG
+    /// state, and the checkpoint is committed only once every rank's file is complete
+    /// (an earlier checkpoint in `dir` stays loadable until then). A collective.
+    ///
+    /// # Errors
+    /// [`StepError::InvalidConfig`] without ZeRO-3 (a whole optimizer saves with
+    /// [`CaseOptimizer::save`], the model with its `VarStore`) or without an optimizer;
+    /// the checkpoint's own errors otherwise.
+    pub fn save_sharded(&mut self, dir: impl AsRef<std::path::Path>) -> Result<(), StepError> {
+        let steps = self.steps;
+        let (fsdp, opt) = self.sharded_parts("save_sharded")?;
+        opt.save_sharded(fsdp, dir.as_ref(), steps)
+    }
+
+    /// Loads a checkpoint written by [`save_sharded`](Self::save_sharded) (on the same
+    /// number of ranks, for the same model and optimizer kind) into the shards, the
+    /// optimizer and the RNG, and sets [`steps`](Self::steps) to its step, so that
+    /// training continues as it would have from there. A collective; all ranks load or
+    /// none (`memsave_dist::Fsdp::load_sharded`), and a refused checkpoint changes
+    /// nothing.
+    ///
+    /// # Errors
+    /// As [`save_sharded`](Self::save_sharded), and the checkpoint's refusals.
+    pub fn load_sharded(&mut self, dir: impl AsRef<std::path::Path>) -> Result<(), StepError> {
+        let (fsdp, opt) = self.sharded_parts("load_sharded")?;
+        let step = opt.load_sharded(fsdp, dir.as_ref())?;
+        self.steps = step;
+        Ok(())
+    }
+
+    /// ZeRO-3's `Fsdp` and the optimizer over its shards, or why `what` cannot run.
+    fn sharded_parts(
+        &mut self,
+        what: &str,
+    ) -> Result<(&memsave_dist::Fsdp, &mut CaseOptimizer), StepError> {
+        let Some(fsdp) = self
+            .data_parallel
+            .as_ref()
+            .and_then(DataParallelHandle::fsdp)
+        else {
+            return Err(StepError::invalid(format!(
+                "{what}: a sharded checkpoint is ZeRO-3's (DataParallel::Fsdp); without it save the optimizer with CaseOptimizer::save and the model with its VarStore"
+            )));
+        };
+        let Some(opt) = self.optimizer.as_mut() else {
+            return Err(StepError::invalid(format!(
+                "{what}: the trainer has no optimizer; a sharded checkpoint holds the optimizer's state with the weights"
+            )));
+        };
+        Ok((fsdp, opt))
     }
 
     /// Sets the learning rate of every parameter group from the next step on

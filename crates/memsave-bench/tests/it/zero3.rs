@@ -52,7 +52,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     let (four, _) = bench(dir.path(), 4, Some("zero3$|zero3-keep"));
     let full = 4 * LAYERS * UNIT;
     // Every unit padded to a multiple of N on its own; a rank keeps ceil(110 / N)
-    // values of each, and the 4-byte zero freed weights read from.
+    // values of each, and the 4-byte NaN freed weights read from.
     let shard = |n: u64| LAYERS * UNIT.div_ceil(n);
     let parameter_bytes = |n: u64| 4 * shard(n) + 4;
     let padded_unit = |n: u64| 4 * n * UNIT.div_ceil(n);
@@ -64,8 +64,11 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     // not gathered again.
     let pass = |n: u64| 4 * (n - 1) * shard(n);
     let unit0 = |n: u64| 4 * (n - 1) * UNIT.div_ceil(n);
+    // A reduce-scatter also carries one used-flag (an f32) per parameter of its unit
+    // (weight and bias) in each of the N chunks: (N-1)/N of them are sent.
+    let flags = |n: u64| 4 * (n - 1) * 2 * LAYERS;
 
-    // One rank: the shards are the weights (and the zero); nothing is sent.
+    // One rank: the shards are the weights (and the NaN); nothing is sent.
     assert_eq!(figures(ok_case(&one, "ddp")), (full, None, 0));
     assert_eq!(
         figures(ok_case(&one, "zero3")),
@@ -85,7 +88,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         (
             parameter_bytes(2),
             Some(gathered_peak(2)),
-            3 * pass(2) - unit0(2)
+            3 * pass(2) - unit0(2) + flags(2)
         )
     );
     // Kept from forward to backward: every unit gathered at the end of the forward,
@@ -95,7 +98,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         (
             parameter_bytes(2),
             Some(LAYERS * padded_unit(2)),
-            2 * pass(2)
+            2 * pass(2) + flags(2)
         )
     );
     // Stepping in backward: the same traffic, and no gradient left after backward.
@@ -106,7 +109,11 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
     // one again too), and each of two micro-batches reduce-scatters.
     assert_eq!(
         figures(ok_case(&two, "zero3-ckpt-accum")),
-        (parameter_bytes(2), Some(gathered_peak(2)), 2 * 3 * pass(2))
+        (
+            parameter_bytes(2),
+            Some(gathered_peak(2)),
+            2 * (3 * pass(2) + flags(2))
+        )
     );
     // ZeRO-3's optimizer state and gradients are the shards': two f32 moments and one
     // f32 gradient a shard value.
@@ -125,7 +132,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         (
             parameter_bytes(4),
             Some(gathered_peak(4)),
-            3 * pass(4) - unit0(4)
+            3 * pass(4) - unit0(4) + flags(4)
         )
     );
     assert_eq!(
@@ -133,7 +140,7 @@ fn zero3_holds_a_shard_of_the_weights_and_sends_what_the_algorithm_says() {
         (
             parameter_bytes(4),
             Some(LAYERS * padded_unit(4)),
-            2 * pass(4)
+            2 * pass(4) + flags(4)
         )
     );
 

@@ -458,14 +458,17 @@ fn check_world(n: usize) {
                 // Gloo gathers into a flat buffer of its own and copies it out; with
                 // prefetch this overlaps backward's work), what the step saves (held after the first micro-batch's forward less
                 // the weights gathered then: activations and the loss), the gradient
-                // shards (4 x this rank's shard values), and one unit's full gradient
-                // twice (4 x the largest padded unit, twice: the reduce-scatter copies
-                // the parameters' .grad into one flat buffer before dropping them).
+                // shards (4 x this rank's shard values, and a unit's two used-flags
+                // received with its shard), and one unit's full gradient twice (4 x the
+                // largest padded unit, twice: the reduce-scatter copies the parameters'
+                // .grad into one flat buffer before dropping them) with the flags of
+                // its two parameters in each of the N chunks.
                 let bound = 4 * two_largest
                     + 4 * largest_unit
                     + f["saved_bytes"]
                     + 4 * shard_values
-                    + 2 * 4 * largest_unit;
+                    + 4 * 2
+                    + 2 * 4 * (largest_unit + 2 * n64);
                 assert!(
                     f["peak_above_start"] <= bound,
                     "{tag}: step peak {} above start exceeds the bound {bound}",
@@ -475,16 +478,20 @@ fn check_world(n: usize) {
             // Per micro-batch: an all-gather per unit in forward, another in backward
             // (except unit 0 without checkpointing: its input needs no gradient, so its
             // backward reads no weight) unless the weights stay, and a reduce-scatter;
-            // each sends (N-1)/N of the padded unit. Backward prefetch sends nothing
-            // more: it prefetches only units whose backward gathers them (not unit 0
-            // without checkpointing), so no prefetched buffer goes unused.
+            // each sends (N-1)/N of the padded unit, and the reduce-scatter (N-1)/N of
+            // the N chunks' used-flags too (one f32 per parameter and chunk: 2 a unit).
+            // Backward prefetch sends nothing more: it prefetches only units whose
+            // backward gathers them (not unit 0 without checkpointing), so no
+            // prefetched buffer goes unused.
             let unit0 = 4 * (n64 - 1) * unit_values(0).div_ceil(n64);
             let one = 4 * (n64 - 1) * shard_values;
-            let per_micro = match (setup.reshard_after_forward, setup.checkpoint) {
-                (true, true) => 3 * one,
-                (true, false) => 3 * one - unit0,
-                (false, _) => 2 * one,
-            };
+            let flags = 4 * (n64 - 1) * 2 * 8;
+            let per_micro = flags
+                + match (setup.reshard_after_forward, setup.checkpoint) {
+                    (true, true) => 3 * one,
+                    (true, false) => 3 * one - unit0,
+                    (false, _) => 2 * one,
+                };
             assert_eq!(
                 f["bytes_sent_per_step"],
                 setup.micro as u64 * per_micro,
@@ -565,13 +572,20 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
         let stats = fsdp.stats();
         assert_eq!(stats.gathered_bytes, 0);
         assert_eq!(stats.gathers, 8);
-        // Every parameter reads as zeros between uses, in its own shape.
+        // Every parameter reads as NaN between uses, in its own shape (not zeros, which
+        // a VarStore::save would write as if they were weights).
         for (p, q) in held
             .iter()
             .zip(plain.iter().flat_map(|l| [&l.ws, l.bs.as_ref().unwrap()]))
         {
             assert_eq!(p.size(), q.size());
-            assert_eq!(p.abs().max().double_value(&[]), 0.0);
+            assert!(
+                Vec::<f32>::try_from(&p.reshape([-1]))
+                    .unwrap()
+                    .iter()
+                    .all(|v| v.is_nan()),
+                "a freed parameter reads a number"
+            );
         }
         let params: Vec<Tensor> = plain
             .iter()
@@ -579,6 +593,20 @@ fn a_forward_without_grad_gives_the_plain_output_and_frees_the_weights() {
             .collect();
         let full = fsdp.f_full_parameters().expect("full parameters");
         assert_eq!(flat(&full), flat(&params));
+        // Restored, the module's own parameters hold the weights, and keep them when
+        // the Fsdp is dropped; the units then run their module as it is.
+        fsdp.f_restore_full_parameters().expect("restore");
+        assert_eq!(flat(&held), flat(&params));
+        drop(fsdp);
+        assert_eq!(flat(&held), flat(&params));
+        let y = tch::no_grad(|| {
+            let mut h = x.shallow_clone();
+            for unit in &units {
+                h = units_forward(unit, &h);
+            }
+            h
+        });
+        assert!(y.equal(&expected), "after the drop");
     }
 }
 

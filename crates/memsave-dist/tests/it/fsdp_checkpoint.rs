@@ -261,7 +261,7 @@ fn failed_save_and_load_worker() {
         .expect_err("the save fails")
         .to_string();
     let wanted = if rank == 1 {
-        "the optimizer holds 1 tensors that are not this Fsdp's 8 shards"
+        "the optimizer holds 1 tensors that are not this Fsdp's 16 parameter shards"
     } else {
         "ranks [1] could not write it"
     };

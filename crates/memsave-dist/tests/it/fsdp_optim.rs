@@ -19,10 +19,10 @@ const INT8: State = State::Int8Blockwise { block: 64 };
 /// How far the int8 runs may end from one process with int8 state, relative to the
 /// largest weight: the bound memsave-dist's ZeRO-2 parity test (`parity.rs`,
 /// `LOW_PRECISIONS`) uses for the same 8-bit state, for the same reason. The 64-value
-/// blocks run over each unit's shard from its first value, and on one process over
-/// each parameter from its first value, so blocks group different values (they cross
-/// the weight/bias boundary of a unit, and shards start at r × ceil(P_u/N), rarely a
-/// multiple of 64): each block's scale, and so each value's rounding, differs. f32
+/// blocks run over each parameter's shard from its first value, and on one process over
+/// each parameter from its first value, so blocks group different values (shards start
+/// at r × ceil(P_u/N), rarely at a multiple of 64 into a parameter): each block's
+/// scale, and so each value's rounding, differs. f32
 /// state has no blocks and is held to 1e-6.
 const INT8_TOLERANCE: f32 = 5e-2;
 
@@ -104,14 +104,19 @@ fn train_rank(group: &ProcessGroup, mode: &str, out: &Path) {
             .expect("forward");
         loss.backward();
         if in_backward {
-            // Every unit has stepped during backward, and its gradient is gone.
-            for (u, shard) in fsdp.parameters().iter().enumerate() {
+            // Every parameter shard has stepped during backward, and its gradient is
+            // gone.
+            for (i, shard) in fsdp.parameters().iter().enumerate() {
                 assert!(
                     !shard.grad().defined(),
-                    "step {step}: unit {u}'s gradient is left"
+                    "step {step}: parameter shard {i}'s gradient is left"
                 );
                 let opt = hooked.as_ref().unwrap().lock().unwrap();
-                assert_eq!(opt.step_count(u), step as u64 + 1, "unit {u}'s steps");
+                assert_eq!(
+                    opt.step_count(i),
+                    step as u64 + 1,
+                    "parameter shard {i}'s steps"
+                );
             }
         }
         fsdp.f_finish_backward().expect("finish_backward");
@@ -230,7 +235,7 @@ fn step_in_backward_refuses_an_optimizer_over_other_parameters() {
     let message = e.to_string();
     assert!(message.starts_with("rank 0: step_in_backward"), "{message}");
     assert!(
-        message.contains("8 parameters that are not this Fsdp's 8 shards"),
+        message.contains("16 parameters that are not this Fsdp's 16 parameter shards"),
         "{message}"
     );
 }

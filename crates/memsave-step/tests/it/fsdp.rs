@@ -75,7 +75,7 @@ struct Case {
     config: StepConfig,
     /// Rounding depends on the tensors the lever sees (compress, autocast).
     lossy: bool,
-    /// [`TOLERANCE`], but for 8-bit state, whose blocks run over each unit's shard
+    /// [`TOLERANCE`], but for 8-bit state, whose blocks run over each parameter's shard
     /// where one process blocks each parameter (as ZeRO's in `data_parallel`): AdamW's
     /// update is at most `lr` a value, and its 8-bit moments are off by at most 1/127
     /// of a block's largest, so the weights end within `lr / 5` of one process's.
@@ -453,14 +453,16 @@ fn zero3_trains_on_two_ranks_as_on_one_process() {
             };
             assert_eq!(f["gathered_peak_bytes"], gathered_peak as i64, "{tag}");
             // Per micro-batch: every unit all-gathered in forward and again in backward
-            // (unless kept, or backward reads no weight), and reduce-scattered.
+            // (unless kept, or backward reads no weight), and reduce-scattered with the
+            // used-flags of its 4 parameters in each of the N chunks.
             let passes = if case.reshard_after_forward && case.backward_reads_weights {
                 3
             } else {
                 2
             };
             let micro = case.config.micro_batches.unwrap_or(1) as u64;
-            let expected_sent = (micro * passes * one_pass) as i64;
+            let flags = 4 * (n - 1) * 4 * LAYERS as u64;
+            let expected_sent = (micro * (passes * one_pass + flags)) as i64;
             assert_eq!(f["bytes_sent_first"], expected_sent, "{tag}: bytes sent");
             assert_eq!(f["bytes_sent_last"], expected_sent, "{tag}: bytes sent");
             if case.config.saved.is_some() {
@@ -728,7 +730,11 @@ fn a_workload_whose_parameters_are_not_attributable_to_layers_is_refused() {
     // Without an optimizer the gradients are left in the shards.
     let dp = trainer.data_parallel().unwrap();
     let shards = dp.fsdp().unwrap().parameters();
-    assert_eq!(shards.len(), LAYERS);
+    assert_eq!(
+        shards.len(),
+        4 * LAYERS,
+        "one per parameter (one rank holds them all)"
+    );
     assert!(shards.iter().all(|s| s.grad().defined()));
     drop(trainer);
     // A handle for ZeRO-3 is set up over a workload, not a parameter list.

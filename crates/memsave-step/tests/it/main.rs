@@ -11,3 +11,4 @@ mod optimizer_hyperparameters;
 mod scaler_in_backward;
 mod statistics;
 mod steering;
+mod trainer_state;
