@@ -202,8 +202,8 @@ pub struct FsdpStats {
 /// then stay with the module. Dropping communicates nothing: a collective in a
 /// destructor could report no error, and would pair with whatever collective the other
 /// ranks run next, or wait until the group's timeout for a rank that returned early or
-/// died. So without that call the parameters keep reading NaN after the drop, and the
-/// units refuse to run their forward (an `Err` saying the weights are lost); with it,
+/// died. So without that call the parameters keep reading NaN after the drop (a line
+/// on stderr says how many units were lost), and the units refuse to run their forward (an `Err` saying the weights are lost); with it,
 /// the units run their module as it is, on the restored weights.
 pub struct Fsdp {
     // Dropped first: removing the hooks releases their references to the state.
@@ -1133,16 +1133,28 @@ impl Shared {
 
 impl Drop for Fsdp {
     /// Communicates nothing (see [`Fsdp`]'s "Dropping it"): the units are closed, and
-    /// those not restored are freed, their parameters reading NaN.
+    /// those not restored are freed, their parameters reading NaN, which a line on
+    /// stderr says (unless a panic is unwinding).
     fn drop(&mut self) {
         let mut state = lock(&self.shared);
         state.closed = true;
+        let mut lost = 0;
         for unit in 0..state.units.len() {
             if !state.units[unit].restored {
+                lost += 1;
                 // An error here (out of memory for a view) leaves the parameter as it
                 // was; a destructor has no one to tell.
                 let _ = state.free(unit);
             }
+        }
+        // Not silent: the trained weights of these units are gone from this process.
+        // (While unwinding, the panic is the news.)
+        if lost > 0 && !std::thread::panicking() {
+            eprintln!(
+                "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters (Trainer::restore_full_parameters): {lost} of {} units' weights are lost and their parameters read NaN; restore them before dropping to keep the trained weights",
+                self.group.rank(),
+                state.units.len()
+            );
         }
     }
 }
