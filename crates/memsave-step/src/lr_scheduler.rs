@@ -17,7 +17,9 @@ impl<F: FnMut(u64) -> f64 + Send> LRScheduler for F {
 }
 
 /// Linear warmup: `lr * (step + 1) / warmup_steps` for the first `warmup_steps` steps,
-/// then `lr` (PyTorch's `LinearLR(start_factor=1/warmup_steps)`).
+/// then `lr`: the full rate from step `warmup_steps - 1` on (PyTorch's
+/// `LinearLR(start_factor=1/warmup_steps, total_iters=warmup_steps - 1)`; with
+/// `LinearLR`'s default `total_iters` the ramp is one step longer).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearWarmup {
     /// The rate after warmup.

@@ -317,9 +317,18 @@ impl<'m, W: Workload> Trainer<'m, W> {
         self.scaler.as_ref()
     }
 
-    /// Steps run successfully so far.
+    /// Steps run successfully so far (what a learning-rate schedule reads; see
+    /// [`set_steps`](Self::set_steps) when resuming).
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Sets the count of steps run so far, e.g. to the step a checkpoint was saved at
+    /// after loading its optimizer state into a new trainer ([`CaseOptimizer::load`]),
+    /// so that a [schedule](Self::set_lr_scheduler) goes on where it stopped instead of
+    /// warming up again. ([`load_sharded`](Self::load_sharded) sets it itself.)
+    pub fn set_steps(&mut self, steps: u64) {
+        self.steps = steps;
     }
 
     /// The optimizer (`None` without one): to change learning rates
@@ -421,8 +430,10 @@ impl<'m, W: Workload> Trainer<'m, W> {
 
     /// Asks `scheduler` for the learning rate before every following step (with the
     /// number of steps run so far, [`steps`](Self::steps)) and sets it on every group;
-    /// `None` stops it and leaves the last rate. Trap: it overrides
-    /// [`set_lr`](Self::set_lr) at each step.
+    /// `None` stops it and leaves the last rate. Traps: it overrides
+    /// [`set_lr`](Self::set_lr) at each step; a new trainer counts from 0, so after
+    /// loading a saved optimizer state call [`set_steps`](Self::set_steps) with the
+    /// step it was saved at, or the schedule starts over.
     pub fn set_lr_scheduler(&mut self, scheduler: Option<Box<dyn LRScheduler>>) {
         self.lr_scheduler = scheduler;
     }
