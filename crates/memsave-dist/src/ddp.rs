@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use memsave_sys::grad_hooks::GradHookHandle;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::bucket::{copy_from_flat, BucketReduce, Buckets};
 use crate::check::same_shapes_everywhere;
@@ -198,13 +198,23 @@ impl BucketReduce for Reducer {
             .map(|g| g.f_reshape([-1]))
             .collect::<Result<Vec<_>, _>>()
             .map_err(err)?;
-        pieces.push(Tensor::f_from_slice(&used).map_err(err)?);
+        // In the gradients' kind, so that the flags do not promote a bf16 or f16 bucket
+        // to f32 (sums of 0 and 1 are exact in bf16 up to 256 ranks).
+        let kind = grads.first().map_or(Ok(Kind::Float), Tensor::f_kind).map_err(err)?;
+        pieces.push(
+            Tensor::f_from_slice(&used)
+                .and_then(|t| t.f_to_kind(kind))
+                .map_err(err)?,
+        );
         let flat = Tensor::f_cat(&pieces, 0).map_err(err)?;
         drop(pieces);
         self.group.all_reduce(&flat)?;
         let n = grads.len() as i64;
-        let used = Vec::<f32>::try_from(flat.f_narrow(0, flat.numel() as i64 - n, n).map_err(err)?)
+        let used = flat
+            .f_narrow(0, flat.numel() as i64 - n, n)
+            .and_then(|t| t.f_to_kind(Kind::Float))
             .map_err(err)?;
+        let used = Vec::<f32>::try_from(used).map_err(err)?;
         let mut flat = flat;
         let _ = flat
             .f_div_scalar_(self.group.world_size() as f64)
