@@ -200,7 +200,10 @@ impl BucketReduce for Reducer {
             .map_err(err)?;
         // In the gradients' kind, so that the flags do not promote a bf16 or f16 bucket
         // to f32 (sums of 0 and 1 are exact in bf16 up to 256 ranks).
-        let kind = grads.first().map_or(Ok(Kind::Float), Tensor::f_kind).map_err(err)?;
+        let kind = grads
+            .first()
+            .map_or(Ok(Kind::Float), Tensor::f_kind)
+            .map_err(err)?;
         pieces.push(
             Tensor::f_from_slice(&used)
                 .and_then(|t| t.f_to_kind(kind))
