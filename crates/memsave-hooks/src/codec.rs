@@ -122,9 +122,9 @@ impl Codec {
     ///
     /// `keep_signs: false` turns off int8's rule that keeps a nonzero value's sign
     /// (rounding to nearest stores it as zero then, within `m / 254`): for tensors no
-    /// backward reads a sign or mask from, such as probabilities (see
-    /// [`SOFTMAX_OPS`](crate::SOFTMAX_OPS)), where that rule would add one step to
-    /// every tiny value.
+    /// backward reads a sign or mask from, such as probabilities and a batched
+    /// matmul's inputs (see [`ROW_BLOCK_OPS`](crate::ROW_BLOCK_OPS)), where that rule
+    /// would add one step to every tiny value.
     ///
     /// `centered` stores values relative to a midpoint of their own, for a tensor that
     /// is read through its deviations from a mean (the input of a normalization that

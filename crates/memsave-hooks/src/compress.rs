@@ -29,11 +29,12 @@ use tch::{TchError, Tensor};
 ///   spreads stored the small ones as zero or one step;
 /// - tensors under 4 KiB ([`DEFAULT_MIN_BYTES`](crate::DEFAULT_MIN_BYTES)).
 ///
-/// A softmax's output (attention written out: the `[B, H, T, T]` probabilities) is
-/// compressed in blocks of at most 64 elements within its rows, int8 without keeping
-/// signs ([`SOFTMAX_OPS`](crate::SOFTMAX_OPS)): with the general blocks, int8's
+/// What softmax and the batched matrix multiplies save (attention written out: the
+/// `[B, H, T, T]` probabilities, `q`, `k`, `v`) is compressed in blocks of at most 64
+/// elements within its rows, int8 without keeping signs
+/// ([`ROW_BLOCK_OPS`](crate::ROW_BLOCK_OPS)): with the general blocks, int8's
 /// gradients were 7.2e-2 to 1.1e-1 off (relative L2) on small GPT- and LLaMA-style
-/// decoders that write attention out, 1.9e-2 to 2.6e-2 with these (the bound
+/// decoders that write attention out, 1.8e-2 to 2.5e-2 with these (the bound
 /// is 3e-2).
 ///
 /// The input of a normalization op is compressed with blocks that never span two
@@ -304,8 +305,8 @@ impl SavedTensorHooks for Compress {
             return kept();
         }
         let lookup = self.stored.get_or_make(tensor, Region::of(&base), || {
-            let codec = if decision.probabilities {
-                self.codec.block_at_most(crate::policy::PROBABILITY_BLOCK)
+            let codec = if decision.row_blocks {
+                self.codec.block_at_most(crate::policy::ROW_BLOCK)
             } else {
                 self.codec
             };
@@ -313,7 +314,7 @@ impl SavedTensorHooks for Compress {
                 &base,
                 &decision.groups,
                 decision.centered,
-                !decision.probabilities,
+                !decision.row_blocks,
             )?
             else {
                 return Ok(None);

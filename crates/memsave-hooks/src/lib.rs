@@ -77,8 +77,7 @@ pub use offload::{
 };
 pub use pass_through::PassThrough;
 pub use policy::{
-    Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS, PROBABILITY_BLOCK,
-    SOFTMAX_OPS,
+    Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS, ROW_BLOCK, ROW_BLOCK_OPS,
 };
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
 pub use scope::{
