@@ -625,16 +625,20 @@ fn trace_rank(
         .inputs(&[case.local.input.shallow_clone()])
         .optimizer_state(&state)
         .record(|session| {
-            let layers = session.clone();
+            let backward = Arc::new(std::sync::atomic::AtomicBool::new(false));
             case.model
                 .ctx
-                .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
+                .set_block_observer(Some(crate::trace::block_observer(
+                    session,
+                    backward.clone(),
+                )));
             if let Some(o) = case.optimizer.as_mut() {
                 o.set_observer(Some(Arc::new(Roles(session.clone()))));
             }
             let phases = Phases {
                 session,
                 params: params.iter().map(|p| p.shallow_clone()).collect(),
+                backward,
             };
             let step = case.step(&phases);
             case.model.ctx.set_block_observer(None);

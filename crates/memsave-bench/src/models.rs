@@ -19,9 +19,30 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, TchError, Tensor};
 
-/// Called with a block's index when the block starts (in the forward, and again when
-/// a checkpoint recomputes it in backward).
-pub type BlockObserver = Arc<dyn Fn(usize) + Send + Sync>;
+/// When a block starts and ends, with its index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockEvent {
+    /// The block starts (in the forward, and again when a checkpoint recomputes it in
+    /// backward).
+    Start(usize),
+    /// The block ended: returned, or was unwound (a recomputation stopped early, a
+    /// failing op).
+    End(usize),
+}
+
+/// Told when each block starts and ends ([`BlockEvent`]).
+pub type BlockObserver = Arc<dyn Fn(BlockEvent) + Send + Sync>;
+
+/// Tells the observer that a block ended when dropped, also while unwinding.
+struct EndOfBlock(Option<(BlockObserver, usize)>);
+
+impl Drop for EndOfBlock {
+    fn drop(&mut self) {
+        if let Some((observer, index)) = self.0.take() {
+            observer(BlockEvent::End(index));
+        }
+    }
+}
 
 /// State the blocks of a model share with the runner.
 pub struct LayerContext {
@@ -55,7 +76,8 @@ impl LayerContext {
         }
     }
 
-    /// Sets (or, with `None`, removes) the observer told when each block starts.
+    /// Sets (or, with `None`, removes) the observer told when each block starts and
+    /// ends.
     pub fn set_block_observer(&self, observer: Option<BlockObserver>) {
         *self.on_block.lock().unwrap_or_else(|p| p.into_inner()) = observer;
     }
@@ -107,9 +129,10 @@ impl LayerContext {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        if let Some(observer) = observer {
-            observer(index);
+        if let Some(observer) = &observer {
+            observer(BlockEvent::Start(index));
         }
+        let _end = EndOfBlock(observer.map(|o| (o, index)));
         if !self.recording.load(Ordering::Relaxed) {
             return self.wrapper.run(index, || f(x));
         }

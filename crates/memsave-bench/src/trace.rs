@@ -4,12 +4,13 @@
 //! The model and input are built from the suite's seed as the runner builds them (under
 //! the suite's `memory_limit`, as in `memsave bench`), the strategy's plan is applied, the suite's warm-up steps run unrecorded, and then one
 //! step is recorded: phases from the step ([`StepEvent`]), a mark per layer
-//! (`layer i`, also when a checkpoint recomputes it in backward), `end of forward`
+//! (`layer i`, also when a checkpoint recomputes it in backward, which is then a
+//! recomputation: what it allocates is `recompute`, per block), `end of forward`
 //! where the runner reads `retained_after_forward_bytes`, parameters and input
 //! registered with the recorder, and the optimizer's state and gradients shown to it
 //! through memsave-optim's `Observer` (state created lazily in the first update,
 //! fetched from disk for one update, gradients a step in backward frees).
-use crate::models::Model;
+use crate::models::{BlockEvent, BlockObserver, Model};
 use crate::optimizer::CaseOptimizer;
 use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, StepObserver};
 use crate::strategies::{resolve, Unavailable};
@@ -18,7 +19,8 @@ use memsave_amp::GradScaler;
 use memsave_optim::Observer;
 use memsave_step::plan::apply_plan;
 use memsave_trace::{Phase, Recorder, Session, Trace};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use tch::{Device, Tensor};
 
 /// The mark set where the runner reads `retained_after_forward_bytes`.
@@ -70,15 +72,50 @@ pub enum TraceCaseError {
 /// Tells a recording session the phases of the step, and, when backward is done, the
 /// gradients of `params` (the model's, and ZeRO-3's shards): data parallel's hooks
 /// take the parameters' post-accumulate-grad slots, so the recorder's own hooks
-/// cannot see them, and the optimizer frees them before the recording ends.
+/// cannot see them, and the optimizer frees them before the recording ends. Keeps
+/// `backward` set while the step is in backward, for [`block_observer`].
 pub(crate) struct Phases<'s> {
     pub session: &'s Session,
     pub params: Vec<Tensor>,
+    pub backward: Arc<AtomicBool>,
+}
+
+/// The block observer of a recorded step: a mark `layer i` when block `i` starts, and,
+/// for a block that runs while the step is in backward (`backward`, kept by
+/// [`Phases`]), a recomputation: the harness's blocks run in backward only when a
+/// checkpoint recomputes them. What the recomputation allocates is then `recompute`
+/// in the trace, with its bytes and time per block, instead of `temporary`.
+pub(crate) fn block_observer(session: &Session, backward: Arc<AtomicBool>) -> BlockObserver {
+    let session = session.clone();
+    // Per block started and not yet ended, innermost last: whether it is a
+    // recomputation.
+    let running: Mutex<Vec<bool>> = Mutex::new(Vec::new());
+    Arc::new(move |event| {
+        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
+        match event {
+            BlockEvent::Start(i) => {
+                let label = format!("layer {i}");
+                session.mark(label.clone());
+                let recomputing = backward.load(Ordering::Relaxed);
+                if recomputing {
+                    session.recomputation_start(label);
+                }
+                running.push(recomputing);
+            }
+            BlockEvent::End(_) => {
+                if running.pop() == Some(true) {
+                    session.recomputation_end();
+                }
+            }
+        }
+    })
 }
 
 impl StepObserver for Phases<'_> {
     fn step_event(&self, event: StepEvent) {
         let s = self.session;
+        self.backward
+            .store(event == StepEvent::Backward, Ordering::Relaxed);
         match event {
             StepEvent::Forward => s.phase(Phase::Forward),
             StepEvent::ForwardDone => s.mark(END_OF_FORWARD),
@@ -206,10 +243,10 @@ pub fn trace_case(
         .inputs(&inputs)
         .optimizer_state(&state)
         .record(|session| {
-            let layers = session.clone();
+            let backward = Arc::new(AtomicBool::new(false));
             model
                 .ctx
-                .set_block_observer(Some(Arc::new(move |i| layers.mark(format!("layer {i}")))));
+                .set_block_observer(Some(block_observer(session, backward.clone())));
             if let Some(optimizer) = optimizer.as_mut() {
                 optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
             }
@@ -224,6 +261,7 @@ pub fn trace_case(
                 &Phases {
                     session,
                     params: params.iter().map(Tensor::shallow_clone).collect(),
+                    backward,
                 },
             );
             model.ctx.set_block_observer(None);

@@ -78,6 +78,24 @@ impl Codec {
         }
     }
 
+    /// This codec with blocks of at most `block` elements (bf16 and fp16, which have
+    /// none, unchanged).
+    pub(crate) fn block_at_most(self, block: NonZeroUsize) -> Self {
+        match self {
+            Codec::Fp8E4m3 { block: b } => Codec::Fp8E4m3 {
+                block: b.min(block),
+            },
+            Codec::Int8 {
+                block: b,
+                stochastic_rounding,
+            } => Codec::Int8 {
+                block: b.min(block),
+                stochastic_rounding,
+            },
+            other => other,
+        }
+    }
+
     /// The codec's short name: `bf16`, `fp16`, `fp8`, `int8`.
     pub fn name(&self) -> &'static str {
         match self {
@@ -91,7 +109,7 @@ impl Codec {
     /// `tensor` stored by this codec, or `None` when it is passed through (see the
     /// traps on [`Codec`]).
     pub fn f_encode(&self, tensor: &Tensor) -> Result<Option<Encoded>, TchError> {
-        self.f_encode_grouped(tensor, &[], false)
+        self.f_encode_grouped(tensor, &[], false, true)
     }
 
     /// [`f_encode`](Self::f_encode), with blocks that never mix two indices of the
@@ -101,6 +119,12 @@ impl Codec {
     /// (`ceil(len / ceil(len / block))`), so a group pads less than one element per
     /// block. Empty `groups`: `f_encode`'s blocks (or, `centered`, one group). Bf16
     /// and fp16 have no blocks.
+    ///
+    /// `keep_signs: false` turns off int8's rule that keeps a nonzero value's sign
+    /// (rounding to nearest stores it as zero then, within `m / 254`): for tensors no
+    /// backward reads a sign or mask from, such as probabilities and a batched
+    /// matmul's inputs (see [`ROW_BLOCK_OPS`](crate::ROW_BLOCK_OPS)), where that rule
+    /// would add one step to every tiny value.
     ///
     /// `centered` stores values relative to a midpoint of their own, for a tensor that
     /// is read through its deviations from a mean (the input of a normalization that
@@ -115,6 +139,7 @@ impl Codec {
         tensor: &Tensor,
         groups: &[usize],
         centered: bool,
+        keep_signs: bool,
     ) -> Result<Option<Encoded>, TchError> {
         let kind = tensor.f_kind()?;
         if !is_float(kind) || tensor.numel() == 0 {
@@ -177,7 +202,7 @@ impl Codec {
                 // would turn a ReLU's mask off (`result > 0` in backward) at full
                 // gradient size. (Stochastic rounding stays unbiased instead; a
                 // centered form has no exact zero to keep.)
-                let v = if stochastic_rounding || b.offset.is_some() {
+                let v = if stochastic_rounding || b.offset.is_some() || !keep_signs {
                     v
                 } else {
                     v.f_where_self(&v.f_ne(0)?, &b.raw.f_sign()?)?
@@ -481,7 +506,7 @@ mod tests {
                 scale = scale.where_self(&small.logical_not(), &Tensor::from(1e-4f32));
             }
             let x = Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu)) * &scale;
-            let e = codec.f_encode_grouped(&x, &groups, false).unwrap().unwrap();
+            let e = codec.f_encode_grouped(&x, &groups, false, true).unwrap().unwrap();
             let r = e.f_decode().unwrap();
             prop_assert_eq!(r.size(), shape.clone());
             prop_assert_eq!(r.kind(), Kind::Float);
@@ -520,7 +545,7 @@ mod tests {
             let codec = [Codec::int8(), Codec::Bf16, Codec::Fp16][codec];
             let shift = Tensor::randn([groups, 1], (Kind::Float, Device::Cpu)) * offset;
             let x = Tensor::randn([groups, len], (Kind::Float, Device::Cpu)) + shift;
-            let Some(e) = codec.f_encode_grouped(&x, &[0], true).unwrap() else {
+            let Some(e) = codec.f_encode_grouped(&x, &[0], true, true).unwrap() else {
                 // fp16 passes a value beyond its range through.
                 prop_assert!(codec == Codec::Fp16 && offset.abs() > 6e4);
                 return Ok(());
@@ -551,7 +576,7 @@ mod tests {
         // 3 groups of 2,500 elements, block 1,024: 3 blocks of 834 per group.
         let x = Tensor::randn([3, 50, 50], (Kind::Float, Device::Cpu));
         let e = Codec::int8()
-            .f_encode_grouped(&x, &[0], false)
+            .f_encode_grouped(&x, &[0], false, true)
             .unwrap()
             .unwrap();
         assert_eq!(e.stored_bytes(), 3 * (3 * 834 + 3 * 4));

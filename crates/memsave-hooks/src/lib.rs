@@ -76,7 +76,9 @@ pub use offload::{
     DEFAULT_MAX_IN_FLIGHT_BYTES,
 };
 pub use pass_through::PassThrough;
-pub use policy::{Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS};
+pub use policy::{
+    Kept, KeptStats, SavePolicy, SavedInfo, DEFAULT_MIN_BYTES, NORM_OPS, ROW_BLOCK, ROW_BLOCK_OPS,
+};
 pub use save_on_cpu::{OnCpu, SaveOnCpu};
 pub use scope::{
     hooks_from_fn, raw_hooks, saved_tensors_hooks, FnHooks, HooksGuard, SavedTensorHooks,

@@ -15,6 +15,11 @@ pub enum Category {
     OptimizerState,
     /// A tensor autograd saved for backward, with the op that saved it.
     SavedActivation,
+    /// Allocated while a checkpoint's recomputation ran in backward (told with
+    /// [`Session::recomputation_start`](crate::Session::recomputation_start)), and
+    /// none of the above: what the recomputation re-saves for the block's backward and
+    /// the temporaries of its forward. What recomputing costs in memory.
+    Recompute,
     /// Allocated and freed inside the recording, and none of the above.
     Temporary,
     /// The step's input (registered with [`Recorder::inputs`](crate::Recorder::inputs)).
@@ -26,11 +31,12 @@ pub enum Category {
 
 impl Category {
     /// Every category, in the order tables and plots show them.
-    pub const ALL: [Category; 7] = [
+    pub const ALL: [Category; 8] = [
         Category::Parameter,
         Category::Gradient,
         Category::OptimizerState,
         Category::SavedActivation,
+        Category::Recompute,
         Category::Temporary,
         Category::Input,
         Category::Other,
@@ -43,6 +49,7 @@ impl Category {
             Category::Gradient => "gradient",
             Category::OptimizerState => "optimizer_state",
             Category::SavedActivation => "saved_activation",
+            Category::Recompute => "recompute",
             Category::Temporary => "temporary",
             Category::Input => "input",
             Category::Other => "other",
@@ -95,7 +102,7 @@ impl fmt::Display for Phase {
 
 /// Bytes per category at one moment; [`total`](Self::total) is `memory_allocated`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CategoryBytes([u64; 7]);
+pub struct CategoryBytes([u64; Category::ALL.len()]);
 
 impl CategoryBytes {
     /// The sum over all categories.

@@ -17,6 +17,7 @@ fn color(category: Category) -> &'static str {
         Category::Gradient => "#f28e2b",
         Category::OptimizerState => "#b07aa1",
         Category::SavedActivation => "#e15759",
+        Category::Recompute => "#edc948",
         Category::Temporary => "#76b7b2",
         Category::Input => "#59a14f",
         Category::Other => "#bab0ac",

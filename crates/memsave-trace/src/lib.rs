@@ -5,9 +5,11 @@
 //! event recorder on and returns a [`Trace`]: every allocation and free, each with its
 //! size, time, [`Phase`] (forward, backward, optimizer), the mark open at that moment,
 //! and a [`Category`]: `parameter`, `gradient`, `optimizer_state`, `saved_activation`
-//! (with the autograd node that saved it, `AddmmBackward0`, and the layer's mark), `temporary`,
-//! `input` or `other`. At every event the categories add up to `memory_allocated`
-//! exactly; what the recorder cannot place is `other`, counted, never dropped. A trace
+//! (with the autograd node that saved it, `AddmmBackward0`, and the layer's mark),
+//! `recompute` (allocated by a checkpoint's recomputation in backward, when the step
+//! says when those run), `temporary`, `input` or `other`. At every event the
+//! categories add up to `memory_allocated` exactly; what the recorder cannot place is
+//! `other`, counted, never dropped. A trace
 //! exports to PyTorch's memory snapshot ([`Trace::to_snapshot_pickle`], for
 //! `torch.cuda._memory_viz`), a self-contained HTML timeline ([`Trace::to_html`]) and
 //! a text summary in the spirit of `memory_summary()` ([`Trace::summary`]).
@@ -82,4 +84,4 @@ pub use category::{Category, CategoryBytes, Phase};
 pub use error::TraceError;
 pub use leak::{detect_leak, LeakError, LeakTrace, LeftBehind};
 pub use recorder::{record, Recorder, Session};
-pub use trace::{Block, Event, Trace, TraceMark};
+pub use trace::{Block, BlockRecomputation, Event, Recomputation, Trace, TraceMark};

@@ -2,6 +2,7 @@
 //! saves), noted by the [`Recorder`](crate::Recorder) against the allocator's event
 //! stream and read by [`Trace`](crate::Trace) when it sorts the events into blocks.
 use crate::category::{Category, Phase};
+use std::time::Instant;
 
 /// Something the step said, at a position of the event stream (before event `position`).
 #[derive(Debug, Clone)]
@@ -26,6 +27,16 @@ pub(crate) enum NoteKind {
         op: String,
         producer: String,
         mark: Option<String>,
+    },
+    /// A checkpoint's recomputation of `label` (a block) started, at `at`: what is
+    /// allocated until its end is `recompute`. Recomputations may nest.
+    RecomputeStart {
+        label: String,
+        at: Instant,
+    },
+    /// The innermost recomputation running ended, at `at`.
+    RecomputeEnd {
+        at: Instant,
     },
     /// Backward unpacked the saved tensor at `ptr` while running `node`, the autograd
     /// node that saved it.

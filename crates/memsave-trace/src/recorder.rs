@@ -8,6 +8,7 @@ use memsave_hooks::{saved_tensors_hooks, HookError, SavedTensorHooks};
 use memsave_sys::alloc;
 use memsave_sys::grad_hooks::{register_post_accumulate_grad_hook, GradHookHandle};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 use tch::{Device, Tensor};
 
 #[derive(Debug, Default)]
@@ -63,6 +64,30 @@ impl Session {
         self.shared.note(NoteKind::Mark(label));
     }
 
+    /// A checkpoint's recomputation of `label` (the block, `layer 3`) starts: every
+    /// storage allocated until [`recomputation_end`](Self::recomputation_end) that has
+    /// no other role is [`Category::Recompute`] (what it re-saves for the block's
+    /// backward and its forward's temporaries, which would otherwise be `temporary`),
+    /// and [`Trace::recomputations`] has its bytes and time. Recomputations may nest:
+    /// an end closes the innermost. Call the end also when the recomputation is cut
+    /// short (an early stop unwinds the block: end it from a guard's `Drop`).
+    ///
+    /// Trap: the recorder cannot tell a recomputation from a forward by itself; the
+    /// caller knows (a block that runs during backward under a checkpoint is one).
+    pub fn recomputation_start(&self, label: impl Into<String>) {
+        self.shared.note(NoteKind::RecomputeStart {
+            label: label.into(),
+            at: Instant::now(),
+        });
+    }
+
+    /// The innermost recomputation started with
+    /// [`recomputation_start`](Self::recomputation_start) ends.
+    pub fn recomputation_end(&self) {
+        self.shared
+            .note(NoteKind::RecomputeEnd { at: Instant::now() });
+    }
+
     /// Marks `tensors` as optimizer state: state an optimizer creates lazily in its
     /// first step, or brings into memory for an update only (state kept on disk).
     ///
@@ -98,7 +123,9 @@ impl Session {
 /// - **Process-wide.** The CPU allocator's recorder sees every thread; a second
 ///   recording at the same time is refused ([`TraceError::AlreadyRecording`]).
 /// - **Checkpoints.** Tensors saved inside a checkpoint go to the checkpoint's own
-///   hooks, not to the recorder: they show as `temporary` (recomputed) or `other`.
+///   hooks, not to the recorder: what its recomputation allocates in backward shows
+///   as `temporary` (or `other`) unless the step tells the recorder when
+///   recomputations run ([`Session::recomputation_start`]): then it is `recompute`.
 /// - **One grad hook per parameter.** libtorch keeps one post-accumulate-grad hook
 ///   per tensor; when a parameter has one already (an optimizer fused into backward),
 ///   its gradient is found from `.grad` at the end of the step only, and a gradient the

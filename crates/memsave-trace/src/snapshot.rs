@@ -53,8 +53,9 @@ struct SegmentBlock {
 }
 
 /// Innermost first, as PyTorch lists frames: the role (`saved_activation of
-/// AddmmBackward0`), for a saved tensor the aten op that saved it and the tensor's own
-/// grad_fn, then the mark and the phase of the allocation.
+/// AddmmBackward0`, `recompute`), for a saved tensor the aten op that saved it and the
+/// tensor's own grad_fn, for a recomputation's tensor the block recomputed, then the
+/// mark and the phase of the allocation.
 fn frames(block: &Block) -> Vec<Frame> {
     let mut frames = vec![Frame {
         filename: format!("memsave:{}", block.category),
@@ -73,6 +74,13 @@ fn frames(block: &Block) -> Vec<Frame> {
             filename: "grad_fn".to_owned(),
             line: 0,
             name: format!("the tensor's grad_fn: {producer}"),
+        });
+    }
+    if let Some(label) = &block.recomputation {
+        frames.push(Frame {
+            filename: "recomputation".to_owned(),
+            line: 0,
+            name: format!("recomputing {label}"),
         });
     }
     frames.push(Frame {

@@ -8,7 +8,8 @@ use std::fmt::Write;
 impl Trace {
     /// A table of bytes per category at the start, at the peak and at the end, where
     /// the peak happened, the saved activations at the peak by the autograd node that
-    /// saved them (`AddmmBackward0`), and the `top` largest storages live at the peak.
+    /// saved them (`AddmmBackward0`), checkpoint recomputations by block (runs, bytes
+    /// allocated and re-saved, time), and the `top` largest storages live at the peak.
     pub fn summary(&self, top: usize) -> String {
         let mut out = String::new();
         let allocations = self.events[self.initial_events..]
@@ -80,6 +81,29 @@ impl Trace {
                     out,
                     "    {op:<24}{:>14}  ({count} tensors)",
                     Bytes(*bytes).to_string()
+                );
+            }
+        }
+        let recomputed = self.recomputation_by_block();
+        if !recomputed.is_empty() {
+            let _ = writeln!(
+                out,
+                "  checkpoint recomputation in backward, by block (`recompute` bytes):"
+            );
+            let _ = writeln!(
+                out,
+                "    {:<24}{:>6}{:>14}{:>14}{:>12}",
+                "block", "runs", "allocated", "re-saved", "time"
+            );
+            for b in &recomputed {
+                let _ = writeln!(
+                    out,
+                    "    {:<24}{:>6}{:>14}{:>14}{:>9.3} ms",
+                    b.label,
+                    b.runs,
+                    Bytes(b.allocated_bytes).to_string(),
+                    Bytes(b.kept_bytes).to_string(),
+                    b.duration_ns as f64 / 1e6
                 );
             }
         }

@@ -27,6 +27,9 @@ pub struct Block {
     pub producer: Option<String>,
     /// The mark open when it was allocated (for a saved activation: when it was saved).
     pub mark: Option<String>,
+    /// The checkpoint recomputation (its label, the block recomputed) running when it
+    /// was allocated, the innermost of nested ones; `None` outside recomputations.
+    pub recomputation: Option<String>,
     /// The phase it was allocated in.
     pub phase: Phase,
     /// The event that allocated it; `None` when it was live before the recording.
@@ -83,6 +86,43 @@ pub struct TraceMark {
     pub position: usize,
 }
 
+/// One checkpoint recomputation in backward, as the step told the recorder
+/// ([`Session::recomputation_start`](crate::Session::recomputation_start) and
+/// [`Session::recomputation_end`](crate::Session::recomputation_end)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recomputation {
+    /// The label given at its start (the block recomputed: `layer 3`).
+    pub label: String,
+    /// Events before its start.
+    pub start: usize,
+    /// Events before its end; `None` when it had not ended when the recording did.
+    pub end: Option<usize>,
+    /// Nanoseconds from its start to its end (0 when it did not end).
+    pub duration_ns: u64,
+    /// Bytes allocated while it ran (not counting recomputations nested in it).
+    pub allocated_bytes: u64,
+    /// Of those, the bytes still live at its end: what it re-saved for the block's
+    /// backward (its temporaries were freed inside it), plus what the recomputed
+    /// function returned when its end was told before the checkpoint dropped that
+    /// (memsave-bench tells it as the block returns).
+    pub kept_bytes: u64,
+}
+
+/// What the recomputations of one block cost, over the recording.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockRecomputation {
+    /// The label (the block).
+    pub label: String,
+    /// How many times it was recomputed.
+    pub runs: usize,
+    /// Bytes allocated by its recomputations ([`Recomputation::allocated_bytes`]).
+    pub allocated_bytes: u64,
+    /// Bytes they re-saved ([`Recomputation::kept_bytes`]).
+    pub kept_bytes: u64,
+    /// Their time, in nanoseconds.
+    pub duration_ns: u64,
+}
+
 /// Every allocation and free of a recorded step, each storage with its role.
 ///
 /// The first [`initial_events`](Self::initial_events) events are the storages live
@@ -104,7 +144,13 @@ pub struct Trace {
     /// Notes about storages the recorder could not find live (a tensor with no
     /// counted storage, such as one created before the meter was installed).
     pub unplaced_notes: usize,
+    /// The checkpoint recomputations the step told, in order of their start.
+    pub recomputations: Vec<Recomputation>,
 }
+
+/// The recomputations running while the notes are replayed: index into
+/// `Trace::recomputations` and start time, innermost last.
+type Open = Vec<(usize, std::time::Instant)>;
 
 /// Which role wins when a storage gets two: registered roles first, then what
 /// backward and autograd tell.
@@ -115,7 +161,7 @@ fn rank(category: Category) -> u8 {
         Category::OptimizerState => 2,
         Category::Gradient => 3,
         Category::SavedActivation => 4,
-        Category::Temporary | Category::Other => 5,
+        Category::Recompute | Category::Temporary | Category::Other => 5,
     }
 }
 
@@ -131,7 +177,11 @@ impl Trace {
             initial_events,
             marks: Vec::new(),
             unplaced_notes: 0,
+            recomputations: Vec::new(),
         };
+        let mut open: Open = Vec::new();
+        // Per block: the recomputation that allocated it.
+        let mut allocated_in: Vec<Option<usize>> = Vec::new();
         let mut roles: Vec<Option<Category>> = Vec::new();
         let mut live: BTreeMap<u64, usize> = BTreeMap::new();
         let mut phase = Phase::Other;
@@ -139,10 +189,15 @@ impl Trace {
         let mut next_note = notes.iter().peekable();
         for (i, e) in raw.iter().enumerate() {
             while let Some(note) = next_note.next_if(|n| n.position <= i) {
-                trace.apply(note, &live, &mut roles, &mut phase, &mut mark);
+                trace.apply(note, &live, &mut roles, &mut phase, &mut mark, &mut open);
             }
             let block = if e.bytes >= 0 {
                 let id = trace.blocks.len();
+                let within = open.last().map(|&(r, _)| r);
+                if let Some(r) = within {
+                    trace.recomputations[r].allocated_bytes += e.bytes as u64;
+                }
+                allocated_in.push(within);
                 trace.blocks.push(Block {
                     addr: e.addr,
                     bytes: e.bytes as u64,
@@ -151,6 +206,7 @@ impl Trace {
                     saved_by: None,
                     producer: None,
                     mark: mark.map(|m| trace.marks[m].label.clone()),
+                    recomputation: within.map(|r| trace.recomputations[r].label.clone()),
                     phase,
                     alloc_event: (i >= initial_events).then_some(i),
                     free_event: None,
@@ -175,11 +231,13 @@ impl Trace {
                             saved_by: None,
                             producer: None,
                             mark: None,
+                            recomputation: None,
                             phase,
                             alloc_event: None,
                             free_event: Some(i),
                         });
                         roles.push(None);
+                        allocated_in.push(None);
                         trace.blocks.len() - 1
                     }
                 }
@@ -194,16 +252,26 @@ impl Trace {
             });
         }
         for note in next_note {
-            trace.apply(note, &live, &mut roles, &mut phase, &mut mark);
+            trace.apply(note, &live, &mut roles, &mut phase, &mut mark, &mut open);
         }
-        for (block, role) in trace.blocks.iter_mut().zip(roles) {
-            block.category = role.unwrap_or(
-                if block.alloc_event.is_some() && block.free_event.is_some() {
-                    Category::Temporary
-                } else {
-                    Category::Other
-                },
-            );
+        for ((block, role), within) in trace.blocks.iter_mut().zip(roles).zip(&allocated_in) {
+            block.category = role.unwrap_or(if within.is_some() {
+                Category::Recompute
+            } else if block.alloc_event.is_some() && block.free_event.is_some() {
+                Category::Temporary
+            } else {
+                Category::Other
+            });
+            // Still live at the recomputation's end: re-saved for backward.
+            if let Some(r) = *within {
+                let end = trace.recomputations[r].end;
+                if block
+                    .free_event
+                    .is_none_or(|f| end.is_none_or(|end| f >= end))
+                {
+                    trace.recomputations[r].kept_bytes += block.bytes;
+                }
+            }
         }
         trace
     }
@@ -215,6 +283,7 @@ impl Trace {
         roles: &mut [Option<Category>],
         phase: &mut Phase,
         mark: &mut Option<usize>,
+        open: &mut Open,
     ) {
         let find = |ptr: u64| {
             live.range(..=ptr)
@@ -258,6 +327,26 @@ impl Trace {
                 }
                 None => self.unplaced_notes += 1,
             },
+            NoteKind::RecomputeStart { label, at } => {
+                self.recomputations.push(Recomputation {
+                    label: label.clone(),
+                    start: note.position,
+                    end: None,
+                    duration_ns: 0,
+                    allocated_bytes: 0,
+                    kept_bytes: 0,
+                });
+                open.push((self.recomputations.len() - 1, *at));
+            }
+            NoteKind::RecomputeEnd { at } => {
+                // An end without a start is ignored.
+                if let Some((r, started)) = open.pop() {
+                    let r = &mut self.recomputations[r];
+                    r.end = Some(note.position);
+                    r.duration_ns =
+                        u64::try_from(at.duration_since(started).as_nanos()).unwrap_or(u64::MAX);
+                }
+            }
             NoteKind::SavedFor { ptr, node } => {
                 // Unpacked in backward: the storage is live, and was saved before.
                 if let Some(id) = find(*ptr) {
@@ -268,6 +357,33 @@ impl Trace {
                 }
             }
         }
+    }
+
+    /// The recomputations by block (label), in order of each block's first one: how
+    /// many ran, what they allocated and re-saved, and their time.
+    pub fn recomputation_by_block(&self) -> Vec<BlockRecomputation> {
+        let mut out: Vec<BlockRecomputation> = Vec::new();
+        for r in &self.recomputations {
+            let i = match out.iter().position(|b| b.label == r.label) {
+                Some(i) => i,
+                None => {
+                    out.push(BlockRecomputation {
+                        label: r.label.clone(),
+                        runs: 0,
+                        allocated_bytes: 0,
+                        kept_bytes: 0,
+                        duration_ns: 0,
+                    });
+                    out.len() - 1
+                }
+            };
+            let b = &mut out[i];
+            b.runs += 1;
+            b.allocated_bytes += r.allocated_bytes;
+            b.kept_bytes += r.kept_bytes;
+            b.duration_ns += r.duration_ns;
+        }
+        out
     }
 
     /// Bytes per category after each event: `timeline()[i].total()` is

@@ -250,3 +250,74 @@ fn optimizer_state_and_gradients_are_categorized_to_the_byte() {
         }
     }
 }
+
+/// Checkpointing every layer of the quick suite's MLP (3 layers of `x + down(gelu(up(x)))`
+/// on `[4, 4, 16]`, up to 32 features): in backward each layer's forward runs again,
+/// and what it allocates is `recompute`, per block, no longer `temporary`.
+#[test]
+#[serial]
+fn recomputation_in_backward_is_its_own_category_per_block() {
+    let quick = suite("quick");
+    let traced = trace_case(&quick, "mlp", "checkpoint(every_layer=true)").unwrap();
+    traced.step.as_ref().unwrap();
+    let trace = &traced.trace;
+    assert_adds_up(trace);
+    // Each recomputation allocates up's output (16 x 32 floats, 2,048 B), GELU's
+    // (2,048 B), down's (16 x 16, 1,024 B) and the residual sum (1,024 B); at its end
+    // up's and GELU's outputs are held for the layer's backward (GELU's input, down's
+    // input) and the sum until the checkpoint drops it: 5,120 B.
+    let table = trace.recomputation_by_block();
+    let rows: Vec<_> = table
+        .iter()
+        .map(|b| (b.label.as_str(), b.runs, b.allocated_bytes, b.kept_bytes))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("layer 2", 1, 6144, 5120),
+            ("layer 1", 1, 6144, 5120),
+            ("layer 0", 1, 6144, 5120)
+        ]
+    );
+    assert!(table.iter().all(|b| b.duration_ns > 0));
+    // Every storage allocated while a recomputation ran is `recompute`, none
+    // `temporary`; outside them, none is `recompute`.
+    for b in &trace.blocks {
+        let Some(at) = b.alloc_event else { continue };
+        let inside = trace
+            .recomputations
+            .iter()
+            .any(|r| r.start <= at && r.end.is_none_or(|end| at < end));
+        if inside {
+            assert_eq!(b.category, Category::Recompute, "{b:?}");
+            assert!(b.recomputation.is_some(), "{b:?}");
+        } else {
+            assert_ne!(b.category, Category::Recompute, "{b:?}");
+        }
+    }
+    let most = |c: Category| trace.timeline().iter().map(|t| t[c]).max().unwrap();
+    // All four at once, just before down's output is freed; at the step's peak (layer
+    // 0's backward) up's and GELU's outputs of layer 0.
+    assert_eq!(most(Category::Recompute), 6144);
+    let peak = trace.bytes_at(trace.peak_event().unwrap() + 1);
+    assert_eq!(peak[Category::Recompute], 4096);
+    // The summary's table and the snapshot's frames carry it.
+    let summary = trace.summary(0);
+    assert!(summary.contains("recompute"), "{summary}");
+    assert!(
+        summary.contains("checkpoint recomputation in backward, by block"),
+        "{summary}"
+    );
+    let pickle = trace.to_snapshot_pickle().unwrap();
+    let has = |text: &str| pickle.windows(text.len()).any(|w| w == text.as_bytes());
+    assert!(has("memsave:recompute"));
+    assert!(has("recomputing layer 1"));
+    // Without checkpointing there is nothing to recompute.
+    let plain = trace_case(&quick, "mlp", "baseline").unwrap();
+    assert!(plain.trace.recomputations.is_empty());
+    assert!(plain
+        .trace
+        .blocks
+        .iter()
+        .all(|b| b.category != Category::Recompute));
+}

@@ -15,3 +15,4 @@ mod resnet_blocks_offload;
 mod save_policy;
 mod saved_layouts;
 mod scope_order;
+mod written_attention;
