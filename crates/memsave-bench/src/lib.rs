@@ -63,6 +63,7 @@ pub mod models;
 pub mod plot;
 pub mod report;
 pub mod runner;
+pub mod spread;
 pub mod strategies;
 pub mod suite;
 pub mod trace;
@@ -80,6 +81,7 @@ pub use runner::{
     availability, run_suite, run_suite_with, run_workload, selected_cases, Observer, RunError,
     RunOptions, Silent,
 };
+pub use spread::Rounds;
 pub use strategies::{resolve, PlanChoice, ResidualUpdate, SavedTensors, StepConfig, Unavailable};
 pub use suite::{
     CheckpointSpec, DeviceChoice, Dtype, FitLever, FitSpec, ModelKind, ModelSpec, ModelSpecError,

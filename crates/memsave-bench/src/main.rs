@@ -19,8 +19,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use memsave_bench::{
-    bundled, run_suite_with, write_atomic, write_plots, CaseResult, Observer, RunOptions, Suite,
-    BUNDLED,
+    bundled, run_suite_with, write_atomic, write_plots, CaseResult, Observer, Rounds, RunOptions,
+    Suite, BUNDLED,
 };
 use memsave_meter::Bytes;
 use std::io::IsTerminal;
@@ -42,7 +42,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a suite (default: the bundled seed suite, about 20 s on 2 cores).
+    /// Run a suite (default: the bundled seed suite, about 75 s on 2 cores).
     Bench(BenchArgs),
     /// List the bundled suites, or print one (`memsave suites seed`).
     Suites {
@@ -154,10 +154,24 @@ struct BenchArgs {
     /// run only when the filter names them, e.g. --filter seed-full.
     #[arg(long, value_name = "REGEX")]
     filter: Option<regex::Regex>,
-    /// Timed steps per case instead of the suite's `repeats`: the number of rounds,
-    /// each timing every strategy of a model once (distributed cases: back to back).
+    /// Timed steps per case instead of the suite's `repeats`: the least number of
+    /// rounds, each timing every strategy of a model once (distributed cases: back to
+    /// back, exactly this many). From 3, rounds are added until every median is
+    /// steady (see --target-spread); 1 or 2 are a quick look, run as given.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     repeats: Option<u64>,
+    /// Add rounds until every strategy's median step time is within this spread, in
+    /// percent: half the width of the median's 95% confidence interval (order
+    /// statistics, known from 6 rounds), over the median; printed as ±. 0: no rounds
+    /// past --repeats.
+    #[arg(long, value_name = "PERCENT", default_value = "2", value_parser = parse_percent)]
+    target_spread: f64,
+    /// The most timed rounds of a model, however large the spread.
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    max_rounds: u64,
+    /// No round is added once a model's timed rounds have taken this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0, value_parser = parse_seconds)]
+    max_rounds_time: f64,
     /// Warm-up steps per case instead of the suite's.
     #[arg(long)]
     warmup: Option<usize>,
@@ -261,6 +275,23 @@ fn parse_margin(text: &str) -> Result<f64> {
 }
 
 /// `--memory-limit`: a size, positive as in a suite's `memory_limit`.
+/// A percentage, `2` or `2%`, as a fraction (0.02): at least 0.
+fn parse_percent(text: &str) -> Result<f64> {
+    let number = text.trim().trim_end_matches('%').trim();
+    match number.parse::<f64>() {
+        Ok(p) if p.is_finite() && p >= 0.0 => Ok(p / 100.0),
+        _ => anyhow::bail!("expected a percentage of 0 or more, e.g. 2 or 2%, got '{text}'"),
+    }
+}
+
+/// A number of seconds, more than 0.
+fn parse_seconds(text: &str) -> Result<f64> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
+        _ => anyhow::bail!("expected a number of seconds above 0, got '{text}'"),
+    }
+}
+
 fn parse_memory_limit(text: &str) -> Result<Bytes> {
     let bytes: Bytes = text.parse()?;
     if bytes.0 == 0 {
@@ -439,6 +470,11 @@ fn bench(args: BenchArgs) -> Result<()> {
     let options = RunOptions {
         filter: args.filter,
         repeats: args.repeats.map(|n| n as usize),
+        rounds: Rounds {
+            target_spread: args.target_spread,
+            max_rounds: args.max_rounds as usize,
+            max_time_s: args.max_rounds_time,
+        },
         warmup: args.warmup,
         threads: args.threads.map(|n| n as usize),
         memory_limit: args.memory_limit.map(|b| b.0),
@@ -868,7 +904,7 @@ impl Observer for Progress {
             return;
         }
         self.round = Some((model.to_owned(), round));
-        let text = format!("{model}: timed round {}/{rounds}", round + 1);
+        let text = format!("{model}: timed round {} (at most {rounds})", round + 1);
         match &self.bar {
             Some(bar) => bar.set_message(text),
             None => eprintln!("{text}"),

@@ -87,7 +87,7 @@ impl Status {
 }
 
 /// Minimum, median and maximum over the timed steps, in seconds (one per round, see
-/// [`CaseResult::rounds`]).
+/// [`CaseResult::rounds`]), and how steady the median is.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepTime {
     /// Fastest repeat.
@@ -96,6 +96,11 @@ pub struct StepTime {
     pub median: f64,
     /// Slowest repeat.
     pub max: f64,
+    /// The median's spread: half the width of its distribution-free 95% confidence
+    /// interval over the median (0.011: ±1.1%; see [`crate::spread`]); `None` below 6
+    /// repeats, and in reports without it (older ones, PyTorch's reference).
+    #[serde(default)]
+    pub spread: Option<f64>,
 }
 
 impl StepTime {
@@ -106,6 +111,7 @@ impl StepTime {
             min: *times.first()?,
             median: times[times.len() / 2],
             max: *times.last()?,
+            spread: crate::spread::spread(&times),
         })
     }
 }
@@ -339,7 +345,8 @@ impl Report {
 
     /// How the step times of the table were taken, for the line below it: the number
     /// of interleaved rounds (per number, the models it applies to when they differ),
-    /// and which cases' repeats ran back to back. `None` without a timed case.
+    /// which cases' repeats ran back to back, and what the ± beside a time means when
+    /// one has it. `None` without a timed case.
     pub fn rounds_line(&self) -> Option<String> {
         let timed = || self.cases.iter().filter(|c| c.step_time_s.is_some());
         let mut counts: Vec<usize> = timed().filter_map(|c| c.rounds).collect();
@@ -371,7 +378,12 @@ impl Report {
         } else {
             "; each round times every strategy of a model once, in suite order, reversed every other round".to_owned()
         };
-        Some(format!("time: {}{how}", parts.join("; ")))
+        let spread = if timed().any(|c| c.step_time_s.is_some_and(|t| t.spread.is_some())) {
+            "; ±: half the width of the median's 95% confidence interval (order statistics), over the median"
+        } else {
+            ""
+        };
+        Some(format!("time: {}{how}{spread}", parts.join("; ")))
     }
 
     /// The terminal table: human sizes, ratios to the baseline, status, then a line
@@ -407,8 +419,10 @@ impl Report {
                 peak_ratio.map_or_else(dash, |r| format!("{r:.2}x")),
                 case.retained_after_forward_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),
-                case.step_time_s
-                    .map_or_else(dash, |t| format_seconds(t.median)),
+                case.step_time_s.map_or_else(dash, |t| match t.spread {
+                    Some(s) => format!("{} ±{:.1}%", format_seconds(t.median), s * 100.0),
+                    None => format_seconds(t.median),
+                }),
                 time_ratio.map_or_else(dash, |r| format!("{r:.2}x")),
                 case.offloaded_bytes
                     .map_or_else(dash, |b| Bytes(b).to_string()),

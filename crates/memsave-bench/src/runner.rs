@@ -8,9 +8,11 @@
 //!    step, which gives every byte figure, the trace and the gradients compared with
 //!    the baseline's. Nothing of another case is alive then, so the figures are exact
 //!    and the same as when each case ran all its steps back to back.
-//! 2. **Time**, in rounds: each case measured in pass 1 runs `repeats` timed steps,
-//!    one per round; a round steps every such strategy of the model once, in suite
-//!    order, the next round in reverse order. This machine's speed drifts over
+//! 2. **Time**, in rounds: each case measured in pass 1 runs at least `repeats` timed
+//!    steps, one per round; a round steps every such strategy of the model once, in
+//!    suite order, the next round in reverse order. From 3 `repeats` up, rounds are
+//!    added until every strategy's median is steady ([`RunOptions::rounds`], see
+//!    [`crate::spread`]: by default within ±2%, at most 50 rounds or 60 s a model). This machine's speed drifts over
 //!    seconds, and other processes come and go: timing a strategy's steps back to back
 //!    would put one moment's speed on one strategy, and its ratio to the baseline
 //!    would depend on where the suite lists it. In rounds every strategy samples the
@@ -57,6 +59,7 @@ use crate::message::one_line;
 use crate::models::Model;
 use crate::optimizer::{CaseOptimizer, SavedWeights};
 use crate::report::{CaseResult, Report, Status, StepTime, SCHEMA_VERSION};
+use crate::spread::{spread, Rounds};
 use crate::step::{f_grads, f_step, f_step_with, max_abs_diff, rel_l2_diff};
 use crate::strategies::{resolve, PlanChoice, ResidualUpdate, StepConfig, Unavailable};
 use crate::suite::{
@@ -77,9 +80,12 @@ pub struct RunOptions {
     /// only when the filter names it (its text contains the model's name), so that
     /// `--filter seed-full` opts in and `--filter baseline` does not.
     pub filter: Option<Regex>,
-    /// Timed steps per case instead of the suite's `repeats`: the number of rounds
-    /// (see the [module](self) documentation).
+    /// Timed steps per case instead of the suite's `repeats`: the least number of
+    /// rounds (see the [module](self) documentation).
     pub repeats: Option<usize>,
+    /// When to add rounds past `repeats` (from 3 of them): until every median is
+    /// steady, within caps (see [`crate::spread`]). Not for distributed cases.
+    pub rounds: Rounds,
     /// Warm-up steps instead of the suite's.
     pub warmup: Option<usize>,
     /// libtorch threads instead of the suite's.
@@ -103,7 +109,8 @@ pub trait Observer {
     /// model's timed rounds have ended, so every case of a model may end at once.
     fn case_finished(&mut self, _case: &CaseResult) {}
     /// A timed step of `model` under `strategy` is about to run: round `round` (from
-    /// 0) of `rounds`. Not called for distributed cases.
+    /// 0) of at most `rounds` (rounds stop earlier once every median is steady, see
+    /// [`crate::spread`]). Not called for distributed cases.
     fn timed_step(&mut self, _model: &str, _strategy: &str, _round: usize, _rounds: usize) {}
 }
 
@@ -234,6 +241,7 @@ pub fn run_suite_with(
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        rounds: options.rounds,
         memory_limit: limit.bytes,
     };
     memsave_meter::settle_c_allocator();
@@ -385,6 +393,7 @@ pub fn run_workload(
         seed: suite.seed,
         warmup: options.warmup.unwrap_or(suite.warmup),
         repeats: options.repeats.unwrap_or(suite.repeats).max(1),
+        rounds: options.rounds,
         memory_limit: limit.bytes,
     };
     memsave_meter::settle_c_allocator();
@@ -433,7 +442,10 @@ pub(crate) struct Settings {
     device: Device,
     seed: u64,
     warmup: usize,
+    /// The least number of timed rounds.
     repeats: usize,
+    /// When to add rounds past `repeats`.
+    rounds: Rounds,
     /// The suite's simulated capacity, if any (`auto_batch`'s default budget).
     memory_limit: Option<u64>,
 }
@@ -813,7 +825,8 @@ fn measure_case(
 }
 
 /// The second pass: times `cases` (the cases of one model measured in the first pass,
-/// in suite order; `strategies` are the model's) in `settings.repeats` rounds, each
+/// in suite order; `strategies` are the model's) in `settings.repeats` rounds or more
+/// (until every median still timed is steady, see [`crate::spread`]), each
 /// stepping every case once, forwards in even rounds and backwards in odd ones (see
 /// the module documentation). Cases with an optimizer or a scaler first get a fresh
 /// one and `settings.warmup` untimed steps, in the same alternating order, and keep
@@ -897,8 +910,24 @@ fn time_in_rounds(
             }
         }
     }
+    let most = settings.rounds.most(settings.repeats);
     let mut times = vec![Vec::with_capacity(settings.repeats); n];
-    for round in 0..settings.repeats {
+    let started = std::time::Instant::now();
+    let mut round = 0;
+    loop {
+        // Every case still timed steady (or a cap reached): done.
+        let spreads = times
+            .iter()
+            .zip(&failed)
+            .filter(|(_, f)| f.is_none())
+            .map(|(t, _)| spread(t));
+        let elapsed_s = started.elapsed().as_secs_f64();
+        if settings
+            .rounds
+            .enough(round, settings.repeats, elapsed_s, spreads)
+        {
+            break;
+        }
         for k in order(round) {
             if failed[k].is_some() {
                 continue;
@@ -913,7 +942,7 @@ fn time_in_rounds(
                 }
             }
             let outcome = ready.and_then(|()| {
-                observer.timed_step(&name, strategy, round, settings.repeats);
+                observer.timed_step(&name, strategy, round, most);
                 step(k, timing, &mut states[k])
             });
             if per_round[k] {
@@ -925,6 +954,7 @@ fn time_in_rounds(
                 Err(e) => failed[k] = Some(format!("timed round {}: {e}", round + 1)),
             }
         }
+        round += 1;
     }
     // Leave the model as the suite built it.
     drop(states);
@@ -939,7 +969,7 @@ fn time_in_rounds(
             }
             None => {
                 c.case.step_time_s = StepTime::from_times(times);
-                c.case.rounds = Some(settings.repeats);
+                c.case.rounds = Some(round);
             }
         }
     }

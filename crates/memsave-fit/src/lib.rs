@@ -126,10 +126,22 @@
 //! measured peak on each rank is in [`FitReport::measured_peak_bytes_by_rank`].
 //! Train with it on the same ranks: [`FitReport::trainer_on`].
 //!
-//! Trap: a rank whose step fails (out of memory included) cannot go on alone (the
-//! others wait in a collective of that step): its `fit` returns the error, naming the
-//! rank, and the others' fail in their next collective (when the failed rank's process
-//! ends, or at the group's timeout).
+//! A step that fails is agreed too: after every step of a run (the optimizer's warm-up
+//! included) each rank tells the others how its step ended, and the worst outcome over
+//! the ranks is every rank's, handled as on one process. A configuration out of memory
+//! on any rank does not fit, on every rank, and the search goes on with the next; any
+//! other failure (the workload's step failed) ends the fit on every rank, with an
+//! error naming the rank it failed on, except in the runs that only check the choice
+//! (runners-up, `exhaustive`), which leave that configuration out.
+//!
+//! Trap: the ranks can agree only once each has left the step. A step that fails on
+//! some ranks while the others go on into a collective of that step (which the failed
+//! ones never join: a failure in forward on one rank while the other all-reduces in
+//! backward) leaves both waiting until the group's timeout: then each `fit` returns an
+//! error (the failed rank's own, naming it). The agreement is made of broadcasts,
+//! which no step issues, so it never mixes its bytes with the step's collective.
+//! Ranks that run the same model on equal shares fail alike (at the same allocation,
+//! under the same memory limit), so this takes a failure that only some ranks meet.
 //!
 //! Micro-batches are lossless only when nothing in the step computes a sample's output
 //! (or its loss) from other samples of the batch. BatchNorm in training mode does (it
@@ -493,7 +505,8 @@ pub enum FitError {
         hint: String,
     },
     /// The workload's step failed (not for lack of memory; on ranks, on the rank the
-    /// message names, for any reason: a rank cannot go on alone).
+    /// message names, or on every rank where the ranks could not agree on how the step
+    /// ended: see the [crate docs](crate#on-the-ranks-of-a-process-group)).
     #[error("the workload's step failed: {0}")]
     Step(String),
     /// The batch (on ranks, each rank's share) is one example, and a step on one

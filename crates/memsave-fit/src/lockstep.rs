@@ -65,6 +65,42 @@ impl Ranks {
             .collect())
     }
 
+    /// Every rank's `values`, by rank, as [`gather`](Self::gather), but by a broadcast
+    /// from each rank in turn: the agreement after a step, whose outcome may differ
+    /// from rank to rank. No step broadcasts (its collectives all-reduce,
+    /// reduce-scatter, all-gather, exchange all-to-all and wait at a barrier; Gloo keeps
+    /// each kind apart), so a rank whose step failed alone and waits here never meets
+    /// a collective of the step that another rank still waits in: both wait until the
+    /// group's timeout and fail with an error, instead of exchanging one another's
+    /// bytes. Every rank must call it at the same point with as many values.
+    ///
+    /// # Errors
+    /// [`FitError::Group`] when a broadcast fails (a rank died, or the group's timeout
+    /// passed).
+    pub(crate) fn gather_after_step(&self, values: &[f64]) -> Result<Vec<Vec<f64>>, FitError> {
+        let Some(group) = &self.group else {
+            return Ok(vec![values.to_vec()]);
+        };
+        let failed = |e: &dyn std::fmt::Display| {
+            FitError::Group(format!(
+                "rank {}: agreeing on a step's outcome with the other ranks: {e}",
+                group.rank()
+            ))
+        };
+        let mine = Tensor::from_slice(values).to_kind(Kind::Double);
+        (0..group.world_size())
+            .map(|src| {
+                let t = if src == group.rank() {
+                    mine.copy()
+                } else {
+                    mine.zeros_like()
+                };
+                group.broadcast(&t, src).map_err(|e| failed(&e))?;
+                Vec::<f64>::try_from(&t).map_err(|e| failed(&e))
+            })
+            .collect()
+    }
+
     /// The largest of each of `values` over the ranks (see [`gather`](Self::gather)).
     pub(crate) fn max(&self, values: &[f64]) -> Result<Vec<f64>, FitError> {
         let all = self.gather(values)?;

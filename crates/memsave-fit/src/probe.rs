@@ -86,13 +86,11 @@ pub(crate) enum ProbeError {
     Failed(String),
     /// The step ran but spoiled the model: a one-example micro-batch turned running
     /// statistics NaN ([`StepError::NonFiniteStatistics`]). The configuration is not
-    /// one to train with; the statistics were put back. The check runs after the
-    /// step's collectives, so on ranks it is agreed like a peak (any rank's makes it
-    /// every rank's) and does not end the fit.
+    /// one to train with; the statistics were put back.
     Unusable(String),
-    /// On ranks, this rank's step failed (for any reason: the others are left in a
-    /// collective of the step and cannot agree on what to do next), or agreeing with
-    /// the others failed: the fit ends with this error.
+    /// On ranks, agreeing with the others failed (after this rank's step failed, when
+    /// the others wait in a collective of the step: the error is this rank's own), or
+    /// setting the probe up failed on this rank: the fit ends with this error.
     Fatal(FitError),
 }
 
@@ -219,8 +217,10 @@ const LONG_RUNS_S: f64 = 0.5;
 /// probe, the peak is measured above what the rank held before it less the parameters
 /// (so the parameters, the optimizer's state and whatever the mode keeps count), and
 /// each run's peak and times are agreed over the ranks before anything is decided on
-/// them (see [`crate::lockstep`]). A rank whose step fails ends the probe with
-/// [`ProbeError::Fatal`].
+/// them (see [`crate::lockstep`]), and so is how each step ended (the warm-up's and
+/// each run's): a step out of memory (or failed, or spoiled) on one rank ends the
+/// probe with that error on every rank, so that all count the configuration alike and
+/// go on together (see [`agreed_failure`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn probe(
     workload: &mut dyn Workload,
@@ -236,8 +236,8 @@ pub(crate) fn probe(
     let (mut setup, outside) =
         Setup::new(workload, choice, batch, micro_batches, ranks).map_err(|e| e.on(ranks))?;
     setup.check_statistics = check_statistics;
-    if let Err(e) = setup.warm_up(&*workload, micro_batches) {
-        let e = e.on(ranks);
+    let warmed = setup.warm_up(&*workload, micro_batches);
+    if let Err(e) = agree_step(ranks, warmed) {
         // Put the weights back (a step in backward may have moved some) before failing.
         setup.put_back(&*workload).map_err(|put| put.on(ranks))?;
         return Err(e);
@@ -457,14 +457,11 @@ fn measure(
         if run >= 2 && runs_s > LONG_RUNS_S {
             break;
         }
-        // A spoiled run (the check after the step's collectives) is agreed with the
-        // others below; any other failure ends the fit on ranks.
-        let (done, unusable) = match run_once(setup, workload, record && run == 0, base) {
-            Err(ProbeError::Unusable(e)) => (None, Some(e)),
-            other => (Some(other.map_err(|e| e.on(ranks))?), None),
-        };
+        // Every rank's outcome (a spoiled run, out of memory, another failure) is agreed
+        // with its figures below, so that every rank counts the configuration the same.
+        let done = run_once(setup, workload, record && run == 0, base);
         let (peak, time_s, optimizer_time_s) = match &done {
-            Some(Run {
+            Ok(Run {
                 step: m,
                 optimizer_time_s,
                 recorded,
@@ -476,21 +473,22 @@ fn measure(
                 let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
                 (peak, m.time_s, *optimizer_time_s)
             }
-            None => (0, 0.0, 0.0),
+            Err(_) => (0, 0.0, 0.0),
         };
-        let all = ranks.gather(&[
+        let all = ranks.gather_after_step(&[
             peak as f64,
             time_s,
             optimizer_time_s,
             runs_started.elapsed().as_secs_f64(),
-            f64::from(u8::from(unusable.is_some())),
-        ])?;
-        if all.iter().any(|r| r[4] != 0.0) {
-            return Err(ProbeError::Unusable(unusable.unwrap_or_else(|| {
-                "another rank's step turned running statistics NaN (BatchNorm given one \
-                 value per channel)"
-                    .to_owned()
-            })));
+            outcome_code(&done),
+        ]);
+        let all = match all {
+            Ok(all) => all,
+            Err(e) => return Err(unagreed(ranks, done.err(), e)),
+        };
+        let codes: Vec<f64> = all.iter().map(|r| r[4]).collect();
+        if let Some(e) = agreed_failure(ranks, &codes, done.err()) {
+            return Err(e);
         }
         for (b, r) in by_rank.iter_mut().zip(&all) {
             *b = (*b).max(r[0] as u64);
@@ -526,6 +524,87 @@ fn measure(
         second_micro_batch: second,
         ..best
     })
+}
+
+/// What a rank's step came to, as a number the ranks agree on: the largest over them
+/// is the outcome on every rank (a failure beats a spoiled run, which beats success).
+fn outcome_code<T>(outcome: &Result<T, ProbeError>) -> f64 {
+    outcome.as_ref().err().map_or(0.0, error_code)
+}
+
+/// [`outcome_code`] of a step that failed with `e`.
+fn error_code(e: &ProbeError) -> f64 {
+    match e {
+        ProbeError::Unusable(_) => 1.0,
+        ProbeError::OutOfMemory(_) => 2.0,
+        ProbeError::Failed(_) => 3.0,
+        ProbeError::Fatal(_) => 4.0,
+    }
+}
+
+/// `outcome` (a step's: the warm-up's, a run's), agreed over the ranks: a step that
+/// failed on any rank failed on every rank, as the worst outcome over them (see
+/// [`agreed_failure`]). On one process, `outcome` as it is.
+fn agree_step<T>(ranks: &Ranks, outcome: Result<T, ProbeError>) -> Result<T, ProbeError> {
+    match ranks.gather_after_step(&[outcome_code(&outcome)]) {
+        Ok(all) => {
+            let codes: Vec<f64> = all.iter().map(|r| r[0]).collect();
+            match outcome {
+                Ok(t) => agreed_failure(ranks, &codes, None).map_or(Ok(t), Err),
+                Err(e) => Err(agreed_failure(ranks, &codes, Some(e)).unwrap_or_else(|| {
+                    ProbeError::Fatal(FitError::Group("a step's outcome was lost".into()))
+                })),
+            }
+        }
+        Err(e) => Err(unagreed(ranks, outcome.err(), e)),
+    }
+}
+
+/// The error every rank takes when some rank's step did not succeed (`codes`: each
+/// rank's [`outcome_code`], by rank; `own`: this rank's error, if its step failed):
+/// the worst over the ranks, so that all count the configuration alike and go on
+/// together (a configuration out of memory on any rank does not fit). A rank whose own
+/// error is that one keeps it (on ranks, its message names the rank); the others are
+/// told which rank. `None` when every rank's step succeeded.
+fn agreed_failure(ranks: &Ranks, codes: &[f64], own: Option<ProbeError>) -> Option<ProbeError> {
+    let worst = codes.iter().copied().fold(0.0, f64::max);
+    if worst <= 0.0 {
+        return None;
+    }
+    let first = codes.iter().position(|&c| c == worst).unwrap_or(0);
+    let named = |e: String| match ranks.group() {
+        Some(_) => format!("rank {}: {e}", ranks.rank()),
+        None => e,
+    };
+    Some(match own {
+        Some(e) if error_code(&e) == worst => match e {
+            ProbeError::OutOfMemory(e) => ProbeError::OutOfMemory(named(e)),
+            ProbeError::Failed(e) => ProbeError::Failed(named(e)),
+            other => other,
+        },
+        _ if worst < 2.0 => ProbeError::Unusable(
+            "another rank's step turned running statistics NaN (BatchNorm given one value \
+             per channel)"
+                .to_owned(),
+        ),
+        _ if worst < 3.0 => ProbeError::OutOfMemory(format!(
+            "rank {first}'s step ran out of memory (rank {first} tells how)"
+        )),
+        _ => ProbeError::Failed(format!(
+            "rank {first}'s step failed (rank {first} tells why)"
+        )),
+    })
+}
+
+/// The error of a rank that could not agree on a step's outcome (`agreeing` failed):
+/// its own step's error if it failed (on ranks the error that ends the fit, naming the
+/// rank: the others may still wait in a collective of the step), else the group's.
+fn unagreed(ranks: &Ranks, own: Option<ProbeError>, agreeing: FitError) -> ProbeError {
+    match own {
+        Some(e @ (ProbeError::OutOfMemory(_) | ProbeError::Failed(_))) => e.on(ranks),
+        Some(ProbeError::Unusable(e)) => ProbeError::Failed(e).on(ranks),
+        _ => ProbeError::Fatal(agreeing),
+    }
 }
 
 /// One run of a probe's step.

@@ -1,7 +1,7 @@
 //! `memsave bench` times each model's strategies in interleaved rounds, and measures
 //! their memory as it did when each case ran its steps back to back.
 use memsave_bench::{
-    bundled, run_suite, run_suite_with, CaseResult, Observer, RunOptions, Status, Suite,
+    bundled, run_suite, run_suite_with, CaseResult, Observer, Rounds, RunOptions, Status, Suite,
 };
 use serial_test::serial;
 
@@ -51,7 +51,15 @@ strategies:
 fn each_round_steps_every_measured_strategy_once_alternating_the_order() {
     let suite = Suite::from_yaml(TINY, "rounds.yaml").unwrap();
     let mut log = Log::default();
-    let report = run_suite_with(&suite, &RunOptions::default(), &mut log).unwrap();
+    // No rounds past the suite's 3 (see the steadiness test below).
+    let options = RunOptions {
+        rounds: Rounds {
+            target_spread: 0.0,
+            ..Rounds::default()
+        },
+        ..RunOptions::default()
+    };
+    let report = run_suite_with(&suite, &options, &mut log).unwrap();
     let timed: Vec<(String, usize)> = log
         .0
         .iter()
@@ -168,6 +176,54 @@ fn repeats_is_the_number_of_rounds() {
     assert_eq!(rounds, [0, 1]);
     assert_eq!(report.baseline("tiny").unwrap().rounds, Some(2));
     assert!(report.to_table().contains("time: the median of 2 rounds;"));
+}
+
+#[test]
+#[serial]
+fn from_three_repeats_rounds_are_added_until_the_medians_are_steady() {
+    // A target no step time meets: the rounds go on to the cap, every median gets its
+    // spread (from 6 rounds), and the table shows it beside the time.
+    let suite = Suite::from_yaml(TINY, "rounds.yaml").unwrap();
+    let options = RunOptions {
+        filter: Some(regex::Regex::new("baseline|every_layer").unwrap()),
+        rounds: Rounds {
+            target_spread: 1e-12,
+            max_rounds: 7,
+            max_time_s: 600.0,
+        },
+        ..RunOptions::default()
+    };
+    let mut log = Log::default();
+    let report = run_suite_with(&suite, &options, &mut log).unwrap();
+    let rounds: Vec<(usize, usize)> = log
+        .0
+        .iter()
+        .filter_map(|e| match e {
+            Event::Timed(s, round, most) if s == "baseline" => Some((*round, *most)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rounds, (0..7).map(|r| (r, 7)).collect::<Vec<_>>());
+    for case in &report.cases {
+        assert_eq!(case.rounds, Some(7), "{}", case.strategy);
+        let t = case.step_time_s.unwrap();
+        let spread = t.spread.unwrap();
+        // Seven times: the fastest to the slowest (98.4%), over the median.
+        assert_eq!(
+            spread,
+            (t.max - t.min) / 2.0 / t.median,
+            "{}",
+            case.strategy
+        );
+    }
+    let table = report.to_table();
+    assert!(table.contains(" ±"), "{table}");
+    assert!(
+        table.contains("±: half the width of the median's 95% confidence interval"),
+        "{table}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+    assert!(json["cases"][0]["step_time_s"]["spread"].is_f64(), "{json}");
 }
 
 /// The byte figures of a case: start, peak, retained after forward, offloaded,
