@@ -324,8 +324,14 @@ impl Search<'_, '_> {
             })
             .map_err(|e| FitError::Step(e.to_string()))?;
             let plain = plain?;
+            // Ranks agree on whether any of them ran a coupling op, so that none
+            // enters the split check's collective alone.
+            let any_op = self.runs.ranks.any(op.is_some())?;
             let coupling = match op {
                 Some(op) => Some(Coupling::Op(op)),
+                None if any_op => Some(Coupling::Op(
+                    "a batch-norm-family op (on another rank)".into(),
+                )),
                 None => self.split_check()?,
             };
             self.runs.lossy_split = coupling.is_some();
