@@ -23,6 +23,14 @@ pub enum CheckpointError {
     /// A plan's parameters do not fit the model (for example zero segments).
     #[error("invalid plan: {0}")]
     InvalidPlan(String),
+    /// [`Blocks`](crate::Blocks) used the wrong way (a block outside a forward, a
+    /// lever for a block no forward ran); the message says what to do.
+    #[error("{0}")]
+    Blocks(String),
+    /// A forward ran other blocks, or in another order, than the ones its levers were
+    /// set for; the message names the first that differs.
+    #[error("the forward's blocks changed: {0}")]
+    BlocksChanged(String),
     /// A `Budget` plan was used before profiling the model on an example input.
     #[error("the Budget plan needs a profile: call CheckpointedSequential::profile(example, params, loss) before set_plan(Plan::Budget(..))")]
     NotProfiled,

@@ -51,6 +51,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod blocks;
 mod error;
 mod function;
 mod layers;
@@ -61,6 +62,7 @@ mod schedule;
 mod sequential;
 mod solver;
 
+pub use blocks::{BlockKey, BlockLever, BlockRecord, Blocks, Shared};
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
 pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, StoreError, Stored};

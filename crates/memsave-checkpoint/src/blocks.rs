@@ -1,0 +1,570 @@
+//! [`Blocks`]: named blocks of any forward function, each run under its own lever.
+//!
+//! A chain of layers ([`CheckpointedSequential`](crate::CheckpointedSequential)) is one
+//! shape of model; U-Nets (encoder features concatenated into the decoder),
+//! encoder–decoder transformers (every decoder block reads the encoder's output) and
+//! models with several inputs or outputs are not chains. `Blocks` takes the model as it
+//! is written: its forward calls [`Blocks::run`] for each block it wants planned, with
+//! any number of tensor inputs and outputs; tensors cross blocks freely. Each call is
+//! known by a [`BlockKey`], its name and its call index within the forward (a block
+//! run twice with shared weights is `name#0` and `name#1`), and runs under the
+//! [`BlockLever`] assigned to that key: kept as it is, recomputed in backward
+//! (a checkpoint), or with what it saves handed to saved-tensor hooks (a file, host
+//! memory, a compressed copy). Blocks nest: a block's function may run blocks of its
+//! own, and a recomputation replays them under their own levers.
+//!
+//! ```
+//! use memsave_checkpoint::{BlockKey, BlockLever, Blocks, Shared};
+//! use tch::nn::{self, Module};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! // Block functions may run again in backward, on another thread: they capture
+//! // modules through `Shared` handles.
+//! let enc = Shared::new(nn::linear(vs.root() / "enc", 8, 8, Default::default()));
+//! let dec = Shared::new(nn::linear(vs.root() / "dec", 16, 8, Default::default()));
+//! let blocks = Blocks::new();
+//! let x = Tensor::rand([4, 8], (Kind::Float, Device::Cpu));
+//!
+//! // A forward that is not a chain: the decoder reads the encoder's output and x.
+//! let forward = |blocks: &Blocks| -> memsave_checkpoint::Result<Tensor> {
+//!     let (enc, dec) = (enc.clone(), dec.clone());
+//!     let h = blocks.run("enc", &[&x], move |xs| vec![enc.forward(&xs[0]).relu()])?;
+//!     let y = blocks.run("dec", &[&h[0], &x], move |xs| {
+//!         vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
+//!     })?;
+//!     Ok(y[0].shallow_clone())
+//! };
+//! let y = blocks.forward(forward)??;
+//! assert_eq!(blocks.keys(), vec![BlockKey::new("enc", 0), BlockKey::new("dec", 0)]);
+//!
+//! // Recompute the decoder in backward, keep the encoder's activations.
+//! blocks.set(BlockKey::new("dec", 0), BlockLever::Recompute)?;
+//! let y = blocks.forward(forward)??;
+//! y.square().mean(Kind::Float).backward();
+//! # Ok::<(), memsave_checkpoint::CheckpointError>(())
+//! ```
+//!
+//! Traps:
+//! - Run the model's forward inside [`Blocks::forward`]: it starts the call indices
+//!   of a step afresh and checks that the blocks come in the order the levers were
+//!   assigned for. [`Blocks::run`] outside it is an error.
+//! - One forward at a time per `Blocks` (its state is shared by its clones).
+//! - A block's function is run again in backward under [`BlockLever::Recompute`]:
+//!   like [`checkpoint`](crate::checkpoint)'s, it must compute the same thing from the
+//!   same inputs (the RNG state is restored for it; BatchNorm's running statistics are
+//!   updated once, by the forward).
+use crate::error::{CheckpointError, Result};
+use crate::function::Checkpoint;
+use memsave_sys::hooks::RawHooks;
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+use tch::{Device, Tensor};
+
+/// One call of a block in a forward: its name and how many calls of that name came
+/// before it in the same forward (shared weights run twice: `dec#0`, `dec#1`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey {
+    /// The name given to [`Blocks::run`].
+    pub name: String,
+    /// The call index of that name within the forward, from 0.
+    pub call: usize,
+}
+
+impl BlockKey {
+    /// The `call`-th call of the block `name`.
+    pub fn new(name: impl Into<String>, call: usize) -> Self {
+        Self {
+            name: name.into(),
+            call,
+        }
+    }
+}
+
+impl fmt::Display for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.name, self.call)
+    }
+}
+
+/// What a block does with the tensors its ops save for backward.
+#[derive(Clone, Default)]
+pub enum BlockLever {
+    /// Keeps them, as a plain forward does (the default).
+    #[default]
+    Keep,
+    /// Keeps only the block's inputs and recomputes the block in backward (a
+    /// checkpoint, with the RNG state preserved).
+    Recompute,
+    /// Hands every tensor the block's ops save to `hooks` (memsave-hooks' disk offload
+    /// or compression, as `memsave_hooks::raw_hooks(..)`), which keep them until
+    /// backward.
+    Store {
+        /// A short name for reports ("offload to disk", "int8").
+        name: String,
+        /// Whether the hooks give back exactly the bits they were given (then gradients
+        /// stay bitwise equal to the plain step's).
+        lossless: bool,
+        /// The pack/unpack pair.
+        hooks: Arc<dyn RawHooks>,
+    },
+}
+
+impl BlockLever {
+    /// [`BlockLever::Store`] with these hooks.
+    pub fn store(name: impl Into<String>, lossless: bool, hooks: Arc<dyn RawHooks>) -> Self {
+        BlockLever::Store {
+            name: name.into(),
+            lossless,
+            hooks,
+        }
+    }
+
+    /// Whether gradients stay bitwise equal to the plain step's under this lever.
+    pub fn is_lossless(&self) -> bool {
+        match self {
+            BlockLever::Keep | BlockLever::Recompute => true,
+            BlockLever::Store { lossless, .. } => *lossless,
+        }
+    }
+
+    /// `keep`, `recompute` or the store's name.
+    pub fn name(&self) -> String {
+        match self {
+            BlockLever::Keep => "keep".into(),
+            BlockLever::Recompute => "recompute".into(),
+            BlockLever::Store { name, .. } => name.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for BlockLever {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// What one block call did in the last forward run by [`Blocks::forward`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockRecord {
+    /// Which call.
+    pub key: BlockKey,
+    /// How many blocks it runs inside (0 at the top).
+    pub depth: usize,
+    /// The lever it ran under.
+    pub lever: String,
+    /// Bytes of its inputs (each distinct storage once).
+    pub input_bytes: u64,
+    /// Bytes of its outputs.
+    pub output_bytes: u64,
+    /// Bytes the device held more after the call than before: its outputs and
+    /// whatever it saved for backward (kept, or held in memory by a store).
+    pub retained_bytes: i64,
+    /// Seconds of its forward.
+    pub forward_s: f64,
+}
+
+#[derive(Default)]
+struct State {
+    /// The lever of a key without one of its own.
+    every: BlockLever,
+    /// Levers of single calls.
+    levers: HashMap<BlockKey, BlockLever>,
+    /// Call counters of the forward in progress, `None` outside one.
+    calls: Option<HashMap<String, usize>>,
+    /// Depth of the block running in the forward in progress.
+    depth: usize,
+    /// The forward in progress's blocks.
+    recording: Vec<BlockRecord>,
+    /// The last finished forward's blocks.
+    last: Vec<BlockRecord>,
+    /// The sequence per-call levers were assigned for.
+    planned: Option<Vec<BlockKey>>,
+    /// Call counters of the recomputations in progress, innermost last.
+    replays: Vec<HashMap<String, usize>>,
+    /// Whether a block of the forward in progress was refused as not planned.
+    refused: bool,
+}
+
+/// Named blocks of a forward function, each run under its own [`BlockLever`]; see
+/// [the module](self). A handle: clones share the same blocks and levers.
+#[derive(Clone, Default)]
+pub struct Blocks {
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for Blocks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.lock();
+        f.debug_struct("Blocks")
+            .field("every", &state.every)
+            .field("levers", &state.levers)
+            .field("blocks", &state.last.len())
+            .finish()
+    }
+}
+
+impl Blocks {
+    /// Blocks that all keep what they save (a plain forward) until levers are set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while the lock is held leaves counters only: carry on.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs one forward of the model (`f`, which calls [`run`](Self::run) for its
+    /// blocks): the call indices start at 0, and when levers were set for single
+    /// calls, the blocks must come in the order they were set for (else
+    /// [`CheckpointError::BlocksChanged`], before the first block that differs runs).
+    /// Afterwards [`last_forward`](Self::last_forward) tells what each block did.
+    ///
+    /// # Errors
+    /// [`CheckpointError::BlocksChanged`] when the blocks differ from the planned ones
+    /// (then `f`'s own result is dropped); [`CheckpointError::Blocks`] when a forward is
+    /// already running on these blocks.
+    pub fn forward<T>(&self, f: impl FnOnce(&Blocks) -> T) -> Result<T> {
+        {
+            let mut state = self.lock();
+            if state.calls.is_some() {
+                return Err(CheckpointError::Blocks(
+                    "Blocks::forward inside another forward of the same blocks: run one forward at a time".into(),
+                ));
+            }
+            state.calls = Some(HashMap::new());
+            state.depth = 0;
+            state.refused = false;
+            state.recording.clear();
+        }
+        let out = panic::catch_unwind(AssertUnwindSafe(|| f(self)));
+        let mut state = self.lock();
+        state.calls = None;
+        let recorded = std::mem::take(&mut state.recording);
+        let out = match out {
+            Ok(out) => out,
+            Err(payload) => {
+                drop(state);
+                panic::resume_unwind(payload)
+            }
+        };
+        if let (Some(planned), false) = (&state.planned, state.refused) {
+            let keys: Vec<BlockKey> = recorded.iter().map(|r| r.key.clone()).collect();
+            if keys.len() < planned.len() {
+                return Err(CheckpointError::BlocksChanged(format!(
+                    "the forward ran {} blocks where the levers were set for {}: {} did not run; set the levers again for this forward",
+                    keys.len(),
+                    planned.len(),
+                    planned[keys.len()]
+                )));
+            }
+        }
+        state.last = recorded;
+        Ok(out)
+    }
+
+    /// Runs the block `name` on `inputs` under its lever; see [`try_run`](Self::try_run).
+    /// A panic in `f` becomes an `Err` naming the block.
+    pub fn run<F>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
+    where
+        F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+    {
+        self.try_run(name, inputs, move |xs| {
+            Ok::<_, std::convert::Infallible>(f(xs))
+        })
+    }
+
+    /// Runs the block `name` on `inputs` (any number; undefined tensors pass through)
+    /// under the lever of its key, and returns its outputs. `f` gets the inputs as
+    /// tensors of the same values; under [`BlockLever::Recompute`] it runs again in
+    /// backward, so it must be `Send + 'static` (capture modules by `Arc` or clone,
+    /// and values such as a train flag by move).
+    ///
+    /// # Errors
+    /// `f`'s error (or panic) naming the block; [`CheckpointError::Blocks`] outside
+    /// [`forward`](Self::forward); [`CheckpointError::BlocksChanged`] when this call is
+    /// not the one the levers were set for at this place of the forward.
+    pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
+    where
+        F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
+        E: fmt::Display,
+    {
+        let (key, lever, recorded_at) = self.enter(name)?;
+        let label = format!("block {key}");
+        let started = Instant::now();
+        let device = inputs
+            .iter()
+            .find(|t| t.defined())
+            .map_or(Device::Cpu, |t| t.device());
+        let before = recorded_at.map(|_| memsave_meter::memory_allocated(device));
+        let out = self.apply(&lever, &label, inputs, f);
+        let mut state = self.lock();
+        if let Some(i) = recorded_at {
+            state.depth -= 1;
+            if let (Ok(outs), Some(before)) = (&out, before) {
+                let after = memsave_meter::memory_allocated(device);
+                let record = &mut state.recording[i];
+                record.input_bytes = distinct_bytes(inputs.iter().copied());
+                record.output_bytes = distinct_bytes(outs.iter());
+                record.retained_bytes = after as i64 - before as i64;
+                record.forward_s = started.elapsed().as_secs_f64();
+            }
+        }
+        out
+    }
+
+    /// The key and lever of a new call of `name`, and where it is recorded (`None` in a
+    /// recomputation, which records nothing).
+    fn enter(&self, name: &str) -> Result<(BlockKey, BlockLever, Option<usize>)> {
+        let mut state = self.lock();
+        if let Some(replay) = state.replays.last_mut() {
+            let call = replay.entry(name.to_string()).or_insert(0);
+            let key = BlockKey::new(name, *call);
+            *call += 1;
+            let lever = state.lever_of(&key);
+            return Ok((key, lever, None));
+        }
+        let Some(calls) = state.calls.as_mut() else {
+            return Err(CheckpointError::Blocks(format!(
+                "Blocks::run(\"{name}\") outside Blocks::forward: run the model's forward as blocks.forward(|b| ..)"
+            )));
+        };
+        let call = calls.entry(name.to_string()).or_insert(0);
+        let key = BlockKey::new(name, *call);
+        *call += 1;
+        let position = state.recording.len();
+        if let Some(planned) = &state.planned {
+            if planned.get(position) != Some(&key) {
+                let expected = planned
+                    .get(position)
+                    .map_or("no more blocks".to_string(), |k| format!("block {k}"));
+                state.refused = true;
+                return Err(CheckpointError::BlocksChanged(format!(
+                    "block {position} of the forward is {key} where the levers were set for {expected}; set the levers again for this forward"
+                )));
+            }
+        }
+        let lever = state.lever_of(&key);
+        let depth = state.depth;
+        state.depth += 1;
+        state.recording.push(BlockRecord {
+            key: key.clone(),
+            depth,
+            lever: lever.name(),
+            input_bytes: 0,
+            output_bytes: 0,
+            retained_bytes: 0,
+            forward_s: 0.0,
+        });
+        Ok((key, lever, Some(position)))
+    }
+
+    fn apply<F, E>(
+        &self,
+        lever: &BlockLever,
+        label: &str,
+        inputs: &[&Tensor],
+        f: F,
+    ) -> Result<Vec<Tensor>>
+    where
+        F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
+        E: fmt::Display,
+    {
+        let failed = |e: String| CheckpointError::Torch(format!("{label}: {e}"));
+        let plain = |f: &F| {
+            let xs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+            match panic::catch_unwind(AssertUnwindSafe(|| f(&xs))) {
+                Ok(Ok(out)) => Ok(out),
+                Ok(Err(e)) => Err(failed(e.to_string())),
+                Err(payload) => Err(failed(memsave_sys::checkpoint::panic_message(&*payload))),
+            }
+        };
+        match lever {
+            BlockLever::Keep => plain(&f),
+            BlockLever::Store { hooks, .. } => {
+                let frame = memsave_sys::hooks::push(Arc::clone(hooks))
+                    .map_err(|e| failed(e.to_string()))?;
+                let out = plain(&f);
+                frame.exit().map_err(|e| failed(e.to_string()))?;
+                out
+            }
+            BlockLever::Recompute => {
+                // The first run is the forward's; every later one is a recomputation,
+                // which replays the inner blocks' call indices from here.
+                let runs = AtomicUsize::new(0);
+                let snapshot = {
+                    let state = self.lock();
+                    match state.replays.last() {
+                        Some(replay) => replay.clone(),
+                        None => state.calls.clone().unwrap_or_default(),
+                    }
+                };
+                let blocks = self.clone();
+                Checkpoint::new().try_run_named(inputs, label, None, move |xs| {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return f(xs);
+                    }
+                    blocks.lock().replays.push(snapshot.clone());
+                    let out = panic::catch_unwind(AssertUnwindSafe(|| f(xs)));
+                    blocks.lock().replays.pop();
+                    match out {
+                        Ok(out) => out,
+                        Err(payload) => panic::resume_unwind(payload),
+                    }
+                })
+            }
+        }
+    }
+
+    /// Sets the lever of every call without one of its own (and forgets those of
+    /// single calls): `set_every(BlockLever::Recompute)` checkpoints every block, as
+    /// `checkpoint: {every_layer: true}` does for a chain.
+    pub fn set_every(&self, lever: BlockLever) {
+        let mut state = self.lock();
+        state.every = lever;
+        state.levers.clear();
+        state.planned = None;
+    }
+
+    /// Sets the lever of one call, one of the last forward's (see
+    /// [`keys`](Self::keys)); from then on, forwards must run the same blocks in the
+    /// same order.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Blocks`] naming the key when the last forward did not run it
+    /// (or no forward ran yet): run a forward first.
+    pub fn set(&self, key: BlockKey, lever: BlockLever) -> Result<()> {
+        self.assign([(key, lever)])
+    }
+
+    /// [`set`](Self::set) for several calls at once; nothing changes when one key is
+    /// unknown.
+    ///
+    /// # Errors
+    /// As [`set`](Self::set).
+    pub fn assign(&self, levers: impl IntoIterator<Item = (BlockKey, BlockLever)>) -> Result<()> {
+        let mut state = self.lock();
+        let keys: Vec<BlockKey> = state.last.iter().map(|r| r.key.clone()).collect();
+        let levers: Vec<(BlockKey, BlockLever)> = levers.into_iter().collect();
+        if let Some((key, _)) = levers.iter().find(|(k, _)| !keys.contains(k)) {
+            return Err(CheckpointError::Blocks(if keys.is_empty() {
+                format!("no lever for block {key} before a forward: run blocks.forward(..) once so that its blocks are known")
+            } else {
+                format!(
+                    "the last forward ran no block {key}; its blocks are {}",
+                    keys.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }));
+        }
+        state.levers.extend(levers);
+        state.planned = Some(keys);
+        Ok(())
+    }
+
+    /// The lever `key` runs under.
+    pub fn lever(&self, key: &BlockKey) -> BlockLever {
+        self.lock().lever_of(key)
+    }
+
+    /// The calls of the last forward, in the order they started.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.lock().last.iter().map(|r| r.key.clone()).collect()
+    }
+
+    /// What each block call did in the last forward, in the order they started.
+    pub fn last_forward(&self) -> Vec<BlockRecord> {
+        self.lock().last.clone()
+    }
+}
+
+impl State {
+    fn lever_of(&self, key: &BlockKey) -> BlockLever {
+        self.levers
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| self.every.clone())
+    }
+}
+
+/// Bytes of the distinct storages of `tensors` (a view of an input counts once).
+fn distinct_bytes<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> u64 {
+    let mut seen = Vec::new();
+    let mut bytes = 0;
+    for t in tensors.filter(|t| t.defined()) {
+        let ptr = t.data_ptr() as usize;
+        let n = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        if !seen.contains(&ptr) {
+            seen.push(ptr);
+            bytes += n;
+        }
+    }
+    bytes
+}
+
+/// A module that block functions can capture: tch's modules are `Send` but not `Sync`,
+/// while a block's function must be `Send + 'static` (a recomputation may run it on
+/// another thread), so each function captures a clone of this handle (an `Arc` of a
+/// `Mutex`) and locks it for the call. `Shared<M>` is itself a `Module` or `ModuleT`
+/// when `M` is.
+///
+/// ```
+/// use memsave_checkpoint::Shared;
+/// use tch::nn::{self, Module};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let lin = Shared::new(nn::linear(vs.root(), 4, 4, Default::default()));
+/// let f = { let lin = lin.clone(); move |x: &Tensor| lin.forward(x).relu() };
+/// assert_eq!(f(&Tensor::ones([2, 4], (Kind::Float, Device::Cpu))).size(), [2, 4]);
+/// ```
+///
+/// Trap: the lock is held for one call only; a module that calls itself back through
+/// the same handle would wait for itself.
+pub struct Shared<M>(Arc<Mutex<M>>);
+
+impl<M> Clone for Shared<M> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<M> Shared<M> {
+    /// Shares `module`.
+    pub fn new(module: M) -> Self {
+        Self(Arc::new(Mutex::new(module)))
+    }
+
+    /// Runs `f` on the module (locked for the call).
+    pub fn with<R>(&self, f: impl FnOnce(&M) -> R) -> R {
+        let module = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(&module)
+    }
+}
+
+impl<M: fmt::Debug> fmt::Debug for Shared<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.with(|m| m.fmt(f))
+    }
+}
+
+impl<M: tch::nn::Module> tch::nn::Module for Shared<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.with(|m| m.forward(xs))
+    }
+}
+
+impl<M: tch::nn::ModuleT> Shared<M> {
+    /// The module's `forward_t` (BatchNorm's batch statistics and dropout when `train`).
+    /// (Not the `ModuleT` trait: tch implements it for every `Module`.)
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.with(|m| m.forward_t(xs, train))
+    }
+}
