@@ -651,6 +651,9 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
     model.set_residual(ResidualUpdate::Add);
     model.stop_trace();
     let _ = model.layers_mut().set_plan(Plan::None);
+    if let Some(blocks) = model.blocks() {
+        blocks.set_every(memsave_checkpoint::BlockLever::Keep);
+    }
     let _ = memsave_accum::free_grads(&model.parameters());
     match outcome {
         Ok((case, timing)) => FirstPass::Measured(
@@ -961,6 +964,9 @@ fn time_in_rounds(
     drop(weights);
     model.set_residual(ResidualUpdate::Add);
     let _ = model.layers_mut().set_plan(Plan::None);
+    if let Some(blocks) = model.blocks() {
+        blocks.set_every(memsave_checkpoint::BlockLever::Keep);
+    }
     let _ = memsave_accum::free_grads(&params);
     for ((c, failure), times) in cases.iter_mut().zip(failed).zip(times) {
         match failure {
@@ -1035,6 +1041,7 @@ fn timed_step(
             .layers_mut()
             .set_schedule(timing.schedule.clone())
             .map_err(|e| e.to_string())?;
+        memsave_step::plan::apply_block_plan(model, config).map_err(|e| e.to_string())?;
         let m = f_step_with(
             model,
             &timing.x,
@@ -1140,6 +1147,7 @@ fn baseline_grads(
         .layers_mut()
         .set_plan(Plan::None)
         .map_err(|e| e.to_string())?;
+    memsave_step::plan::apply_block_plan(model, &config).map_err(|e| e.to_string())?;
     f_step(model, x, &config, device, false, None).map_err(|e| e.to_string())?;
     Ok(f_grads(&model.parameters()).map_err(|e| e.to_string())?)
 }

@@ -4,7 +4,7 @@ use crate::config::{PlanChoice, StepConfig};
 use crate::error::StepError;
 use crate::levers::CompressDtype;
 use crate::workload::{Batch, Workload};
-use memsave_checkpoint::{BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
+use memsave_checkpoint::{BlockLever, BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
 use memsave_hooks::{Compress, DiskOffload};
 use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
@@ -61,6 +61,12 @@ pub fn apply_plan(
     config: &StepConfig,
     device: Device,
 ) -> Result<(), StepError> {
+    if apply_block_plan(model, config)? {
+        return model
+            .layers_mut()
+            .set_plan(Plan::None)
+            .map_err(|e| StepError::lever("checkpoint", e));
+    }
     let (levers, budget) = match config.plan {
         PlanChoice::Fixed(_) => (Vec::new(), None),
         PlanChoice::Budget(bytes) => (Vec::new(), Some(bytes)),
@@ -98,6 +104,34 @@ pub fn apply_plan(
         .layers_mut()
         .set_plan(plan)
         .map_err(|e| StepError::lever("checkpoint", e))
+}
+
+/// For a workload of blocks ([`Workload::blocks`]), sets every block's lever from
+/// `config`'s plan and returns true: no plan keeps every block, `every_layer`
+/// recomputes every block. Returns false for a chain (nothing done).
+///
+/// # Errors
+/// [`StepError::Lever`] for a plan a model of blocks does not take yet (segments,
+/// nested, a budget).
+pub fn apply_block_plan(model: &dyn Workload, config: &StepConfig) -> Result<bool, StepError> {
+    let Some(blocks) = model.blocks() else {
+        return Ok(false);
+    };
+    let lever = match config.plan {
+        PlanChoice::Fixed(Plan::None) => BlockLever::Keep,
+        PlanChoice::Fixed(Plan::EveryLayer) => BlockLever::Recompute,
+        _ => {
+            return Err(StepError::lever(
+                "checkpoint",
+                format!(
+                    "'{}' is a model of blocks, not a chain: its checkpoint plan is none or every_layer (one checkpoint per block)",
+                    model.name()
+                ),
+            ))
+        }
+    };
+    blocks.set_every(lever);
+    Ok(true)
 }
 
 /// The boundary stores of a `checkpoint: {budget, offload, compress}` strategy: disk

@@ -2,7 +2,7 @@
 use crate::config::ResidualUpdate;
 use crate::levers::OptimizerSpec;
 use crate::measure::TraceEntry;
-use memsave_checkpoint::CheckpointedSequential;
+use memsave_checkpoint::{Blocks, CheckpointedSequential};
 use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -73,7 +73,7 @@ impl Batch {
 /// micro-batches weighted by their size add up to the full batch's gradient.
 ///
 /// ```
-/// use memsave_checkpoint::CheckpointedSequential;
+/// use memsave_checkpoint::{Blocks, CheckpointedSequential};
 /// use memsave_step::{Batch, Workload};
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
 ///
@@ -126,6 +126,14 @@ pub trait Workload {
 
     /// The layers, to set a checkpoint plan or profile them.
     fn layers_mut(&mut self) -> &mut CheckpointedSequential;
+
+    /// The named blocks of a model that is not a chain (a U-Net, an encoder–decoder),
+    /// whose forward runs in [`layers`](Self::layers) as one layer: a checkpoint plan
+    /// then sets the blocks' levers (`checkpoint: {every_layer: true}` recomputes
+    /// every block) and leaves that layer plain. `None` (the default) for a chain.
+    fn blocks(&self) -> Option<&Blocks> {
+        None
+    }
 
     /// The trainable parameters.
     fn parameters(&self) -> Vec<Tensor>;
@@ -210,7 +218,7 @@ pub type LayerWrapper = Arc<dyn Fn(usize, &mut dyn FnMut() -> Tensor) -> Tensor 
 /// [`Workload::set_layer_wrapper`] calls [`set`](Self::set).
 ///
 /// ```
-/// use memsave_checkpoint::CheckpointedSequential;
+/// use memsave_checkpoint::{Blocks, CheckpointedSequential};
 /// use memsave_step::LayerWrapperSlot;
 /// use std::sync::Arc;
 /// use tch::nn::{self, Module};
