@@ -169,11 +169,11 @@ pub struct BlockRecord {
 }
 
 #[derive(Default)]
-struct State {
+pub(crate) struct State {
     /// The lever of a key without one of its own.
-    every: BlockLever,
+    pub(crate) every: BlockLever,
     /// Levers of single calls.
-    levers: HashMap<BlockKey, BlockLever>,
+    pub(crate) levers: HashMap<BlockKey, BlockLever>,
     /// Call counters of the forward in progress, `None` outside one.
     calls: Option<HashMap<String, usize>>,
     /// Depth of the block running in the forward in progress.
@@ -181,13 +181,63 @@ struct State {
     /// The forward in progress's blocks.
     recording: Vec<BlockRecord>,
     /// The last finished forward's blocks.
-    last: Vec<BlockRecord>,
+    pub(crate) last: Vec<BlockRecord>,
     /// The sequence per-call levers were assigned for.
-    planned: Option<Vec<BlockKey>>,
+    pub(crate) planned: Option<Vec<BlockKey>>,
     /// Call counters of the recomputations in progress, innermost last.
     replays: Vec<HashMap<String, usize>>,
     /// Whether a block of the forward in progress was refused as not planned.
     refused: bool,
+    /// The memory segments of a profiled step in progress.
+    pub(crate) profiler: Option<Profiler>,
+}
+
+/// What delimits a segment of a profiled step: the start or end of a top-level
+/// block's forward, the start of its recomputation in backward, or a mark of the
+/// profiler's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The step starts.
+    Begin,
+    /// Top-level block `i` (its place in the forward) starts its forward.
+    Start(usize),
+    /// Top-level block `i` ends its forward.
+    End(usize),
+    /// The forward (and the loss) ended; backward starts.
+    ForwardEnd,
+    /// Top-level block `i`'s recomputation starts, in backward.
+    Recompute(usize),
+}
+
+/// The peak of each segment of a step, above the bytes allocated when it began.
+#[derive(Debug)]
+pub(crate) struct Profiler {
+    pub(crate) device: Device,
+    pub(crate) base: u64,
+    /// Segments so far: the event that opened each, and its peak above `base`.
+    pub(crate) segments: Vec<(Event, i64)>,
+    open: Event,
+}
+
+impl Profiler {
+    pub(crate) fn begin(device: Device) -> Result<Profiler> {
+        let meter = |e: memsave_meter::MeterError| CheckpointError::Torch(e.to_string());
+        memsave_meter::f_reset_peak_memory_stats(device).map_err(meter)?;
+        Ok(Profiler {
+            device,
+            base: memsave_meter::f_memory_allocated(device).map_err(meter)?,
+            segments: Vec::new(),
+            open: Event::Begin,
+        })
+    }
+
+    /// Closes the open segment with its peak and opens one at `event`.
+    pub(crate) fn event(&mut self, event: Event) {
+        let peak = memsave_meter::max_memory_allocated(self.device) as i64 - self.base as i64;
+        self.segments.push((self.open, peak));
+        memsave_meter::reset_peak_memory_stats(self.device);
+        self.open = event;
+    }
 }
 
 /// Named blocks of a forward function, each run under its own [`BlockLever`]; see
@@ -214,7 +264,7 @@ impl Blocks {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while the lock is held leaves counters only: carry on.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -302,8 +352,22 @@ impl Blocks {
             .find(|t| t.defined())
             .map_or(Device::Cpu, |t| t.device());
         let before = recorded_at.map(|_| memsave_meter::memory_allocated(device));
-        let out = self.apply(&lever, &label, inputs, f);
+        let top = {
+            let mut state = self.lock();
+            // A top-level block is known by its rank among the top-level blocks.
+            let top = recorded_at
+                .filter(|&i| state.recording[i].depth == 0)
+                .map(|i| state.recording[..i].iter().filter(|r| r.depth == 0).count());
+            if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
+                profiler.event(Event::Start(i));
+            }
+            top
+        };
+        let out = self.apply(&lever, &label, inputs, top, f);
         let mut state = self.lock();
+        if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
+            profiler.event(Event::End(i));
+        }
         if let Some(i) = recorded_at {
             state.depth -= 1;
             if let (Ok(outs), Some(before)) = (&out, before) {
@@ -369,6 +433,7 @@ impl Blocks {
         lever: &BlockLever,
         label: &str,
         inputs: &[&Tensor],
+        top: Option<usize>,
         f: F,
     ) -> Result<Vec<Tensor>>
     where
@@ -409,7 +474,13 @@ impl Blocks {
                     if runs.fetch_add(1, Ordering::SeqCst) == 0 {
                         return f(xs);
                     }
-                    blocks.lock().replays.push(snapshot.clone());
+                    {
+                        let mut state = blocks.lock();
+                        state.replays.push(snapshot.clone());
+                        if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
+                            profiler.event(Event::Recompute(i));
+                        }
+                    }
                     let out = panic::catch_unwind(AssertUnwindSafe(|| f(xs)));
                     blocks.lock().replays.pop();
                     match out {

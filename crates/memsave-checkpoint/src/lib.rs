@@ -51,6 +51,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod block_plan;
 mod blocks;
 mod error;
 mod function;
@@ -62,6 +63,7 @@ mod schedule;
 mod sequential;
 mod solver;
 
+pub use block_plan::BlocksProfile;
 pub use blocks::{BlockKey, BlockLever, BlockRecord, Blocks, Shared};
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};

@@ -5,6 +5,7 @@
 //! every other test that uses libtorch is `#[parallel]` so that it never runs beside a
 //! serial one. `solver` installs a counting global allocator for the whole binary.
 mod batch_norm;
+mod block_plan;
 mod blocks;
 mod common;
 mod entry_points;

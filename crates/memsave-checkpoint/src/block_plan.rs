@@ -1,0 +1,391 @@
+//! Planning [`Blocks`]: which top-level blocks to recompute so that a step fits a
+//! budget at the least recomputation.
+//!
+//! [`Blocks::profile`] runs the step twice, every block kept and every block
+//! recomputed, and cuts each run into segments at the blocks' starts and ends in the
+//! forward and at their recomputations in backward, with the peak of each segment
+//! (the meter's exact bytes). A block's *saved bytes* are what it holds after its
+//! forward when kept minus what it holds when recomputed. The peak of an assignment
+//! is then predicted as the largest, over the recomputed run's segments, of the
+//! segment's peak plus the saved bytes of the kept blocks alive in it (those whose
+//! forward ended and whose backward has not begun); a block's own forward is taken
+//! from the run of its own lever. On a chain this is the usual account of
+//! checkpointing; on a graph it assumes that what one block saves does not change
+//! with another's lever, which holds for the tensors autograd saves but not for a
+//! tensor two blocks share (then the prediction is high, not low, by that tensor).
+//!
+//! [`BlocksProfile::solve`] picks the assignment with the least forward time
+//! recomputed whose predicted peak fits: by enumeration up to 16 blocks, beyond by a
+//! greedy pass (documented there) that never returns a slower assignment than the
+//! best uniform one that fits.
+use crate::blocks::{BlockKey, BlockLever, Blocks, Event, Profiler};
+use crate::error::{CheckpointError, Result};
+use memsave_meter::Bytes;
+use tch::{Device, Tensor};
+
+/// Blocks up to which [`BlocksProfile::solve`] tries every assignment.
+const EXACT_UP_TO: usize = 16;
+
+/// What [`Blocks::profile`] measured: per top-level block its saved bytes and forward
+/// time, and the segments of the two profiled steps.
+#[derive(Debug, Clone)]
+pub struct BlocksProfile {
+    keys: Vec<BlockKey>,
+    saved: Vec<i64>,
+    forward_s: Vec<f64>,
+    /// Peak of each block's forward with every block kept / recomputed.
+    forward_kept: Vec<i64>,
+    forward_recomputed: Vec<i64>,
+    /// The recomputed run's other segments: peak, and the blocks alive in it.
+    segments: Vec<(i64, Vec<usize>)>,
+    /// Measured step peaks with every block kept / recomputed.
+    kept_peak: i64,
+    recomputed_peak: i64,
+}
+
+impl BlocksProfile {
+    /// The top-level blocks, in forward order.
+    pub fn keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// Bytes each top-level block saves for backward when kept (what recomputing it
+    /// frees between its forward and its backward).
+    pub fn saved_bytes(&self) -> &[i64] {
+        &self.saved
+    }
+
+    /// Seconds of each top-level block's forward (what recomputing it costs).
+    pub fn forward_seconds(&self) -> &[f64] {
+        &self.forward_s
+    }
+
+    /// The measured step peaks (bytes above the step's start) with every block kept
+    /// and with every block recomputed.
+    pub fn measured_peaks(&self) -> (i64, i64) {
+        (self.kept_peak, self.recomputed_peak)
+    }
+
+    /// The predicted step peak (bytes above the step's start) when the top-level
+    /// blocks with `recompute[i]` true are recomputed and the others kept.
+    ///
+    /// # Panics
+    /// When `recompute` has not one entry per top-level block.
+    pub fn predict(&self, recompute: &[bool]) -> i64 {
+        assert_eq!(recompute.len(), self.keys.len(), "one entry per block");
+        let kept_alive = |alive: &[usize]| -> i64 {
+            alive
+                .iter()
+                .filter(|&&j| !recompute[j])
+                .map(|&j| self.saved[j])
+                .sum()
+        };
+        let mut peak = self
+            .segments
+            .iter()
+            .map(|(p, alive)| p + kept_alive(alive))
+            .max()
+            .unwrap_or(0);
+        for i in 0..self.keys.len() {
+            let before: Vec<usize> = (0..i).collect();
+            let at = if recompute[i] {
+                self.forward_recomputed[i] + kept_alive(&before)
+            } else {
+                let recomputed_before: i64 = before
+                    .iter()
+                    .filter(|&&j| recompute[j])
+                    .map(|&j| self.saved[j])
+                    .sum();
+                self.forward_kept[i] - recomputed_before
+            };
+            peak = peak.max(at);
+        }
+        peak
+    }
+
+    /// The levers of `recompute` (true: [`BlockLever::Recompute`], false:
+    /// [`BlockLever::Keep`]) by key, for [`Blocks::assign`].
+    pub fn levers(&self, recompute: &[bool]) -> Vec<(BlockKey, BlockLever)> {
+        self.keys
+            .iter()
+            .zip(recompute)
+            .map(|(k, &r)| {
+                let lever = if r {
+                    BlockLever::Recompute
+                } else {
+                    BlockLever::Keep
+                };
+                (k.clone(), lever)
+            })
+            .collect()
+    }
+
+    /// A table of `recompute`: per block its lever, saved bytes and forward time,
+    /// then the predicted peak and the recomputed time.
+    pub fn explain(&self, recompute: &[bool]) -> String {
+        let mut out = String::from("block            lever      saved bytes   forward ms\n");
+        for (i, key) in self.keys.iter().enumerate() {
+            let lever = if recompute.get(i).copied().unwrap_or(false) {
+                "recompute"
+            } else {
+                "keep"
+            };
+            out.push_str(&format!(
+                "{:<16} {:<10} {:>11}   {:>10.3}\n",
+                key.to_string(),
+                lever,
+                self.saved[i],
+                1e3 * self.forward_s[i]
+            ));
+        }
+        out.push_str(&format!(
+            "predicted peak {} B; recomputed forward {:.3} ms\n",
+            self.predict(recompute),
+            1e3 * self.recompute_seconds(recompute)
+        ));
+        out
+    }
+
+    /// Seconds of forward recomputed under `recompute`.
+    pub fn recompute_seconds(&self, recompute: &[bool]) -> f64 {
+        recompute
+            .iter()
+            .zip(&self.forward_s)
+            .filter(|(r, _)| **r)
+            .map(|(_, s)| s)
+            .sum()
+    }
+
+    /// The assignment (true: recompute) with the least recomputed forward time whose
+    /// predicted peak is at most `budget` bytes above the step's start.
+    ///
+    /// Up to 16 blocks every assignment is tried. Beyond, a greedy pass starts from
+    /// every block recomputed and keeps blocks one at a time, the one with the most
+    /// forward time per saved byte first, while the prediction fits; every block kept
+    /// is tried first, so the result is never slower than the best uniform assignment.
+    ///
+    /// # Errors
+    /// [`CheckpointError::InfeasibleBudget`] with the smallest predicted peak when
+    /// nothing fits.
+    pub fn solve(&self, budget: u64) -> Result<Vec<bool>> {
+        let n = self.keys.len();
+        let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
+        let fits = |r: &[bool]| self.predict(r) <= budget_i;
+        let mut best: Option<(f64, Vec<bool>)> = None;
+        let mut consider = |r: Vec<bool>| {
+            if fits(&r) {
+                let t = self.recompute_seconds(&r);
+                if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
+                    best = Some((t, r));
+                }
+            }
+        };
+        if n <= EXACT_UP_TO {
+            for mask in 0u32..(1u32 << n) {
+                consider((0..n).map(|i| mask & (1 << i) != 0).collect());
+            }
+        } else {
+            consider(vec![false; n]);
+            let mut r = vec![true; n];
+            consider(r.clone());
+            let mut order: Vec<usize> = (0..n).collect();
+            let worth = |i: usize| self.forward_s[i] / self.saved[i].max(1) as f64;
+            order.sort_by(|&a, &b| worth(b).total_cmp(&worth(a)));
+            for i in order {
+                r[i] = false;
+                if !fits(&r) {
+                    r[i] = true;
+                }
+            }
+            consider(r);
+        }
+        match best {
+            Some((_, r)) => Ok(r),
+            None => {
+                let smallest = if n <= EXACT_UP_TO {
+                    (0u32..(1u32 << n))
+                        .map(|mask| {
+                            self.predict(&(0..n).map(|i| mask & (1 << i) != 0).collect::<Vec<_>>())
+                        })
+                        .min()
+                        .unwrap_or(0)
+                } else {
+                    self.predict(&vec![true; n])
+                };
+                Err(CheckpointError::InfeasibleBudget {
+                    budget: Bytes(budget),
+                    smallest_feasible: Bytes(smallest.max(0) as u64),
+                })
+            }
+        }
+    }
+}
+
+impl Blocks {
+    /// Profiles the step `step` (a forward of these blocks that returns the loss; it
+    /// is run inside [`forward`](Self::forward), and its loss's `backward` is run
+    /// here) twice, every block kept and every block recomputed, for
+    /// [`BlocksProfile::predict`] and [`BlocksProfile::solve`]. The gradients of
+    /// `params` are set to none before each run and after; running statistics are put
+    /// back as they were; the levers are left as they were.
+    ///
+    /// Traps: the runs draw random numbers (dropout) from the global generators; and
+    /// the CPU meter is process-wide, so nothing else should allocate while it runs.
+    ///
+    /// # Errors
+    /// The step's error, a block's, or the backward's.
+    pub fn profile<F>(&self, params: &[Tensor], mut step: F) -> Result<BlocksProfile>
+    where
+        F: FnMut(&Blocks) -> Result<Tensor>,
+    {
+        let device = params.first().map_or(Device::Cpu, Tensor::device);
+        let (every, levers, planned) = {
+            let state = self.lock();
+            (
+                state.every.clone(),
+                state.levers.clone(),
+                state.planned.clone(),
+            )
+        };
+        let outcome = memsave_sys::checkpoint::with_running_stats_preserved(|| {
+            let kept = self.profile_run(params, device, BlockLever::Keep, &mut step)?;
+            let recomputed = self.profile_run(params, device, BlockLever::Recompute, &mut step)?;
+            Ok::<_, CheckpointError>((kept, recomputed))
+        })
+        .map_err(|e| CheckpointError::Torch(e.to_string()));
+        {
+            let mut state = self.lock();
+            state.every = every;
+            state.levers = levers;
+            state.planned = planned;
+        }
+        let (kept, recomputed) = outcome??;
+        build(kept, recomputed)
+    }
+
+    fn profile_run<F>(
+        &self,
+        params: &[Tensor],
+        device: Device,
+        lever: BlockLever,
+        step: &mut F,
+    ) -> Result<Run>
+    where
+        F: FnMut(&Blocks) -> Result<Tensor>,
+    {
+        let clear = || {
+            for p in params {
+                memsave_sys::tensor::set_grad_none(p)
+                    .map_err(|e| CheckpointError::Torch(e.to_string()))?;
+            }
+            Ok::<_, CheckpointError>(())
+        };
+        {
+            let mut state = self.lock();
+            state.every = lever;
+            state.levers.clear();
+            state.planned = None;
+        }
+        clear()?;
+        self.lock().profiler = Some(Profiler::begin(device)?);
+        let outcome = (|| {
+            let loss = self.forward(|b| step(b))??;
+            if let Some(p) = self.lock().profiler.as_mut() {
+                p.event(Event::ForwardEnd);
+            }
+            loss.f_backward().map_err(|e| {
+                CheckpointError::Torch(format!("the profiled step's backward: {e}"))
+            })?;
+            Ok::<_, CheckpointError>(())
+        })();
+        let profiler = self.lock().profiler.take();
+        clear()?;
+        outcome?;
+        let mut profiler =
+            profiler.ok_or_else(|| CheckpointError::Blocks("the profile was lost".into()))?;
+        profiler.event(Event::Begin);
+        let records = self.last_forward();
+        let top: Vec<(BlockKey, i64, f64)> = records
+            .iter()
+            .filter(|r| r.depth == 0)
+            .map(|r| (r.key.clone(), r.retained_bytes, r.forward_s))
+            .collect();
+        Ok(Run {
+            top,
+            segments: profiler.segments,
+        })
+    }
+}
+
+/// One profiled step: its top-level blocks (key, bytes retained, forward seconds) and
+/// its segments.
+struct Run {
+    top: Vec<(BlockKey, i64, f64)>,
+    segments: Vec<(Event, i64)>,
+}
+
+impl Run {
+    fn peak(&self) -> i64 {
+        self.segments.iter().map(|(_, p)| *p).max().unwrap_or(0)
+    }
+
+    /// Peak of each top-level block's forward.
+    fn forward_peaks(&self) -> Vec<i64> {
+        let mut peaks = vec![0; self.top.len()];
+        for (event, peak) in &self.segments {
+            if let Event::Start(i) = event {
+                peaks[*i] = peaks[*i].max(*peak);
+            }
+        }
+        peaks
+    }
+}
+
+fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
+    let keys: Vec<BlockKey> = kept.top.iter().map(|(k, _, _)| k.clone()).collect();
+    let keys_r: Vec<BlockKey> = recomputed.top.iter().map(|(k, _, _)| k.clone()).collect();
+    if keys != keys_r {
+        return Err(CheckpointError::BlocksChanged(
+            "the two profiled steps ran different blocks: profile a step whose blocks do not depend on the data or the lever".into(),
+        ));
+    }
+    let saved: Vec<i64> = kept
+        .top
+        .iter()
+        .zip(&recomputed.top)
+        .map(|((_, k, _), (_, r, _))| (k - r).max(0))
+        .collect();
+    let forward_s = kept.top.iter().map(|(_, _, s)| *s).collect();
+    let mut segments = Vec::new();
+    let mut finished: Vec<usize> = Vec::new();
+    let mut freed: Vec<usize> = Vec::new();
+    for (event, peak) in &recomputed.segments {
+        match *event {
+            Event::Start(_) => {}
+            Event::Begin | Event::ForwardEnd => segments.push((*peak, finished.clone())),
+            Event::End(i) => {
+                finished.push(i);
+                segments.push((*peak, finished.clone()));
+            }
+            Event::Recompute(i) => {
+                freed.push(i);
+                let alive = finished
+                    .iter()
+                    .copied()
+                    .filter(|j| !freed.contains(j))
+                    .collect();
+                segments.push((*peak, alive));
+            }
+        }
+    }
+    Ok(BlocksProfile {
+        forward_kept: kept.forward_peaks(),
+        forward_recomputed: recomputed.forward_peaks(),
+        kept_peak: kept.peak(),
+        recomputed_peak: recomputed.peak(),
+        keys,
+        saved,
+        forward_s,
+        segments,
+    })
+}
