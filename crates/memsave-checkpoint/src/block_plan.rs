@@ -44,6 +44,58 @@ pub struct BlocksProfile {
 }
 
 impl BlocksProfile {
+    /// The profile at batch size `m` from profiles `pa` and `pb` at sizes `a` and `b`
+    /// (`a != b`), each byte figure on the line through the two (bytes grow linearly
+    /// with the batch in most layers: what a block saves, its outputs, its
+    /// workspace), the times `pb`'s scaled by `m / b`. `None` when the two profiles do
+    /// not have the same blocks and segments (a step whose blocks depend on the batch
+    /// size).
+    pub fn interpolate(
+        pa: &BlocksProfile,
+        a: i64,
+        pb: &BlocksProfile,
+        b: i64,
+        m: i64,
+    ) -> Option<BlocksProfile> {
+        let same = pa.keys == pb.keys
+            && pa.segments.len() == pb.segments.len()
+            && pa
+                .segments
+                .iter()
+                .zip(&pb.segments)
+                .all(|(x, y)| x.1 == y.1);
+        if !same {
+            return None;
+        }
+        if a == b {
+            return Some(pb.clone());
+        }
+        let line = |fa: i64, fb: i64| -> i64 {
+            let v = fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64;
+            v.round() as i64
+        };
+        let lines = |xa: &[i64], xb: &[i64]| xa.iter().zip(xb).map(|(&x, &y)| line(x, y)).collect();
+        Some(BlocksProfile {
+            keys: pb.keys.clone(),
+            saved: lines(&pa.saved, &pb.saved),
+            forward_s: pb
+                .forward_s
+                .iter()
+                .map(|s| s * m as f64 / b as f64)
+                .collect(),
+            forward_kept: lines(&pa.forward_kept, &pb.forward_kept),
+            forward_recomputed: lines(&pa.forward_recomputed, &pb.forward_recomputed),
+            segments: pa
+                .segments
+                .iter()
+                .zip(&pb.segments)
+                .map(|((x, alive), (y, _))| (line(*x, *y), alive.clone()))
+                .collect(),
+            kept_peak: line(pa.kept_peak, pb.kept_peak),
+            recomputed_peak: line(pa.recomputed_peak, pb.recomputed_peak),
+        })
+    }
+
     /// The top-level blocks, in forward order.
     pub fn keys(&self) -> &[BlockKey] {
         &self.keys
@@ -222,9 +274,9 @@ impl BlocksProfile {
 }
 
 impl Blocks {
-    /// Profiles the step `step` (a forward of these blocks that returns the loss; it
-    /// is run inside [`forward`](Self::forward), and its loss's `backward` is run
-    /// here) twice, every block kept and every block recomputed, for
+    /// Profiles the step `step` (the model's forward, which runs these blocks inside
+    /// [`forward`](Self::forward), and its loss; the loss's `backward` is run here)
+    /// twice, every block kept and every block recomputed, for
     /// [`BlocksProfile::predict`] and [`BlocksProfile::solve`]. The gradients of
     /// `params` are set to none before each run and after; running statistics are put
     /// back as they were; the levers are left as they were.
@@ -234,9 +286,10 @@ impl Blocks {
     ///
     /// # Errors
     /// The step's error, a block's, or the backward's.
-    pub fn profile<F>(&self, params: &[Tensor], mut step: F) -> Result<BlocksProfile>
+    pub fn profile<F, E>(&self, params: &[Tensor], mut step: F) -> Result<BlocksProfile>
     where
-        F: FnMut(&Blocks) -> Result<Tensor>,
+        F: FnMut() -> std::result::Result<Tensor, E>,
+        E: std::fmt::Display,
     {
         let device = params.first().map_or(Device::Cpu, Tensor::device);
         let (every, levers, planned) = {
@@ -263,7 +316,7 @@ impl Blocks {
         build(kept, recomputed)
     }
 
-    fn profile_run<F>(
+    fn profile_run<F, E>(
         &self,
         params: &[Tensor],
         device: Device,
@@ -271,7 +324,8 @@ impl Blocks {
         step: &mut F,
     ) -> Result<Run>
     where
-        F: FnMut(&Blocks) -> Result<Tensor>,
+        F: FnMut() -> std::result::Result<Tensor, E>,
+        E: std::fmt::Display,
     {
         let clear = || {
             for p in params {
@@ -289,7 +343,8 @@ impl Blocks {
         clear()?;
         self.lock().profiler = Some(Profiler::begin(device)?);
         let outcome = (|| {
-            let loss = self.forward(|b| step(b))??;
+            let loss =
+                step().map_err(|e| CheckpointError::Torch(format!("the profiled step: {e}")))?;
             if let Some(p) = self.lock().profiler.as_mut() {
                 p.event(Event::ForwardEnd);
             }

@@ -1,7 +1,7 @@
 //! A candidate configuration of `fit`: how the global batch is split and which levers
 //! are pulled, and the step configuration it runs as.
 use crate::ParallelMode;
-use memsave_checkpoint::{Block, Plan, Schedule};
+use memsave_checkpoint::{Block, BlockKey, BlockLever, Plan, Schedule};
 use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
 use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePrecision};
 use serde::Serialize;
@@ -49,8 +49,15 @@ pub struct Choice {
     /// only when [`Allow::micro_batches`](super::Allow::micro_batches) is set. `None`
     /// when nothing coupling was found, or with one micro-batch.
     pub sample_coupling_op: Option<String>,
+    /// For a workload of blocks (`Workload::blocks`): the top-level blocks it
+    /// recomputes, as `recompute enc1#0, dec1#0 (2 of 7 blocks)`; `None` when every
+    /// block is kept (or for a chain).
+    pub blocks: Option<String>,
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
+    #[serde(skip)]
+    /// Per top-level block: recomputed (true) or kept.
+    pub(crate) block_levers: Option<Vec<(BlockKey, bool)>>,
 }
 
 impl Choice {
@@ -69,7 +76,9 @@ impl Choice {
             compress_int8: false,
             int8_state: false,
             sample_coupling_op: None,
+            blocks: None,
             schedule: None,
+            block_levers: None,
         };
         c.rename();
         c
@@ -83,6 +92,47 @@ impl Choice {
     pub(crate) fn with_schedule(mut self, schedule: Option<Schedule>) -> Choice {
         self.checkpoint = schedule.as_ref().map(|s| s.to_string());
         self.schedule = schedule;
+        self.rename();
+        self
+    }
+
+    /// The levers of a workload of blocks this choice sets, by key (`None`: every
+    /// block kept).
+    pub fn block_levers(&self) -> Option<Vec<(BlockKey, BlockLever)>> {
+        self.block_levers.as_ref().map(|levers| {
+            levers
+                .iter()
+                .map(|(k, r)| {
+                    let lever = if *r {
+                        BlockLever::Recompute
+                    } else {
+                        BlockLever::Keep
+                    };
+                    (k.clone(), lever)
+                })
+                .collect()
+        })
+    }
+
+    pub(crate) fn with_block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Choice {
+        let levers: Vec<(BlockKey, bool)> = levers
+            .into_iter()
+            .map(|(k, l)| (k, matches!(l, BlockLever::Recompute)))
+            .collect();
+        let recomputed: Vec<String> = levers
+            .iter()
+            .filter(|(_, r)| *r)
+            .map(|(k, _)| k.to_string())
+            .collect();
+        self.blocks = (!recomputed.is_empty()).then(|| {
+            format!(
+                "recompute {} ({} of {} blocks)",
+                recomputed.join(", "),
+                recomputed.len(),
+                levers.len()
+            )
+        });
+        self.block_levers = Some(levers);
         self.rename();
         self
     }
@@ -122,6 +172,15 @@ impl Choice {
         }
         if let Some(s) = &self.schedule {
             parts.push(format!("checkpoint({} recomputed)", recomputed(s)));
+        }
+        if let Some(levers) = &self.block_levers {
+            let n = levers.iter().filter(|(_, r)| *r).count();
+            if n > 0 {
+                parts.push(format!(
+                    "checkpoint({n} of {} blocks recomputed)",
+                    levers.len()
+                ));
+            }
         }
         if self.micro_batches > 1 {
             parts.push(format!("accumulate(micro_batches={})", self.micro_batches));

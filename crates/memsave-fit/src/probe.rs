@@ -299,6 +299,7 @@ impl Setup {
             .layers_mut()
             .set_schedule(schedule)
             .map_err(failed)?;
+        set_block_levers(workload, choice).map_err(failed)?;
         let config = choice.probe_config(workload.optimizer(), micro_batches);
         let params = workload.parameters();
         memsave_accum::free_grads(&params).map_err(failed)?;
@@ -720,4 +721,19 @@ fn step_error(message: String) -> ProbeError {
 /// Anything but a step failing, as a probe's error.
 fn failed(e: impl std::fmt::Display) -> ProbeError {
     ProbeError::Failed(e.to_string())
+}
+
+/// Sets `choice`'s block levers on a workload of blocks (every block kept when it has
+/// none); nothing for a chain.
+pub(crate) fn set_block_levers(
+    workload: &dyn Workload,
+    choice: &Choice,
+) -> Result<(), memsave_checkpoint::CheckpointError> {
+    if let Some(blocks) = workload.blocks() {
+        blocks.set_every(memsave_checkpoint::BlockLever::Keep);
+        if let Some(levers) = choice.block_levers() {
+            blocks.assign(levers)?;
+        }
+    }
+    Ok(())
 }

@@ -686,6 +686,7 @@ impl Search<'_, '_> {
             .cloned()
             .unwrap_or_else(|| Schedule::plain(runs.workload.layers().len()));
         let _ = runs.workload.layers_mut().set_schedule(schedule);
+        let _ = crate::probe::set_block_levers(&*runs.workload, &candidates[chosen].choice);
 
         let c = &candidates[chosen];
         let world_size = runs.ranks.world_size();

@@ -4,7 +4,9 @@ use crate::config::{PlanChoice, StepConfig};
 use crate::error::StepError;
 use crate::levers::CompressDtype;
 use crate::workload::{Batch, Workload};
-use memsave_checkpoint::{BlockLever, BoundaryStore, ChainProfile, CheckpointedSequential, Plan};
+use memsave_checkpoint::{
+    BlockLever, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
+};
 use memsave_hooks::{Compress, DiskOffload};
 use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
@@ -50,6 +52,34 @@ pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfi
         Ok(result) => result,
         Err(payload) => panic::resume_unwind(payload),
     }
+}
+
+/// Profiles the blocks of a workload of blocks ([`Workload::blocks`]) on `example`
+/// ([`Blocks::profile`](memsave_checkpoint::Blocks::profile): one step with every
+/// block kept, one with every block recomputed, the workload's loss included); the
+/// parameters' gradients are set to none, running statistics and levers left as they
+/// were.
+///
+/// # Errors
+/// [`StepError::InvalidConfig`] for a chain; the step's error.
+pub fn f_profile_blocks(model: &dyn Workload, example: &Batch) -> Result<BlocksProfile, StepError> {
+    let Some(blocks) = model.blocks() else {
+        return Err(StepError::InvalidConfig(format!(
+            "'{}' is a chain of layers, not a model of blocks: profile its layers",
+            model.name()
+        )));
+    };
+    let params = model.parameters();
+    let target = example.target.as_ref();
+    blocks
+        .profile(&params, || {
+            let y = model
+                .layers()
+                .f_forward_t(&example.input, true)
+                .map_err(|e| e.to_string())?;
+            model.loss(&y, target).map_err(|e| e.to_string())
+        })
+        .map_err(|e| StepError::lever("checkpoint", e))
 }
 
 /// Sets `config`'s checkpoint plan on `model`; a budget is solved over a profile of

@@ -104,7 +104,9 @@ fn assign(blocks: &Blocks, keys: &[BlockKey], recompute: &[bool]) {
 fn profile(g: &Graph, blocks: &Blocks) -> BlocksProfile {
     let _ = blocks.forward(|b| g.loss(b)).unwrap().unwrap();
     blocks
-        .profile(&g.vs.trainable_variables(), |b| g.loss(b))
+        .profile(&g.vs.trainable_variables(), || {
+            blocks.forward(|b| g.loss(b)).and_then(|r| r)
+        })
         .unwrap()
 }
 

@@ -199,7 +199,10 @@ pub(super) fn lever_key(c: &Choice) -> String {
 
 /// The configuration `c` is one split of: its levers and recompute schedule.
 pub(super) fn family(c: &Choice) -> (String, Option<String>) {
-    (lever_key(c), c.checkpoint.clone())
+    (
+        lever_key(c),
+        c.checkpoint.clone().or_else(|| c.blocks.clone()),
+    )
 }
 
 #[cfg(test)]

@@ -123,6 +123,9 @@ impl FitReport {
             self.tries,
             self.why,
         );
+        if let Some(blocks) = &self.choice.blocks {
+            out.push_str(&format!("blocks: {blocks}\n"));
+        }
         if self.world_size > 1 {
             let by_rank: Vec<String> = self
                 .measured_peak_bytes_by_rank

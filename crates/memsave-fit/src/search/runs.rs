@@ -11,9 +11,9 @@ use crate::lockstep::Ranks;
 use crate::predict::{profile_at, Affine};
 use crate::probe::{probe, Probe, ProbeError};
 use crate::{Candidate, FitError, FitEvent};
-use memsave_checkpoint::{predict, ChainProfile, LayerProfile, Schedule, Solver};
+use memsave_checkpoint::{predict, BlocksProfile, ChainProfile, LayerProfile, Schedule, Solver};
 use memsave_meter::Bytes;
-use memsave_step::plan::f_profile;
+use memsave_step::plan::{f_profile, f_profile_blocks};
 use memsave_step::workload::Workload;
 use std::collections::HashMap;
 
@@ -28,6 +28,7 @@ pub(super) struct Runs<'w> {
     pub(super) global: i64,
     affines: HashMap<AffineKey, Option<Affine>>,
     profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
+    block_profiles: Option<(BlocksProfile, i64, BlocksProfile, i64)>,
     /// Small runs that did not fit the budget (retried at half the size).
     pub(super) small_over: usize,
     /// Small runs made so far, by configuration, size and micro-batch count.
@@ -59,6 +60,7 @@ impl<'w> Runs<'w> {
             global,
             affines: HashMap::new(),
             profiles: None,
+            block_profiles: None,
             small_over: 0,
             probes: HashMap::new(),
             progress,
@@ -86,9 +88,10 @@ impl Runs<'_> {
         let at_size = choice.offload && accumulate;
         let key = (
             format!(
-                "{}|{:?}|{}",
+                "{}|{:?}|{:?}|{}",
                 lever_key(choice),
                 choice.checkpoint,
+                choice.blocks,
                 if at_size {
                     format!("{largest}+{later}")
                 } else {
@@ -178,7 +181,12 @@ impl Runs<'_> {
         // The same configuration at the same size is run once (accumulation with
         // offload is probed at each split's own size, and those repeat).
         let key = (
-            format!("{}|{:?}", lever_key(choice), choice.checkpoint),
+            format!(
+                "{}|{:?}|{:?}",
+                lever_key(choice),
+                choice.checkpoint,
+                choice.blocks
+            ),
             batch,
             n,
         );
@@ -337,6 +345,9 @@ impl Runs<'_> {
         m: i64,
         k: usize,
     ) -> Result<Option<Candidate>, FitError> {
+        if self.workload.blocks().is_some() {
+            return self.recompute_blocks(base, m, k);
+        }
         let mut profile = self.profile(m)?;
         if base.offload_grads {
             // The gradients do not stay: the solver's model must not keep them.
@@ -386,6 +397,93 @@ impl Runs<'_> {
                     last = Some(self.evaluate(&choice, m, k, Some(m))?);
                 }
             }
+        }
+        Ok(last)
+    }
+}
+
+impl Runs<'_> {
+    /// The blocks' profile at micro-batch `m`, from two measured profiles (see
+    /// `BlocksProfile::interpolate`); `None` when the two do not line up, or on ranks
+    /// (not planned there yet).
+    fn block_profile(&mut self, m: i64) -> Result<Option<BlocksProfile>, FitError> {
+        if self.ranks.group().is_some() {
+            return Ok(None);
+        }
+        if self.block_profiles.is_none() {
+            let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
+            (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
+            let at = |size: i64| -> Result<BlocksProfile, FitError> {
+                let x = self
+                    .workload
+                    .batch(size)
+                    .map_err(|e| FitError::Step(e.to_string()))?;
+                f_profile_blocks(&*self.workload, &x).map_err(|e| FitError::Step(e.to_string()))
+            };
+            let pa = at(a)?;
+            let pb = if a == b { pa.clone() } else { at(b)? };
+            self.block_profiles = Some((pa, a, pb, b));
+        }
+        let (pa, a, pb, b) = self.block_profiles.as_ref().expect("profiled above");
+        Ok(BlocksProfile::interpolate(pa, *a, pb, *b, m))
+    }
+
+    /// [`recompute`](Self::recompute) for a workload of blocks: the blocks planner's
+    /// assignment with the least recomputed forward time whose real peak is predicted
+    /// within the target, adjusted until the prediction from real runs agrees.
+    fn recompute_blocks(
+        &mut self,
+        base: &Choice,
+        m: i64,
+        k: usize,
+    ) -> Result<Option<Candidate>, FitError> {
+        let Some(profile) = self.block_profile(m)? else {
+            return Ok(None);
+        };
+        let n = profile.keys().len();
+        let model_plain = profile.predict(&vec![false; n]).max(0) as u64;
+        // What the real step adds to the planner's model (accumulated gradients,
+        // optimizer state...), taken from the plain configuration's prediction.
+        let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
+            Some(real) => real.saturating_sub(model_plain),
+            None => 0,
+        };
+        let mut solver_budget = self.target.saturating_sub(extra);
+        let mut last = None;
+        let mut tried = Vec::new();
+        for _ in 0..3 {
+            let recompute = match profile.solve(solver_budget) {
+                Ok(r) => r,
+                Err(_) => break,
+            };
+            if recompute.iter().all(|r| !r) {
+                solver_budget = model_plain.saturating_sub(1);
+                continue;
+            }
+            if tried.contains(&recompute) {
+                break;
+            }
+            tried.push(recompute.clone());
+            let choice = base.clone().with_block_levers(profile.levers(&recompute));
+            let candidate = self.evaluate(&choice, m, k, Some(m))?;
+            let fits = candidate.predicted_fits;
+            let over = candidate
+                .predicted_peak_bytes
+                .map(|p| p.saturating_sub(self.target));
+            last = Some(candidate);
+            match over {
+                _ if fits => break,
+                Some(over) => solver_budget = solver_budget.saturating_sub(over + 1),
+                None => break,
+            }
+        }
+        if last.is_none() {
+            // Nothing within the target: every block recomputed, for the record (and
+            // for the smallest feasible budget).
+            let choice = base
+                .clone()
+                .with_block_levers(profile.levers(&vec![true; n]));
+            last = Some(self.evaluate(&choice, m, k, Some(m))?);
         }
         Ok(last)
     }

@@ -4,6 +4,7 @@
 //! stays a binary of its own: it checks glibc's state as `fit` leaves it, which needs a
 //! process nothing else ran in.
 // The same small model as memsave-step's integration tests: one file, two crates.
+mod blocks;
 #[path = "../../../memsave-step/tests/it/common.rs"]
 mod common;
 mod fit;

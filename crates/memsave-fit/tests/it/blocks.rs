@@ -1,0 +1,167 @@
+//! `fit` on a model of blocks (`Workload::blocks`), not a chain: a U-Net-like graph
+//! whose encoder outputs are concatenated into its decoder, with BatchNorm. Its choice
+//! recomputes some blocks and keeps others, fits the budget when run, and was
+//! predicted within 5%.
+use memsave_checkpoint::{BlockLever, Blocks, CheckpointError, CheckpointedSequential, Shared};
+use memsave_fit::{fit, FitRequest};
+use memsave_step::config::{PlanChoice, StepConfig};
+use memsave_step::step::f_step;
+use memsave_step::{var_store_buffers, Batch, Workload};
+use serial_test::serial;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, TchError, Tensor};
+
+struct Modules {
+    enc: Vec<Shared<nn::Linear>>,
+    bottom: Shared<nn::Linear>,
+    bn: Shared<nn::BatchNorm>,
+    dec: Vec<Shared<nn::Linear>>,
+}
+
+fn forward(m: &Modules, b: &Blocks, x: &Tensor) -> Result<Tensor, CheckpointError> {
+    let mut h = x.shallow_clone();
+    let mut skips = Vec::new();
+    for (l, enc) in m.enc.iter().enumerate() {
+        let enc = enc.clone();
+        h = b.run(&format!("enc{l}"), &[&h], move |xs| {
+            vec![enc.forward(&xs[0]).gelu("none").sin()]
+        })?[0]
+            .shallow_clone();
+        skips.push(h.shallow_clone());
+    }
+    let (bottom, bn) = (m.bottom.clone(), m.bn.clone());
+    h = b.run("bottom", &[&h], move |xs| {
+        vec![bn.forward_t(&bottom.forward(&xs[0]), true).relu()]
+    })?[0]
+        .shallow_clone();
+    for (l, dec) in m.dec.iter().enumerate().rev() {
+        let dec = dec.clone();
+        h = b.run(&format!("dec{l}"), &[&h, &skips[l]], move |xs| {
+            vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
+        })?[0]
+            .shallow_clone();
+    }
+    Ok(h)
+}
+
+struct Graph {
+    vs: nn::VarStore,
+    blocks: Blocks,
+    layers: CheckpointedSequential,
+    data: Tensor,
+}
+
+impl Graph {
+    fn new(levels: usize, width: i64, batch: i64) -> Graph {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let p = vs.root();
+        let lin = |name: String, i, o| Shared::new(nn::linear(&p / name, i, o, Default::default()));
+        let modules = Modules {
+            enc: (0..levels)
+                .map(|l| lin(format!("enc{l}"), width, width))
+                .collect(),
+            bottom: lin("bottom".into(), width, width),
+            bn: Shared::new(nn::batch_norm1d(&p / "bn", width, Default::default())),
+            dec: (0..levels)
+                .map(|l| lin(format!("dec{l}"), 2 * width, width))
+                .collect(),
+        };
+        let blocks = Blocks::new();
+        let b = blocks.clone();
+        // The whole forward is the chain's one layer; its blocks are planned.
+        let layers = CheckpointedSequential::new().add_fn(move |x| {
+            b.forward(|b| forward(&modules, b, x))
+                .and_then(|r| r)
+                .unwrap_or_else(|e| panic!("{e}"))
+        });
+        Graph {
+            data: Tensor::randn([batch, width], (Kind::Float, Device::Cpu)),
+            vs,
+            blocks,
+            layers,
+        }
+    }
+}
+
+impl Workload for Graph {
+    fn name(&self) -> &str {
+        "graph"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn blocks(&self) -> Option<&Blocks> {
+        Some(&self.blocks)
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    fn buffers(&self) -> Vec<Tensor> {
+        var_store_buffers(&self.vs)
+    }
+    fn global_batch(&self) -> i64 {
+        self.data.size()[0]
+    }
+    fn batch(&self, size: i64) -> Result<Batch, TchError> {
+        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    }
+}
+
+/// The peak of one step of the whole batch under `plan`, from the meter.
+fn peak(model: &mut Graph, plan: PlanChoice) -> u64 {
+    let x = model.batch(model.global_batch()).unwrap();
+    let mut config = StepConfig::baseline();
+    config.plan = plan;
+    memsave_step::plan::apply_plan(model, &x, &config, Device::Cpu).unwrap();
+    let m = f_step(model, &x, &config, Device::Cpu, false, None).unwrap();
+    memsave_accum::free_grads(&model.parameters()).unwrap();
+    model.blocks.set_every(BlockLever::Keep);
+    m.peak_bytes
+}
+
+#[test]
+#[serial]
+fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
+    memsave_meter::install();
+    let mut model = Graph::new(3, 128, 96);
+    let kept = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
+    );
+    let recomputed = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
+    );
+    assert!(recomputed < kept, "{recomputed} vs {kept}");
+    let budget = (kept + recomputed) / 2;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    let text = report.to_text();
+    assert!(report.measured_peak_bytes <= budget, "{text}");
+    let error = report.predicted_peak_bytes as f64 / report.measured_peak_bytes as f64 - 1.0;
+    assert!(error.abs() <= 0.05, "{error:+.3}\n{text}");
+    assert_eq!(report.tries, 1, "{text}");
+    assert!(report.choice.is_lossless(), "{text}");
+    // A choice that recomputes some blocks, not all, was considered and fits.
+    let mixed = report
+        .candidates
+        .iter()
+        .find(|c| c.choice.blocks.is_some())
+        .unwrap_or_else(|| panic!("no blocks choice\n{text}"));
+    let levers = mixed.choice.block_levers().unwrap();
+    let recomputes = levers
+        .iter()
+        .filter(|(_, l)| matches!(l, BlockLever::Recompute))
+        .count();
+    assert!(recomputes > 0 && recomputes < levers.len(), "{text}");
+    assert!(mixed.predicted_fits, "{text}");
+    if report.choice.blocks.is_some() {
+        assert!(text.contains("blocks: recompute "), "{text}");
+    }
+}
