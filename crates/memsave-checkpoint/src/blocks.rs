@@ -303,14 +303,32 @@ impl Blocks {
                 panic::resume_unwind(payload)
             }
         };
-        if let (Some(planned), false) = (&state.planned, state.refused) {
-            let keys: Vec<BlockKey> = recorded.iter().map(|r| r.key.clone()).collect();
-            if keys.len() < planned.len() {
+        if !state.refused {
+            let top: Vec<&BlockKey> = recorded
+                .iter()
+                .filter(|r| r.depth == 0)
+                .map(|r| &r.key)
+                .collect();
+            if let Some(planned) = state.planned.as_ref().filter(|p| top.len() < p.len()) {
                 return Err(CheckpointError::BlocksChanged(format!(
-                    "the forward ran {} blocks where the levers were set for {}: {} did not run; set the levers again for this forward",
-                    keys.len(),
+                    "the forward ran {} top-level blocks where the levers were set for {}: {} did not run; set the levers again for this forward",
+                    top.len(),
                     planned.len(),
-                    planned[keys.len()]
+                    planned[top.len()]
+                )));
+            }
+            // Levers set before any forward are checked against the first one.
+            let mut unrun: Vec<String> = state
+                .levers
+                .keys()
+                .filter(|k| !recorded.iter().any(|r| &r.key == *k))
+                .map(ToString::to_string)
+                .collect();
+            if !unrun.is_empty() {
+                unrun.sort();
+                return Err(CheckpointError::BlocksChanged(format!(
+                    "levers were set for {}, which the forward did not run; set the levers again for this forward",
+                    unrun.join(", ")
                 )));
             }
         }
@@ -401,8 +419,9 @@ impl Blocks {
         let call = calls.entry(name.to_string()).or_insert(0);
         let key = BlockKey::new(name, *call);
         *call += 1;
-        let position = state.recording.len();
-        if let Some(planned) = &state.planned {
+        // Top-level blocks must come as planned; a nested block is its parent's.
+        let position = state.recording.iter().filter(|r| r.depth == 0).count();
+        if let Some(planned) = state.planned.as_ref().filter(|_| state.depth == 0) {
             if planned.get(position) != Some(&key) {
                 let expected = planned
                     .get(position)
@@ -416,6 +435,7 @@ impl Blocks {
         let lever = state.lever_of(&key);
         let depth = state.depth;
         state.depth += 1;
+        let index = state.recording.len();
         state.recording.push(BlockRecord {
             key: key.clone(),
             depth,
@@ -425,7 +445,7 @@ impl Blocks {
             retained_bytes: 0,
             forward_s: 0.0,
         });
-        Ok((key, lever, Some(position)))
+        Ok((key, lever, Some(index)))
     }
 
     fn apply<F, E>(
@@ -503,12 +523,13 @@ impl Blocks {
     }
 
     /// Sets the lever of one call, one of the last forward's (see
-    /// [`keys`](Self::keys)); from then on, forwards must run the same blocks in the
-    /// same order.
+    /// [`keys`](Self::keys)); from then on, forwards must run the same top-level blocks
+    /// in the same order. Before any forward, any key is taken, and the first forward
+    /// fails ([`CheckpointError::BlocksChanged`]) if it does not run them all (levers
+    /// planned for a model built the same way, e.g. `fit`'s choice for a new model).
     ///
     /// # Errors
-    /// [`CheckpointError::Blocks`] naming the key when the last forward did not run it
-    /// (or no forward ran yet): run a forward first.
+    /// [`CheckpointError::Blocks`] naming the key when the last forward did not run it.
     pub fn set(&self, key: BlockKey, lever: BlockLever) -> Result<()> {
         self.assign([(key, lever)])
     }
@@ -520,23 +541,30 @@ impl Blocks {
     /// As [`set`](Self::set).
     pub fn assign(&self, levers: impl IntoIterator<Item = (BlockKey, BlockLever)>) -> Result<()> {
         let mut state = self.lock();
-        let keys: Vec<BlockKey> = state.last.iter().map(|r| r.key.clone()).collect();
         let levers: Vec<(BlockKey, BlockLever)> = levers.into_iter().collect();
+        if state.last.is_empty() {
+            state.levers.extend(levers);
+            return Ok(());
+        }
+        let keys: Vec<BlockKey> = state.last.iter().map(|r| r.key.clone()).collect();
         if let Some((key, _)) = levers.iter().find(|(k, _)| !keys.contains(k)) {
-            return Err(CheckpointError::Blocks(if keys.is_empty() {
-                format!("no lever for block {key} before a forward: run blocks.forward(..) once so that its blocks are known")
-            } else {
-                format!(
-                    "the last forward ran no block {key}; its blocks are {}",
-                    keys.iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }));
+            return Err(CheckpointError::Blocks(format!(
+                "the last forward ran no block {key}; its blocks are {}",
+                keys.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
         }
         state.levers.extend(levers);
-        state.planned = Some(keys);
+        state.planned = Some(
+            state
+                .last
+                .iter()
+                .filter(|r| r.depth == 0)
+                .map(|r| r.key.clone())
+                .collect(),
+        );
         Ok(())
     }
 

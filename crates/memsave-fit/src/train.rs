@@ -9,7 +9,8 @@ impl Choice {
     /// micro-batches, offloaded activations, gradients in files, the step in backward,
     /// and the allowed lossy levers), and its checkpoint
     /// [`schedule`](Self::schedule) (recompute nothing when it has none), which
-    /// [`build`](TrainerBuilder::build) sets on the model's layers.
+    /// [`build`](TrainerBuilder::build) sets on the model's layers, and for a model of
+    /// blocks its [`block_levers`](Self::block_levers).
     ///
     /// Use it to add to the choice before building (e.g. a per-block
     /// [`record_trace`](TrainerBuilder::record_trace)); [`FitReport::trainer`] builds
@@ -28,7 +29,12 @@ impl Choice {
     ///
     /// [`StepConfig`]: memsave_step::StepConfig
     pub fn trainer_builder(&self, optimizer: Option<OptimizerSpec>) -> TrainerBuilder {
-        TrainerBuilder::new(self.step_config(optimizer)).schedule(self.schedule().cloned())
+        let builder =
+            TrainerBuilder::new(self.step_config(optimizer)).schedule(self.schedule().cloned());
+        match self.block_levers() {
+            Some(levers) => builder.block_levers(levers),
+            None => builder,
+        }
     }
 
     /// [`trainer_builder`](Self::trainer_builder) on the ranks of `group`: with the

@@ -9,7 +9,7 @@ use crate::parallel::{DataParallel, DataParallelHandle};
 use crate::step::{StepMeasurement, StepRun};
 use crate::workload::{Batch, Workload};
 use memsave_amp::{GradScaler, GradScalerConfig};
-use memsave_checkpoint::Schedule;
+use memsave_checkpoint::{BlockKey, BlockLever, Schedule};
 use memsave_dist::ProcessGroup;
 
 /// Builds a [`Trainer`]: the configuration's levers (a [`StepConfig`]), and optionally
@@ -62,6 +62,7 @@ use memsave_dist::ProcessGroup;
 pub struct TrainerBuilder {
     config: StepConfig,
     schedule: Option<Option<Schedule>>,
+    block_levers: Option<Vec<(BlockKey, BlockLever)>>,
     record_trace: bool,
     data_parallel: Option<(ProcessGroup, DataParallel)>,
 }
@@ -74,6 +75,7 @@ impl TrainerBuilder {
         Self {
             config,
             schedule: None,
+            block_levers: None,
             record_trace: false,
             data_parallel: None,
         }
@@ -89,6 +91,15 @@ impl TrainerBuilder {
     /// Scales the loss with a `GradScaler` of these settings (for fp16 autocast).
     pub fn grad_scaler(mut self, config: GradScalerConfig) -> Self {
         self.config.scaler = Some(config);
+        self
+    }
+
+    /// For a model of blocks ([`Workload::blocks`]): sets these levers by key, every
+    /// other block kept, after the plan (e.g. the levers `fit` chose,
+    /// `memsave_fit::Choice::block_levers`). [`build`](Self::build) refuses them for a
+    /// chain.
+    pub fn block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Self {
+        self.block_levers = Some(levers);
         self
     }
 
@@ -143,6 +154,18 @@ impl TrainerBuilder {
             .as_ref()
             .map_or(1, |(group, _)| group.world_size());
         set_plan(model, &config, self.schedule, world_size)?;
+        if let Some(levers) = self.block_levers {
+            let Some(blocks) = model.blocks() else {
+                return Err(StepError::InvalidConfig(format!(
+                    "block levers for '{}', a chain of layers: they are for a model of blocks",
+                    model.name()
+                )));
+            };
+            blocks.set_every(BlockLever::Keep);
+            blocks
+                .assign(levers)
+                .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
+        }
         let data_parallel = self
             .data_parallel
             .map(|(group, mode)| DataParallelHandle::for_workload(&group, mode, &*model))

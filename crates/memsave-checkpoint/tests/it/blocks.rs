@@ -346,10 +346,19 @@ fn misuse_gets_an_error_that_says_what_to_do() {
     let x = Tensor::ones([2], (Kind::Float, Device::Cpu));
     let err = blocks.run("a", &[&x], |xs| vec![xs[0].copy()]).unwrap_err();
     assert!(err.to_string().contains("blocks.forward"), "{err}");
+    // Before any forward a lever is taken, and checked by the first forward.
+    blocks
+        .set(BlockKey::new("z", 0), BlockLever::Recompute)
+        .unwrap();
     let err = blocks
-        .set(BlockKey::new("a", 0), BlockLever::Recompute)
+        .forward(|b| b.run("a", &[&x], |xs| vec![xs[0].copy()]))
         .unwrap_err();
-    assert!(err.to_string().contains("run blocks.forward"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("z#0, which the forward did not run"),
+        "{err}"
+    );
+    blocks.set_every(BlockLever::Keep);
     blocks
         .forward(|b| b.run("a", &[&x], |xs| vec![xs[0].copy()]))
         .unwrap()

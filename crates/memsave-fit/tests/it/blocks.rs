@@ -165,3 +165,49 @@ fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
         assert!(text.contains("blocks: recompute "), "{text}");
     }
 }
+
+/// A trainer built from the report of a model of blocks recomputes the chosen blocks
+/// of a new model built the same way, and each step stays within the budget.
+#[test]
+#[serial]
+fn a_trainer_from_the_report_follows_the_chosen_blocks() {
+    memsave_meter::install();
+    let mut model = Graph::new(3, 128, 96);
+    let kept = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
+    );
+    let recomputed = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
+    );
+    let budget = (kept + recomputed) / 2;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    let text = report.to_text();
+    // The blocks candidate (offload may be chosen on a loaded machine).
+    let choice = &report
+        .candidates
+        .iter()
+        .find(|c| c.choice.blocks.is_some() && c.predicted_fits)
+        .unwrap_or_else(|| panic!("no fitting blocks choice\n{text}"))
+        .choice;
+    let chosen = choice.block_levers().unwrap();
+    let mut fresh = Graph::new(3, 128, 96);
+    let mut trainer = choice.trainer_builder(None).build(&mut fresh).unwrap();
+    let batch = trainer.model().batch(96).unwrap();
+    for step in 0..2 {
+        let m = trainer.step(&batch).unwrap();
+        assert!(
+            m.peak_bytes <= budget,
+            "step {step}: {}\n{text}",
+            m.peak_bytes
+        );
+    }
+    for (key, lever) in chosen {
+        assert_eq!(
+            trainer.model().blocks().unwrap().lever(&key).name(),
+            lever.name(),
+            "{key}"
+        );
+    }
+}
