@@ -56,6 +56,7 @@
 //!   updated once, by the forward).
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
+use crate::levers::{BoundaryStore, Lever};
 use memsave_sys::hooks::RawHooks;
 use std::collections::HashMap;
 use std::fmt;
@@ -100,6 +101,15 @@ pub enum BlockLever {
     /// Keeps only the block's inputs and recomputes the block in backward (a
     /// checkpoint, with the RNG state preserved).
     Recompute,
+    /// [`Recompute`](Self::Recompute), and the block's inputs are kept by `store` (a
+    /// file, a compressed copy) until the recomputation instead of by the checkpoint:
+    /// below what recomputation alone reaches, since every checkpoint keeps its
+    /// inputs. An input is freed only once nothing else holds it (another block kept
+    /// with it saved, the caller's own variables).
+    RecomputeStoringInputs {
+        /// Where the inputs wait (`memsave-hooks`' `DiskOffload`, a codec).
+        store: Arc<dyn BoundaryStore>,
+    },
     /// Hands every tensor the block's ops save to `hooks` (memsave-hooks' disk offload
     /// or compression, as `memsave_hooks::raw_hooks(..)`), which keep them until
     /// backward.
@@ -128,6 +138,7 @@ impl BlockLever {
     pub fn is_lossless(&self) -> bool {
         match self {
             BlockLever::Keep | BlockLever::Recompute => true,
+            BlockLever::RecomputeStoringInputs { store } => store.is_lossless(),
             BlockLever::Store { lossless, .. } => *lossless,
         }
     }
@@ -137,6 +148,9 @@ impl BlockLever {
         match self {
             BlockLever::Keep => "keep".into(),
             BlockLever::Recompute => "recompute".into(),
+            BlockLever::RecomputeStoringInputs { store } => {
+                format!("recompute, inputs to {}", store.name())
+            }
             BlockLever::Store { name, .. } => name.clone(),
         }
     }
@@ -478,7 +492,13 @@ impl Blocks {
                 frame.exit().map_err(|e| failed(e.to_string()))?;
                 out
             }
-            BlockLever::Recompute => {
+            BlockLever::Recompute | BlockLever::RecomputeStoringInputs { .. } => {
+                let store = match lever {
+                    BlockLever::RecomputeStoringInputs { store } => {
+                        Some(Lever::new(Arc::clone(store)))
+                    }
+                    _ => None,
+                };
                 // The first run is the forward's; every later one is a recomputation,
                 // which replays the inner blocks' call indices from here.
                 let runs = AtomicUsize::new(0);
@@ -490,7 +510,7 @@ impl Blocks {
                     }
                 };
                 let blocks = self.clone();
-                Checkpoint::new().try_run_named(inputs, label, None, move |xs| {
+                Checkpoint::new().try_run_named(inputs, label, store, move |xs| {
                     if runs.fetch_add(1, Ordering::SeqCst) == 0 {
                         return f(xs);
                     }

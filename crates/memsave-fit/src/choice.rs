@@ -97,21 +97,33 @@ impl Choice {
     }
 
     /// The levers of a workload of blocks this choice sets, by key (`None`: every
-    /// block kept).
+    /// block kept). With [`offload`](Self::offload), each recomputed block keeps its
+    /// inputs in files until its recomputation
+    /// ([`BlockLever::RecomputeStoringInputs`] with
+    /// [`disk_boundary_store`](memsave_step::plan::disk_boundary_store): a temporary
+    /// directory made at the first store, removed when the levers are dropped).
     pub fn block_levers(&self) -> Option<Vec<(BlockKey, BlockLever)>> {
-        self.block_levers.as_ref().map(|levers| {
+        let levers = self.block_levers.as_ref()?;
+        let recompute = if self.offload {
+            BlockLever::RecomputeStoringInputs {
+                store: memsave_step::plan::disk_boundary_store(),
+            }
+        } else {
+            BlockLever::Recompute
+        };
+        Some(
             levers
                 .iter()
                 .map(|(k, r)| {
                     let lever = if *r {
-                        BlockLever::Recompute
+                        recompute.clone()
                     } else {
                         BlockLever::Keep
                     };
                     (k.clone(), lever)
                 })
-                .collect()
-        })
+                .collect(),
+        )
     }
 
     pub(crate) fn with_block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Choice {
@@ -126,10 +138,15 @@ impl Choice {
             .collect();
         self.blocks = (!recomputed.is_empty()).then(|| {
             format!(
-                "recompute {} ({} of {} blocks)",
+                "recompute {} ({} of {} blocks{})",
                 recomputed.join(", "),
                 recomputed.len(),
-                levers.len()
+                levers.len(),
+                if self.offload {
+                    ", their inputs in files"
+                } else {
+                    ""
+                }
             )
         });
         self.block_levers = Some(levers);

@@ -164,6 +164,56 @@ pub fn apply_block_plan(model: &dyn Workload, config: &StepConfig) -> Result<boo
     Ok(true)
 }
 
+/// A lossless store for checkpoint inputs in files of a temporary directory of its
+/// own, made at the first store (a failure to make it fails that store, and so the
+/// step, with the reason) and removed when the store is dropped; written
+/// synchronously so that a planned peak holds. What `fit` uses for blocks recomputed
+/// under its offload lever ([`BlockLever::RecomputeStoringInputs`]).
+pub fn disk_boundary_store() -> Arc<dyn BoundaryStore> {
+    Arc::new(LazyDiskStore(std::sync::OnceLock::new()))
+}
+
+/// [`disk_boundary_store`]'s store: the directory made on first use.
+struct LazyDiskStore(std::sync::OnceLock<Result<Arc<dyn BoundaryStore>, String>>);
+
+impl LazyDiskStore {
+    fn get(&self) -> Result<&Arc<dyn BoundaryStore>, memsave_checkpoint::StoreError> {
+        self.0
+            .get_or_init(|| {
+                lever_stores(true, None)
+                    .map_err(|e| e.to_string())?
+                    .pop()
+                    .ok_or_else(|| "no disk store was made".to_string())
+            })
+            .as_ref()
+            .map_err(|e| e.clone().into())
+    }
+}
+
+impl BoundaryStore for LazyDiskStore {
+    fn name(&self) -> String {
+        "offload to disk".into()
+    }
+    fn is_lossless(&self) -> bool {
+        true
+    }
+    fn store(
+        &self,
+        boundary: &tch::Tensor,
+    ) -> Result<memsave_checkpoint::Stored, memsave_checkpoint::StoreError> {
+        self.get()?.store(boundary)
+    }
+    fn restore(
+        &self,
+        stored: &memsave_checkpoint::Stored,
+    ) -> Result<tch::Tensor, memsave_checkpoint::StoreError> {
+        self.get()?.restore(stored)
+    }
+    fn resident_bytes(&self, stored: &memsave_checkpoint::Stored) -> Option<u64> {
+        self.get().ok()?.resident_bytes(stored)
+    }
+}
+
 /// The boundary stores of a `checkpoint: {budget, offload, compress}` strategy: disk
 /// offload in a temporary directory of its own (removed when the store is dropped),
 /// without read-ahead so that the planned peak holds, and the codec.

@@ -3,7 +3,9 @@
 //! block, BatchNorm and dropout), each under its own lever: every lossless assignment
 //! gives the plain forward's gradients and running statistics, bitwise, under every
 //! autograd entry point.
-use memsave_checkpoint::{BlockKey, BlockLever, Blocks, CheckpointError, Shared};
+use memsave_checkpoint::{
+    BlockKey, BlockLever, Blocks, BoundaryStore, CheckpointError, Shared, StoreError, Stored,
+};
 use memsave_meter::measure;
 use memsave_sys::hooks::{Packed, RawHooks};
 use memsave_sys::tensor::{backward_with_grads, set_grad_none};
@@ -26,6 +28,29 @@ impl RawHooks for CopyHooks {
     fn unpack(&self, packed: &Packed) -> Result<Tensor, CallbackError> {
         let t = packed.downcast_ref::<Tensor>().ok_or("not a tensor")?;
         Ok(t.shallow_clone())
+    }
+}
+
+/// Keeps a boundary's f32 values in a Rust vector, off libtorch's allocator (what the
+/// meter counts), as a file would: lossless.
+struct VecStore;
+
+impl BoundaryStore for VecStore {
+    fn name(&self) -> String {
+        "a vector".into()
+    }
+    fn is_lossless(&self) -> bool {
+        true
+    }
+    fn store(&self, t: &Tensor) -> Result<Stored, StoreError> {
+        let values = Vec::<f32>::try_from(t.flatten(0, -1))?;
+        Ok(Box::new((values, t.size())))
+    }
+    fn restore(&self, stored: &Stored) -> Result<Tensor, StoreError> {
+        let (values, size) = stored
+            .downcast_ref::<(Vec<f32>, Vec<i64>)>()
+            .ok_or("not ours")?;
+        Ok(Tensor::from_slice(values).view(size.as_slice()))
     }
 }
 
@@ -131,6 +156,9 @@ fn lever(i: u8) -> BlockLever {
     match i {
         0 => BlockLever::Keep,
         1 => BlockLever::Recompute,
+        2 => BlockLever::RecomputeStoringInputs {
+            store: Arc::new(VecStore),
+        },
         _ => BlockLever::store("copy", true, Arc::new(CopyHooks)),
     }
 }
@@ -218,7 +246,7 @@ proptest! {
     #[test]
     #[serial]
     fn every_lossless_assignment_gives_the_plain_gradients_and_statistics(
-        levers in proptest::collection::vec(0u8..3, KEYS.len()),
+        levers in proptest::collection::vec(0u8..4, KEYS.len()),
         entry in 0..ENTRIES.len(),
     ) {
         let entry = ENTRIES[entry];
@@ -234,9 +262,11 @@ proptest! {
 fn every_block_recomputed_gives_the_plain_gradients_under_every_entry_point() {
     for entry in ENTRIES {
         let (plain_grads, plain_vars) = step(None, entry);
-        let (grads, vars) = step(Some(&[1; 8]), entry);
-        assert_bitwise(&plain_grads, &grads, &format!("{entry:?} gradient"));
-        assert_bitwise(&plain_vars, &vars, &format!("{entry:?} variable"));
+        for lever in [1, 2] {
+            let (grads, vars) = step(Some(&[lever; 8]), entry);
+            assert_bitwise(&plain_grads, &grads, &format!("{entry:?} {lever} gradient"));
+            assert_bitwise(&plain_vars, &vars, &format!("{entry:?} {lever} variable"));
+        }
     }
 }
 
@@ -385,4 +415,41 @@ fn misuse_gets_an_error_that_says_what_to_do() {
         .forward(|b| b.run("a", &[&x], |xs| vec![xs[0].copy()]))
         .unwrap()
         .unwrap();
+}
+
+/// Four recomputed blocks in a row: each checkpoint keeps its input, the output of the
+/// block before (three activations and the output); with the inputs in a store, only
+/// the output stays (the first input is the caller's).
+#[test]
+#[serial]
+fn recomputed_blocks_with_stored_inputs_keep_only_the_output() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let lins: Vec<Shared<nn::Linear>> = (0..4)
+        .map(|i| Shared::new(nn::linear(vs.root() / i, 64, 64, Default::default())))
+        .collect();
+    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu));
+    let act = 32 * 64 * 4;
+    let blocks = Blocks::new();
+    let chain = |b: &Blocks| -> Result<Tensor, CheckpointError> {
+        let mut h = x.shallow_clone();
+        for lin in &lins {
+            let lin = lin.clone();
+            h = b.run("layer", &[&h], move |xs| vec![lin.forward(&xs[0]).tanh()])?[0]
+                .shallow_clone();
+        }
+        Ok(h)
+    };
+    let mut retained = Vec::new();
+    for lever in [
+        BlockLever::Recompute,
+        BlockLever::RecomputeStoringInputs {
+            store: Arc::new(VecStore),
+        },
+    ] {
+        blocks.set_every(lever);
+        let (y, m) = measure(Device::Cpu, |_| blocks.forward(chain).unwrap().unwrap());
+        retained.push(m.retained_bytes());
+        y.sum(Kind::Float).backward();
+    }
+    assert_eq!(retained, [4 * act, act]);
 }
