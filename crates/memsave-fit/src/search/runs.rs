@@ -411,7 +411,10 @@ impl Runs<'_> {
             return Ok(None);
         }
         if self.block_profiles.is_none() {
-            let (a, b) = probe_sizes_of(div_ceil(self.global, 2), 8);
+            // At half and the whole batch: a block's bytes are affine in the batch
+            // from a few examples on, not from one (kernels pick their workspace by
+            // size), and the whole batch is what most splits run.
+            let (a, b) = (div_ceil(self.global, 2), self.global);
             (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
             let at = |size: i64| -> Result<BlocksProfile, FitError> {
                 let x = self
@@ -474,7 +477,8 @@ impl Runs<'_> {
             match over {
                 _ if fits => break,
                 Some(over) => solver_budget = solver_budget.saturating_sub(over + 1),
-                None => break,
+                // Over the budget already at a smaller size: ask for a tenth less.
+                None => solver_budget -= solver_budget / 10,
             }
         }
         if last.is_none() {
