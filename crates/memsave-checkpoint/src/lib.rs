@@ -20,6 +20,12 @@
 //!   and why. Without levers (the default) plans are recompute-only, as before. A
 //!   lossless store keeps gradients bitwise equal to the plain run's.
 //!
+//! - [`Blocks`]: a model that is not a chain (a U-Net, an encoder–decoder) as its own
+//!   forward function whose parts run as named blocks, any number of tensors in and
+//!   out, each under its own [`BlockLever`] (keep, recompute, recompute with its inputs
+//!   in a store, saved tensors to hooks); [`Blocks::profile`] and
+//!   [`BlocksProfile::solve`] plan which blocks to recompute within a budget.
+//!
 //! Why it helps: in `x = x + linear(x)` every layer saves its input for backward, so a
 //! plain forward keeps one activation per layer. A checkpointed segment keeps only its
 //! input and rebuilds the rest when backward reaches it.
