@@ -1,59 +1,4 @@
 //! [`Blocks`]: named blocks of any forward function, each run under its own lever.
-//!
-//! A chain of layers ([`CheckpointedSequential`](crate::CheckpointedSequential)) is one
-//! shape of model; U-Nets (encoder features concatenated into the decoder),
-//! encoder–decoder transformers (every decoder block reads the encoder's output) and
-//! models with several inputs or outputs are not chains. `Blocks` takes the model as it
-//! is written: its forward calls [`Blocks::run`] for each block it wants planned, with
-//! any number of tensor inputs and outputs; tensors cross blocks freely. Each call is
-//! known by a [`BlockKey`], its name and its call index within the forward (a block
-//! run twice with shared weights is `name#0` and `name#1`), and runs under the
-//! [`BlockLever`] assigned to that key: kept as it is, recomputed in backward
-//! (a checkpoint), or with what it saves handed to saved-tensor hooks (a file, host
-//! memory, a compressed copy). Blocks nest: a block's function may run blocks of its
-//! own, and a recomputation replays them under their own levers.
-//!
-//! ```
-//! use memsave_checkpoint::{BlockKey, BlockLever, Blocks, Shared};
-//! use tch::nn::{self, Module};
-//! use tch::{Device, Kind, Tensor};
-//!
-//! let vs = nn::VarStore::new(Device::Cpu);
-//! // Block functions may run again in backward, on another thread: they capture
-//! // modules through `Shared` handles.
-//! let enc = Shared::new(nn::linear(vs.root() / "enc", 8, 8, Default::default()));
-//! let dec = Shared::new(nn::linear(vs.root() / "dec", 16, 8, Default::default()));
-//! let blocks = Blocks::new();
-//! let x = Tensor::rand([4, 8], (Kind::Float, Device::Cpu));
-//!
-//! // A forward that is not a chain: the decoder reads the encoder's output and x.
-//! let forward = |blocks: &Blocks| -> memsave_checkpoint::Result<Tensor> {
-//!     let (enc, dec) = (enc.clone(), dec.clone());
-//!     let h = blocks.run("enc", &[&x], move |xs| vec![enc.forward(&xs[0]).relu()])?;
-//!     let y = blocks.run("dec", &[&h[0], &x], move |xs| {
-//!         vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
-//!     })?;
-//!     Ok(y[0].shallow_clone())
-//! };
-//! let y = blocks.forward(forward)??;
-//! assert_eq!(blocks.keys(), vec![BlockKey::new("enc", 0), BlockKey::new("dec", 0)]);
-//!
-//! // Recompute the decoder in backward, keep the encoder's activations.
-//! blocks.set(BlockKey::new("dec", 0), BlockLever::Recompute)?;
-//! let y = blocks.forward(forward)??;
-//! y.square().mean(Kind::Float).backward();
-//! # Ok::<(), memsave_checkpoint::CheckpointError>(())
-//! ```
-//!
-//! Traps:
-//! - Run the model's forward inside [`Blocks::forward`]: it starts the call indices
-//!   of a step afresh and checks that the blocks come in the order the levers were
-//!   assigned for. [`Blocks::run`] outside it is an error.
-//! - One forward at a time per `Blocks` (its state is shared by its clones).
-//! - A block's function is run again in backward under [`BlockLever::Recompute`]:
-//!   like [`checkpoint`](crate::checkpoint)'s, it must compute the same thing from the
-//!   same inputs (the RNG state is restored for it; BatchNorm's running statistics are
-//!   updated once, by the forward).
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::levers::{BoundaryStore, Lever};
@@ -254,8 +199,63 @@ impl Profiler {
     }
 }
 
-/// Named blocks of a forward function, each run under its own [`BlockLever`]; see
-/// [the module](self). A handle: clones share the same blocks and levers.
+/// Named blocks of a forward function, each run under its own [`BlockLever`]. A
+/// handle: clones share the same blocks and levers.
+///
+/// A chain of layers ([`CheckpointedSequential`](crate::CheckpointedSequential)) is one
+/// shape of model; U-Nets (encoder features concatenated into the decoder),
+/// encoder–decoder transformers (every decoder block reads the encoder's output) and
+/// models with several inputs or outputs are not chains. `Blocks` takes the model as it
+/// is written: its forward calls [`Blocks::run`] for each block it wants planned, with
+/// any number of tensor inputs and outputs; tensors cross blocks freely. Each call is
+/// known by a [`BlockKey`], its name and its call index within the forward (a block
+/// run twice with shared weights is `name#0` and `name#1`), and runs under the
+/// [`BlockLever`] assigned to that key: kept as it is, recomputed in backward
+/// (a checkpoint), or with what it saves handed to saved-tensor hooks (a file, host
+/// memory, a compressed copy). Blocks nest: a block's function may run blocks of its
+/// own, and a recomputation replays them under their own levers.
+///
+/// ```
+/// use memsave_checkpoint::{BlockKey, BlockLever, Blocks, Shared};
+/// use tch::nn::{self, Module};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// // Block functions may run again in backward, on another thread: they capture
+/// // modules through `Shared` handles.
+/// let enc = Shared::new(nn::linear(vs.root() / "enc", 8, 8, Default::default()));
+/// let dec = Shared::new(nn::linear(vs.root() / "dec", 16, 8, Default::default()));
+/// let blocks = Blocks::new();
+/// let x = Tensor::rand([4, 8], (Kind::Float, Device::Cpu));
+///
+/// // A forward that is not a chain: the decoder reads the encoder's output and x.
+/// let forward = |blocks: &Blocks| -> memsave_checkpoint::Result<Tensor> {
+///     let (enc, dec) = (enc.clone(), dec.clone());
+///     let h = blocks.run("enc", &[&x], move |xs| vec![enc.forward(&xs[0]).relu()])?;
+///     let y = blocks.run("dec", &[&h[0], &x], move |xs| {
+///         vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
+///     })?;
+///     Ok(y[0].shallow_clone())
+/// };
+/// let y = blocks.forward(forward)??;
+/// assert_eq!(blocks.keys(), vec![BlockKey::new("enc", 0), BlockKey::new("dec", 0)]);
+///
+/// // Recompute the decoder in backward, keep the encoder's activations.
+/// blocks.set(BlockKey::new("dec", 0), BlockLever::Recompute)?;
+/// let y = blocks.forward(forward)??;
+/// y.square().mean(Kind::Float).backward();
+/// # Ok::<(), memsave_checkpoint::CheckpointError>(())
+/// ```
+///
+/// Traps:
+/// - Run the model's forward inside [`Blocks::forward`]: it starts the call indices
+///   of a step afresh and checks that the blocks come in the order the levers were
+///   assigned for. [`Blocks::run`] outside it is an error.
+/// - One forward at a time per `Blocks` (its state is shared by its clones).
+/// - A block's function is run again in backward under [`BlockLever::Recompute`]:
+///   like [`checkpoint`](crate::checkpoint)'s, it must compute the same thing from the
+///   same inputs (the RNG state is restored for it; BatchNorm's running statistics are
+///   updated once, by the forward).
 #[derive(Clone, Default)]
 pub struct Blocks {
     state: Arc<Mutex<State>>,
