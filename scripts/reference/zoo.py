@@ -4,24 +4,29 @@ Usage:
     ~/.cache/memsave/torch-2.13.0/bin/python scripts/reference/zoo.py SUITE.yaml OUT.json [--filter REGEX]
 
 For every model of the suite whose kind is one of the zoo's (``resnet``,
-``mobilenet_v2``, ``llama``, ``vit``) it builds PyTorch's own network (torchvision's
-``resnet18``..``resnet152`` and ``mobilenet_v2``; the LLaMA-style decoder and the
-vision transformer of ``zoo_models.py``, torchvision's ``VisionTransformer`` for the
-latter), a batch of the same shapes and dtypes as memsave's synthetic batch, and
-measures each strategy's training step exactly as ``memsave bench`` does:
+``mobilenet_v2``, ``llama``, ``vit``, ``unet``, ``encoder_decoder``) it builds PyTorch's
+own network (torchvision's ``resnet18``..``resnet152`` and ``mobilenet_v2``; the
+LLaMA-style decoder, the vision transformer, the U-Net and the encoder-decoder of
+``zoo_models.py``, torchvision's ``VisionTransformer`` for the ViT), a batch of the same
+shapes and dtypes as memsave's synthetic batch, and measures each strategy's training
+step exactly as ``memsave bench`` does:
 
     gradients None, parameters and batch allocated;
     peak = max bytes allocated during forward + loss + backward - bytes at the start.
 
-The loss is the mean cross-entropy of the logits (reshaped to ``[-1, classes]``)
-against the target, as ``memsave_models::Network::loss``. Bytes come from a counting
+The loss is the mean cross-entropy of the logits (reshaped to ``[-1, classes]``; the
+U-Net's ``[batch, classes, height, width]`` as they are, one target per pixel) against
+the target, as ``memsave_models::Network::loss``. Bytes come from a counting
 CPU allocator of this script's own (below), which counts the bytes each storage asks
 for, as memsave's meter does; the measure does not depend on the seed (no op here
 allocates by the values of its input).
 
 Strategies: ``baseline``, ``checkpoint: {every_layer: true}`` and
 ``checkpoint: {segments: k}`` (torch.utils.checkpoint on the chain of blocks memsave
-builds: stem, each residual/inverted-residual/decoder/encoder block, head). Others are
+builds: stem, each residual/inverted-residual/decoder/encoder block, head). The U-Net
+and the encoder-decoder are not chains: ``every_layer`` is
+``torch.utils.checkpoint(use_reentrant=False)`` around each of their named blocks (the
+ones memsave runs through ``Blocks``), and ``segments`` is unavailable. Others are
 reported ``unavailable``. Models of the harness's own kinds are reported
 ``unavailable`` too (``shared/reference/pytorch_suite.py`` runs those).
 
@@ -129,11 +134,14 @@ def load_counter():
     return counter
 
 
-ZOO_KINDS = ("resnet", "mobilenet_v2", "llama", "vit")
+ZOO_KINDS = ("resnet", "mobilenet_v2", "llama", "vit", "unet", "encoder_decoder")
+# Kinds that are not chains: the model runs its own blocks, model(x, run).
+GRAPH_KINDS = ("unet", "encoder_decoder")
 
 
 def build(m):
-    """(model, chain of blocks, classes) for a suite's model entry, in training mode."""
+    """(model, chain of blocks, classes) for a suite's model entry, in training mode; the
+    chain is None for the kinds that are not chains (GRAPH_KINDS)."""
     kind = m["kind"]
     if kind == "resnet":
         channels = m["image"][0]
@@ -165,6 +173,12 @@ def build(m):
         keys = ("image", "patch", "dim", "layers", "heads", "mlp", "classes")
         net = zoo_models.vit({k: m[k] for k in keys})
         chain, classes = zoo_models.layers(net), m["classes"]
+    elif kind == "unet":
+        keys = ("image", "classes", "base", "levels")
+        net, chain, classes = zoo_models.unet({k: m[k] for k in keys}), None, m["classes"]
+    elif kind == "encoder_decoder":
+        keys = ("vocab", "dim", "heads", "encoder_layers", "decoder_layers", "source", "target")
+        net, chain, classes = zoo_models.encoder_decoder({k: m[k] for k in keys}), None, m["vocab"]
     else:
         raise ValueError(kind)
     net.train()
@@ -180,6 +194,18 @@ def synthetic_batch(m):
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         del tokens
         return x, y
+    if m["kind"] == "encoder_decoder":
+        # Source and decoder input packed in one row, the target the decoder input
+        # shifted by one (memsave_models::Task::Seq2Seq).
+        source = torch.randint(m["vocab"], (b, m["source"]))
+        target = torch.randint(m["vocab"], (b, m["target"] + 1))
+        x = torch.cat([source, target[:, :-1]], 1)
+        y = target[:, 1:].contiguous()
+        del source, target
+        return x, y
+    if m["kind"] == "unet":
+        _, height, width = m["image"]
+        return torch.randn(b, *m["image"]), torch.randint(m["classes"], (b, height, width))
     return torch.randn(b, *m["image"]), torch.randint(m["classes"], (b,))
 
 
@@ -197,23 +223,30 @@ def strategy_name(s):
     return f"{kind}({inner})", [(kind, args)]
 
 
-def plan(techniques):
+def plan(techniques, graph=False):
     """The checkpointing a strategy asks for (None, ("every_layer",), ("segments", k)),
-    or False when this script has no PyTorch counterpart for it."""
+    or False when this script has no PyTorch counterpart for it (segments of a model
+    that is not a chain, with ``graph``)."""
     chosen = None
     for kind, args in techniques:
         if kind == "baseline":
             continue
         if kind == "checkpoint" and args.get("every_layer"):
             chosen = ("every_layer",)
-        elif kind == "checkpoint" and "segments" in args:
+        elif kind == "checkpoint" and "segments" in args and not graph:
             chosen = ("segments", int(args["segments"]))
         else:
             return False
     return chosen
 
 
-def forward(chain, x, ckpt):
+def _checkpointed(block, *inputs):
+    return checkpoint(block, *inputs, use_reentrant=False)
+
+
+def forward(net, chain, x, ckpt):
+    if chain is None:  # not a chain: the model runs its blocks, each checkpointed or not
+        return net(x, run=_checkpointed) if ckpt else net(x)
     if ckpt is None:
         for block in chain:
             x = block(x)
@@ -231,13 +264,16 @@ def step(counter, net, chain, classes, x, y, ckpt):
     start = counter.allocated()
     counter.restart_high_water()
     t0 = time.perf_counter()
-    out = forward(chain, x, ckpt)
+    out = forward(net, chain, x, ckpt)
     retained = counter.allocated() - start
     logits = out if out.dtype == torch.float32 else out.float()
     del out
     # The careful loop: nothing holds the output (the logits) through backward; what
     # the loss's backward needs of it, autograd keeps.
-    loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
+    if isinstance(net, zoo_models.UNet):  # [batch, classes, h, w] against [batch, h, w]
+        loss = F.cross_entropy(logits, y)
+    else:
+        loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
     del logits
     loss.backward()
     del loss
@@ -303,7 +339,7 @@ def main():
             name, techniques = strategy_name(s)
             case = blank_case(m["name"], name)
             case["is_baseline"] = all(t == "baseline" for t, _ in techniques)
-            ckpt = plan(techniques)
+            ckpt = plan(techniques, graph=m["kind"] in GRAPH_KINDS)
             try:
                 if ckpt is False:
                     case.update(status="unavailable", error="zoo.py has no PyTorch counterpart for this strategy")

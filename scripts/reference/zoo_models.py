@@ -1,4 +1,5 @@
-"""PyTorch counterparts of memsave-models' LLaMA-style decoder and vision transformer.
+"""PyTorch counterparts of memsave-models' LLaMA-style decoder, vision transformer,
+U-Net and encoder-decoder transformer.
 
 Imported by the reference scripts: ``llama(config)`` and ``vit(config)`` take a suite's
 model configuration as a dict (the keys the Rust ``LlamaConfig``/``VitConfig`` have,
@@ -12,6 +13,18 @@ runs the same ATen ops in the same order as the Rust model
 * ``vit``: torchvision's ``VisionTransformer`` itself for square 3-channel images; for
   other images a subclass differing only in the input check, ``conv_proj``'s input
   channels and the position embedding's length. Input images, output logits.
+
+* ``unet``: a U-Net with the Rust ``unet.rs`` variable names (``enc{i}.conv1``,
+  ``bottom.bn2``, ``dec{i}.up``, ``head``, ...). Input images, output per-pixel logits
+  ``[batch, classes, height, width]``.
+* ``encoder_decoder``: a pre-LN encoder-decoder transformer with the Rust
+  ``encoder_decoder.rs`` variable names. Input the packed tokens ``[batch, source +
+  target]`` (source first), output logits ``[batch, target, vocab]``.
+
+These two are not chains: ``model(x, run)`` runs each named block as ``run(block,
+*inputs)`` (the default calls it; ``zoo.py`` passes ``torch.utils.checkpoint`` for
+``checkpoint: {every_layer: true}``), the blocks the Rust forward runs through
+``memsave_checkpoint::Blocks``.
 
 ``layers(model)`` gives the model as the chain of blocks the Rust network is made of
 (layer 0 the embedding, one per decoder/encoder block, the last the final norm and
@@ -281,6 +294,221 @@ class _VitHead(nn.Module):
 
     def forward(self, x):
         return self.model.heads(self.model.encoder.ln(x)[:, 0])
+
+
+def _call(block, *inputs):
+    """``run`` of a plain forward: the block itself."""
+    return block(*inputs)
+
+
+UNET_DEFAULTS = dict(image=[3, 128, 128], classes=2, base=64, levels=4)
+
+
+class _UNetLevel(nn.Module):
+    """Two 3x3 conv (no bias) + BatchNorm + ReLU (in place); with pool, a 2x2 max pool first."""
+
+    def __init__(self, c_in, c_out, pool):
+        super().__init__()
+        self.pool = pool
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+
+    def forward(self, x):
+        if self.pool:
+            x = F.max_pool2d(x, 2, 2)
+        x = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        return F.relu(self.bn2(self.conv2(x)), inplace=True)
+
+
+class _UNetUp(_UNetLevel):
+    """A decoder level: 2x2 transposed conv (stride 2) of the level below, the skip
+    concatenated before it, then a level's two conv-BN-ReLU."""
+
+    def __init__(self, c_below, c):
+        super().__init__(2 * c, c, False)
+        self.up = nn.ConvTranspose2d(c_below, c, 2, stride=2)
+
+    def forward(self, below, skip):
+        return super().forward(torch.cat([skip, self.up(below)], 1))
+
+
+class UNet(nn.Module):
+    """The U-Net of memsave-models (unet.rs): blocks enc0..enc{levels-1}, bottom,
+    dec{levels-1}..dec0, head."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.levels = c["levels"]
+        base, c_in = c["base"], c["image"][0]
+        for level in range(self.levels):
+            setattr(self, f"enc{level}", _UNetLevel(c_in, base << level, level > 0))
+            c_in = base << level
+        self.bottom = _UNetLevel(c_in, base << self.levels, True)
+        for level in range(self.levels):
+            setattr(self, f"dec{level}", _UNetUp(base << (level + 1), base << level))
+        self.head = nn.Conv2d(base, c["classes"], 1)
+
+    def forward(self, x, run=_call):
+        skips = []
+        for level in range(self.levels):
+            x = run(getattr(self, f"enc{level}"), x)
+            skips.append(x)
+        x = run(self.bottom, x)
+        for level in reversed(range(self.levels)):
+            skip = skips.pop()
+            x = run(getattr(self, f"dec{level}"), x, skip)
+            del skip
+        return run(self.head, x)
+
+
+def unet(config):
+    """The U-Net for a configuration dict (keys of the Rust UNetConfig: image
+    [channels, height, width], classes, base, levels)."""
+    c = _with_defaults(config, UNET_DEFAULTS, "unet")
+    _, height, width = c["image"]
+    if height % (1 << c["levels"]) or width % (1 << c["levels"]):
+        raise ValueError(f"unet: 2^levels must divide the image's {height}x{width}")
+    return UNet(c)
+
+
+ENCODER_DECODER_DEFAULTS = dict(vocab=32000, dim=512, heads=8, encoder_layers=6,
+                                decoder_layers=6, source=128, target=128)
+
+
+def _attend(q, k, v, heads, causal):
+    """Attention of q over k, v ([batch, len, dim] views of the projections), back to
+    [batch, q's len, dim]."""
+    b, t, e = q.shape
+
+    def split(z):
+        return z.view(z.shape[0], z.shape[1], heads, e // heads).transpose(1, 2)
+
+    y = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=causal)
+    return y.transpose(1, 2).reshape(b, t, e)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, dim, heads, causal):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.heads, self.causal = heads, causal
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.shape[-1], -1)
+        return self.out(_attend(q, k, v, self.heads, self.causal))
+
+
+class _CrossAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x, memory):
+        q = self.q(x)
+        k, v = self.kv(memory).split(x.shape[-1], -1)
+        return self.out(_attend(q, k, v, self.heads, False))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.self_attn = _SelfAttention(dim, heads, False)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = _Mlp(dim)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.self_attn = _SelfAttention(dim, heads, True)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.cross_attn = _CrossAttention(dim, heads)
+        self.ln_3 = nn.LayerNorm(dim)
+        self.mlp = _Mlp(dim)
+
+    def forward(self, x, memory):
+        x = x + self.self_attn(self.ln_1(x))
+        x = x + self.cross_attn(self.ln_2(x), memory)
+        return x + self.mlp(self.ln_3(x))
+
+
+class _Stack(nn.Module):
+    """One side: token and position embeddings, the blocks, the final LayerNorm."""
+
+    def __init__(self, c, length, layer, count):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab"], c["dim"])
+        self.embed_positions = nn.Embedding(length, c["dim"])
+        self.layers = nn.ModuleList([layer(c["dim"], c["heads"]) for _ in range(count)])
+        self.ln = nn.LayerNorm(c["dim"])
+
+
+class EncoderDecoder(nn.Module):
+    """The encoder-decoder transformer of memsave-models (encoder_decoder.rs): blocks
+    embed, enc{i}, enc_ln, dec{i} (reading the encoder's output), head."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.source, self.target = c["source"], c["target"]
+        self.encoder = _Stack(c, c["source"], _EncoderLayer, c["encoder_layers"])
+        self.decoder = _Stack(c, c["target"], _DecoderLayer, c["decoder_layers"])
+        self.lm_head = nn.Linear(c["dim"], c["vocab"], bias=False)
+
+    def _embed(self, packed):
+        if packed.shape[1] != self.source + self.target:
+            raise ValueError(f"encoder_decoder: the input packs {self.source} source and "
+                             f"{self.target} target tokens, got {packed.shape[1]} columns")
+        source = packed.narrow(1, 0, self.source)
+        target = packed.narrow(1, self.source, self.target)
+        s = F.embedding(source, self.encoder.embed_tokens.weight) + self.encoder.embed_positions.weight
+        t = F.embedding(target, self.decoder.embed_tokens.weight) + self.decoder.embed_positions.weight
+        return s, t
+
+    def _head(self, x):
+        return self.lm_head(self.decoder.ln(x))
+
+    def forward(self, packed, run=_call):
+        source, target = run(self._embed, packed)
+        for layer in self.encoder.layers:
+            source = run(layer, source)
+        memory = run(self.encoder.ln, source)
+        del source
+        for layer in self.decoder.layers:
+            target = run(layer, target, memory)
+        del memory
+        return run(self._head, target)
+
+
+def encoder_decoder(config):
+    """The encoder-decoder transformer for a configuration dict (keys of the Rust
+    EncoderDecoderConfig: vocab, dim, heads, encoder_layers, decoder_layers, source,
+    target)."""
+    c = _with_defaults(config, ENCODER_DECODER_DEFAULTS, "encoder_decoder")
+    if c["dim"] % c["heads"]:
+        raise ValueError(f"encoder_decoder: heads must divide dim: {c}")
+    return EncoderDecoder(c)
 
 
 def layers(model):

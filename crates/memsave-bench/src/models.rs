@@ -10,7 +10,7 @@
 use crate::report::TraceEntry;
 use crate::strategies::{ResidualUpdate, Unavailable};
 use crate::suite::{ModelKind, ModelSpec};
-use memsave_checkpoint::CheckpointedSequential;
+use memsave_checkpoint::{Blocks, CheckpointedSequential};
 use memsave_meter::f_memory_allocated;
 use memsave_models::{Architecture, ModelError, Network};
 use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, Workload};
@@ -187,6 +187,9 @@ pub struct Model {
     pub target: Option<Tensor>,
     /// The zoo network's task (its cross-entropy loss), `None` for the harness's kinds.
     zoo: Option<Network>,
+    /// The named blocks of a zoo network that is not a chain (`unet`,
+    /// `encoder_decoder`), whose forward is the chain's one layer.
+    blocks: Option<Blocks>,
 }
 
 /// Why a model cannot be built: libtorch failed, or the zoo refused its configuration.
@@ -250,6 +253,7 @@ impl Model {
             input,
             target: None,
             zoo: None,
+            blocks: None,
         })
     }
 
@@ -270,6 +274,7 @@ impl Model {
             layers,
             task,
             example_shape,
+            blocks,
         } = network;
         let mut seq = CheckpointedSequential::new();
         for (i, layer) in layers.into_iter().enumerate() {
@@ -287,7 +292,9 @@ impl Model {
                 layers: Vec::new(),
                 task,
                 example_shape,
+                blocks: None,
             }),
+            blocks,
         })
     }
 
@@ -367,6 +374,10 @@ impl Workload for Model {
 
     fn layers_mut(&mut self) -> &mut CheckpointedSequential {
         &mut self.seq
+    }
+
+    fn blocks(&self) -> Option<&Blocks> {
+        self.blocks.as_ref()
     }
 
     fn parameters(&self) -> Vec<Tensor> {

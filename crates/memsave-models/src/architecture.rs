@@ -1,9 +1,11 @@
 //! [`Architecture`]: which network of the zoo, with its configuration.
+use crate::encoder_decoder::EncoderDecoderConfig;
 use crate::error::ModelError;
 use crate::llama::LlamaConfig;
 use crate::mobilenet::MobileNetV2Config;
 use crate::network::Network;
 use crate::resnet::ResNetConfig;
+use crate::unet::UNetConfig;
 use crate::vit::VitConfig;
 use tch::nn;
 
@@ -18,16 +20,25 @@ pub enum Architecture {
     Llama(LlamaConfig),
     /// A vision transformer (torchvision's `VisionTransformer`).
     Vit(VitConfig),
+    /// A U-Net for per-pixel classification: not a chain (the encoder's features are
+    /// concatenated into the decoder), built as named blocks.
+    UNet(UNetConfig),
+    /// An encoder–decoder transformer trained with teacher forcing: not a chain
+    /// (every decoder block reads the encoder's output), built as named blocks.
+    EncoderDecoder(EncoderDecoderConfig),
 }
 
 impl Architecture {
-    /// The kind's name as a suite writes it (`resnet`, `mobilenet_v2`, `llama`, `vit`).
+    /// The kind's name as a suite writes it (`resnet`, `mobilenet_v2`, `llama`, `vit`,
+    /// `unet`, `encoder_decoder`).
     pub fn kind(&self) -> &'static str {
         match self {
             Architecture::ResNet(_) => "resnet",
             Architecture::MobileNetV2(_) => "mobilenet_v2",
             Architecture::Llama(_) => "llama",
             Architecture::Vit(_) => "vit",
+            Architecture::UNet(_) => "unet",
+            Architecture::EncoderDecoder(_) => "encoder_decoder",
         }
     }
 
@@ -41,6 +52,8 @@ impl Architecture {
             Architecture::MobileNetV2(c) => c.validate(),
             Architecture::Llama(c) => c.validate(),
             Architecture::Vit(c) => c.validate(),
+            Architecture::UNet(c) => c.validate(),
+            Architecture::EncoderDecoder(c) => c.validate(),
         }
     }
 
@@ -57,6 +70,8 @@ impl Architecture {
             Architecture::MobileNetV2(c) => crate::mobilenet::mobilenet_v2(p, c),
             Architecture::Llama(c) => crate::llama::llama(p, c),
             Architecture::Vit(c) => crate::vit::vit(p, c),
+            Architecture::UNet(c) => crate::unet::unet(p, c),
+            Architecture::EncoderDecoder(c) => crate::encoder_decoder::encoder_decoder(p, c),
         }
     }
 }

@@ -438,5 +438,6 @@ pub fn llama(p: &nn::Path, config: &LlamaConfig) -> Result<Network, ModelError> 
             vocab: config.vocab,
         },
         example_shape: vec![config.seq],
+        blocks: None,
     })
 }

@@ -237,5 +237,6 @@ fn build(p: &nn::Path, config: &MobileNetV2Config) -> Result<Network, ModelError
             classes: config.classes,
         },
         example_shape: config.image.to_vec(),
+        blocks: None,
     })
 }

@@ -358,5 +358,6 @@ fn build(p: &nn::Path, config: &ResNetConfig) -> Result<Network, ModelError> {
             classes: config.classes,
         },
         example_shape: config.image.to_vec(),
+        blocks: None,
     })
 }

@@ -371,5 +371,6 @@ pub fn vit(p: &nn::Path, config: &VitConfig) -> Result<Network, ModelError> {
             classes: config.classes,
         },
         example_shape: config.image.to_vec(),
+        blocks: None,
     })
 }

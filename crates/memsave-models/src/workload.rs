@@ -2,7 +2,7 @@
 use crate::architecture::Architecture;
 use crate::error::ModelError;
 use crate::network::{Network, Task};
-use memsave_checkpoint::CheckpointedSequential;
+use memsave_checkpoint::{Blocks, CheckpointedSequential};
 use memsave_step::{Batch, Workload};
 use tch::{nn, Device, TchError, Tensor};
 
@@ -15,6 +15,7 @@ pub struct ZooWorkload {
     layers: CheckpointedSequential,
     task: Task,
     data: Batch,
+    blocks: Option<Blocks>,
 }
 
 impl std::fmt::Debug for ZooWorkload {
@@ -51,11 +52,12 @@ impl ZooWorkload {
         let network = architecture.build(&vs.root())?;
         let data = network.synthetic_batch(global_batch, device)?;
         let Network {
-            layers: blocks,
+            layers,
             task,
+            blocks,
             ..
         } = network;
-        let layers = blocks
+        let layers = layers
             .into_iter()
             .fold(CheckpointedSequential::new(), |seq, layer| {
                 seq.add_t(BoxedLayer(layer))
@@ -66,6 +68,7 @@ impl ZooWorkload {
             layers,
             task,
             data,
+            blocks,
         })
     }
 
@@ -83,6 +86,14 @@ impl ZooWorkload {
     /// What the network's input is and what its loss compares.
     pub fn task(&self) -> Task {
         self.task
+    }
+
+    /// The named blocks of a network that is not a chain (the U-Net, the
+    /// encoder–decoder), whose forward is the chain's one layer: set their levers
+    /// (`blocks().set_every(BlockLever::Recompute)` checkpoints every block) instead
+    /// of a plan of the chain. `None` for a chain.
+    pub fn blocks(&self) -> Option<&Blocks> {
+        self.blocks.as_ref()
     }
 }
 
@@ -111,6 +122,10 @@ impl Workload for ZooWorkload {
 
     fn layers_mut(&mut self) -> &mut CheckpointedSequential {
         &mut self.layers
+    }
+
+    fn blocks(&self) -> Option<&Blocks> {
+        self.blocks.as_ref()
     }
 
     fn parameters(&self) -> Vec<Tensor> {

@@ -11,7 +11,10 @@ use super::model::{
 };
 use super::strategy::{deserialize_strategy, StrategySpec};
 use super::values::{claim_name, Positive, Size};
-use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
+use memsave_models::{
+    Architecture, EncoderDecoderConfig, LlamaConfig, MobileNetV2Config, ResNetConfig, UNetConfig,
+    VitConfig,
+};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
@@ -94,6 +97,10 @@ enum KindName {
     Llama,
     #[serde(rename = "vit")]
     Vit,
+    #[serde(rename = "unet")]
+    UNet,
+    #[serde(rename = "encoder_decoder")]
+    EncoderDecoder,
 }
 
 /// The keys of the harness's own kinds, in the order of their "expected one of" list.
@@ -119,6 +126,22 @@ const VIT_KEYS: &[&str] = &[
     "name", "kind", "image", "patch", "dim", "layers", "heads", "mlp", "classes", "batch",
     "enabled",
 ];
+const UNET_KEYS: &[&str] = &[
+    "name", "kind", "image", "classes", "base", "levels", "batch", "enabled",
+];
+const ENCODER_DECODER_KEYS: &[&str] = &[
+    "name",
+    "kind",
+    "vocab",
+    "dim",
+    "heads",
+    "encoder_layers",
+    "decoder_layers",
+    "source",
+    "target",
+    "batch",
+    "enabled",
+];
 /// Every kind's keys: what an entry may hold before its `kind:` is read.
 const ANY_KEYS: &[&str] = &[
     "name",
@@ -139,6 +162,12 @@ const ANY_KEYS: &[&str] = &[
     "tied",
     "patch",
     "mlp",
+    "base",
+    "levels",
+    "encoder_layers",
+    "decoder_layers",
+    "source",
+    "target",
 ];
 
 impl KindName {
@@ -150,6 +179,8 @@ impl KindName {
             KindName::MobileNetV2 => MOBILENET_KEYS,
             KindName::Llama => LLAMA_KEYS,
             KindName::Vit => VIT_KEYS,
+            KindName::UNet => UNET_KEYS,
+            KindName::EncoderDecoder => ENCODER_DECODER_KEYS,
         }
     }
 
@@ -268,6 +299,12 @@ struct ModelFields {
     tied: Option<bool>,
     patch: Option<Positive<MAX_DIMENSION>>,
     mlp: Option<Positive<MAX_DIMENSION>>,
+    base: Option<Positive<MAX_DIMENSION>>,
+    levels: Option<Positive<MAX_DIMENSION>>,
+    encoder_layers: Option<Positive<MAX_DIMENSION>>,
+    decoder_layers: Option<Positive<MAX_DIMENSION>>,
+    source: Option<Positive<MAX_DIMENSION>>,
+    target: Option<Positive<MAX_DIMENSION>>,
 }
 
 /// `Some(value)` or serde's "missing field" error.
@@ -311,6 +348,12 @@ impl ModelFields {
                 "tied" => f.tied = Some(map.next_value()?),
                 "patch" => f.patch = Some(map.next_value()?),
                 "mlp" => f.mlp = Some(map.next_value()?),
+                "base" => f.base = Some(map.next_value()?),
+                "levels" => f.levels = Some(map.next_value()?),
+                "encoder_layers" => f.encoder_layers = Some(map.next_value()?),
+                "decoder_layers" => f.decoder_layers = Some(map.next_value()?),
+                "source" => f.source = Some(map.next_value()?),
+                "target" => f.target = Some(map.next_value()?),
                 other => unreachable!("Key admits only listed keys, got {other}"),
             }
         }
@@ -389,6 +432,21 @@ impl ModelFields {
                 heads: required(self.heads, "heads")?.i64(),
                 mlp: required(self.mlp, "mlp")?.i64(),
                 classes: required(self.classes, "classes")?.i64(),
+            }),
+            KindName::UNet => Architecture::UNet(UNetConfig {
+                image: required(self.image, "image")?.0,
+                classes: required(self.classes, "classes")?.i64(),
+                base: required(self.base, "base")?.i64(),
+                levels: required(self.levels, "levels")?.i64(),
+            }),
+            KindName::EncoderDecoder => Architecture::EncoderDecoder(EncoderDecoderConfig {
+                vocab: required(self.vocab, "vocab")?.i64(),
+                dim: required(self.dim, "dim")?.i64(),
+                heads: required(self.heads, "heads")?.i64(),
+                encoder_layers: required(self.encoder_layers, "encoder_layers")?.i64(),
+                decoder_layers: required(self.decoder_layers, "decoder_layers")?.i64(),
+                source: required(self.source, "source")?.i64(),
+                target: required(self.target, "target")?.i64(),
             }),
         };
         let batch = match required(batch, "batch")? {

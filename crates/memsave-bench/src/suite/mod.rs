@@ -62,7 +62,16 @@
 //! - `llama`: `vocab`, `dim`, `layers`, `heads`, `kv_heads` (default `heads`), `hidden`
 //!   (the SwiGLU's width; default LLaMA's rule), `seq` (tokens per example), `tied`
 //!   (default false);
-//! - `vit`: `image`, `patch`, `dim`, `layers`, `heads`, `mlp`, `classes`.
+//! - `vit`: `image`, `patch`, `dim`, `layers`, `heads`, `mlp`, `classes`;
+//! - `unet`: `image`, `classes` (per pixel), `base` (channels of the first level),
+//!   `levels` (2^levels must divide the image's height and width);
+//! - `encoder_decoder`: `vocab`, `dim`, `heads`, `encoder_layers`, `decoder_layers`,
+//!   `source` and `target` (tokens per example; the input packs both, `[batch,
+//!   source + target]`).
+//!
+//! `unet` and `encoder_decoder` are not chains: their forward is one layer running
+//! named blocks, and their checkpoint plan is `none` or `every_layer` (one checkpoint
+//! per block); `segments`, `nested` and budgets are refused when the case runs.
 //!
 //! Their configuration is checked while parsing by the architecture's own
 //! `memsave_models::Architecture::validate` (heads dividing dim, kv_heads dividing

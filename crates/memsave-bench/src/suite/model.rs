@@ -1,7 +1,10 @@
 //! The data model of a suite: what the YAML describes once it is parsed and checked.
 use super::strategy::StrategySpec;
 use super::values::Size;
-use memsave_models::{Architecture, LlamaConfig, MobileNetV2Config, ResNetConfig, VitConfig};
+use memsave_models::{
+    Architecture, EncoderDecoderConfig, LlamaConfig, MobileNetV2Config, ResNetConfig, UNetConfig,
+    VitConfig,
+};
 
 /// Most blocks a model may have. Building a model is linear in its depth; this keeps a
 /// typo (`layers: 100000000`) from building for minutes before the first case runs.
@@ -169,6 +172,23 @@ impl ModelSpec {
             None => input.checked_mul(F32),
             // The target has the input's shape: the tokens shifted by one.
             Some(Architecture::Llama(_)) => input.checked_mul(2 * INT64),
+            // One class index per pixel.
+            Some(Architecture::UNet(c)) => {
+                let pixels = u64::try_from(*self.batch.first()?)
+                    .ok()?
+                    .checked_mul(u64::try_from(c.image[1]).ok()?)?
+                    .checked_mul(u64::try_from(c.image[2]).ok()?)?;
+                input
+                    .checked_mul(F32)?
+                    .checked_add(pixels.checked_mul(INT64)?)
+            }
+            // Source and decoder-input tokens, then the target tokens.
+            Some(Architecture::EncoderDecoder(c)) => {
+                let targets = u64::try_from(*self.batch.first()?)
+                    .ok()?
+                    .checked_mul(u64::try_from(c.target).ok()?)?;
+                input.checked_add(targets)?.checked_mul(INT64)
+            }
             Some(_) => {
                 let examples = u64::try_from(*self.batch.first()?).ok()?;
                 input
@@ -263,6 +283,11 @@ impl ModelSpec {
             Some(Architecture::MobileNetV2(_)) => ("classes", "batch or image"),
             Some(Architecture::Llama(_)) => ("vocab, dim, layers or hidden", "batch or seq"),
             Some(Architecture::Vit(_)) => ("dim, layers, mlp or classes", "batch or image"),
+            Some(Architecture::UNet(_)) => ("base, levels or classes", "batch or image"),
+            Some(Architecture::EncoderDecoder(_)) => (
+                "vocab, dim, encoder_layers or decoder_layers",
+                "batch, source or target",
+            ),
         };
         let model = || self.name.clone();
         match self.parameter_count() {
@@ -407,13 +432,17 @@ pub enum ModelSpecError {
 }
 
 /// One example's shape: the image for the convolutional nets and the ViT, `[seq]`
-/// token ids for the decoder.
+/// token ids for the decoder, `[source + target]` token ids for the encoder–decoder.
 fn example_shape(architecture: &Architecture) -> Vec<i64> {
     match architecture {
         Architecture::ResNet(ResNetConfig { image, .. })
         | Architecture::MobileNetV2(MobileNetV2Config { image, .. })
-        | Architecture::Vit(VitConfig { image, .. }) => image.to_vec(),
+        | Architecture::Vit(VitConfig { image, .. })
+        | Architecture::UNet(UNetConfig { image, .. }) => image.to_vec(),
         Architecture::Llama(LlamaConfig { seq, .. }) => vec![*seq],
+        Architecture::EncoderDecoder(EncoderDecoderConfig { source, target, .. }) => {
+            vec![source.saturating_add(*target)]
+        }
     }
 }
 
@@ -570,6 +599,66 @@ fn zoo_parameters(architecture: &Architecture) -> Option<Tally> {
             t.add(&[c.dim])?; // final LayerNorm
             t.add(&[c.dim])?;
             t.linear(c.dim, c.classes, true)?;
+        }
+        Architecture::UNet(c) => {
+            let channels = |level: i64| -> Option<i64> {
+                c.base
+                    .checked_mul(1i64.checked_shl(u32::try_from(level).ok()?)?)
+                    .filter(|&n| n > 0)
+            };
+            // Two 3x3 convolutions without bias, each with a BatchNorm.
+            let level = |t: &mut Tally, c_in: i64, c_out: i64| -> Option<()> {
+                t.conv_bn(c_out, c_in, 3)?;
+                t.conv_bn(c_out, c_out, 3)
+            };
+            let mut inputs = c.image[0];
+            for l in 0..=c.levels {
+                let out = channels(l)?;
+                level(&mut t, inputs, out)?;
+                inputs = out;
+            }
+            for l in 0..c.levels {
+                let (below, out) = (channels(l + 1)?, channels(l)?);
+                t.add(&[below, out, 2, 2])?; // transposed convolution and its bias
+                t.add(&[out])?;
+                level(&mut t, out.checked_mul(2)?, out)?;
+            }
+            t.add(&[c.classes, c.base, 1, 1])?; // head and its bias
+            t.add(&[c.classes])?;
+        }
+        Architecture::EncoderDecoder(c) => {
+            let (dim, wide) = (c.dim, c.dim.checked_mul(4)?);
+            let layer_norm = |t: &mut Tally| -> Option<()> {
+                t.add(&[dim])?;
+                t.add(&[dim])
+            };
+            let mut encoder = Tally::default();
+            layer_norm(&mut encoder)?;
+            encoder.linear(dim, dim.checked_mul(3)?, true)?; // q, k, v
+            encoder.linear(dim, dim, true)?; // output projection
+            layer_norm(&mut encoder)?;
+            encoder.linear(dim, wide, true)?;
+            encoder.linear(wide, dim, true)?;
+            let mut decoder = Tally::default();
+            layer_norm(&mut decoder)?;
+            decoder.linear(dim, dim.checked_mul(3)?, true)?; // self-attention
+            decoder.linear(dim, dim, true)?;
+            layer_norm(&mut decoder)?;
+            decoder.linear(dim, dim, true)?; // cross-attention: q, then k and v
+            decoder.linear(dim, dim.checked_mul(2)?, true)?;
+            decoder.linear(dim, dim, true)?;
+            layer_norm(&mut decoder)?;
+            decoder.linear(dim, wide, true)?;
+            decoder.linear(wide, dim, true)?;
+            t.add(&[c.vocab, dim])?; // source tokens and positions
+            t.add(&[c.source, dim])?;
+            t.add(&[c.vocab, dim])?; // target tokens and positions
+            t.add(&[c.target, dim])?;
+            t.add_times(encoder, c.encoder_layers)?;
+            layer_norm(&mut t)?;
+            t.add_times(decoder, c.decoder_layers)?;
+            layer_norm(&mut t)?;
+            t.linear(dim, c.vocab, false)?; // head
         }
     }
     Some(t)

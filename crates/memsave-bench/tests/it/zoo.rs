@@ -12,7 +12,9 @@ use memsave_bench::{
     availability, fit_model, run_suite, trace_case, ModelKind, ModelSpec, RunOptions, Status, Suite,
 };
 use memsave_fit::FitRequest;
-use memsave_models::{Architecture, MobileNetV2Config, ResNetConfig, VitConfig};
+use memsave_models::{
+    Architecture, EncoderDecoderConfig, MobileNetV2Config, ResNetConfig, UNetConfig, VitConfig,
+};
 use memsave_step::Workload;
 use serial_test::serial;
 use tch::{Device, Kind, Tensor};
@@ -515,10 +517,17 @@ fn the_bundled_zoo_suite_is_valid_and_runs_everywhere() {
         suite.models.iter().map(|m| m.kind.as_str()).collect();
     assert_eq!(
         kinds.into_iter().collect::<Vec<_>>(),
-        ["llama", "mobilenet_v2", "resnet", "vit"]
+        [
+            "encoder_decoder",
+            "llama",
+            "mobilenet_v2",
+            "resnet",
+            "unet",
+            "vit"
+        ]
     );
     // Each kind at two sizes, ResNet at depths 18 and 50.
-    for kind in ["llama", "mobilenet_v2", "vit"] {
+    for kind in ["llama", "mobilenet_v2", "vit", "unet", "encoder_decoder"] {
         let n = suite
             .models
             .iter()
@@ -546,5 +555,94 @@ fn the_bundled_zoo_suite_is_valid_and_runs_everywhere() {
                 s.name
             );
         }
+    }
+}
+
+const UNET: &str =
+    "{name: u, kind: unet, image: [2, 16, 16], classes: 3, base: 4, levels: 2, batch: 2}";
+const ENCODER_DECODER: &str = "{name: e, kind: encoder_decoder, vocab: 32, dim: 16, heads: 2, encoder_layers: 2, decoder_layers: 1, source: 6, target: 5, batch: 2}";
+
+/// Issue #35: the zoo's networks that are not chains parse with their own keys, count
+/// the parameters and batch bytes they build, and run in the harness as one layer of
+/// named blocks: `checkpoint: {every_layer: true}` recomputes every block (gradients
+/// bitwise the baseline's, less kept after the forward), a plan of the chain is refused.
+#[test]
+#[serial]
+fn the_unet_and_the_encoder_decoder_run_as_blocks_in_the_harness() {
+    let u = parse(UNET);
+    assert_eq!(
+        u.kind,
+        ModelKind::Zoo(Architecture::UNet(UNetConfig {
+            image: [2, 16, 16],
+            classes: 3,
+            base: 4,
+            levels: 2,
+        }))
+    );
+    assert_eq!(u.kind.as_str(), "unet");
+    let e = parse(ENCODER_DECODER);
+    assert_eq!(
+        e.kind,
+        ModelKind::Zoo(Architecture::EncoderDecoder(EncoderDecoderConfig {
+            vocab: 32,
+            dim: 16,
+            heads: 2,
+            encoder_layers: 2,
+            decoder_layers: 1,
+            source: 6,
+            target: 5,
+        }))
+    );
+    assert_eq!(e.input_shape(), [2, 11]);
+    // Input and target bytes: 2 images of 2 x 16 x 16 f32 and 2 x 16 x 16 int64 labels;
+    // 2 x 11 packed int64 tokens and 2 x 5 int64 targets.
+    assert_eq!(u.batch_bytes(), Some(2 * 2 * 16 * 16 * 4 + 2 * 16 * 16 * 8));
+    assert_eq!(e.batch_bytes(), Some(2 * 11 * 8 + 2 * 5 * 8));
+    for (model, spec) in [(UNET, &u), (ENCODER_DECODER, &e)] {
+        assert_counts_match_the_build(model);
+        tch::manual_seed(0);
+        let built = Model::build(spec, Device::Cpu).unwrap();
+        let target = built.target.as_ref().unwrap();
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        assert_eq!(
+            spec.batch_bytes(),
+            Some(bytes(&built.input) + bytes(target))
+        );
+        assert_eq!(built.seq.len(), 1, "{model}: the forward is one layer");
+        assert!(built.blocks().is_some(), "{model}");
+    }
+    // Refused keys: another kind's, and a configuration the architecture refuses.
+    assert_error(
+        &UNET.replace("batch: 2", "batch: 2, depth: 18"),
+        &format!("3:{}", column_of(UNET, "batch") + 10),
+        "unknown field `depth`",
+    );
+    assert_error(
+        &UNET.replace("[2, 16, 16]", "[2, 16, 10]"),
+        "3:5",
+        "model 'u': levels: 2^levels must divide",
+    );
+    assert_error(
+        &ENCODER_DECODER.replace("heads: 2", "heads: 3"),
+        "3:5",
+        "model 'e': heads: must divide dim",
+    );
+    for model in [UNET, ENCODER_DECODER] {
+        let yaml = format!(
+            "suite: zoo\nwarmup: 1\nrepeats: 1\nmodels:\n  - {model}\nstrategies:\n  - baseline\n  - checkpoint: {{every_layer: true}}\n  - checkpoint: {{segments: 2}}\n"
+        );
+        let suite = Suite::from_yaml(&yaml, "zoo.yaml").unwrap();
+        let name = &suite.models[0].name;
+        let report = run_suite(&suite, &RunOptions::default()).unwrap();
+        let baseline = case(&report, name, "baseline");
+        assert_eq!(baseline.status, Status::Ok, "{:?}", baseline.error);
+        let every = case(&report, name, "checkpoint(every_layer=true)");
+        assert_eq!(every.status, Status::Ok, "{:?}", every.error);
+        assert_eq!(every.grad_max_abs_diff, Some(0.0), "{model}");
+        assert!(every.retained_after_forward_bytes < baseline.retained_after_forward_bytes);
+        let segments = case(&report, name, "checkpoint(segments=2)");
+        assert_ne!(segments.status, Status::Ok, "{model}");
+        let why = segments.error.as_deref().unwrap_or("");
+        assert!(why.contains("is a model of blocks, not a chain"), "{why}");
     }
 }

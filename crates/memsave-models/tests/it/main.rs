@@ -5,6 +5,7 @@ mod compress_zoo;
 mod disk_offload_zoo;
 mod fit_running_stats;
 mod fit_zoo;
+mod graphs;
 mod one_value_per_channel;
 mod resnet18_training;
 mod running_stats;
