@@ -345,6 +345,28 @@ impl Drop for RandomStreamGuard {
 /// [`Workload::set_residual`] of its built [`Model`] answers), and if not why: the
 /// zoo's networks have no residual update to choose, so `inplace_add`, `add_out` and
 /// `safe_residual` are unavailable on them.
+/// Whether `spec` takes `config`'s checkpoint plan: a network of blocks takes none or
+/// `every_layer` only.
+pub(crate) fn plan_available(
+    spec: &ModelSpec,
+    config: &memsave_step::StepConfig,
+) -> Result<(), Unavailable> {
+    use memsave_checkpoint::Plan;
+    use memsave_step::config::PlanChoice;
+    let blocks = spec.kind.architecture().is_some_and(|a| a.is_blocks());
+    let chain_plan = !matches!(
+        config.plan,
+        PlanChoice::Fixed(Plan::None) | PlanChoice::Fixed(Plan::EveryLayer)
+    );
+    if blocks && chain_plan {
+        return Err(Unavailable::NotAChain {
+            model: spec.name.clone(),
+            kind: spec.kind.as_str(),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn residual_available(
     spec: &ModelSpec,
     update: ResidualUpdate,

@@ -190,8 +190,10 @@ pub fn availability(
     world_size: Option<usize>,
 ) -> Result<(), Unavailable> {
     match world_size {
-        None => resolve(strategy)
-            .and_then(|config| crate::models::residual_available(model, config.residual)),
+        None => resolve(strategy).and_then(|config| {
+            crate::models::residual_available(model, config.residual)?;
+            crate::models::plan_available(model, &config)
+        }),
         Some(n) => crate::distributed::rank_config(model, strategy, n)
             .map(|_| ())
             .map_err(|e| Unavailable::OnRanks(e.reason)),

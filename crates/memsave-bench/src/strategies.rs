@@ -74,6 +74,14 @@ pub enum Unavailable {
     /// An optimizer `in_backward` with `grad_scaler`.
     #[error("optimizer in_backward cannot check every gradient for inf/NaN before the first update, so it cannot run with grad_scaler; drop one")]
     InBackwardWithScaler,
+    /// A checkpoint plan other than `every_layer` on a network of blocks.
+    #[error("the model '{model}' ({kind}) is a model of blocks, not a chain: its checkpoint plan is every_layer (every block recomputed) or none; memsave fit plans its blocks one by one")]
+    NotAChain {
+        /// The model's name.
+        model: String,
+        /// Its kind (`unet`, `encoder_decoder`).
+        kind: &'static str,
+    },
     /// A residual update (`inplace_add`, `add_out`, `safe_residual`) on a zoo network.
     #[error("the model '{model}' ({kind}) has no residual blocks to apply {update:?} to (the zoo's blocks add as their architecture does)")]
     NoResidualBlocks {

@@ -42,6 +42,16 @@ impl Architecture {
         }
     }
 
+    /// Whether the network is not a chain: its forward runs as
+    /// [`Blocks`](memsave_checkpoint::Blocks) (`unet`, `encoder_decoder`), so its
+    /// checkpoint plan is none or every block recomputed (`every_layer`), or `fit`'s.
+    pub fn is_blocks(&self) -> bool {
+        matches!(
+            self,
+            Architecture::UNet(_) | Architecture::EncoderDecoder(_)
+        )
+    }
+
     /// Checks the configuration without building anything.
     ///
     /// # Errors

@@ -641,7 +641,7 @@ fn the_unet_and_the_encoder_decoder_run_as_blocks_in_the_harness() {
         assert_eq!(every.grad_max_abs_diff, Some(0.0), "{model}");
         assert!(every.retained_after_forward_bytes < baseline.retained_after_forward_bytes);
         let segments = case(&report, name, "checkpoint(segments=2)");
-        assert_ne!(segments.status, Status::Ok, "{model}");
+        assert_eq!(segments.status, Status::Unavailable, "{model}");
         let why = segments.error.as_deref().unwrap_or("");
         assert!(why.contains("is a model of blocks, not a chain"), "{why}");
     }
