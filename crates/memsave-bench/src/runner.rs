@@ -636,6 +636,16 @@ fn run_case(bench: &mut Workbench<'_>, strategy: &StrategySpec, settings: &Setti
             ))
         }
     };
+    if model.blocks().is_some() {
+        if let Err(e) = memsave_step::plan::apply_block_plan(model, &config) {
+            return FirstPass::Done(CaseResult::failed(
+                &name,
+                &strategy.name,
+                Status::Unavailable,
+                e.to_string(),
+            ));
+        }
+    }
     if !model.set_residual(config.residual) {
         model.set_residual(ResidualUpdate::Add);
         return FirstPass::Done(CaseResult::failed(
