@@ -262,3 +262,75 @@ fn bad_keys_are_named() {
     assert_eq!(key_of(&encdec(|c| c.decoder_layers = 0)), "decoder_layers");
     assert_eq!(key_of(&encdec(|c| c.vocab = 0)), "vocab");
 }
+
+/// The lever `i` of the property test below: kept, recomputed, recomputed with its
+/// inputs in files (memsave's disk store), or its saved tensors in a lossless copy.
+fn lever(i: u8) -> BlockLever {
+    match i {
+        0 => BlockLever::Keep,
+        1 => BlockLever::Recompute,
+        2 => BlockLever::RecomputeStoringInputs {
+            store: memsave_step::plan::disk_boundary_store(),
+        },
+        _ => BlockLever::store(
+            "copy",
+            true,
+            memsave_hooks::raw_hooks(memsave_hooks::hooks_from_fn(
+                |t: &Tensor| Ok(t.copy()),
+                |t: &Tensor| Ok(t.shallow_clone()),
+            )),
+        ),
+    }
+}
+
+/// One step of a fresh model with the levers `levers` (one per block of `keys`).
+fn step_assigned(arch: &Architecture, keys: &[BlockKey], levers: &[u8]) -> Step {
+    let model = build(arch);
+    let blocks = model.blocks().unwrap();
+    // Levers set before the model's first forward, as a trainer of fit's choice does.
+    blocks
+        .assign(keys.iter().cloned().zip(levers.iter().map(|&l| lever(l))))
+        .unwrap();
+    let batch = model.batch(BATCH).unwrap();
+    let out = model.layers().f_forward_t(&batch.input, true).unwrap();
+    let loss = model.loss(&out, batch.target.as_ref()).unwrap();
+    drop(out);
+    loss.backward();
+    Step {
+        loss: loss.double_value(&[]),
+        grads: model.parameters().iter().map(|p| p.grad().copy()).collect(),
+        buffers: model.buffers().iter().map(Tensor::copy).collect(),
+        retained: 0,
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 8, ..Default::default() })]
+
+    /// Every lossless per-block assignment gives the plain step's loss, gradients and
+    /// running statistics, bitwise, on both networks.
+    #[test]
+    #[serial_test::serial]
+    fn every_lossless_assignment_of_blocks_is_bitwise_a_plain_step(
+        levers in proptest::collection::vec(0u8..4, 7),
+    ) {
+        for arch in [unet(), encoder_decoder()] {
+            let plain = step(&arch, BlockLever::Keep);
+            let keys = {
+                let m = build(&arch);
+                let batch = m.batch(BATCH).unwrap();
+                let _ = m.layers().f_forward_t(&batch.input, true).unwrap();
+                m.blocks().unwrap().keys()
+            };
+            let levers = &levers[..keys.len()];
+            let planned = step_assigned(&arch, &keys, levers);
+            assert_eq!(planned.loss.to_bits(), plain.loss.to_bits(), "{} {levers:?}", arch.kind());
+            for (i, (a, b)) in planned.grads.iter().zip(&plain.grads).enumerate() {
+                assert!(a.equal(b), "{} {levers:?}: gradient {i}", arch.kind());
+            }
+            for (i, (a, b)) in planned.buffers.iter().zip(&plain.buffers).enumerate() {
+                assert!(a.equal(b), "{} {levers:?}: buffer {i}", arch.kind());
+            }
+        }
+    }
+}
