@@ -41,6 +41,21 @@ pub struct BlocksProfile {
     /// Measured step peaks with every block kept / recomputed.
     kept_peak: i64,
     recomputed_peak: i64,
+    /// With [`Blocks::profile_with_offload`]: seconds each block's offload adds to the
+    /// step (its forward's write, measured, twice for the read in backward).
+    offload_s: Option<Vec<f64>>,
+}
+
+/// What the planner gives one top-level block: kept, recomputed, or its saved tensors
+/// offloaded (with the store [`Blocks::profile_with_offload`] measured).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PlannedLever {
+    /// What it saves stays in memory.
+    Keep,
+    /// Recomputed in backward.
+    Recompute,
+    /// What it saves waits in the store until backward.
+    Offload,
 }
 
 impl BlocksProfile {
@@ -93,6 +108,10 @@ impl BlocksProfile {
                 .collect(),
             kept_peak: line(pa.kept_peak, pb.kept_peak),
             recomputed_peak: line(pa.recomputed_peak, pb.recomputed_peak),
+            offload_s: pb
+                .offload_s
+                .as_ref()
+                .map(|o| o.iter().map(|s| s * m as f64 / b as f64).collect()),
         })
     }
 
@@ -220,13 +239,81 @@ impl BlocksProfile {
     /// [`CheckpointError::InfeasibleBudget`] with the smallest predicted peak when
     /// nothing fits.
     pub fn solve(&self, budget: u64) -> Result<Vec<bool>> {
+        self.solve_costs(budget, &self.forward_s)
+    }
+
+    /// The levers with the least added time within `budget` (see
+    /// [`solve`](Self::solve)), each block kept, recomputed or, when the profile
+    /// measured offload ([`Blocks::profile_with_offload`]), offloaded. An offloaded
+    /// block frees between its forward and its backward what a recomputed one does
+    /// (its saved tensors; the store keeps none in memory), so each block that does
+    /// not stay takes the cheaper of the two.
+    ///
+    /// # Errors
+    /// As [`solve`](Self::solve).
+    pub fn solve_levers(&self, budget: u64) -> Result<Vec<PlannedLever>> {
+        let costs: Vec<f64> = match &self.offload_s {
+            Some(off) => self
+                .forward_s
+                .iter()
+                .zip(off)
+                .map(|(f, o)| f.min(*o))
+                .collect(),
+            None => self.forward_s.clone(),
+        };
+        let away = self.solve_costs(budget, &costs)?;
+        Ok(away
+            .iter()
+            .enumerate()
+            .map(|(i, &away)| match (away, &self.offload_s) {
+                (false, _) => PlannedLever::Keep,
+                (true, Some(off)) if off[i] < self.forward_s[i] => PlannedLever::Offload,
+                (true, _) => PlannedLever::Recompute,
+            })
+            .collect())
+    }
+
+    /// The predicted step peak of `levers` (an offloaded block counts as a
+    /// recomputed one: see [`solve_levers`](Self::solve_levers)).
+    pub fn predict_levers(&self, levers: &[PlannedLever]) -> i64 {
+        let away: Vec<bool> = levers.iter().map(|l| *l != PlannedLever::Keep).collect();
+        self.predict(&away)
+    }
+
+    /// Seconds `levers` add to the step: recomputed forwards and offloads.
+    pub fn added_seconds(&self, levers: &[PlannedLever]) -> f64 {
+        levers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| match l {
+                PlannedLever::Keep => 0.0,
+                PlannedLever::Recompute => self.forward_s[i],
+                PlannedLever::Offload => self.offload_s.as_ref().map_or(f64::INFINITY, |o| o[i]),
+            })
+            .sum()
+    }
+
+    /// Seconds each block's offload adds, when measured.
+    pub fn offload_seconds(&self) -> Option<&[f64]> {
+        self.offload_s.as_deref()
+    }
+
+    /// `solve` with `costs[i]` the time of sending block `i` away.
+    fn solve_costs(&self, budget: u64, costs: &[f64]) -> Result<Vec<bool>> {
         let n = self.keys.len();
         let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
         let fits = |r: &[bool]| self.predict(r) <= budget_i;
+        let cost = |r: &[bool]| -> f64 {
+            r.iter()
+                .zip(costs)
+                .filter(|(r, _)| **r)
+                .map(|(_, c)| c)
+                .sum()
+        };
         let mut best: Option<(f64, Vec<bool>)> = None;
         let mut consider = |r: Vec<bool>| {
             if fits(&r) {
-                let t = self.recompute_seconds(&r);
+                let t = cost(&r);
                 if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
                     best = Some((t, r));
                 }
@@ -241,7 +328,7 @@ impl BlocksProfile {
             let mut r = vec![true; n];
             consider(r.clone());
             let mut order: Vec<usize> = (0..n).collect();
-            let worth = |i: usize| self.forward_s[i] / self.saved[i].max(1) as f64;
+            let worth = |i: usize| costs[i] / self.saved[i].max(1) as f64;
             order.sort_by(|&a, &b| worth(b).total_cmp(&worth(a)));
             for i in order {
                 r[i] = false;
@@ -314,6 +401,69 @@ impl Blocks {
         }
         let (kept, recomputed) = outcome??;
         build(kept, recomputed)
+    }
+
+    /// [`profile`](Self::profile), and a third step with every block's saved tensors
+    /// handed to `offload` (a [`BlockLever::Store`]: memsave-hooks' disk offload), for
+    /// [`BlocksProfile::solve_levers`]: each block's offload costs its forward's extra
+    /// time there, twice (the write, and as much again for the read in backward).
+    ///
+    /// # Errors
+    /// As [`profile`](Self::profile); [`CheckpointError::Blocks`] when `offload` is
+    /// not a store.
+    pub fn profile_with_offload<F, E>(
+        &self,
+        params: &[Tensor],
+        offload: BlockLever,
+        mut step: F,
+    ) -> Result<BlocksProfile>
+    where
+        F: FnMut() -> std::result::Result<Tensor, E>,
+        E: std::fmt::Display,
+    {
+        if !matches!(offload, BlockLever::Store { .. }) {
+            return Err(CheckpointError::Blocks(format!(
+                "profile_with_offload takes a store lever, not {}",
+                offload.name()
+            )));
+        }
+        let mut profile = self.profile(params, &mut step)?;
+        let device = params.first().map_or(Device::Cpu, Tensor::device);
+        let (every, levers, planned) = {
+            let state = self.lock();
+            (
+                state.every.clone(),
+                state.levers.clone(),
+                state.planned.clone(),
+            )
+        };
+        let outcome = memsave_sys::checkpoint::with_running_stats_preserved(|| {
+            self.profile_run(params, device, offload, &mut step)
+        })
+        .map_err(|e| CheckpointError::Torch(e.to_string()));
+        {
+            let mut state = self.lock();
+            state.every = every;
+            state.levers = levers;
+            state.planned = planned;
+        }
+        let stored = outcome??;
+        let keys: Vec<&BlockKey> = stored.top.iter().map(|(k, _, _)| k).collect();
+        if keys.len() != profile.keys.len() || keys.iter().zip(&profile.keys).any(|(a, b)| *a != b)
+        {
+            return Err(CheckpointError::BlocksChanged(
+                "the offloaded step ran other blocks than the kept one".into(),
+            ));
+        }
+        profile.offload_s = Some(
+            stored
+                .top
+                .iter()
+                .zip(&profile.forward_s)
+                .map(|((_, _, s), kept)| 2.0 * (s - kept).max(0.0))
+                .collect(),
+        );
+        Ok(profile)
     }
 
     fn profile_run<F, E>(
@@ -442,5 +592,6 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         saved,
         forward_s,
         segments,
+        offload_s: None,
     })
 }

@@ -1,7 +1,7 @@
 //! A candidate configuration of `fit`: how the global batch is split and which levers
 //! are pulled, and the step configuration it runs as.
 use crate::ParallelMode;
-use memsave_checkpoint::{Block, BlockKey, BlockLever, Plan, Schedule};
+use memsave_checkpoint::{Block, BlockKey, BlockLever, Plan, PlannedLever, Schedule};
 use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
 use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePrecision};
 use serde::Serialize;
@@ -56,8 +56,8 @@ pub struct Choice {
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
     #[serde(skip)]
-    /// Per top-level block: recomputed (true) or kept.
-    pub(crate) block_levers: Option<Vec<(BlockKey, bool)>>,
+    /// Per top-level block: kept, recomputed or offloaded.
+    pub(crate) block_levers: Option<Vec<(BlockKey, PlannedLever)>>,
 }
 
 impl Choice {
@@ -97,11 +97,12 @@ impl Choice {
     }
 
     /// The levers of a workload of blocks this choice sets, by key (`None`: every
-    /// block kept). With [`offload`](Self::offload), each recomputed block keeps its
-    /// inputs in files until its recomputation
-    /// ([`BlockLever::RecomputeStoringInputs`] with
-    /// [`disk_boundary_store`](memsave_step::plan::disk_boundary_store): a temporary
-    /// directory made at the first store, removed when the levers are dropped).
+    /// block kept): offloaded blocks write what they save to files
+    /// ([`disk_block_lever`](memsave_step::plan::disk_block_lever)); with
+    /// [`offload`](Self::offload), each recomputed block keeps its inputs in files until
+    /// its recomputation ([`BlockLever::RecomputeStoringInputs`] with
+    /// [`disk_boundary_store`](memsave_step::plan::disk_boundary_store)). The stores
+    /// make their directories at the first write.
     pub fn block_levers(&self) -> Option<Vec<(BlockKey, BlockLever)>> {
         let levers = self.block_levers.as_ref()?;
         let recompute = if self.offload {
@@ -111,14 +112,15 @@ impl Choice {
         } else {
             BlockLever::Recompute
         };
+        let offload = memsave_step::plan::disk_block_lever();
         Some(
             levers
                 .iter()
-                .map(|(k, r)| {
-                    let lever = if *r {
-                        recompute.clone()
-                    } else {
-                        BlockLever::Keep
+                .map(|(k, l)| {
+                    let lever = match l {
+                        PlannedLever::Keep => BlockLever::Keep,
+                        PlannedLever::Recompute => recompute.clone(),
+                        PlannedLever::Offload => offload.clone(),
                     };
                     (k.clone(), lever)
                 })
@@ -126,27 +128,34 @@ impl Choice {
         )
     }
 
-    pub(crate) fn with_block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Choice {
-        let levers: Vec<(BlockKey, bool)> = levers
-            .into_iter()
-            .map(|(k, l)| (k, matches!(l, BlockLever::Recompute)))
-            .collect();
-        let recomputed: Vec<String> = levers
-            .iter()
-            .filter(|(_, r)| *r)
-            .map(|(k, _)| k.to_string())
-            .collect();
-        self.blocks = (!recomputed.is_empty()).then(|| {
+    pub(crate) fn with_block_levers(mut self, levers: Vec<(BlockKey, PlannedLever)>) -> Choice {
+        let named = |which: PlannedLever| -> Vec<String> {
+            levers
+                .iter()
+                .filter(|(_, l)| *l == which)
+                .map(|(k, _)| k.to_string())
+                .collect()
+        };
+        let (recomputed, offloaded) =
+            (named(PlannedLever::Recompute), named(PlannedLever::Offload));
+        let mut parts = Vec::new();
+        if !recomputed.is_empty() {
+            let inputs = if self.offload {
+                " (their inputs in files)"
+            } else {
+                ""
+            };
+            parts.push(format!("recompute {}{inputs}", recomputed.join(", ")));
+        }
+        if !offloaded.is_empty() {
+            parts.push(format!("offload {}", offloaded.join(", ")));
+        }
+        self.blocks = (!parts.is_empty()).then(|| {
             format!(
-                "recompute {} ({} of {} blocks{})",
-                recomputed.join(", "),
-                recomputed.len(),
-                levers.len(),
-                if self.offload {
-                    ", their inputs in files"
-                } else {
-                    ""
-                }
+                "{} ({} of {} blocks)",
+                parts.join("; "),
+                recomputed.len() + offloaded.len(),
+                levers.len()
             )
         });
         self.block_levers = Some(levers);
@@ -191,12 +200,18 @@ impl Choice {
             parts.push(format!("checkpoint({} recomputed)", recomputed(s)));
         }
         if let Some(levers) = &self.block_levers {
-            let n = levers.iter().filter(|(_, r)| *r).count();
-            if n > 0 {
-                parts.push(format!(
-                    "checkpoint({n} of {} blocks recomputed)",
+            let count = |which| levers.iter().filter(|(_, l)| *l == which).count();
+            let (r, o) = (count(PlannedLever::Recompute), count(PlannedLever::Offload));
+            match (r, o) {
+                (0, 0) => {}
+                (r, 0) => parts.push(format!(
+                    "checkpoint({r} of {} blocks recomputed)",
                     levers.len()
-                ));
+                )),
+                (r, o) => parts.push(format!(
+                    "blocks(recompute={r},offload={o} of {})",
+                    levers.len()
+                )),
             }
         }
         if self.micro_batches > 1 {

@@ -8,6 +8,7 @@ use memsave_checkpoint::{
     BlockLever, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
 };
 use memsave_hooks::{Compress, DiskOffload};
+use memsave_sys::hooks::RawHooks;
 use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
@@ -73,6 +74,34 @@ pub fn f_profile_blocks(model: &dyn Workload, example: &Batch) -> Result<BlocksP
     let target = example.target.as_ref();
     blocks
         .profile(&params, || {
+            let y = model
+                .layers()
+                .f_forward_t(&example.input, true)
+                .map_err(|e| e.to_string())?;
+            model.loss(&y, target).map_err(|e| e.to_string())
+        })
+        .map_err(|e| StepError::lever("checkpoint", e))
+}
+
+/// [`f_profile_blocks`] with a third step whose blocks offload what they save to files
+/// ([`disk_block_lever`]), for `BlocksProfile::solve_levers`.
+///
+/// # Errors
+/// As [`f_profile_blocks`].
+pub fn f_profile_blocks_with_offload(
+    model: &dyn Workload,
+    example: &Batch,
+) -> Result<BlocksProfile, StepError> {
+    let Some(blocks) = model.blocks() else {
+        return Err(StepError::InvalidConfig(format!(
+            "'{}' is a chain of layers, not a model of blocks: profile its layers",
+            model.name()
+        )));
+    };
+    let params = model.parameters();
+    let target = example.target.as_ref();
+    blocks
+        .profile_with_offload(&params, disk_block_lever(), || {
             let y = model
                 .layers()
                 .f_forward_t(&example.input, true)
@@ -171,6 +200,53 @@ pub fn apply_block_plan(model: &dyn Workload, config: &StepConfig) -> Result<boo
 /// under its offload lever ([`BlockLever::RecomputeStoringInputs`]).
 pub fn disk_boundary_store() -> Arc<dyn BoundaryStore> {
     Arc::new(LazyDiskStore(std::sync::OnceLock::new()))
+}
+
+/// Saved-tensor hooks that write what a block saves to files (memsave-hooks'
+/// `DiskOffload`, synchronous, its exact policy: parameters and constants stay), in the
+/// system's temporary `memsave-offload` directory made at the first save (a failure to
+/// make it fails that save, and so the step, with the reason): what `fit` uses for
+/// blocks it offloads ([`BlockLever::Store`]).
+pub fn disk_block_lever() -> BlockLever {
+    BlockLever::store(
+        "offload to disk",
+        true,
+        Arc::new(LazyDiskHooks(std::sync::OnceLock::new())),
+    )
+}
+
+/// [`disk_block_lever`]'s hooks: the store made on first use.
+struct LazyDiskHooks(std::sync::OnceLock<Result<Arc<dyn RawHooks>, String>>);
+
+impl LazyDiskHooks {
+    fn get(&self) -> Result<&Arc<dyn RawHooks>, memsave_sys::CallbackError> {
+        self.0
+            .get_or_init(|| {
+                let dir = crate::saved::default_dir().map_err(|e| e.to_string())?;
+                let store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                Ok(memsave_hooks::raw_hooks(
+                    store.synchronous(true).prefetch(0),
+                ))
+            })
+            .as_ref()
+            .map_err(|e| e.clone().into())
+    }
+}
+
+impl RawHooks for LazyDiskHooks {
+    fn pack(
+        &self,
+        tensor: &tch::Tensor,
+        saved_by: Option<&str>,
+    ) -> Result<memsave_sys::hooks::Packed, memsave_sys::CallbackError> {
+        self.get()?.pack(tensor, saved_by)
+    }
+    fn unpack(
+        &self,
+        packed: &memsave_sys::hooks::Packed,
+    ) -> Result<tch::Tensor, memsave_sys::CallbackError> {
+        self.get()?.unpack(packed)
+    }
 }
 
 /// [`disk_boundary_store`]'s store: the directory made on first use.

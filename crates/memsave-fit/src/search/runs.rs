@@ -11,9 +11,11 @@ use crate::lockstep::Ranks;
 use crate::predict::{profile_at, Affine};
 use crate::probe::{probe, Probe, ProbeError};
 use crate::{Candidate, FitError, FitEvent};
-use memsave_checkpoint::{predict, BlocksProfile, ChainProfile, LayerProfile, Schedule, Solver};
+use memsave_checkpoint::{
+    predict, BlocksProfile, ChainProfile, LayerProfile, PlannedLever, Schedule, Solver,
+};
 use memsave_meter::Bytes;
-use memsave_step::plan::{f_profile, f_profile_blocks};
+use memsave_step::plan::{f_profile, f_profile_blocks_with_offload};
 use memsave_step::workload::Workload;
 use std::collections::HashMap;
 
@@ -421,7 +423,8 @@ impl Runs<'_> {
                     .workload
                     .batch(size)
                     .map_err(|e| FitError::Step(e.to_string()))?;
-                f_profile_blocks(&*self.workload, &x).map_err(|e| FitError::Step(e.to_string()))
+                f_profile_blocks_with_offload(&*self.workload, &x)
+                    .map_err(|e| FitError::Step(e.to_string()))
             };
             let pa = at(a)?;
             let pb = if a == b { pa.clone() } else { at(b)? };
@@ -451,23 +454,44 @@ impl Runs<'_> {
             Some(real) => real.saturating_sub(model_plain),
             None => 0,
         };
+        // Under the offload lever every kept block's saves go to files already: the
+        // others are recomputed (their inputs in files too); otherwise each block is
+        // kept, recomputed or offloaded, whichever costs least.
+        let solve = |budget: u64| -> Option<Vec<PlannedLever>> {
+            if base.offload {
+                let r = profile.solve(budget).ok()?;
+                Some(
+                    r.into_iter()
+                        .map(|r| {
+                            if r {
+                                PlannedLever::Recompute
+                            } else {
+                                PlannedLever::Keep
+                            }
+                        })
+                        .collect(),
+                )
+            } else {
+                profile.solve_levers(budget).ok()
+            }
+        };
         let mut solver_budget = self.target.saturating_sub(extra);
         let mut last = None;
         let mut tried = Vec::new();
         for _ in 0..3 {
-            let recompute = match profile.solve(solver_budget) {
-                Ok(r) => r,
-                Err(_) => break,
+            let Some(plan) = solve(solver_budget) else {
+                break;
             };
-            if recompute.iter().all(|r| !r) {
+            if plan.iter().all(|l| *l == PlannedLever::Keep) {
                 solver_budget = model_plain.saturating_sub(1);
                 continue;
             }
-            if tried.contains(&recompute) {
+            if tried.contains(&plan) {
                 break;
             }
-            tried.push(recompute.clone());
-            let choice = base.clone().with_block_levers(profile.levers(&recompute));
+            tried.push(plan.clone());
+            let levers = profile.keys().iter().cloned().zip(plan).collect();
+            let choice = base.clone().with_block_levers(levers);
             let candidate = self.evaluate(&choice, m, k, Some(m))?;
             let fits = candidate.predicted_fits;
             let over = candidate
@@ -484,9 +508,13 @@ impl Runs<'_> {
         if last.is_none() {
             // Nothing within the target: every block recomputed, for the record (and
             // for the smallest feasible budget).
-            let choice = base
-                .clone()
-                .with_block_levers(profile.levers(&vec![true; n]));
+            let levers = profile
+                .keys()
+                .iter()
+                .cloned()
+                .map(|k| (k, PlannedLever::Recompute))
+                .collect();
+            let choice = base.clone().with_block_levers(levers);
             last = Some(self.evaluate(&choice, m, k, Some(m))?);
         }
         Ok(last)

@@ -155,14 +155,16 @@ fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
         .find(|c| c.choice.blocks.is_some())
         .unwrap_or_else(|| panic!("no blocks choice\n{text}"));
     let levers = mixed.choice.block_levers().unwrap();
-    let recomputes = levers
+    // Some blocks recomputed or offloaded, not all, none lossy.
+    let away = levers
         .iter()
-        .filter(|(_, l)| matches!(l, BlockLever::Recompute))
+        .filter(|(_, l)| !matches!(l, BlockLever::Keep))
         .count();
-    assert!(recomputes > 0 && recomputes < levers.len(), "{text}");
+    assert!(away > 0 && away < levers.len(), "{text}");
+    assert!(levers.iter().all(|(_, l)| l.is_lossless()), "{text}");
     assert!(mixed.predicted_fits, "{text}");
     if report.choice.blocks.is_some() {
-        assert!(text.contains("blocks: recompute "), "{text}");
+        assert!(text.contains("blocks: "), "{text}");
     }
 }
 
