@@ -36,8 +36,11 @@ pub struct BlocksProfile {
     /// Peak of each block's forward with every block kept / recomputed.
     forward_kept: Vec<i64>,
     forward_recomputed: Vec<i64>,
-    /// The recomputed run's other segments: peak, and the blocks alive in it.
-    segments: Vec<(i64, Vec<usize>)>,
+    /// The recomputed run's other segments: peak, the blocks alive in it, and the
+    /// block whose recomputation opened it.
+    segments: Vec<(i64, Vec<usize>, Option<usize>)>,
+    /// Bytes of each block's outputs (which its recomputation makes again).
+    output: Vec<i64>,
     /// Measured step peaks with every block kept / recomputed.
     kept_peak: i64,
     recomputed_peak: i64,
@@ -78,7 +81,7 @@ impl BlocksProfile {
                 .segments
                 .iter()
                 .zip(&pb.segments)
-                .all(|(x, y)| x.1 == y.1);
+                .all(|(x, y)| x.1 == y.1 && x.2 == y.2);
         if !same {
             return None;
         }
@@ -99,12 +102,13 @@ impl BlocksProfile {
                 .map(|s| s * m as f64 / b as f64)
                 .collect(),
             forward_kept: lines(&pa.forward_kept, &pb.forward_kept),
+            output: lines(&pa.output, &pb.output),
             forward_recomputed: lines(&pa.forward_recomputed, &pb.forward_recomputed),
             segments: pa
                 .segments
                 .iter()
                 .zip(&pb.segments)
-                .map(|((x, alive), (y, _))| (line(*x, *y), alive.clone()))
+                .map(|((x, alive, own), (y, _, _))| (line(*x, *y), alive.clone(), *own))
                 .collect(),
             kept_peak: line(pa.kept_peak, pb.kept_peak),
             recomputed_peak: line(pa.recomputed_peak, pb.recomputed_peak),
@@ -143,6 +147,12 @@ impl BlocksProfile {
     /// # Panics
     /// When `recompute` has not one entry per top-level block.
     pub fn predict(&self, recompute: &[bool]) -> i64 {
+        self.predict_with(recompute, &vec![false; recompute.len()])
+    }
+
+    /// [`predict`](Self::predict) where the blocks of `offloaded` (a subset of those
+    /// sent away) read their saves back in backward instead of recomputing.
+    fn predict_with(&self, recompute: &[bool], offloaded: &[bool]) -> i64 {
         assert_eq!(recompute.len(), self.keys.len(), "one entry per block");
         let kept_alive = |alive: &[usize]| -> i64 {
             alive
@@ -154,7 +164,13 @@ impl BlocksProfile {
         let mut peak = self
             .segments
             .iter()
-            .map(|(p, alive)| p + kept_alive(alive))
+            .map(|(p, alive, own)| {
+                // The profile's segment of a block's backward began with its
+                // recomputation, which made its outputs again; an offloaded block
+                // reads its saves back instead.
+                let again = own.filter(|&i| offloaded[i]).map_or(0, |i| self.output[i]);
+                p + kept_alive(alive) - again
+            })
             .max()
             .unwrap_or(0);
         for i in 0..self.keys.len() {
@@ -277,7 +293,8 @@ impl BlocksProfile {
     /// recomputed one: see [`solve_levers`](Self::solve_levers)).
     pub fn predict_levers(&self, levers: &[PlannedLever]) -> i64 {
         let away: Vec<bool> = levers.iter().map(|l| *l != PlannedLever::Keep).collect();
-        self.predict(&away)
+        let offloaded: Vec<bool> = levers.iter().map(|l| *l == PlannedLever::Offload).collect();
+        self.predict_with(&away, &offloaded)
     }
 
     /// Seconds `levers` add to the step: recomputed forwards and offloads.
@@ -515,8 +532,14 @@ impl Blocks {
             .filter(|r| r.depth == 0)
             .map(|r| (r.key.clone(), r.retained_bytes, r.forward_s))
             .collect();
+        let output = records
+            .iter()
+            .filter(|r| r.depth == 0)
+            .map(|r| r.output_bytes as i64)
+            .collect();
         Ok(Run {
             top,
+            output,
             segments: profiler.segments,
         })
     }
@@ -526,6 +549,7 @@ impl Blocks {
 /// its segments.
 struct Run {
     top: Vec<(BlockKey, i64, f64)>,
+    output: Vec<i64>,
     segments: Vec<(Event, i64)>,
 }
 
@@ -567,10 +591,10 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
     for (event, peak) in &recomputed.segments {
         match *event {
             Event::Start(_) => {}
-            Event::Begin | Event::ForwardEnd => segments.push((*peak, finished.clone())),
+            Event::Begin | Event::ForwardEnd => segments.push((*peak, finished.clone(), None)),
             Event::End(i) => {
                 finished.push(i);
-                segments.push((*peak, finished.clone()));
+                segments.push((*peak, finished.clone(), None));
             }
             Event::Recompute(i) => {
                 freed.push(i);
@@ -579,7 +603,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
                     .copied()
                     .filter(|j| !freed.contains(j))
                     .collect();
-                segments.push((*peak, alive));
+                segments.push((*peak, alive, Some(i)));
             }
         }
     }
@@ -592,6 +616,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         saved,
         forward_s,
         segments,
+        output: recomputed.output,
         offload_s: None,
     })
 }
