@@ -88,9 +88,10 @@ impl BlocksProfile {
         if a == b {
             return Some(pb.clone());
         }
+        // Bytes never fall below zero, however far below `a` the line is followed.
         let line = |fa: i64, fb: i64| -> i64 {
             let v = fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64;
-            v.round() as i64
+            (v.round() as i64).max(0)
         };
         let lines = |xa: &[i64], xb: &[i64]| xa.iter().zip(xb).map(|(&x, &y)| line(x, y)).collect();
         Some(BlocksProfile {
@@ -396,26 +397,16 @@ impl Blocks {
         E: std::fmt::Display,
     {
         let device = params.first().map_or(Device::Cpu, Tensor::device);
-        let (every, levers, planned) = {
-            let state = self.lock();
-            (
-                state.every.clone(),
-                state.levers.clone(),
-                state.planned.clone(),
-            )
+        let outcome = {
+            let _levers = LeversBack::save(self);
+            memsave_sys::checkpoint::with_running_stats_preserved(|| {
+                let kept = self.profile_run(params, device, BlockLever::Keep, &mut step)?;
+                let recomputed =
+                    self.profile_run(params, device, BlockLever::Recompute, &mut step)?;
+                Ok::<_, CheckpointError>((kept, recomputed))
+            })
+            .map_err(|e| CheckpointError::Torch(e.to_string()))
         };
-        let outcome = memsave_sys::checkpoint::with_running_stats_preserved(|| {
-            let kept = self.profile_run(params, device, BlockLever::Keep, &mut step)?;
-            let recomputed = self.profile_run(params, device, BlockLever::Recompute, &mut step)?;
-            Ok::<_, CheckpointError>((kept, recomputed))
-        })
-        .map_err(|e| CheckpointError::Torch(e.to_string()));
-        {
-            let mut state = self.lock();
-            state.every = every;
-            state.levers = levers;
-            state.planned = planned;
-        }
         let (kept, recomputed) = outcome??;
         build(kept, recomputed)
     }
@@ -446,24 +437,13 @@ impl Blocks {
         }
         let mut profile = self.profile(params, &mut step)?;
         let device = params.first().map_or(Device::Cpu, Tensor::device);
-        let (every, levers, planned) = {
-            let state = self.lock();
-            (
-                state.every.clone(),
-                state.levers.clone(),
-                state.planned.clone(),
-            )
+        let outcome = {
+            let _levers = LeversBack::save(self);
+            memsave_sys::checkpoint::with_running_stats_preserved(|| {
+                self.profile_run(params, device, offload, &mut step)
+            })
+            .map_err(|e| CheckpointError::Torch(e.to_string()))
         };
-        let outcome = memsave_sys::checkpoint::with_running_stats_preserved(|| {
-            self.profile_run(params, device, offload, &mut step)
-        })
-        .map_err(|e| CheckpointError::Torch(e.to_string()));
-        {
-            let mut state = self.lock();
-            state.every = every;
-            state.levers = levers;
-            state.planned = planned;
-        }
         let stored = outcome??;
         let keys: Vec<&BlockKey> = stored.top.iter().map(|(k, _, _)| k).collect();
         if keys.len() != profile.keys.len() || keys.iter().zip(&profile.keys).any(|(a, b)| *a != b)
@@ -542,6 +522,37 @@ impl Blocks {
             output,
             segments: profiler.segments,
         })
+    }
+}
+
+/// Puts the blocks' levers back as they were, and takes out any profiler, when
+/// dropped: after a profile, also one that failed or panicked.
+struct LeversBack<'a> {
+    blocks: &'a Blocks,
+    every: BlockLever,
+    levers: std::collections::HashMap<BlockKey, BlockLever>,
+    planned: Option<Vec<BlockKey>>,
+}
+
+impl<'a> LeversBack<'a> {
+    fn save(blocks: &'a Blocks) -> Self {
+        let state = blocks.lock();
+        LeversBack {
+            blocks,
+            every: state.every.clone(),
+            levers: state.levers.clone(),
+            planned: state.planned.clone(),
+        }
+    }
+}
+
+impl Drop for LeversBack<'_> {
+    fn drop(&mut self) {
+        let mut state = self.blocks.lock();
+        state.every = self.every.clone();
+        state.levers = std::mem::take(&mut self.levers);
+        state.planned = self.planned.take();
+        state.profiler = None;
     }
 }
 

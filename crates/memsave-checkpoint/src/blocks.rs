@@ -145,7 +145,9 @@ pub(crate) struct State {
     pub(crate) planned: Option<Vec<BlockKey>>,
     /// Call counters of the recomputations in progress, innermost last.
     replays: Vec<HashMap<String, usize>>,
-    /// Whether a block of the forward in progress was refused as not planned.
+    /// Whether a block of the forward in progress was refused as not planned, or
+    /// failed: the forward's own error then stands, and its partial record is not
+    /// kept as the last forward.
     refused: bool,
     /// The memory segments of a profiled step in progress.
     pub(crate) profiler: Option<Profiler>,
@@ -285,14 +287,17 @@ impl Blocks {
 
     /// Runs one forward of the model (`f`, which calls [`run`](Self::run) for its
     /// blocks): the call indices start at 0, and when levers were set for single
-    /// calls, the blocks must come in the order they were set for (else
-    /// [`CheckpointError::BlocksChanged`], before the first block that differs runs).
-    /// Afterwards [`last_forward`](Self::last_forward) tells what each block did.
+    /// calls, the top-level blocks must come in the order they were set for (else the
+    /// first that differs is refused before it runs: its `run` returns
+    /// [`CheckpointError::BlocksChanged`], which `f` passes on). Afterwards
+    /// [`last_forward`](Self::last_forward) tells what each block did (a forward in
+    /// which a block failed or was refused leaves the record of the one before).
     ///
     /// # Errors
-    /// [`CheckpointError::BlocksChanged`] when the blocks differ from the planned ones
-    /// (then `f`'s own result is dropped); [`CheckpointError::Blocks`] when a forward is
-    /// already running on these blocks.
+    /// [`CheckpointError::BlocksChanged`] when `f` ran fewer top-level blocks than the
+    /// levers were set for, or none of a key a lever was set for (then `f`'s own
+    /// result is dropped; not when a block failed, whose error `f` has);
+    /// [`CheckpointError::Blocks`] when a forward is already running on these blocks.
     pub fn forward<T>(&self, f: impl FnOnce(&Blocks) -> T) -> Result<T> {
         {
             let mut state = self.lock();
@@ -317,7 +322,11 @@ impl Blocks {
                 panic::resume_unwind(payload)
             }
         };
-        if !state.refused {
+        if state.refused {
+            // A block failed or was refused: its error, in `f`'s result, stands.
+            return Ok(out);
+        }
+        {
             let top: Vec<&BlockKey> = recorded
                 .iter()
                 .filter(|r| r.depth == 0)
@@ -345,6 +354,17 @@ impl Blocks {
                     unrun.join(", ")
                 )));
             }
+        }
+        // Levers set before any forward: from now on, the top-level blocks must come
+        // in this forward's order.
+        if state.planned.is_none() && !state.levers.is_empty() {
+            state.planned = Some(
+                recorded
+                    .iter()
+                    .filter(|r| r.depth == 0)
+                    .map(|r| r.key.clone())
+                    .collect(),
+            );
         }
         state.last = recorded;
         Ok(out)
@@ -383,7 +403,8 @@ impl Blocks {
             .iter()
             .find(|t| t.defined())
             .map_or(Device::Cpu, |t| t.device());
-        let before = recorded_at.map(|_| memsave_meter::memory_allocated(device));
+        // Bytes are recorded where the meter can count them (not on every device).
+        let before = recorded_at.and_then(|_| memsave_meter::f_memory_allocated(device).ok());
         let top = {
             let mut state = self.lock();
             // A top-level block is known by its rank among the top-level blocks.
@@ -397,17 +418,22 @@ impl Blocks {
         };
         let out = self.apply(&lever, &label, inputs, top, f);
         let mut state = self.lock();
+        if out.is_err() && state.calls.is_some() && state.replays.is_empty() {
+            state.refused = true;
+        }
         if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
             profiler.event(Event::End(i));
         }
         if let Some(i) = recorded_at {
             state.depth -= 1;
-            if let (Ok(outs), Some(before)) = (&out, before) {
-                let after = memsave_meter::memory_allocated(device);
+            if let Ok(outs) = &out {
+                let after = memsave_meter::f_memory_allocated(device).ok();
                 let record = &mut state.recording[i];
                 record.input_bytes = distinct_bytes(inputs.iter().copied());
                 record.output_bytes = distinct_bytes(outs.iter());
-                record.retained_bytes = after as i64 - before as i64;
+                if let (Some(before), Some(after)) = (before, after) {
+                    record.retained_bytes = after as i64 - before as i64;
+                }
                 record.forward_s = started.elapsed().as_secs_f64();
             }
         }
@@ -514,19 +540,19 @@ impl Blocks {
                     if runs.fetch_add(1, Ordering::SeqCst) == 0 {
                         return f(xs);
                     }
-                    {
-                        let mut state = blocks.lock();
-                        state.replays.push(snapshot.clone());
-                        if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
-                            profiler.event(Event::Recompute(i));
+                    /// Pops the replay pushed below, however the recomputation ends.
+                    struct Replaying<'a>(&'a Blocks);
+                    impl Drop for Replaying<'_> {
+                        fn drop(&mut self) {
+                            self.0.lock().replays.pop();
                         }
                     }
-                    let out = panic::catch_unwind(AssertUnwindSafe(|| f(xs)));
-                    blocks.lock().replays.pop();
-                    match out {
-                        Ok(out) => out,
-                        Err(payload) => panic::resume_unwind(payload),
+                    blocks.lock().replays.push(snapshot.clone());
+                    let _replaying = Replaying(&blocks);
+                    if let (Some(i), Some(profiler)) = (top, blocks.lock().profiler.as_mut()) {
+                        profiler.event(Event::Recompute(i));
                     }
+                    f(xs)
                 })
             }
         }

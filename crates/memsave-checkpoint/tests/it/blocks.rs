@@ -453,3 +453,61 @@ fn recomputed_blocks_with_stored_inputs_keep_only_the_output() {
     }
     assert_eq!(retained, [4 * act, act]);
 }
+
+/// A block that fails in a planned forward: its own error comes back (not "the blocks
+/// changed"), the record of the last complete forward stays, and levers can still be
+/// set for its blocks; the next forward runs.
+#[test]
+#[serial]
+fn a_failing_block_keeps_its_own_error_and_the_last_complete_record() {
+    let blocks = Blocks::new();
+    let x = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+    let forward = |fail: bool| {
+        let x = x.shallow_clone();
+        move |b: &Blocks| -> Result<(), CheckpointError> {
+            for name in ["a", "b", "c"] {
+                b.try_run(name, &[&x], move |xs| {
+                    if fail && name == "b" {
+                        return Err("out of memory (a test's)");
+                    }
+                    Ok(vec![&xs[0] * 2])
+                })?;
+            }
+            Ok(())
+        }
+    };
+    blocks.forward(forward(false)).unwrap().unwrap();
+    blocks
+        .set(BlockKey::new("c", 0), BlockLever::Recompute)
+        .unwrap();
+    let err = blocks.forward(forward(true)).unwrap().unwrap_err();
+    assert!(
+        err.to_string().contains("out of memory (a test's)") && err.to_string().contains("b#0"),
+        "{err}"
+    );
+    assert_eq!(blocks.keys().len(), 3, "the last complete forward's record");
+    blocks
+        .set(BlockKey::new("c", 0), BlockLever::Keep)
+        .unwrap();
+    blocks.forward(forward(false)).unwrap().unwrap();
+    // Levers set before any forward: a failing block's error stands too.
+    let fresh = Blocks::new();
+    fresh
+        .set(BlockKey::new("c", 0), BlockLever::Recompute)
+        .unwrap();
+    let err = fresh.forward(forward(true)).unwrap().unwrap_err();
+    assert!(err.to_string().contains("out of memory (a test's)"), "{err}");
+    // After the first complete forward, the order of top-level blocks is checked.
+    fresh.forward(forward(false)).unwrap().unwrap();
+    let swapped = {
+        let x = x.shallow_clone();
+        move |b: &Blocks| -> Result<(), CheckpointError> {
+            for name in ["b", "a", "c"] {
+                b.run(name, &[&x], |xs| vec![&xs[0] * 2])?;
+            }
+            Ok(())
+        }
+    };
+    let err = fresh.forward(swapped).unwrap().unwrap_err();
+    assert!(matches!(err, CheckpointError::BlocksChanged(_)), "{err}");
+}

@@ -30,7 +30,9 @@ pub(super) struct Runs<'w> {
     pub(super) global: i64,
     affines: HashMap<AffineKey, Option<Affine>>,
     profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
-    block_profiles: Option<(BlocksProfile, i64, BlocksProfile, i64)>,
+    /// The blocks' profiles at two sizes, once (`Some(None)`: none could be made).
+    #[allow(clippy::type_complexity)]
+    block_profiles: Option<Option<(BlocksProfile, i64, BlocksProfile, i64)>>,
     /// Small runs that did not fit the budget (retried at half the size).
     pub(super) small_over: usize,
     /// Small runs made so far, by configuration, size and micro-batch count.
@@ -415,22 +417,31 @@ impl Runs<'_> {
         if self.block_profiles.is_none() {
             // At half and the whole batch: a block's bytes are affine in the batch
             // from a few examples on, not from one (kernels pick their workspace by
-            // size), and the whole batch is what most splits run.
-            let (a, b) = (div_ceil(self.global, 2), self.global);
-            (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
-            let at = |size: i64| -> Result<BlocksProfile, FitError> {
-                let x = self
-                    .workload
-                    .batch(size)
-                    .map_err(|e| FitError::Step(e.to_string()))?;
-                f_profile_blocks_with_offload(&*self.workload, &x)
-                    .map_err(|e| FitError::Step(e.to_string()))
+            // size), and the whole batch is what most splits run. The plain step runs
+            // there: where it fails (out of memory on a device), halve both sizes.
+            let mut b = self.global;
+            let profiles = loop {
+                let a = div_ceil(b, 2);
+                (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
+                let at = |size: i64| -> Result<BlocksProfile, String> {
+                    let x = self.workload.batch(size).map_err(|e| e.to_string())?;
+                    f_profile_blocks_with_offload(&*self.workload, &x).map_err(|e| e.to_string())
+                };
+                let both = at(a).and_then(|pa| {
+                    let pb = if a == b { pa.clone() } else { at(b)? };
+                    Ok((pa, pb))
+                });
+                match both {
+                    Ok((pa, pb)) => break Some((pa, a, pb, b)),
+                    Err(_) if b > 1 => b = a,
+                    Err(_) => break None,
+                }
             };
-            let pa = at(a)?;
-            let pb = if a == b { pa.clone() } else { at(b)? };
-            self.block_profiles = Some((pa, a, pb, b));
+            self.block_profiles = Some(profiles);
         }
-        let (pa, a, pb, b) = self.block_profiles.as_ref().expect("profiled above");
+        let Some((pa, a, pb, b)) = self.block_profiles.as_ref().expect("profiled above") else {
+            return Ok(None);
+        };
         Ok(BlocksProfile::interpolate(pa, *a, pb, *b, m))
     }
 
