@@ -486,9 +486,7 @@ fn a_failing_block_keeps_its_own_error_and_the_last_complete_record() {
         "{err}"
     );
     assert_eq!(blocks.keys().len(), 3, "the last complete forward's record");
-    blocks
-        .set(BlockKey::new("c", 0), BlockLever::Keep)
-        .unwrap();
+    blocks.set(BlockKey::new("c", 0), BlockLever::Keep).unwrap();
     blocks.forward(forward(false)).unwrap().unwrap();
     // Levers set before any forward: a failing block's error stands too.
     let fresh = Blocks::new();
@@ -496,7 +494,10 @@ fn a_failing_block_keeps_its_own_error_and_the_last_complete_record() {
         .set(BlockKey::new("c", 0), BlockLever::Recompute)
         .unwrap();
     let err = fresh.forward(forward(true)).unwrap().unwrap_err();
-    assert!(err.to_string().contains("out of memory (a test's)"), "{err}");
+    assert!(
+        err.to_string().contains("out of memory (a test's)"),
+        "{err}"
+    );
     // After the first complete forward, the order of top-level blocks is checked.
     fresh.forward(forward(false)).unwrap().unwrap();
     let swapped = {
