@@ -580,6 +580,22 @@ impl Blocks {
         self.assign([(key, lever)])
     }
 
+    /// Sets exactly these levers: every other call is kept ([`set_every`] with
+    /// [`BlockLever::Keep`], then [`assign`](Self::assign)), as a plan chosen for the
+    /// whole model (`fit`'s) means.
+    ///
+    /// # Errors
+    /// As [`assign`](Self::assign); the blocks are then all kept.
+    ///
+    /// [`set_every`]: Self::set_every
+    pub fn set_levers(
+        &self,
+        levers: impl IntoIterator<Item = (BlockKey, BlockLever)>,
+    ) -> Result<()> {
+        self.set_every(BlockLever::Keep);
+        self.assign(levers)
+    }
+
     /// [`set`](Self::set) for several calls at once; nothing changes when one key is
     /// unknown.
     ///
@@ -588,6 +604,10 @@ impl Blocks {
     pub fn assign(&self, levers: impl IntoIterator<Item = (BlockKey, BlockLever)>) -> Result<()> {
         let mut state = self.lock();
         let levers: Vec<(BlockKey, BlockLever)> = levers.into_iter().collect();
+        if levers.is_empty() {
+            // Nothing assigned: nothing to plan the blocks' order for either.
+            return Ok(());
+        }
         if state.last.is_empty() {
             state.levers.extend(levers);
             return Ok(());

@@ -725,12 +725,12 @@ fn failed(e: impl std::fmt::Display) -> ProbeError {
 
 /// Sets `choice`'s block levers on a workload of blocks (every block kept when it has
 /// none); nothing for a chain.
-pub(crate) fn set_block_levers(workload: &dyn Workload, choice: &Choice) -> Result<(), String> {
-    if let Some(blocks) = workload.blocks() {
-        blocks.set_every(memsave_checkpoint::BlockLever::Keep);
-        if let Some(levers) = choice.block_levers() {
-            blocks.assign(levers).map_err(|e| e.to_string())?;
-        }
+pub(crate) fn set_block_levers(
+    workload: &dyn Workload,
+    choice: &Choice,
+) -> Result<(), memsave_checkpoint::CheckpointError> {
+    match workload.blocks() {
+        Some(blocks) => blocks.set_levers(choice.block_levers().unwrap_or_default()),
+        None => Ok(()),
     }
-    Ok(())
 }

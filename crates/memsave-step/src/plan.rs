@@ -5,7 +5,7 @@ use crate::error::StepError;
 use crate::levers::CompressDtype;
 use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{
-    BlockLever, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
+    BlockLever, Blocks, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
 };
 use memsave_hooks::{Compress, DiskOffload};
 use memsave_sys::hooks::RawHooks;
@@ -64,22 +64,8 @@ pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfi
 /// # Errors
 /// [`StepError::InvalidConfig`] for a chain; the step's error.
 pub fn f_profile_blocks(model: &dyn Workload, example: &Batch) -> Result<BlocksProfile, StepError> {
-    let Some(blocks) = model.blocks() else {
-        return Err(StepError::InvalidConfig(format!(
-            "'{}' is a chain of layers, not a model of blocks: profile its layers",
-            model.name()
-        )));
-    };
-    let params = model.parameters();
-    let target = example.target.as_ref();
-    blocks
-        .profile(&params, || {
-            let y = model
-                .layers()
-                .f_forward_t(&example.input, true)
-                .map_err(|e| e.to_string())?;
-            model.loss(&y, target).map_err(|e| e.to_string())
-        })
+    blocks_of(model)?
+        .profile(&model.parameters(), step_of(model, example))
         .map_err(|e| StepError::lever("checkpoint", e))
 }
 
@@ -92,23 +78,38 @@ pub fn f_profile_blocks_with_offload(
     model: &dyn Workload,
     example: &Batch,
 ) -> Result<BlocksProfile, StepError> {
-    let Some(blocks) = model.blocks() else {
-        return Err(StepError::InvalidConfig(format!(
+    blocks_of(model)?
+        .profile_with_offload(
+            &model.parameters(),
+            disk_block_lever(),
+            step_of(model, example),
+        )
+        .map_err(|e| StepError::lever("checkpoint", e))
+}
+
+/// The blocks of a workload of blocks; [`StepError::InvalidConfig`] for a chain.
+fn blocks_of(model: &dyn Workload) -> Result<&Blocks, StepError> {
+    model.blocks().ok_or_else(|| {
+        StepError::InvalidConfig(format!(
             "'{}' is a chain of layers, not a model of blocks: profile its layers",
             model.name()
-        )));
-    };
-    let params = model.parameters();
-    let target = example.target.as_ref();
-    blocks
-        .profile_with_offload(&params, disk_block_lever(), || {
-            let y = model
-                .layers()
-                .f_forward_t(&example.input, true)
-                .map_err(|e| e.to_string())?;
-            model.loss(&y, target).map_err(|e| e.to_string())
-        })
-        .map_err(|e| StepError::lever("checkpoint", e))
+        ))
+    })
+}
+
+/// One profiled step of `model` on `example`: its forward (which runs the blocks) and
+/// its loss.
+fn step_of<'a>(
+    model: &'a dyn Workload,
+    example: &'a Batch,
+) -> impl FnMut() -> Result<tch::Tensor, StepError> + 'a {
+    move || {
+        let y = model
+            .layers()
+            .f_forward_t(&example.input, true)
+            .map_err(|e| StepError::lever("checkpoint", e))?;
+        Ok(model.loss(&y, example.target.as_ref())?)
+    }
 }
 
 /// Sets `config`'s checkpoint plan on `model`; a budget is solved over a profile of

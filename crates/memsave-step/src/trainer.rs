@@ -161,9 +161,8 @@ impl TrainerBuilder {
                     model.name()
                 )));
             };
-            blocks.set_every(BlockLever::Keep);
             blocks
-                .assign(levers)
+                .set_levers(levers)
                 .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
         }
         let data_parallel = self

@@ -423,9 +423,8 @@ impl Runs<'_> {
             let profiles = loop {
                 let a = div_ceil(b, 2);
                 (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
-                let at = |size: i64| -> Result<BlocksProfile, String> {
-                    let x = self.workload.batch(size).map_err(|e| e.to_string())?;
-                    f_profile_blocks_with_offload(&*self.workload, &x).map_err(|e| e.to_string())
+                let at = |size: i64| -> Result<BlocksProfile, memsave_step::StepError> {
+                    f_profile_blocks_with_offload(&*self.workload, &self.workload.batch(size)?)
                 };
                 let both = at(a).and_then(|pa| {
                     let pb = if a == b { pa.clone() } else { at(b)? };
