@@ -242,6 +242,8 @@ pub fn trace_case(
         .parameters(&params)
         .inputs(&inputs)
         .optimizer_state(&state)
+        // Gradients in files take each parameter's one post-accumulate-grad hook.
+        .gradient_hooks(config.offload_grads.is_none())
         .record(|session| {
             let backward = Arc::new(AtomicBool::new(false));
             model

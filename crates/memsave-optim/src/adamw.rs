@@ -3,8 +3,8 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::number::number_like;
 use crate::optimizer::{non_negative, Optimizer, Rule};
+use crate::scratch::Scratch;
 use crate::state::Sign;
 
 /// AdamW's hyper-parameters, with PyTorch's defaults.
@@ -80,6 +80,7 @@ impl Rule for AdamWConfig {
         grad: &Tensor,
         buffers: &mut [Tensor],
         step: u64,
+        scratch: &mut Scratch,
     ) -> Result<(), tch::TchError> {
         let (beta1, beta2) = self.betas;
         // libtorch raises to a double power; powi could differ in the last bit.
@@ -88,20 +89,22 @@ impl Rule for AdamWConfig {
         let step_size = self.lr / bias_correction1;
         let (exp_avg, rest) = buffers.split_at_mut(1);
         let (exp_avg, exp_avg_sq) = (&mut exp_avg[0], &mut rest[0]);
-        // Everything the update allocates comes first, so that running out of memory
-        // leaves the parameter and its moments as they were: the numbers (0-dim
-        // tensors, see `number`) and one buffer for the denominator, libtorch's own
-        // temporary. The writes after that allocate nothing: the numbers of addcmul_
-        // and addcdiv_ reach the kernel as C++ Scalars (`memsave_sys::tensor`), as in
-        // libtorch's AdamW, so `(1 - beta2) * g` and `-step_size * m` need no copy.
-        let n = |v: f64| number_like(v, param);
+        // Everything the update allocates comes first (from the scratch, so only the
+        // first chunk of a parameter allocates), so that running out of memory leaves
+        // the parameter and its moments as they were: the numbers (0-dim tensors, see
+        // `number`) and one buffer for the denominator, libtorch's own temporary. The
+        // writes after that allocate nothing: the numbers of addcmul_ and addcdiv_
+        // reach the kernel as C++ Scalars (`memsave_sys::tensor`), as in libtorch's
+        // AdamW, so `(1 - beta2) * g` and `-step_size * m` need no copy.
         let decay = (self.weight_decay != 0.0)
-            .then(|| n(1.0 - self.lr * self.weight_decay))
+            .then(|| scratch.number(1.0 - self.lr * self.weight_decay, param))
             .transpose()?;
-        let (beta1_t, one_minus_beta1) = (n(beta1)?, n(1.0 - beta1)?);
-        let beta2_t = n(beta2)?;
-        let (sqrt_bias_correction2, eps) = (n(bias_correction2.sqrt())?, n(self.eps)?);
-        let denom = exp_avg_sq.f_empty_like()?;
+        let beta1_t = scratch.number(beta1, param)?;
+        let one_minus_beta1 = scratch.number(1.0 - beta1, param)?;
+        let beta2_t = scratch.number(beta2, param)?;
+        let sqrt_bias_correction2 = scratch.number(bias_correction2.sqrt(), param)?;
+        let eps = scratch.number(self.eps, param)?;
+        let denom = scratch.empty_like(exp_avg_sq)?;
 
         if let Some(decay) = &decay {
             let _ = param.f_mul_(decay)?;

@@ -40,6 +40,7 @@ mod observe;
 mod optimizer;
 mod placement;
 mod saved;
+mod scratch;
 mod sgd;
 mod state;
 
@@ -50,5 +51,6 @@ pub use observe::Observer;
 pub use optimizer::{zero_grad, Optimizer, Options, Rule};
 pub use placement::Placement;
 pub use saved::{SavedGroup, SavedParam, SavedState, SavedTensor};
+pub use scratch::Scratch;
 pub use sgd::{Sgd, SgdConfig};
 pub use state::{Sign, State};

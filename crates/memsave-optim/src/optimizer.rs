@@ -11,6 +11,7 @@ use crate::error::{OptimError, Result};
 use crate::number::number;
 use crate::observe::{Observer, ObserverSlot};
 use crate::placement::{Placement, StateStore};
+use crate::scratch::Scratch;
 use crate::state::{Buffer, BufferLayout, ParamState, Sign, State};
 
 /// An update rule with its hyper-parameters (one per parameter group): AdamW's or
@@ -35,19 +36,25 @@ pub trait Rule: Clone + Debug + Send + Serialize + DeserializeOwned + 'static {
     /// order of [`Rule::buffers`], zeros before the first step). `step` counts this
     /// parameter's updates, 1 for the first. Runs under `no_grad`.
     ///
+    /// `param`, `grad` and the buffers are 1-dim chunks of the same length: a large
+    /// parameter is updated a chunk at a time (see [`Scratch`]).
+    ///
     /// Warning: tch's ops that take a number (`f_mul_scalar_`, `f_add_scalar_`,
     /// `Tensor::f_scalar_tensor`, ...) panic when they fail, out of memory included,
     /// even in their `f_` form (the number's `Scalar` panics when dropped after a failed
-    /// op). Pass numbers as 0-dim tensors (`Tensor::f_from_slice(&[x])` reshaped to
-    /// `[]`, of `param`'s kind) to the tensor forms instead (`f_mul_`, `f_addcmul_`),
-    /// and allocate what the update needs before its first write, so that running out
-    /// of memory leaves `param` and `buffers` as they were, as AdamW and SGD do.
+    /// op). Take numbers from [`Scratch::number`] (0-dim tensors of `param`'s kind) and
+    /// pass them to the tensor forms instead (`f_mul_`, `f_addcmul_`), take every buffer
+    /// from [`Scratch::empty_like`] (and write into it with the `_out` forms), and ask
+    /// for them all before the first write, so that running out of memory leaves
+    /// `param` and `buffers` as they were, as AdamW and SGD do: the later chunks of a
+    /// parameter get the first chunk's back and allocate nothing.
     fn update(
         &self,
         param: &mut Tensor,
         grad: &Tensor,
         buffers: &mut [Tensor],
         step: u64,
+        scratch: &mut Scratch,
     ) -> Result<(), tch::TchError>;
 }
 
@@ -414,27 +421,36 @@ impl<R: Rule> Optimizer<R> {
         }
         let flat_param = param.f_view([-1]).map_err(at)?;
         let flat_grad = grad.f_reshape([-1]).map_err(at)?;
-        let chunk = state.chunk_len(numel);
+        let chunk = state.chunk_len(numel, param.device());
         let step = st.step + 1;
+        let mut scratch = Scratch::default();
         let mut start = 0;
         while start < numel {
             let len = chunk.min(numel - start);
+            scratch.next_chunk();
             let mut p = flat_param.f_narrow(0, start, len).map_err(at)?;
+            // Conversions to f32 go through the scratch too, so that the first chunk
+            // allocates all the update needs.
             let mut p32 = if p.kind() == Kind::Float {
                 p.shallow_clone()
             } else {
-                p.f_to_kind(Kind::Float).map_err(at)?
+                let mut out = scratch.empty_like_kind(&p, Kind::Float).map_err(at)?;
+                out.f_copy_(&p).map_err(at)?;
+                out
             };
             let mut g = flat_grad.f_narrow(0, start, len).map_err(at)?;
             if g.kind() != Kind::Float {
-                g = g.f_to_kind(Kind::Float).map_err(at)?;
+                let mut out = scratch.empty_like_kind(&g, Kind::Float).map_err(at)?;
+                out.f_copy_(&g).map_err(at)?;
+                g = out;
             }
             let mut values = st
                 .buffers
                 .iter()
                 .map(|b| b.read(start, len))
                 .collect::<Result<Vec<_>>>()?;
-            rule.update(&mut p32, &g, &mut values, step).map_err(at)?;
+            rule.update(&mut p32, &g, &mut values, step, &mut scratch)
+                .map_err(at)?;
             if p.kind() != Kind::Float {
                 p.f_copy_(&p32).map_err(at)?;
             }

@@ -3,8 +3,8 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{OptimError, Result};
-use crate::number::number_like;
 use crate::optimizer::{non_negative, Optimizer, Rule};
+use crate::scratch::Scratch;
 use crate::state::Sign;
 
 /// SGD's hyper-parameters, with PyTorch's defaults.
@@ -89,22 +89,26 @@ impl Rule for SgdConfig {
         grad: &Tensor,
         buffers: &mut [Tensor],
         step: u64,
+        scratch: &mut Scratch,
     ) -> Result<(), tch::TchError> {
-        // Everything the update allocates comes first, so that running out of memory
-        // leaves the parameter and its momentum as they were (see AdamW's update).
-        let n = |v: f64| number_like(v, param);
+        // Everything the update allocates comes first (from the scratch), so that
+        // running out of memory leaves the parameter and its momentum as they were
+        // (see AdamW's update).
         let d = if self.weight_decay != 0.0 {
-            grad.f_addcmul(param, &n(self.weight_decay)?)?
+            let wd = scratch.number(self.weight_decay, param)?;
+            let out = scratch.empty_like(grad)?;
+            grad.f_addcmul_out(&out, param, &wd)?
         } else {
             grad.shallow_clone()
         };
-        let minus_lr = n(-self.lr)?;
+        let minus_lr = scratch.number(-self.lr, param)?;
         let Some(buf) = buffers.first_mut() else {
             let _ = param.f_addcmul_(&d, &minus_lr)?;
             return Ok(());
         };
-        let (momentum, one_minus_dampening) = (n(self.momentum)?, n(1.0 - self.dampening)?);
-        let nesterov = self.nesterov.then(|| d.f_empty_like()).transpose()?;
+        let momentum = scratch.number(self.momentum, param)?;
+        let one_minus_dampening = scratch.number(1.0 - self.dampening, param)?;
+        let nesterov = self.nesterov.then(|| scratch.empty_like(&d)).transpose()?;
 
         if step == 1 {
             buf.f_copy_(&d)?;

@@ -74,13 +74,18 @@ impl State {
         }
     }
 
-    /// How many values of a parameter one update handles at a time: all of them in f32
-    /// (the buffers are updated in place), else a whole number of blocks, which bounds
-    /// the f32 scratch memory of a step to 8 bytes per value of one chunk per buffer.
-    pub(crate) fn chunk_len(self, numel: i64) -> i64 {
+    /// How many values of a parameter one update handles at a time, which bounds the
+    /// scratch memory of a step (the rule's buffers, conversions to f32) to that of one
+    /// chunk. In f32 (buffers updated in place) 2^16 values on the CPU, where the
+    /// scratch of a larger chunk would add to the peak of a step fused into backward
+    /// next to the gradient, and 2^20 on an accelerator, where each chunk costs kernel
+    /// launches; in bf16 2^20 values; in 8 bits a whole number of blocks near 2^20,
+    /// 8 bytes per value of one chunk per buffer.
+    pub(crate) fn chunk_len(self, numel: i64, device: Device) -> i64 {
         const CHUNK: i64 = 1 << 20;
         match self {
-            State::F32 => numel.max(1),
+            State::F32 if device == Device::Cpu => (1 << 16).min(numel.max(1)),
+            State::F32 => CHUNK.min(numel.max(1)),
             State::Bf16 => CHUNK,
             State::Int8Blockwise { block } => {
                 let block = block as i64;

@@ -137,6 +137,7 @@ pub struct Recorder {
     parameters: Vec<Tensor>,
     inputs: Vec<Tensor>,
     optimizer_state: Vec<Tensor>,
+    gradient_hooks: bool,
 }
 
 impl Recorder {
@@ -147,7 +148,19 @@ impl Recorder {
             parameters: Vec::new(),
             inputs: Vec::new(),
             optimizer_state: Vec::new(),
+            gradient_hooks: true,
         }
+    }
+
+    /// Whether the recorder takes each parameter's post-accumulate-grad hook to note
+    /// its gradient as backward writes it (default `true`). Turn it off when the step
+    /// registers its own hooks on the parameters after the recording starts (gradients
+    /// kept in files, for one): libtorch keeps one such hook per tensor, so the step's
+    /// would be refused. Gradients are then found from `.grad` at the end of the step,
+    /// or through [`Session::gradients`].
+    pub fn gradient_hooks(mut self, on: bool) -> Self {
+        self.gradient_hooks = on;
+        self
     }
 
     /// The model's parameters (their gradients are found through them).
@@ -212,6 +225,9 @@ impl Recorder {
     /// A post-accumulate-grad hook per parameter that notes its `.grad` when backward
     /// writes it; parameters that already have such a hook are left alone.
     fn grad_hooks(&self, shared: &Shared) -> Vec<GradHookHandle> {
+        if !self.gradient_hooks {
+            return Vec::new();
+        }
         self.parameters
             .iter()
             .filter(|p| p.requires_grad())

@@ -90,6 +90,39 @@ fn a_failing_step_is_traced_and_reported() {
     assert_adds_up(&traced.trace);
 }
 
+/// Gradients kept in files take each parameter's one post-accumulate-grad hook during
+/// the step: the recorder leaves the slot to them, so the step runs (it failed with
+/// "the tensor already has a post-accumulate-grad hook" when the recorder took it) and
+/// its peak is the harness's.
+#[test]
+#[serial]
+fn a_step_with_gradients_in_files_is_traced() {
+    let yaml = r#"
+suite: grads-in-files
+device: cpu
+threads: 1
+seed: 0
+warmup: 1
+repeats: 1
+models:
+  - {name: mlp, kind: residual_mlp, layers: 3, hidden: 64, expansion: 2, batch: [8, 8]}
+strategies:
+  - {name: files, with: [{accumulate: {micro_batches: 2}}, {offload_grads: {to: disk}}, {optimizer: {kind: adamw, in_backward: true}}]}
+"#;
+    let suite = Suite::from_yaml(yaml, "grads-in-files.yaml").unwrap();
+    let traced = trace_case(&suite, "mlp", "files").unwrap();
+    let step = traced.step.as_ref().unwrap_or_else(|e| panic!("{e}"));
+    assert_adds_up(&traced.trace);
+    let options = RunOptions {
+        repeats: Some(1),
+        ..RunOptions::default()
+    };
+    let report = run_suite(&suite, &options).unwrap();
+    let case = &report.cases[0];
+    assert_eq!(case.status, Status::Ok, "{:?}", case.error);
+    assert_eq!(Some(step.peak_bytes), case.peak_bytes);
+}
+
 #[test]
 #[serial]
 fn unknown_names_are_an_error_that_lists_the_known_ones() {

@@ -260,6 +260,67 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<u32, FileError> {
     Ok(crc.finalize())
 }
 
+/// Bytes of a stored gradient added into the live one at a time by [`add_into`]: the
+/// chunk tensor adds this much to the peak of backward.
+const ADD_CHUNK: usize = 1 << 16;
+
+/// Adds the tensor `layout` describes, read back from `path` a chunk at a time, into
+/// `target` (contiguous, of the layout's kind and number of values, on its device):
+/// the sum costs one small chunk, not a second copy of the tensor. Checks the length
+/// first and the CRC-32 at the end: after an `Err`, `target` may hold a part of the
+/// sum, and the caller discards it.
+pub(crate) fn add_into(
+    path: &Path,
+    layout: &Layout,
+    crc: u32,
+    target: &Tensor,
+) -> Result<(), FileError> {
+    let mut file = File::open(path).map_err(|e| FileError::io("open", path, e))?;
+    let found = file
+        .metadata()
+        .map_err(|e| FileError::io("read", path, e))?
+        .len();
+    if found != layout.bytes {
+        return Err(FileError::Length {
+            path: path.to_path_buf(),
+            found,
+            expected: layout.bytes,
+        });
+    }
+    let add = |e: tch::TchError| FileError::io("add the stored sum from", path, e);
+    let total = layout.bytes as usize;
+    let element = (layout.bytes / (target.numel() as u64).max(1)).max(1) as usize;
+    let step = (ADD_CHUNK / element).max(1) * element;
+    let flat = target.f_view([-1]).map_err(add)?;
+    let bytes =
+        Tensor::f_empty([step.min(total) as i64], (Kind::Uint8, Device::Cpu)).map_err(add)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; step.min(total)];
+    for start in (0..total).step_by(step) {
+        let n = step.min(total - start);
+        file.read_exact(&mut buf[..n])
+            .map_err(|e| FileError::io("read", path, e))?;
+        hasher.update(&buf[..n]);
+        memsave_sys::tensor::write_bytes(&bytes, 0, &buf[..n])
+            .map_err(|e| FileError::io("add the stored sum from", path, e))?;
+        let chunk = bytes
+            .f_narrow(0, 0, n as i64)
+            .and_then(|c| c.f_view_dtype(layout.kind))
+            .and_then(|c| c.f_to_device(target.device()))
+            .map_err(add)?;
+        let _ = flat
+            .f_narrow(0, (start / element) as i64, (n / element) as i64)
+            .and_then(|mut part| part.f_add_(&chunk))
+            .map_err(add)?;
+    }
+    if hasher.finalize() != crc {
+        return Err(FileError::Checksum {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
 /// Reads the tensor `layout` describes back from `path`, checking its length and its
 /// CRC-32 against `crc`.
 pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, FileError> {

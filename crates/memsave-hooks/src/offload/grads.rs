@@ -201,6 +201,11 @@ impl Shared {
     /// as the gradient when there is none; its file is removed. A lost sum frees
     /// `.grad` (a part of the sum) and is an `Err`.
     fn put_back(&self, index: usize, p: &Tensor) -> Result<(), OffloadError> {
+        let grad = p.grad();
+        if grad.defined() && self.add_in_place(index, p, &grad)? {
+            return Ok(());
+        }
+        drop(grad);
         let stored = match self.read(index, true) {
             Ok(Some(stored)) => stored,
             Ok(None) => return Ok(()),
@@ -216,6 +221,43 @@ impl Shared {
                 .map_err(|e| self.grad_error(index, "add the stored sum to", e))
         } else {
             memsave_sys::tensor::set_grad(p, &stored).map_err(|e| self.grad_error(index, "set", e))
+        }
+    }
+
+    /// Adds parameter `index`'s stored sum, if any, into `grad` (`p`'s live `.grad`) a
+    /// chunk at a time, its file removed; `Ok(false)`, with nothing done, when `grad`
+    /// cannot take it in place (not contiguous, or not of the sum's kind and size), or
+    /// when no sum is stored. A sum that cannot be read back frees `.grad` (a part of
+    /// the sum) and is an `Err`, lost for good, as [`GradOffload::put_back`] says.
+    fn add_in_place(&self, index: usize, p: &Tensor, grad: &Tensor) -> Result<bool, OffloadError> {
+        let (layout, crc) = match &lock(&self.sums)[index] {
+            Sum::Empty => return Ok(false),
+            Sum::Lost(_) => return Ok(false),
+            Sum::Stored { layout, crc } => (layout.clone(), *crc),
+        };
+        if !grad.is_contiguous()
+            || grad.kind() != layout.kind
+            || grad.size() != layout.shape
+            || grad.device() != layout.device
+        {
+            return Ok(false);
+        }
+        let path = self.path(index);
+        let added = file::add_into(&path, &layout, crc, grad);
+        let mut sums = lock(&self.sums);
+        let _ = std::fs::remove_file(&path);
+        match added {
+            Ok(()) => {
+                sums[index] = Sum::Empty;
+                self.read.fetch_add(layout.bytes, Ordering::Relaxed);
+                Ok(true)
+            }
+            Err(e) => {
+                sums[index] = Sum::Lost(e.clone());
+                drop(sums);
+                let _ = memsave_sys::tensor::set_grad_none(p);
+                Err(self.lost(index, e))
+            }
         }
     }
 

@@ -451,3 +451,36 @@ fn gradients_that_cannot_be_written_stay_in_memory_and_check_says_so_once() {
     assert_eq!(got, expected);
     n.clear_grads();
 }
+
+/// Adding the stored sum back into a new gradient reads the file a chunk of 64 KiB at
+/// a time into the gradient: the second backward's peak is the first's plus one chunk
+/// (65,536 bytes), not plus a second copy of the gradient (528,192 bytes here).
+#[test]
+#[serial]
+fn adding_the_stored_sum_back_costs_one_chunk() {
+    memsave_meter::install();
+    let w = Tensor::zeros([131, 1008], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let c = (Tensor::arange(131 * 1008, (Kind::Float, Device::Cpu)) * 0.01)
+        .sin()
+        .view([131, 1008]);
+    let dir = tempfile::tempdir().unwrap();
+    let offload = GradOffload::new(&[w.shallow_clone()], dir.path()).unwrap();
+    // The peak of backward alone: the new gradient, and what adding the sum costs
+    // (the factor held here, so that backward frees nothing of the forward's).
+    let peak = |scale: f64| {
+        let factor = &c * scale;
+        let loss = (&w * &factor).sum(Kind::Float);
+        let (_, m) = memsave_meter::f_measure(Device::Cpu, |_| loss.backward()).unwrap();
+        m.peak_bytes
+    };
+    let first = peak(1.0);
+    let second = peak(2.0);
+    assert_eq!(
+        second,
+        first + 65_536,
+        "first backward {first} B, second {second} B"
+    );
+    offload.restore().unwrap();
+    let expected = &c * 3.0;
+    assert!(w.grad().equal(&expected), "the sum is the plain one");
+}

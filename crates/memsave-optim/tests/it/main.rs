@@ -2,6 +2,7 @@
 //! of one per file). Tests that measure memory, set a memory limit or seed the global
 //! generator are `#[serial]`; the others are `#[parallel]` (they never run alongside a
 //! serial one).
+mod chunks;
 mod common;
 mod disk_checksum;
 mod grad_hooks;

@@ -129,10 +129,12 @@ fn setup(
 #[serial]
 fn a_step_out_of_memory_is_an_error_never_a_panic() {
     memsave_meter::install();
-    let shape_sets: [Vec<Vec<i64>>; 3] = [
+    let shape_sets: [Vec<Vec<i64>>; 4] = [
         vec![vec![1]],
         vec![vec![7, 13], vec![13]],
         vec![vec![300, 11], vec![5], vec![2, 2, 3]],
+        // Three chunks in f32 on the CPU: the first allocates all the update needs.
+        vec![vec![7], vec![2 * 65_536 + 37]],
     ];
     let states = [State::F32, State::Bf16, State::Int8Blockwise { block: 64 }];
     let mut tries = 0;

@@ -1,0 +1,120 @@
+//! A parameter larger than one chunk (2^16 values in f32 on the CPU) is updated a
+//! chunk at a time: the same bits as tch's own optimizers, which update it whole, and
+//! scratch memory of one chunk, not of the parameter.
+use crate::common::assert_bitwise;
+use memsave_meter::f_measure;
+use memsave_optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use serial_test::serial;
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+/// Values of a parameter spanning three chunks and a ragged end (2 x 65,536 + 1,001).
+const ROWS: i64 = 131;
+const COLS: i64 = 1008;
+
+/// A var store with one `[ROWS, COLS]` parameter of fixed values.
+fn store() -> nn::VarStore {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut w = vs.root().zeros("w", &[ROWS, COLS]);
+    let values = (Tensor::arange(ROWS * COLS, (Kind::Float, Device::Cpu)) * 0.013).sin();
+    tch::no_grad(|| w.copy_(&values.view([ROWS, COLS])));
+    vs
+}
+
+/// A loss whose gradient differs at every step and every value.
+fn backward(vs: &nn::VarStore, step: i64) {
+    let w = &vs.trainable_variables()[0];
+    let x = (Tensor::arange(ROWS * COLS, (Kind::Float, Device::Cpu)) * 0.007 + step as f64)
+        .cos()
+        .view([ROWS, COLS]);
+    (w * &x).sin().sum(Kind::Float).backward();
+}
+
+#[test]
+#[serial_test::parallel]
+fn a_parameter_of_several_chunks_matches_tch_bit_for_bit() {
+    const { assert!(ROWS * COLS > 2 * 65_536 && (ROWS * COLS) % 65_536 != 0) };
+    let config = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.05,
+        ..Default::default()
+    };
+    let (theirs, ours) = (store(), store());
+    let mut reference = nn::AdamW {
+        beta1: config.betas.0,
+        beta2: config.betas.1,
+        wd: config.weight_decay,
+        eps: config.eps,
+        amsgrad: false,
+    }
+    .build(&theirs, config.lr)
+    .unwrap();
+    let mut opt = AdamW::new(&ours.trainable_variables(), config).unwrap();
+    for step in 0..4 {
+        reference.zero_grad();
+        backward(&theirs, step);
+        reference.step();
+        opt.zero_grad(true);
+        backward(&ours, step);
+        opt.step();
+        let what = format!("AdamW, step {step}");
+        assert_bitwise(
+            &ours.trainable_variables(),
+            &theirs.trainable_variables(),
+            &what,
+        );
+    }
+
+    let config = SgdConfig {
+        lr: 1e-2,
+        momentum: 0.9,
+        weight_decay: 1e-3,
+        nesterov: true,
+        ..Default::default()
+    };
+    let (theirs, ours) = (store(), store());
+    let mut reference = nn::Sgd {
+        momentum: config.momentum,
+        dampening: config.dampening,
+        wd: config.weight_decay,
+        nesterov: config.nesterov,
+    }
+    .build(&theirs, config.lr)
+    .unwrap();
+    let mut opt = Sgd::new(&ours.trainable_variables(), config).unwrap();
+    for step in 0..4 {
+        reference.zero_grad();
+        backward(&theirs, step);
+        reference.step();
+        opt.zero_grad(false);
+        backward(&ours, step);
+        opt.step();
+        let what = format!("SGD, step {step}");
+        assert_bitwise(
+            &ours.trainable_variables(),
+            &theirs.trainable_variables(),
+            &what,
+        );
+    }
+}
+
+/// AdamW's one temporary, the denominator, is one chunk: 2^16 f32 values, 262,144
+/// bytes, next to a parameter of 132,048 values (528,192 bytes), plus its 0-dim
+/// numbers.
+#[test]
+#[serial]
+fn the_scratch_of_an_f32_step_is_one_chunk() {
+    memsave_meter::install();
+    let vs = store();
+    let mut opt = AdamW::new(&vs.trainable_variables(), AdamWConfig::default()).unwrap();
+    backward(&vs, 0);
+    opt.step(); // the state exists from here on
+    backward(&vs, 1);
+    let (_, m) = f_measure(Device::Cpu, |_| opt.step()).unwrap();
+    const CHUNK_BYTES: u64 = (1 << 16) * 4;
+    assert!(
+        m.peak_bytes >= CHUNK_BYTES && m.peak_bytes <= CHUNK_BYTES + 1024,
+        "the step's peak above its start: {} bytes",
+        m.peak_bytes
+    );
+}
