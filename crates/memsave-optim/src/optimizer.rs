@@ -252,7 +252,9 @@ impl<R: Rule> Optimizer<R> {
     /// is [`OptimError::OutOfMemory`], never a panic. The parameters are updated in
     /// order, so those before the one it names are updated and those after it are
     /// not. The one it names: with [`State::F32`] (every allocation of an update comes
-    /// before its first write) it, its state and its step count are as they were. To
+    /// before its first write: a parameter of more than 2^16 values on the CPU, 2^20
+    /// elsewhere, is updated a chunk at a time in the [`Scratch`] its first chunk
+    /// allocated) it, its state and its step count are as they were. To
     /// finish the step once memory is free, call [`Optimizer::f_step_param`] for it and
     /// each parameter after it (calling `f_step` again would step the parameters
     /// already updated a second time); the bits are those of a step that never failed.
@@ -423,11 +425,20 @@ impl<R: Rule> Optimizer<R> {
         let flat_grad = grad.f_reshape([-1]).map_err(at)?;
         let chunk = state.chunk_len(numel, param.device());
         let step = st.step + 1;
+        // In f32 the first chunk allocates all the update needs and the later ones
+        // reuse it (so running out of memory changes nothing); the half-precision
+        // states allocate as they read and write each chunk anyway, so their scratch is
+        // made per chunk and freed before the chunk is written back.
+        let reuse = state == State::F32;
         let mut scratch = Scratch::default();
         let mut start = 0;
         while start < numel {
             let len = chunk.min(numel - start);
-            scratch.next_chunk();
+            if reuse {
+                scratch.next_chunk();
+            } else {
+                scratch = Scratch::default();
+            }
             let mut p = flat_param.f_narrow(0, start, len).map_err(at)?;
             // Conversions to f32 go through the scratch too, so that the first chunk
             // allocates all the update needs.
@@ -451,6 +462,9 @@ impl<R: Rule> Optimizer<R> {
                 .collect::<Result<Vec<_>>>()?;
             rule.update(&mut p32, &g, &mut values, step, &mut scratch)
                 .map_err(at)?;
+            if !reuse {
+                scratch = Scratch::default();
+            }
             if p.kind() != Kind::Float {
                 p.f_copy_(&p32).map_err(at)?;
             }
