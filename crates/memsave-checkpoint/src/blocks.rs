@@ -3,6 +3,7 @@ use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::levers::{BoundaryStore, Lever};
 use memsave_sys::hooks::RawHooks;
+use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
@@ -151,6 +152,9 @@ pub(crate) struct State {
     refused: bool,
     /// The memory segments of a profiled step in progress.
     pub(crate) profiler: Option<Profiler>,
+    /// The function (closure type) each block name runs in the forward in progress,
+    /// from its first call on.
+    functions: HashMap<String, TypeId>,
 }
 
 /// What delimits a segment of a profiled step: the start or end of a top-level
@@ -307,6 +311,7 @@ impl Blocks {
                 ));
             }
             state.calls = Some(HashMap::new());
+            state.functions.clear();
             state.depth = 0;
             state.refused = false;
             state.recording.clear();
@@ -396,8 +401,24 @@ impl Blocks {
         F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
         E: fmt::Display,
     {
+        self.check_function(name, TypeId::of::<F>())?;
         let (key, lever, recorded_at) = self.enter(name)?;
         let label = format!("block {key}");
+        // What a block must not do, checked on every run (the forward's and each
+        // recomputation): change its inputs in place, return no tensor, or return a
+        // floating-point output cut from the graph its inputs are in.
+        let f = move |xs: &[Tensor]| -> std::result::Result<Vec<Tensor>, String> {
+            let versions: Vec<Option<u64>> = xs
+                .iter()
+                .map(|x| {
+                    x.defined()
+                        .then(|| memsave_sys::tensor::version(x).ok())
+                        .flatten()
+                })
+                .collect();
+            let out = f(xs).map_err(|e| e.to_string())?;
+            misuse(xs, &versions, &out).map_or(Ok(out), Err)
+        };
         let started = Instant::now();
         let device = inputs
             .iter()
@@ -438,6 +459,26 @@ impl Blocks {
             }
         }
         out
+    }
+
+    /// Refuses a second function under a block name within a forward: one name is one
+    /// function (its calls are `name#0`, `name#1`, .., as a block with shared weights
+    /// run again). Another forward may run other closures (a model's train and eval
+    /// forwards); what it runs is checked against the levers' plan. Recomputations
+    /// replay the forward's own closures and are not checked.
+    fn check_function(&self, name: &str, function: TypeId) -> Result<()> {
+        let mut state = self.lock();
+        if state.calls.is_none() || !state.replays.is_empty() {
+            return Ok(());
+        }
+        let known = *state.functions.entry(name.to_string()).or_insert(function);
+        if known == function {
+            return Ok(());
+        }
+        state.refused = true;
+        Err(CheckpointError::Blocks(format!(
+            "block name \"{name}\" runs a second function (another closure than at its first call): one name is one function; give this block a name of its own, or run the same closure (a `fn`, or `&f` of one closure) at every call"
+        )))
     }
 
     /// The key and lever of a new call of `name`, and where it is recorded (`None` in a
@@ -672,6 +713,39 @@ fn distinct_bytes<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> u64 {
         }
     }
     bytes
+}
+
+/// What a block's run did wrong, if anything: an input changed in place (its version
+/// moved from `versions`), no tensor returned, or a floating-point output that does not
+/// require grad though an input does (under grad mode). The message says what to do.
+fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<String> {
+    for (i, (x, before)) in xs.iter().zip(versions).enumerate() {
+        if let Some(before) = before {
+            if memsave_sys::tensor::version(x).ok() != Some(*before) {
+                return Some(format!(
+                    "it modified its input {i} in place; a block must leave its inputs as they are (autograd and a recomputation read them): compute out of place, or on a copy (`xs[{i}].copy()`)"
+                ));
+            }
+        }
+    }
+    if out.iter().all(|t| !t.defined()) {
+        return Some(
+            "it returned no tensor; a block returns at least one output (return its input, or run the code outside a block)".into(),
+        );
+    }
+    let tracked = memsave_sys::tensor::grad_enabled().unwrap_or(false)
+        && xs.iter().any(|x| x.defined() && x.requires_grad());
+    if tracked {
+        if let Some(j) = out
+            .iter()
+            .position(|t| t.defined() && t.is_floating_point() && !t.requires_grad())
+        {
+            return Some(format!(
+                "its output {j} does not require grad though its inputs do: it was cut from the graph (`detach`, `no_grad`), and no gradient would reach the inputs through it; return it attached, or compute it outside the block"
+            ));
+        }
+    }
+    None
 }
 
 /// A module that block functions can capture: tch's modules are `Send` but not `Sync`,

@@ -32,6 +32,11 @@ int ms_tensor_version(const at::Tensor* t, int64_t* out) {
   })
 }
 
+// Whether autograd records operations on this thread (GradMode, off under no_grad).
+int ms_grad_enabled(int* out) {
+  MS_TRY({ *out = at::GradMode::is_enabled() ? 1 : 0; })
+}
+
 // Copies `len` bytes from `data` into a contiguous CPU uint8 tensor at byte `offset`,
 // with no temporary tensor (a file read back chunk by chunk into its final place).
 int ms_tensor_write_bytes(const at::Tensor* t, int64_t offset, const uint8_t* data, int64_t len) {

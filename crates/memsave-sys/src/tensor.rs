@@ -29,6 +29,15 @@ pub fn version(t: &Tensor) -> Result<u64> {
     Ok(out.max(0) as u64)
 }
 
+/// Whether autograd records operations on this thread: `false` under `no_grad`
+/// (PyTorch's `torch.is_grad_enabled()`).
+pub fn grad_enabled() -> Result<bool> {
+    let mut out: std::os::raw::c_int = 0;
+    // SAFETY: `out` is a live, writable c_int for the call.
+    check(unsafe { ffi::ms_grad_enabled(&mut out) })?;
+    Ok(out != 0)
+}
+
 /// Bytes of the tensor's elements as its shape sees them: `numel × element size`
 /// (PyTorch's `Tensor.nbytes`), with no call into libtorch.
 ///

@@ -512,3 +512,108 @@ fn a_failing_block_keeps_its_own_error_and_the_last_complete_record() {
     let err = fresh.forward(swapped).unwrap().unwrap_err();
     assert!(matches!(err, CheckpointError::BlocksChanged(_)), "{err}");
 }
+
+/// What a block must not do gets an error naming the block, before any gradient: two
+/// functions under one name in a forward, no tensor returned, an output cut from the
+/// graph, an input changed in place; and a block nested in one forward and not in the
+/// next, once levers are set for the blocks.
+#[test]
+#[serial]
+fn a_block_that_misbehaves_gets_an_error_naming_it() {
+    let x = Tensor::ones([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    for lever in [BlockLever::Keep, BlockLever::Recompute] {
+        let case = format!("{lever:?}");
+        let blocks = Blocks::new();
+        blocks.set_every(lever.clone());
+        // Two closures named "a" in one forward.
+        let err = blocks
+            .forward(|b| -> Result<(), CheckpointError> {
+                b.run("a", &[&x], |xs| vec![&xs[0] * 2])?;
+                b.run("a", &[&x], |xs| vec![&xs[0] + 1])?;
+                Ok(())
+            })
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("block name \"a\" runs a second function"),
+            "{case}: {err}"
+        );
+        // One closure run twice under one name is a block with shared weights.
+        blocks
+            .forward(|b| -> Result<(), CheckpointError> {
+                for _ in 0..2 {
+                    b.run("a", &[&x], |xs| vec![&xs[0] * 2])?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
+        // No tensor returned.
+        let err = blocks
+            .forward(|b| b.run("empty", &[&x], |_| Vec::new()))
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("block empty#0")
+                && err.to_string().contains("it returned no tensor"),
+            "{case}: {err}"
+        );
+        // An input changed in place (not the caller's leaf: a tensor computed from it).
+        let h = &x * 1;
+        let err = blocks
+            .forward(|b| {
+                b.run("inplace", &[&h], |xs| {
+                    let mut y = xs[0].shallow_clone();
+                    let _ = y.g_mul_scalar_(2.0);
+                    vec![y]
+                })
+            })
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("block inplace#0")
+                && err.to_string().contains("it modified its input 0 in place"),
+            "{case}: {err}"
+        );
+        // An output cut from the graph: in the forward when kept, in the recomputation
+        // (backward) when recomputed, whose forward runs without autograd.
+        let cut = blocks.forward(|b| b.run("cut", &[&x], |xs| vec![xs[0].detach() * 2]));
+        let err = match cut.unwrap() {
+            Err(e) => e.to_string(),
+            Ok(y) => {
+                assert!(matches!(lever, BlockLever::Recompute), "{case}");
+                y[0].sum(Kind::Float).f_backward().unwrap_err().to_string()
+            }
+        };
+        assert!(
+            err.contains("block cut#0")
+                && err.contains("its output 0 does not require grad though its inputs do"),
+            "{case}: {err}"
+        );
+        assert!(!x.grad().defined(), "{case}: no gradient reached x");
+    }
+    // Nested in one forward, at the top level in the next: the plan names it.
+    let blocks = Blocks::new();
+    let nested = |b: &Blocks| -> Result<(), CheckpointError> {
+        let inner = b.clone();
+        let xx = x.shallow_clone();
+        b.run("outer", &[&x], move |xs| {
+            let _ = inner.run("inner", &[&xx], |ys| vec![&ys[0] * 3]);
+            vec![&xs[0] * 2]
+        })?;
+        Ok(())
+    };
+    blocks.forward(nested).unwrap().unwrap();
+    blocks
+        .set(BlockKey::new("outer", 0), BlockLever::Recompute)
+        .unwrap();
+    let flat = |b: &Blocks| -> Result<(), CheckpointError> {
+        b.run("outer", &[&x], |xs| vec![&xs[0] * 2])?;
+        b.run("inner", &[&x], |ys| vec![&ys[0] * 3])?;
+        Ok(())
+    };
+    let err = blocks.forward(flat).unwrap().unwrap_err();
+    assert!(matches!(err, CheckpointError::BlocksChanged(_)), "{err}");
+    assert!(err.to_string().contains("inner#0"), "{err}");
+}
