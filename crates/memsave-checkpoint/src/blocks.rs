@@ -395,7 +395,13 @@ impl Blocks {
     /// # Errors
     /// `f`'s error (or panic) naming the block; [`CheckpointError::Blocks`] outside
     /// [`forward`](Self::forward); [`CheckpointError::BlocksChanged`] when this call is
-    /// not the one the levers were set for at this place of the forward.
+    /// not the one the levers were set for at this place of the forward;
+    /// [`CheckpointError::Blocks`] when a forward runs another closure under a name
+    /// it already ran; an error naming the block when `f` changes one of its inputs in
+    /// place, returns no tensor, or returns a floating-point output that does not
+    /// require grad though an input does (cut from the graph, so no gradient would
+    /// reach the inputs through it): when kept, in the forward; when recomputed, the
+    /// last of these in the recomputation, from backward.
     pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
