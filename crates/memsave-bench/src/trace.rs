@@ -18,6 +18,7 @@ use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
 use memsave_optim::Observer;
 use memsave_step::plan::apply_plan;
+use memsave_step::Workload;
 use memsave_trace::{Phase, Recorder, Session, Trace};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -103,6 +104,36 @@ pub(crate) fn block_observer(session: &Session, backward: Arc<AtomicBool>) -> Bl
                 running.push(recomputing);
             }
             BlockEvent::End(_) => {
+                if running.pop() == Some(true) {
+                    session.recomputation_end();
+                }
+            }
+        }
+    })
+}
+
+/// Marks the session with each named block's run (`block enc1#0`), and files what a
+/// recomputation allocates under its block: the per-block view of a model of
+/// [`memsave_checkpoint::Blocks`], whose chain is one layer. A block run inside a
+/// recomputation (nested in a recomputed block) is part of that one.
+pub(crate) fn named_block_observer(session: &Session) -> memsave_checkpoint::BlockObserver {
+    let session = session.clone();
+    // Per block started and not yet ended, innermost last: whether it opened a
+    // recomputation.
+    let running: Mutex<Vec<bool>> = Mutex::new(Vec::new());
+    Arc::new(move |notice| {
+        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
+        match notice {
+            memsave_checkpoint::BlockNotice::Start { key, recompute } => {
+                let label = format!("block {key}");
+                session.mark(label.clone());
+                let opens = *recompute && !running.iter().any(|&r| r);
+                if opens {
+                    session.recomputation_start(label);
+                }
+                running.push(opens);
+            }
+            memsave_checkpoint::BlockNotice::End { .. } => {
                 if running.pop() == Some(true) {
                     session.recomputation_end();
                 }
@@ -249,6 +280,10 @@ pub fn trace_case(
             model
                 .ctx
                 .set_block_observer(Some(block_observer(session, backward.clone())));
+            // A model of named blocks: each block's run is marked by its key.
+            if let Some(blocks) = Workload::blocks(&model) {
+                blocks.set_observer(Some(named_block_observer(session)));
+            }
             if let Some(optimizer) = optimizer.as_mut() {
                 optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
             }
@@ -267,6 +302,9 @@ pub fn trace_case(
                 },
             );
             model.ctx.set_block_observer(None);
+            if let Some(blocks) = Workload::blocks(&model) {
+                blocks.set_observer(None);
+            }
             if let Some(optimizer) = optimizer.as_mut() {
                 optimizer.set_observer(None);
                 session.optimizer_state(&optimizer.state_tensors());

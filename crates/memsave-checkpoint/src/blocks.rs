@@ -128,6 +128,27 @@ pub struct BlockRecord {
     pub forward_s: f64,
 }
 
+/// What a [`Blocks`] observer is told (see [`Blocks::set_observer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockNotice {
+    /// A run of the block starts: in the forward, or (`recompute`) a recomputation in
+    /// backward, its own or its parent's.
+    Start {
+        /// The block's call.
+        key: BlockKey,
+        /// Whether the run is a recomputation.
+        recompute: bool,
+    },
+    /// The run last started ends.
+    End {
+        /// The block's call.
+        key: BlockKey,
+    },
+}
+
+/// Told when each block's run starts and ends, on the thread that runs it.
+pub type BlockObserver = Arc<dyn Fn(&BlockNotice) + Send + Sync>;
+
 #[derive(Default)]
 pub(crate) struct State {
     /// The lever of a key without one of its own.
@@ -152,6 +173,8 @@ pub(crate) struct State {
     refused: bool,
     /// The memory segments of a profiled step in progress.
     pub(crate) profiler: Option<Profiler>,
+    /// Told when each block's run starts and ends.
+    observer: Option<BlockObserver>,
     /// The function (closure type) each block name runs in the forward in progress,
     /// from its first call on.
     functions: HashMap<String, TypeId>,
@@ -375,6 +398,22 @@ impl Blocks {
         Ok(out)
     }
 
+    /// Sets (or, with `None`, removes) the observer told when each block's run starts
+    /// and ends, recomputations included: what `memsave trace` marks its timeline
+    /// with, per block. It runs on the thread that runs the block (autograd's in
+    /// backward) and must not run a forward of these blocks.
+    pub fn set_observer(&self, observer: Option<BlockObserver>) {
+        self.lock().observer = observer;
+    }
+
+    /// Tells the observer, if any, of `notice` (the lock not held while it runs).
+    fn notify(&self, notice: impl FnOnce() -> BlockNotice) {
+        let observer = self.lock().observer.clone();
+        if let Some(observer) = observer {
+            observer(&notice());
+        }
+    }
+
     /// Runs the block `name` on `inputs` under its lever; see [`try_run`](Self::try_run).
     /// A panic in `f` becomes an `Err` naming the block.
     pub fn run<F>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
@@ -443,7 +482,13 @@ impl Blocks {
             }
             top
         };
-        let out = self.apply(&lever, &label, inputs, top, f);
+        let recompute = !self.lock().replays.is_empty();
+        self.notify(|| BlockNotice::Start {
+            key: key.clone(),
+            recompute,
+        });
+        let out = self.apply(&lever, &key, &label, inputs, top, f);
+        self.notify(|| BlockNotice::End { key: key.clone() });
         let mut state = self.lock();
         if out.is_err() && state.calls.is_some() && state.replays.is_empty() {
             state.refused = true;
@@ -538,6 +583,7 @@ impl Blocks {
     fn apply<F, E>(
         &self,
         lever: &BlockLever,
+        key: &BlockKey,
         label: &str,
         inputs: &[&Tensor],
         top: Option<usize>,
@@ -583,19 +629,28 @@ impl Blocks {
                     }
                 };
                 let blocks = self.clone();
+                let key = key.clone();
                 Checkpoint::new().try_run_named(inputs, label, store, move |xs| {
                     if runs.fetch_add(1, Ordering::SeqCst) == 0 {
                         return f(xs);
                     }
-                    /// Pops the replay pushed below, however the recomputation ends.
-                    struct Replaying<'a>(&'a Blocks);
+                    /// Pops the replay pushed below and tells the observer the
+                    /// recomputation ended, however it ends.
+                    struct Replaying<'a>(&'a Blocks, &'a BlockKey);
                     impl Drop for Replaying<'_> {
                         fn drop(&mut self) {
                             self.0.lock().replays.pop();
+                            self.0.notify(|| BlockNotice::End {
+                                key: self.1.clone(),
+                            });
                         }
                     }
+                    blocks.notify(|| BlockNotice::Start {
+                        key: key.clone(),
+                        recompute: true,
+                    });
                     blocks.lock().replays.push(snapshot.clone());
-                    let _replaying = Replaying(&blocks);
+                    let _replaying = Replaying(&blocks, &key);
                     if let (Some(i), Some(profiler)) = (top, blocks.lock().profiler.as_mut()) {
                         profiler.event(Event::Recompute(i));
                     }

@@ -70,7 +70,7 @@ mod sequential;
 mod solver;
 
 pub use block_plan::{BlocksProfile, PlannedLever};
-pub use blocks::{BlockKey, BlockLever, BlockRecord, Blocks, Shared};
+pub use blocks::{BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, Blocks, Shared};
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
 pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, StoreError, Stored};

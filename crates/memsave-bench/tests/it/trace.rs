@@ -123,6 +123,50 @@ strategies:
     assert_eq!(Some(step.peak_bytes), case.peak_bytes);
 }
 
+/// A model of named blocks (the zoo's U-Net, one layer to the chain): the timeline is
+/// marked per block, and each block's recomputation is its own row, in the order
+/// backward runs them; what they allocate is `recompute`, nothing outside them is.
+#[test]
+#[serial]
+fn a_model_of_blocks_is_traced_per_block() {
+    let zoo = suite("zoo");
+    let traced = trace_case(&zoo, "unet-32px", "checkpoint(every_layer=true)").unwrap();
+    traced.step.as_ref().unwrap();
+    let trace = &traced.trace;
+    assert_adds_up(trace);
+    let table = trace.recomputation_by_block();
+    let rows: Vec<(&str, usize)> = table.iter().map(|b| (b.label.as_str(), b.runs)).collect();
+    assert_eq!(
+        rows,
+        [
+            ("block head#0", 1),
+            ("block dec0#0", 1),
+            ("block dec1#0", 1),
+            ("block dec2#0", 1),
+            ("block bottom#0", 1),
+            ("block enc2#0", 1),
+            ("block enc1#0", 1),
+            ("block enc0#0", 1)
+        ]
+    );
+    for b in &trace.blocks {
+        let Some(at) = b.alloc_event else { continue };
+        let inside = trace
+            .recomputations
+            .iter()
+            .any(|r| r.start <= at && r.end.is_none_or(|end| at < end));
+        assert_eq!(b.category == Category::Recompute, inside, "{b:?}");
+    }
+    // The forward's allocations are marked by the block that made them.
+    assert!(
+        trace
+            .blocks
+            .iter()
+            .any(|b| b.mark.as_deref() == Some("block enc1#0")),
+        "no storage marked by block enc1#0"
+    );
+}
+
 #[test]
 #[serial]
 fn unknown_names_are_an_error_that_lists_the_known_ones() {

@@ -4,7 +4,8 @@
 //! gives the plain forward's gradients and running statistics, bitwise, under every
 //! autograd entry point.
 use memsave_checkpoint::{
-    BlockKey, BlockLever, Blocks, BoundaryStore, CheckpointError, Shared, StoreError, Stored,
+    BlockKey, BlockLever, BlockNotice, Blocks, BoundaryStore, CheckpointError, Shared, StoreError,
+    Stored,
 };
 use memsave_meter::measure;
 use memsave_sys::hooks::{Packed, RawHooks};
@@ -616,4 +617,56 @@ fn a_block_that_misbehaves_gets_an_error_naming_it() {
     let err = blocks.forward(flat).unwrap().unwrap_err();
     assert!(matches!(err, CheckpointError::BlocksChanged(_)), "{err}");
     assert!(err.to_string().contains("inner#0"), "{err}");
+}
+
+/// The observer is told of each run of each block, in the forward and in backward's
+/// recomputations (a block nested in a recomputed one runs again inside it).
+#[test]
+#[serial]
+fn the_observer_sees_every_run_and_every_recomputation() {
+    let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let blocks = Blocks::new();
+    let log = seen.clone();
+    blocks.set_observer(Some(Arc::new(move |n: &BlockNotice| {
+        let line = match n {
+            BlockNotice::Start { key, recompute } => format!("start {key} {recompute}"),
+            BlockNotice::End { key } => format!("end {key}"),
+        };
+        log.lock().unwrap().push(line);
+    })));
+    let x = Tensor::ones([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let forward = |b: &Blocks| -> Result<Tensor, CheckpointError> {
+        let h = b.run("a", &[&x], |xs| vec![xs[0].tanh()])?;
+        let inner = b.clone();
+        let y = b.run("b", &[&h[0]], move |xs| {
+            let c = inner
+                .run("c", &[&xs[0]], |ys| vec![ys[0].sin()])
+                .expect("c runs");
+            vec![c[0].exp()]
+        })?;
+        Ok(y[0].shallow_clone())
+    };
+    blocks.forward(forward).unwrap().unwrap();
+    blocks
+        .set(BlockKey::new("b", 0), BlockLever::Recompute)
+        .unwrap();
+    seen.lock().unwrap().clear();
+    let y = blocks.forward(forward).unwrap().unwrap();
+    y.sum(Kind::Float).backward();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            "start a#0 false",
+            "end a#0",
+            "start b#0 false",
+            "start c#0 false",
+            "end c#0",
+            "end b#0",
+            "start b#0 true",
+            "start c#0 true",
+            "end c#0",
+            "end b#0",
+        ]
+    );
+    blocks.set_observer(None);
 }
