@@ -646,7 +646,7 @@ fn the_observer_sees_every_run_and_every_recomputation() {
         })?;
         Ok(y[0].shallow_clone())
     };
-    blocks.forward(forward).unwrap().unwrap();
+    let _ = blocks.forward(forward).unwrap().unwrap();
     blocks
         .set(BlockKey::new("b", 0), BlockLever::Recompute)
         .unwrap();
