@@ -252,9 +252,9 @@ impl<R: Rule> Optimizer<R> {
     /// is [`OptimError::OutOfMemory`], never a panic. The parameters are updated in
     /// order, so those before the one it names are updated and those after it are
     /// not. The one it names: with [`State::F32`] (every allocation of an update comes
-    /// before its first write: a parameter of more than 2^16 values on the CPU, 2^20
-    /// elsewhere, is updated a chunk at a time in the [`Scratch`] its first chunk
-    /// allocated) it, its state and its step count are as they were. To
+    /// before its first write: a parameter of more than 2^12 values on the CPU (chunks
+    /// of an eighth of it, at most 2^16 values), 2^20 elsewhere, is updated a chunk at
+    /// a time in the [`Scratch`] its first chunk allocated) it, its state and its step count are as they were. To
     /// finish the step once memory is free, call [`Optimizer::f_step_param`] for it and
     /// each parameter after it (calling `f_step` again would step the parameters
     /// already updated a second time); the bits are those of a step that never failed.

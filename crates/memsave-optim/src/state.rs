@@ -76,16 +76,22 @@ impl State {
 
     /// How many values of a parameter one update handles at a time, which bounds the
     /// scratch memory of a step (the rule's buffers, conversions to f32) to that of one
-    /// chunk. In f32 (buffers updated in place) 2^16 values on the CPU, where the
-    /// scratch of a larger chunk would add to the peak of a step fused into backward
-    /// next to the gradient, and 2^20 on an accelerator, where each chunk costs kernel
-    /// launches; in bf16 2^20 values; in 8 bits a whole number of blocks near 2^20,
-    /// 8 bytes per value of one chunk per buffer.
+    /// chunk. In f32 (buffers updated in place) on the CPU, an eighth of the parameter
+    /// (so that the scratch adds at most an eighth of the gradient next to it in a step
+    /// fused into backward), at least 2^12 values and at most 2^16; on an accelerator,
+    /// where each chunk costs kernel launches, 2^20; in bf16 2^20 values; in 8 bits a
+    /// whole number of blocks near 2^20, 8 bytes per value of one chunk per buffer.
     pub(crate) fn chunk_len(self, numel: i64, device: Device) -> i64 {
         const CHUNK: i64 = 1 << 20;
+        let numel = numel.max(1);
         match self {
-            State::F32 if device == Device::Cpu => (1 << 16).min(numel.max(1)),
-            State::F32 => CHUNK.min(numel.max(1)),
+            State::F32 if device == Device::Cpu => {
+                // A multiple of 64 values, as the kernels' vectors take them.
+                let eighth = (numel + 7) / 8;
+                let eighth = (eighth + 63) / 64 * 64;
+                eighth.clamp(1 << 12, 1 << 16).min(numel)
+            }
+            State::F32 => CHUNK.min(numel),
             State::Bf16 => CHUNK,
             State::Int8Blockwise { block } => {
                 let block = block as i64;

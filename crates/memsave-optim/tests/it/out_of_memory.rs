@@ -133,7 +133,7 @@ fn a_step_out_of_memory_is_an_error_never_a_panic() {
         vec![vec![1]],
         vec![vec![7, 13], vec![13]],
         vec![vec![300, 11], vec![5], vec![2, 2, 3]],
-        // Three chunks in f32 on the CPU: the first allocates all the update needs.
+        // Eight chunks in f32 on the CPU: the first allocates all the update needs.
         vec![vec![7], vec![2 * 65_536 + 37]],
     ];
     let states = [State::F32, State::Bf16, State::Int8Blockwise { block: 64 }];
