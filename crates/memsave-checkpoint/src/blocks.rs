@@ -437,10 +437,11 @@ impl Blocks {
     /// not the one the levers were set for at this place of the forward;
     /// [`CheckpointError::Blocks`] when a forward runs another closure under a name
     /// it already ran; an error naming the block when `f` changes one of its inputs in
-    /// place, returns no tensor, or returns a floating-point output that does not
-    /// require grad though an input does (cut from the graph, so no gradient would
-    /// reach the inputs through it): when kept, in the forward; when recomputed, the
-    /// last of these in the recomputation, from backward.
+    /// place, returns no tensor, or returns floating-point outputs none of which
+    /// requires grad though an input does (cut from the graph, so no gradient would
+    /// reach the inputs): when kept, in the forward; when recomputed, the last of these
+    /// in the recomputation, from backward. A detached output beside one that is in
+    /// the graph (attention weights kept for logging) is allowed.
     pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
@@ -777,8 +778,8 @@ fn distinct_bytes<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> u64 {
 }
 
 /// What a block's run did wrong, if anything: an input changed in place (its version
-/// moved from `versions`), no tensor returned, or a floating-point output that does not
-/// require grad though an input does (under grad mode). The message says what to do.
+/// moved from `versions`), no tensor returned, or floating-point outputs none of which
+/// requires grad though an input does (under grad mode). The message says what to do.
 fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<String> {
     for (i, (x, before)) in xs.iter().zip(versions).enumerate() {
         if let Some(before) = before {
@@ -796,15 +797,15 @@ fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<Str
     }
     let tracked = memsave_sys::tensor::grad_enabled().unwrap_or(false)
         && xs.iter().any(|x| x.defined() && x.requires_grad());
-    if tracked {
-        if let Some(j) = out
-            .iter()
-            .position(|t| t.defined() && t.is_floating_point() && !t.requires_grad())
-        {
-            return Some(format!(
-                "its output {j} does not require grad though its inputs do: it was cut from the graph (`detach`, `no_grad`), and no gradient would reach the inputs through it; return it attached, or compute it outside the block"
-            ));
-        }
+    // Every floating-point output cut from the graph: the block's own code detached
+    // it or ran it under `no_grad`, and no gradient would reach its inputs. A detached
+    // output beside one in the graph (attention weights kept for logging) is fine: no
+    // gradient flows through it, kept or recomputed.
+    let floating = || out.iter().filter(|t| t.defined() && t.is_floating_point());
+    if tracked && floating().next().is_some() && floating().all(|t| !t.requires_grad()) {
+        return Some(
+            "none of its outputs requires grad though its inputs do: it was cut from the graph (`detach`, `no_grad`), and no gradient would reach its inputs; return its outputs attached, or compute it outside the block".into(),
+        );
     }
     None
 }
