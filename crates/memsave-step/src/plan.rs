@@ -216,21 +216,34 @@ pub fn disk_block_lever() -> BlockLever {
     )
 }
 
-/// [`disk_block_lever`]'s hooks: the store made on first use.
-struct LazyDiskHooks(std::sync::OnceLock<Result<Arc<dyn RawHooks>, String>>);
+/// Why a store made on first use could not be made, given to every use after.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+struct FirstUse(Arc<StepError>);
+
+impl FirstUse {
+    fn new(e: StepError) -> Self {
+        FirstUse(Arc::new(e))
+    }
+}
+
+/// [`disk_block_lever`]'s hooks: the store made on first use (or why it could not be,
+/// given to every save).
+struct LazyDiskHooks(std::sync::OnceLock<Result<Arc<dyn RawHooks>, FirstUse>>);
 
 impl LazyDiskHooks {
     fn get(&self) -> Result<&Arc<dyn RawHooks>, memsave_sys::CallbackError> {
         self.0
             .get_or_init(|| {
-                let dir = crate::saved::default_dir().map_err(|e| e.to_string())?;
-                let store = DiskOffload::new(dir).map_err(|e| e.to_string())?;
+                let dir = crate::saved::default_dir().map_err(FirstUse::new)?;
+                let store = DiskOffload::new(dir)
+                    .map_err(|e| FirstUse::new(StepError::lever("offload", e)))?;
                 Ok(memsave_hooks::raw_hooks(
                     store.synchronous(true).prefetch(0),
                 ))
             })
             .as_ref()
-            .map_err(|e| e.clone().into())
+            .map_err(|e| Box::new(e.clone()) as memsave_sys::CallbackError)
     }
 }
 
@@ -250,20 +263,21 @@ impl RawHooks for LazyDiskHooks {
     }
 }
 
-/// [`disk_boundary_store`]'s store: the directory made on first use.
-struct LazyDiskStore(std::sync::OnceLock<Result<Arc<dyn BoundaryStore>, String>>);
+/// [`disk_boundary_store`]'s store: the directory made on first use (or why it could
+/// not be, given to every store).
+struct LazyDiskStore(std::sync::OnceLock<Result<Arc<dyn BoundaryStore>, FirstUse>>);
 
 impl LazyDiskStore {
     fn get(&self) -> Result<&Arc<dyn BoundaryStore>, memsave_checkpoint::StoreError> {
         self.0
             .get_or_init(|| {
                 lever_stores(true, None)
-                    .map_err(|e| e.to_string())?
+                    .map_err(FirstUse::new)?
                     .pop()
-                    .ok_or_else(|| "no disk store was made".to_string())
+                    .ok_or_else(|| FirstUse::new(StepError::invalid("no disk store was made")))
             })
             .as_ref()
-            .map_err(|e| e.clone().into())
+            .map_err(|e| Box::new(e.clone()) as memsave_checkpoint::StoreError)
     }
 }
 
