@@ -1,8 +1,8 @@
 //! Setting a configuration's checkpoint plan on a workload, profiling the workload's
 //! layers first when the plan is a byte budget.
-use crate::config::{PlanChoice, StepConfig};
+use crate::config::{PlanChoice, SavedTensors, StepConfig};
 use crate::error::StepError;
-use crate::levers::CompressDtype;
+use crate::levers::{CompressDtype, OffloadSpec};
 use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{
     BlockLever, Blocks, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
@@ -168,7 +168,10 @@ pub fn apply_plan(
 
 /// For a workload of blocks ([`Workload::blocks`]), sets every block's lever from
 /// `config`'s plan and returns true: no plan keeps every block, `every_layer`
-/// recomputes every block. Returns false for a chain (nothing done).
+/// recomputes every block, and with saved tensors offloaded to disk keeps each
+/// recomputed block's inputs in files too (in a directory of its own inside the
+/// offload's `dir`), as a chain's checkpoint inputs go to the hooks. Returns false for
+/// a chain (nothing done).
 ///
 /// # Errors
 /// [`StepError::Lever`] for a plan a model of blocks does not take yet (segments,
@@ -179,7 +182,20 @@ pub fn apply_block_plan(model: &dyn Workload, config: &StepConfig) -> Result<boo
     };
     let lever = match config.plan {
         PlanChoice::Fixed(Plan::None) => BlockLever::Keep,
-        PlanChoice::Fixed(Plan::EveryLayer) => BlockLever::Recompute,
+        // With saved tensors in files, a recomputed block's inputs go to files too (as
+        // a chain's checkpoint inputs do, through the hooks): kept in memory, they
+        // would make the offload lever do nothing for a model of blocks.
+        PlanChoice::Fixed(Plan::EveryLayer) => match &config.saved {
+            Some(SavedTensors::Offload(OffloadSpec::Disk { dir, .. })) => {
+                BlockLever::RecomputeStoringInputs {
+                    store: disk_boundary_store_in(dir.as_ref().map(std::path::PathBuf::from)),
+                }
+            }
+            Some(SavedTensors::OffloadSynchronous) => BlockLever::RecomputeStoringInputs {
+                store: disk_boundary_store(),
+            },
+            _ => BlockLever::Recompute,
+        },
         _ => {
             return Err(StepError::lever(
                 "checkpoint",
@@ -200,7 +216,13 @@ pub fn apply_block_plan(model: &dyn Workload, config: &StepConfig) -> Result<boo
 /// synchronously so that a planned peak holds. What `fit` uses for blocks recomputed
 /// under its offload lever ([`BlockLever::RecomputeStoringInputs`]).
 pub fn disk_boundary_store() -> Arc<dyn BoundaryStore> {
-    Arc::new(LazyDiskStore(std::sync::OnceLock::new()))
+    disk_boundary_store_in(None)
+}
+
+/// [`disk_boundary_store`] with its directory made inside `parent` (the system's
+/// temporary directory when `None`).
+fn disk_boundary_store_in(parent: Option<std::path::PathBuf>) -> Arc<dyn BoundaryStore> {
+    Arc::new(LazyDiskStore(parent, std::sync::OnceLock::new()))
 }
 
 /// Saved-tensor hooks that write what a block saves to files (memsave-hooks'
@@ -265,13 +287,16 @@ impl RawHooks for LazyDiskHooks {
 
 /// [`disk_boundary_store`]'s store: the directory made on first use (or why it could
 /// not be, given to every store).
-struct LazyDiskStore(std::sync::OnceLock<Result<Arc<dyn BoundaryStore>, FirstUse>>);
+struct LazyDiskStore(
+    Option<std::path::PathBuf>,
+    std::sync::OnceLock<Result<Arc<dyn BoundaryStore>, FirstUse>>,
+);
 
 impl LazyDiskStore {
     fn get(&self) -> Result<&Arc<dyn BoundaryStore>, memsave_checkpoint::StoreError> {
-        self.0
+        self.1
             .get_or_init(|| {
-                lever_stores(true, None)
+                lever_stores_in(true, None, self.0.as_deref())
                     .map_err(FirstUse::new)?
                     .pop()
                     .ok_or_else(|| FirstUse::new(StepError::invalid("no disk store was made")))
@@ -312,15 +337,27 @@ fn lever_stores(
     offload: bool,
     compress: Option<CompressDtype>,
 ) -> Result<Vec<Arc<dyn BoundaryStore>>, StepError> {
+    lever_stores_in(offload, compress, None)
+}
+
+/// [`lever_stores`], the disk store's temporary directory made inside `parent` (the
+/// system's temporary directory when `None`).
+fn lever_stores_in(
+    offload: bool,
+    compress: Option<CompressDtype>,
+    parent: Option<&std::path::Path>,
+) -> Result<Vec<Arc<dyn BoundaryStore>>, StepError> {
     let mut stores: Vec<Arc<dyn BoundaryStore>> = Vec::new();
     if offload {
-        let dir = tempfile::Builder::new()
-            .prefix("memsave-levers-")
-            .tempdir()
-            .map_err(|source| StepError::Io {
-                what: "checkpoint offload: no temporary directory".into(),
-                source,
-            })?;
+        let builder = tempfile::Builder::new().prefix("memsave-levers-").clone();
+        let made = match parent {
+            Some(parent) => builder.tempdir_in(parent),
+            None => builder.tempdir(),
+        };
+        let dir = made.map_err(|source| StepError::Io {
+            what: "checkpoint offload: no temporary directory".into(),
+            source,
+        })?;
         let store = DiskOffload::new(dir.path()).map_err(|e| StepError::lever("offload", e))?;
         stores.push(Arc::new(DirStore {
             store: store.prefetch(0),

@@ -629,7 +629,7 @@ fn the_unet_and_the_encoder_decoder_run_as_blocks_in_the_harness() {
     );
     for model in [UNET, ENCODER_DECODER] {
         let yaml = format!(
-            "suite: zoo\nwarmup: 1\nrepeats: 1\nmodels:\n  - {model}\nstrategies:\n  - baseline\n  - checkpoint: {{every_layer: true}}\n  - checkpoint: {{segments: 2}}\n"
+            "suite: zoo\nwarmup: 1\nrepeats: 1\nmodels:\n  - {model}\nstrategies:\n  - baseline\n  - checkpoint: {{every_layer: true}}\n  - checkpoint: {{segments: 2}}\n  - {{name: ckpt+disk, with: [{{checkpoint: {{every_layer: true}}}}, {{offload: {{to: disk}}}}]}}\n"
         );
         let suite = Suite::from_yaml(&yaml, "zoo.yaml").unwrap();
         let name = &suite.models[0].name;
@@ -644,6 +644,21 @@ fn the_unet_and_the_encoder_decoder_run_as_blocks_in_the_harness() {
         assert_eq!(segments.status, Status::Unavailable, "{model}");
         let why = segments.error.as_deref().unwrap_or("");
         assert!(why.contains("is a model of blocks, not a chain"), "{why}");
+        // With saved tensors in files, each recomputed block's inputs go to files too:
+        // after the forward the U-Net keeps its logits only, [2, 3, 16, 16] floats
+        // (6,144 B; before, the offload did nothing here: 32,768 B, as every_layer alone).
+        let disk = case(&report, name, "ckpt+disk");
+        assert_eq!(disk.status, Status::Ok, "{:?}", disk.error);
+        assert_eq!(disk.grad_max_abs_diff, Some(0.0), "{model}");
+        assert!(
+            disk.retained_after_forward_bytes < every.retained_after_forward_bytes,
+            "{model}: {:?} against {:?}",
+            disk.retained_after_forward_bytes,
+            every.retained_after_forward_bytes
+        );
+        if model == UNET {
+            assert_eq!(disk.retained_after_forward_bytes, Some(2 * 3 * 16 * 16 * 4));
+        }
     }
 }
 
