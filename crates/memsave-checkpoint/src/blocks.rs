@@ -1,7 +1,7 @@
 //! [`Blocks`]: named blocks of any forward function, each run under its own lever.
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
-use crate::levers::{BoundaryStore, Lever};
+use crate::levers::{BoundaryStore, Lever, LeverStats};
 use memsave_sys::hooks::RawHooks;
 use std::any::TypeId;
 use std::collections::HashMap;
@@ -175,6 +175,9 @@ pub(crate) struct State {
     pub(crate) profiler: Option<Profiler>,
     /// Told when each block's run starts and ends.
     observer: Option<BlockObserver>,
+    /// The stores of [`BlockLever::RecomputeStoringInputs`] used so far, each with
+    /// what it took (one counter per store, across blocks and forwards).
+    stores: Vec<Lever>,
     /// The function (closure type) each block name runs in the forward in progress,
     /// from its first call on.
     functions: HashMap<String, TypeId>,
@@ -406,6 +409,25 @@ impl Blocks {
         self.lock().observer = observer;
     }
 
+    /// What each store of [`BlockLever::RecomputeStoringInputs`] took from the blocks'
+    /// forwards so far, one entry per store in the order first used: as
+    /// [`CheckpointedSequential::lever_stats`](crate::CheckpointedSequential::lever_stats)
+    /// for a chain's boundary stores (what `memsave bench` reports as offloaded).
+    pub fn lever_stats(&self) -> Vec<LeverStats> {
+        self.lock().stores.iter().map(Lever::stats).collect()
+    }
+
+    /// `store` with its counter: the one kept for it, or a new one.
+    fn counted(&self, store: &Arc<dyn BoundaryStore>) -> Lever {
+        let mut state = self.lock();
+        if let Some(lever) = state.stores.iter().find(|l| Arc::ptr_eq(&l.0, store)) {
+            return lever.clone();
+        }
+        let lever = Lever::new(Arc::clone(store));
+        state.stores.push(lever.clone());
+        lever
+    }
+
     /// Tells the observer, if any, of `notice` (the lock not held while it runs).
     fn notify(&self, notice: impl FnOnce() -> BlockNotice) {
         let observer = self.lock().observer.clone();
@@ -614,9 +636,7 @@ impl Blocks {
             }
             BlockLever::Recompute | BlockLever::RecomputeStoringInputs { .. } => {
                 let store = match lever {
-                    BlockLever::RecomputeStoringInputs { store } => {
-                        Some(Lever::new(Arc::clone(store)))
-                    }
+                    BlockLever::RecomputeStoringInputs { store } => Some(self.counted(store)),
                     _ => None,
                 };
                 // The first run is the forward's; every later one is a recomputation,

@@ -27,17 +27,22 @@ pub(crate) struct SavedBytes {
 
 impl SavedBytes {
     /// These bytes plus what the checkpoint's boundary stores took between `before` and
-    /// `after` (`CheckpointedSequential::lever_stats`): lossless stores moved bytes out
-    /// (offloaded), lossy ones shrank them (compressed).
+    /// `after` (`CheckpointedSequential::lever_stats`, then `Blocks::lever_stats`; a
+    /// store first used in the step is in `after` only): lossless stores moved bytes
+    /// out (offloaded), lossy ones shrank them (compressed).
     pub fn with_levers(
         self,
         before: &[memsave_checkpoint::LeverStats],
         after: &[memsave_checkpoint::LeverStats],
     ) -> Self {
         let mut out = self;
-        for (b, a) in before.iter().zip(after) {
-            let bytes = a.bytes - b.bytes;
-            let resident = a.resident_bytes.unwrap_or(0) - b.resident_bytes.unwrap_or(0);
+        // A store first used during the step is in `after` only: from zero.
+        for (i, a) in after.iter().enumerate() {
+            let (b_bytes, b_resident) = before
+                .get(i)
+                .map_or((0, 0), |b| (b.bytes, b.resident_bytes.unwrap_or(0)));
+            let bytes = a.bytes - b_bytes;
+            let resident = a.resident_bytes.unwrap_or(0) - b_resident;
             let moved = bytes.saturating_sub(resident);
             let slot = if a.lossless {
                 &mut out.offloaded_bytes

@@ -319,7 +319,7 @@ impl<'a> StepRun<'a> {
         let grad_offload = self.grad_offload(config, &params)?;
         let input = step_input(x, config)?;
         let hooks = step_hooks(config, &params, &input)?;
-        let levers_before = model.layers().lever_stats();
+        let levers_before = lever_stats(model);
         let sent_before = self.data_parallel.map(DataParallelHandle::bytes_sent);
         let smallest = smallest_micro_batch(&input, config);
         let guard = match smallest {
@@ -350,7 +350,7 @@ impl<'a> StepRun<'a> {
         }
         let saved = measured
             .saved
-            .with_levers(&levers_before, &model.layers().lever_stats());
+            .with_levers(&levers_before, &lever_stats(model));
         Ok(StepMeasurement {
             start_bytes: m.start_bytes,
             peak_bytes: m.peak_bytes,
@@ -816,4 +816,13 @@ fn smallest_micro_batch(input: &Batch, config: &StepConfig) -> Option<i64> {
             .map(|mb| mb.len)
             .min(),
     }
+}
+
+/// What the boundary stores of `model` took so far: the chain's, then its blocks'.
+fn lever_stats(model: &dyn Workload) -> Vec<memsave_checkpoint::LeverStats> {
+    let mut stats = model.layers().lever_stats();
+    if let Some(blocks) = model.blocks() {
+        stats.extend(blocks.lever_stats());
+    }
+    stats
 }

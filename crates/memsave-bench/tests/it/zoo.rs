@@ -656,6 +656,14 @@ fn the_unet_and_the_encoder_decoder_run_as_blocks_in_the_harness() {
             disk.retained_after_forward_bytes,
             every.retained_after_forward_bytes
         );
+        // What left memory went to the store, and the report says so (it said 0 B).
+        let moved = every.retained_after_forward_bytes.unwrap()
+            - disk.retained_after_forward_bytes.unwrap();
+        let offloaded = disk.offloaded_bytes.unwrap_or(0);
+        assert!(
+            offloaded >= moved,
+            "{model}: offloaded {offloaded} B, {moved} B moved"
+        );
         if model == UNET {
             assert_eq!(disk.retained_after_forward_bytes, Some(2 * 3 * 16 * 16 * 4));
         }
