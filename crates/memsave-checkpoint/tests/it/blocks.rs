@@ -680,3 +680,59 @@ fn the_observer_sees_every_run_and_every_recomputation() {
     );
     blocks.set_observer(None);
 }
+
+/// Under `no_grad` nothing reads a block's inputs again (no graph, no recomputation),
+/// so a block may change them in place there, as under inference mode: an activation
+/// run in place on its input, a key-value cache whose new row is written into the
+/// buffer its input is a view of. Under grad mode the same block is refused.
+#[test]
+#[serial]
+fn a_block_under_no_grad_may_change_its_inputs_in_place() {
+    let x = Tensor::ones([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    for lever in [BlockLever::Keep, BlockLever::Recompute] {
+        let blocks = Blocks::new();
+        blocks.set_every(lever.clone());
+        let h = (&x * -1).detach();
+        let y = tch::no_grad(|| {
+            blocks.forward(|b| {
+                b.run("relu", &[&h], |xs| {
+                    let mut y = xs[0].shallow_clone();
+                    let _ = y.relu_();
+                    vec![y]
+                })
+            })
+        });
+        let y = y.unwrap().unwrap_or_else(|e| panic!("{lever:?}: {e}"));
+        assert_eq!(y[0].sum(Kind::Float).double_value(&[]), 0.0, "{lever:?}");
+        // The cache's rows 0..2 are the input; the block writes row 2.
+        let cache = Tensor::zeros([3, 3], (Kind::Float, Device::Cpu));
+        let past = cache.narrow(0, 0, 2);
+        let buffer = cache.shallow_clone();
+        let y = tch::no_grad(|| {
+            blocks.forward(|b| {
+                b.run("attend", &[&past], move |xs| {
+                    let _ = buffer.narrow(0, 2, 1).fill_(1.0);
+                    vec![&xs[0] + 1]
+                })
+            })
+        });
+        y.unwrap().unwrap_or_else(|e| panic!("{lever:?}: {e}"));
+        assert_eq!(cache.sum(Kind::Float).double_value(&[]), 3.0, "{lever:?}");
+        // With grad mode, the same block is refused.
+        let h = &x * 1;
+        let err = blocks
+            .forward(|b| {
+                b.run("relu", &[&h], |xs| {
+                    let mut y = xs[0].shallow_clone();
+                    let _ = y.relu_();
+                    vec![y]
+                })
+            })
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("it modified its input 0 in place"),
+            "{lever:?}: {err}"
+        );
+    }
+}
