@@ -437,10 +437,11 @@ impl Blocks {
     /// not the one the levers were set for at this place of the forward;
     /// [`CheckpointError::Blocks`] when a forward runs another closure under a name
     /// it already ran; an error naming the block when `f` changes one of its inputs in
-    /// place under grad mode (under `no_grad` nothing reads them again), returns no tensor, or returns floating-point outputs none of which
-    /// requires grad though an input does (cut from the graph, so no gradient would
-    /// reach the inputs): when kept, in the forward; when recomputed, the last of these
-    /// in the recomputation, from backward. A detached output beside one that is in
+    /// place under grad mode (under `no_grad` nothing reads them again), returns no
+    /// tensor, or returns floating-point outputs none of which requires grad though an
+    /// input does (cut from the graph, so no gradient would reach the inputs): in the
+    /// forward, kept or recomputed (a recomputed block's forward runs under autograd
+    /// too), and again in each recomputation. A detached output beside one that is in
     /// the graph (attention weights kept for logging) is allowed.
     pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
