@@ -535,7 +535,7 @@ impl Blocks {
         }
         state.refused = true;
         Err(CheckpointError::Blocks(format!(
-            "block name \"{name}\" runs a second function (another closure than at its first call): one name is one function; give this block a name of its own, or run the same closure (a `fn`, or `&f` of one closure) at every call"
+            "block name \"{name}\" runs a second function (another closure than at its first call): one name is one function; give this block a name of its own, or run the same closure (a `fn`, or `f.clone()` of one closure: a block needs `'static`, so `&f` of a local closure does not compile) at every call"
         )))
     }
 

@@ -540,6 +540,18 @@ fn a_block_that_misbehaves_gets_an_error_naming_it() {
                 .contains("block name \"a\" runs a second function"),
             "{case}: {err}"
         );
+        // What the error advises: clones of one closure are one function.
+        assert!(err.to_string().contains("`f.clone()`"), "{case}: {err}");
+        let scale = Arc::new(2.0);
+        let f = move |xs: &[Tensor]| vec![&xs[0] * *scale];
+        blocks
+            .forward(|b| -> Result<(), CheckpointError> {
+                b.run("a", &[&x], f.clone())?;
+                b.run("a", &[&x], f.clone())?;
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
         // One closure run twice under one name is a block with shared weights.
         blocks
             .forward(|b| -> Result<(), CheckpointError> {
