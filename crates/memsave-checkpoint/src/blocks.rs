@@ -459,10 +459,11 @@ impl Blocks {
     /// not the one the levers were set for at this place of the forward;
     /// [`CheckpointError::Blocks`] when a forward runs another closure under a name
     /// it already ran; an error naming the block when `f` changes one of its inputs in
-    /// place, returns no tensor, or returns floating-point outputs none of which
-    /// requires grad though an input does (cut from the graph, so no gradient would
-    /// reach the inputs): when kept, in the forward; when recomputed, the last of these
-    /// in the recomputation, from backward. A detached output beside one that is in
+    /// place under grad mode (under `no_grad` nothing reads them again), returns no
+    /// tensor, or returns floating-point outputs none of which requires grad though an
+    /// input does (cut from the graph, so no gradient would reach the inputs): in the
+    /// forward, kept or recomputed (a recomputed block's forward runs under autograd
+    /// too), and again in each recomputation. A detached output beside one that is in
     /// the graph (attention weights kept for logging) is allowed.
     pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
@@ -475,11 +476,16 @@ impl Blocks {
         // What a block must not do, checked on every run (the forward's and each
         // recomputation): change its inputs in place, return no tensor, or return a
         // floating-point output cut from the graph its inputs are in.
+        // Without grad mode (inference, `no_grad`) nothing reads the inputs again: no
+        // graph saves them and nothing is recomputed, so a block may change them there
+        // (as under inference mode, whose tensors have no version): a key-value cache
+        // written in place, a `relu_` on its input.
         let f = move |xs: &[Tensor]| -> std::result::Result<Vec<Tensor>, String> {
+            let watch = memsave_sys::tensor::grad_enabled().unwrap_or(true);
             let versions: Vec<Option<u64>> = xs
                 .iter()
                 .map(|x| {
-                    x.defined()
+                    (watch && x.defined())
                         .then(|| memsave_sys::tensor::version(x).ok())
                         .flatten()
                 })
@@ -551,7 +557,7 @@ impl Blocks {
         }
         state.refused = true;
         Err(CheckpointError::Blocks(format!(
-            "block name \"{name}\" runs a second function (another closure than at its first call): one name is one function; give this block a name of its own, or run the same closure (a `fn`, or `&f` of one closure) at every call"
+            "block name \"{name}\" runs a second function (another closure than at its first call): one name is one function; give this block a name of its own, or run the same closure (a `fn`, or `f.clone()` of one closure: a block needs `'static`, so `&f` of a local closure does not compile) at every call"
         )))
     }
 

@@ -484,3 +484,74 @@ fn adding_the_stored_sum_back_costs_one_chunk() {
     let expected = &c * 3.0;
     assert!(w.grad().equal(&expected), "the sum is the plain one");
 }
+
+/// Adding the stored sum back chunk by chunk gives plain accumulation's bits in every
+/// floating-point kind and size: none, one value, a few, and several 64 KiB chunks
+/// with a shorter last one; every byte stored is read back once per backward after
+/// the first and once by restore, and no file is left.
+#[test]
+#[serial]
+fn the_stored_sum_added_back_in_chunks_is_plain_accumulation_in_every_kind() {
+    for kind in [Kind::BFloat16, Kind::Half, Kind::Float, Kind::Double] {
+        for n in [0i64, 1, 3, 40_001] {
+            let values = |scale: f64, shift: f64| {
+                ((Tensor::arange(n, (Kind::Float, Device::Cpu)) * scale + shift).sin() * 1.7)
+                    .to_kind(kind)
+            };
+            let offloaded = values(0.37, 0.0).set_requires_grad(true);
+            let plain = values(0.37, 0.0).set_requires_grad(true);
+            let dir = tempfile::tempdir().unwrap();
+            let offload = GradOffload::new(&[offloaded.shallow_clone()], dir.path()).unwrap();
+            for step in 0..3 {
+                let c = values(0.11, step as f64);
+                (&offloaded * &c).sum(kind).backward();
+                (&plain * &c).sum(kind).backward();
+                assert!(!offloaded.grad().defined(), "{kind:?}, {n} values");
+            }
+            offload.restore().unwrap();
+            let (ours, theirs) = (offloaded.grad(), plain.grad());
+            assert!(
+                ours.view_dtype(Kind::Uint8)
+                    .equal(&theirs.view_dtype(Kind::Uint8)),
+                "{kind:?}, {n} values"
+            );
+            let bytes = n as u64 * kind.elt_size_in_bytes() as u64;
+            assert_eq!(
+                offload.stats().read_bytes,
+                3 * bytes,
+                "{kind:?}, {n} values"
+            );
+            assert_eq!(files_in(offload.dir()), 0, "{kind:?}, {n} values");
+        }
+    }
+}
+
+/// A file of several chunks changed in its last chunk is found by its checksum after
+/// the chunks before were added: the gradient (a part of the sum) is freed, the file
+/// removed, and the sum lost, as when the file is read back whole.
+#[test]
+#[serial]
+fn a_sum_damaged_in_its_last_chunk_is_lost_and_its_partial_gradient_freed() {
+    let n = 40_001;
+    let w = Tensor::zeros([n], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let c = Tensor::ones([n], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let offload = GradOffload::new(&[w.shallow_clone()], dir.path()).unwrap();
+    (&w * &c).sum(Kind::Float).backward();
+    let file = files_under(offload.dir()).pop().unwrap();
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x10;
+    std::fs::write(&file, bytes).unwrap();
+    let err = (&w * &c)
+        .sum(Kind::Float)
+        .f_backward()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(!w.grad().defined(), "the partial sum is freed");
+    assert_eq!(files_in(offload.dir()), 0);
+    assert_eq!(offload.stats().read_bytes, 0);
+    let err = offload.restore().unwrap_err();
+    assert!(matches!(err, OffloadError::GradLost { .. }), "{err}");
+}

@@ -118,3 +118,98 @@ fn the_scratch_of_an_f32_step_is_one_chunk() {
         m.peak_bytes
     );
 }
+
+/// A bf16 parameter with f32 state goes to f32 a chunk at a time through the scratch:
+/// each step gives the bits of tch's own optimizer stepping the same values in f32,
+/// whole, rounded to bf16 (its f32 copy is set to our parameter before each step, so
+/// both start from the same values; the moments, f32 in both, see the same gradients),
+/// with weight decay, Nesterov momentum and a non-contiguous gradient.
+#[test]
+#[serial_test::parallel]
+fn a_bf16_parameter_of_several_chunks_matches_tch_in_f32() {
+    use memsave_optim::{Options, State};
+    let options = Options {
+        state: State::F32,
+        ..Default::default()
+    };
+    for rule in ["AdamW", "SGD"] {
+        let reference_store = nn::VarStore::new(Device::Cpu);
+        let mut reference = reference_store.root().zeros("w", &[ROWS, COLS]);
+        let ours = store().trainable_variables()[0]
+            .detach()
+            .to_kind(Kind::BFloat16)
+            .set_requires_grad(true);
+        let params = [ours.shallow_clone()];
+        let (mut step_ours, mut step_reference): (Box<dyn FnMut()>, nn::Optimizer) = match rule {
+            "AdamW" => {
+                let c = AdamWConfig {
+                    lr: 1e-2,
+                    weight_decay: 0.05,
+                    ..Default::default()
+                };
+                let tch_opt = nn::AdamW {
+                    beta1: c.betas.0,
+                    beta2: c.betas.1,
+                    wd: c.weight_decay,
+                    eps: c.eps,
+                    amsgrad: false,
+                }
+                .build(&reference_store, c.lr)
+                .unwrap();
+                let mut opt = AdamW::with_options(&params, c, options.clone()).unwrap();
+                (Box::new(move || opt.step()), tch_opt)
+            }
+            _ => {
+                let c = SgdConfig {
+                    lr: 1e-2,
+                    momentum: 0.9,
+                    weight_decay: 1e-3,
+                    nesterov: true,
+                    ..Default::default()
+                };
+                let tch_opt = nn::Sgd {
+                    momentum: c.momentum,
+                    dampening: c.dampening,
+                    wd: c.weight_decay,
+                    nesterov: c.nesterov,
+                }
+                .build(&reference_store, c.lr)
+                .unwrap();
+                let mut opt = Sgd::with_options(&params, c, options.clone()).unwrap();
+                (Box::new(move || opt.step()), tch_opt)
+            }
+        };
+        for step in 0..3 {
+            tch::no_grad(|| reference.copy_(&ours.to_kind(Kind::Float)));
+            let before = ours.copy();
+            let g = ((Tensor::arange(ROWS * COLS, (Kind::Float, Device::Cpu)) * 0.007
+                + step as f64)
+                .cos()
+                * 3.0)
+                .to_kind(Kind::BFloat16)
+                .view([ROWS, COLS]);
+            // Step 1's gradient is column-major: reshaped, a copy.
+            let g = if step == 1 {
+                g.transpose(0, 1).contiguous().transpose(0, 1)
+            } else {
+                g
+            };
+            for (p, g) in [
+                (&ours, g.shallow_clone()),
+                (&reference, g.to_kind(Kind::Float)),
+            ] {
+                memsave_sys::tensor::set_grad_none(p).unwrap();
+                memsave_sys::tensor::set_grad(p, &g).unwrap();
+            }
+            step_ours();
+            step_reference.step();
+            let what = format!("{rule}, step {step}");
+            assert!(!ours.equal(&before), "{what}: the parameter moved");
+            assert_bitwise(
+                &[ours.shallow_clone()],
+                &[reference.to_kind(Kind::BFloat16)],
+                &what,
+            );
+        }
+    }
+}
