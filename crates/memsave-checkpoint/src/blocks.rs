@@ -459,12 +459,12 @@ impl Blocks {
     /// not the one the levers were set for at this place of the forward;
     /// [`CheckpointError::Blocks`] when a forward runs another closure under a name
     /// it already ran; an error naming the block when `f` changes one of its inputs in
-    /// place under grad mode (under `no_grad` nothing reads them again), returns no
-    /// tensor, or returns floating-point outputs none of which requires grad though an
-    /// input does (cut from the graph, so no gradient would reach the inputs): in the
-    /// forward, kept or recomputed (a recomputed block's forward runs under autograd
-    /// too), and again in each recomputation. A detached output beside one that is in
-    /// the graph (attention weights kept for logging) is allowed.
+    /// place under grad mode (under `no_grad` nothing reads them again) or returns no
+    /// tensor, in the forward and in each recomputation. Outputs that do not require
+    /// grad (a table made from an input's shape, a mask, a detached teacher's output)
+    /// are a function's outputs like any other: a recomputation refills the saved
+    /// tensors of the forward's own graph, so gradients follow the forward under every
+    /// lever.
     pub fn try_run<F, E>(&self, name: &str, inputs: &[&Tensor], f: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> std::result::Result<Vec<Tensor>, E> + Send + 'static,
@@ -474,8 +474,7 @@ impl Blocks {
         let (key, lever, recorded_at) = self.enter(name)?;
         let label = format!("block {key}");
         // What a block must not do, checked on every run (the forward's and each
-        // recomputation): change its inputs in place, return no tensor, or return a
-        // floating-point output cut from the graph its inputs are in.
+        // recomputation): change its inputs in place, or return no tensor.
         // Without grad mode (inference, `no_grad`) nothing reads the inputs again: no
         // graph saves them and nothing is recomputed, so a block may change them there
         // (as under inference mode, whose tensors have no version): a key-value cache
@@ -804,8 +803,8 @@ fn distinct_bytes<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> u64 {
 }
 
 /// What a block's run did wrong, if anything: an input changed in place (its version
-/// moved from `versions`), no tensor returned, or floating-point outputs none of which
-/// requires grad though an input does (under grad mode). The message says what to do.
+/// moved from `versions`, watched under grad mode only), or no tensor returned. The
+/// message says what to do.
 fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<String> {
     for (i, (x, before)) in xs.iter().zip(versions).enumerate() {
         if let Some(before) = before {
@@ -819,18 +818,6 @@ fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<Str
     if out.iter().all(|t| !t.defined()) {
         return Some(
             "it returned no tensor; a block returns at least one output (return its input, or run the code outside a block)".into(),
-        );
-    }
-    let tracked = memsave_sys::tensor::grad_enabled().unwrap_or(false)
-        && xs.iter().any(|x| x.defined() && x.requires_grad());
-    // Every floating-point output cut from the graph: the block's own code detached
-    // it or ran it under `no_grad`, and no gradient would reach its inputs. A detached
-    // output beside one in the graph (attention weights kept for logging) is fine: no
-    // gradient flows through it, kept or recomputed.
-    let floating = || out.iter().filter(|t| t.defined() && t.is_floating_point());
-    if tracked && floating().next().is_some() && floating().all(|t| !t.requires_grad()) {
-        return Some(
-            "none of its outputs requires grad though its inputs do: it was cut from the graph (`detach`, `no_grad`), and no gradient would reach its inputs; return its outputs attached, or compute it outside the block".into(),
         );
     }
     None
