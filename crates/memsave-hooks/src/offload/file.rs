@@ -275,7 +275,35 @@ pub(crate) fn add_into(
     crc: u32,
     target: &Tensor,
 ) -> Result<(), FileError> {
-    let mut file = File::open(path).map_err(|e| FileError::io("open", path, e))?;
+    let file = open_checked(path, layout)?;
+    let add = |e: tch::TchError| FileError::io("add the stored sum from", path, e);
+    let total = layout.bytes as usize;
+    let element = layout.kind.elt_size_in_bytes().max(1);
+    let step = (ADD_CHUNK / element).max(1) * element;
+    let flat = target.f_view([-1]).map_err(add)?;
+    let bytes =
+        Tensor::f_empty([step.min(total) as i64], (Kind::Uint8, Device::Cpu)).map_err(add)?;
+    read_chunks(file, path, total, step, crc, |start, chunk| {
+        memsave_sys::tensor::write_bytes(&bytes, 0, chunk)
+            .map_err(|e| FileError::io("add the stored sum from", path, e))?;
+        let n = chunk.len();
+        let chunk = bytes
+            .f_narrow(0, 0, n as i64)
+            .and_then(|c| c.f_view_dtype(layout.kind))
+            .and_then(|c| c.f_to_device(target.device()))
+            .map_err(add)?;
+        let _ = flat
+            .f_narrow(0, (start / element) as i64, (n / element) as i64)
+            .and_then(|mut part| part.f_add_(&chunk))
+            .map_err(add)?;
+        Ok(())
+    })
+}
+
+/// `path` opened for reading, refused unless it holds the `layout.bytes` bytes a
+/// stored tensor of `layout` has.
+fn open_checked(path: &Path, layout: &Layout) -> Result<File, FileError> {
+    let file = File::open(path).map_err(|e| FileError::io("open", path, e))?;
     let found = file
         .metadata()
         .map_err(|e| FileError::io("read", path, e))?
@@ -287,31 +315,28 @@ pub(crate) fn add_into(
             expected: layout.bytes,
         });
     }
-    let add = |e: tch::TchError| FileError::io("add the stored sum from", path, e);
-    let total = layout.bytes as usize;
-    let element = (layout.bytes / (target.numel() as u64).max(1)).max(1) as usize;
-    let step = (ADD_CHUNK / element).max(1) * element;
-    let flat = target.f_view([-1]).map_err(add)?;
-    let bytes =
-        Tensor::f_empty([step.min(total) as i64], (Kind::Uint8, Device::Cpu)).map_err(add)?;
+    Ok(file)
+}
+
+/// Reads the `total` bytes of `file` (at `path`) `chunk` bytes at a time, handing each
+/// with its offset to `each`, then checks their CRC-32 against `crc`: after an `Err`,
+/// `each` may have seen a part of a damaged file.
+fn read_chunks(
+    mut file: File,
+    path: &Path,
+    total: usize,
+    chunk: usize,
+    crc: u32,
+    mut each: impl FnMut(usize, &[u8]) -> Result<(), FileError>,
+) -> Result<(), FileError> {
     let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; step.min(total)];
-    for start in (0..total).step_by(step) {
-        let n = step.min(total - start);
+    let mut buf = vec![0u8; chunk.min(total)];
+    for start in (0..total).step_by(chunk) {
+        let n = chunk.min(total - start);
         file.read_exact(&mut buf[..n])
             .map_err(|e| FileError::io("read", path, e))?;
         hasher.update(&buf[..n]);
-        memsave_sys::tensor::write_bytes(&bytes, 0, &buf[..n])
-            .map_err(|e| FileError::io("add the stored sum from", path, e))?;
-        let chunk = bytes
-            .f_narrow(0, 0, n as i64)
-            .and_then(|c| c.f_view_dtype(layout.kind))
-            .and_then(|c| c.f_to_device(target.device()))
-            .map_err(add)?;
-        let _ = flat
-            .f_narrow(0, (start / element) as i64, (n / element) as i64)
-            .and_then(|mut part| part.f_add_(&chunk))
-            .map_err(add)?;
+        each(start, &buf[..n])?;
     }
     if hasher.finalize() != crc {
         return Err(FileError::Checksum {
@@ -324,38 +349,16 @@ pub(crate) fn add_into(
 /// Reads the tensor `layout` describes back from `path`, checking its length and its
 /// CRC-32 against `crc`.
 pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, FileError> {
-    let mut file = File::open(path).map_err(|e| FileError::io("open", path, e))?;
-    let found = file
-        .metadata()
-        .map_err(|e| FileError::io("read", path, e))?
-        .len();
-    if found != layout.bytes {
-        return Err(FileError::Length {
-            path: path.to_path_buf(),
-            found,
-            expected: layout.bytes,
-        });
-    }
+    let file = open_checked(path, layout)?;
     let total = layout.bytes as usize;
     let restore = |e: tch::TchError| FileError::io("restore the tensor from", path, e);
     let out = Tensor::f_empty([total as i64], (Kind::Uint8, Device::Cpu)).map_err(restore)?;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; CHUNK.min(total)];
-    for start in (0..total).step_by(CHUNK) {
-        let n = CHUNK.min(total - start);
-        file.read_exact(&mut buf[..n])
-            .map_err(|e| FileError::io("read", path, e))?;
-        hasher.update(&buf[..n]);
-        // Straight into the restored tensor: a chunk tensor in between would add its
-        // size to the peak of backward.
-        memsave_sys::tensor::write_bytes(&out, start, &buf[..n])
-            .map_err(|e| FileError::io("restore the tensor from", path, e))?;
-    }
-    if hasher.finalize() != crc {
-        return Err(FileError::Checksum {
-            path: path.to_path_buf(),
-        });
-    }
+    // Straight into the restored tensor: a chunk tensor in between would add its size
+    // to the peak of backward.
+    read_chunks(file, path, total, CHUNK, crc, |start, chunk| {
+        memsave_sys::tensor::write_bytes(&out, start, chunk)
+            .map_err(|e| FileError::io("restore the tensor from", path, e))
+    })?;
     let t = out
         .f_view_dtype(layout.kind)
         .and_then(|t| t.f_reshape(&layout.shape))

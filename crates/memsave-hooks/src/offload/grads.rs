@@ -145,15 +145,32 @@ impl Shared {
     /// its file removed when `remove`. A file that cannot be read back makes the sum
     /// lost, for good: `Err` now and at every later call.
     fn read(&self, index: usize, remove: bool) -> Result<Option<Tensor>, OffloadError> {
+        self.take(index, remove, |_| true, file::read)
+    }
+
+    /// Parameter `index`'s stored sum handed to `how` (its file, layout and
+    /// checksum) when one is stored and `usable` takes its layout, else `None`; on
+    /// success its file is removed when `remove`. A file `how` cannot read back makes
+    /// the sum lost, for good (its file removed): `Err` now and at every later call.
+    fn take<T>(
+        &self,
+        index: usize,
+        remove: bool,
+        usable: impl FnOnce(&Layout) -> bool,
+        how: impl FnOnce(&Path, &Layout, u32) -> Result<T, FileError>,
+    ) -> Result<Option<T>, OffloadError> {
         let (layout, crc) = match &lock(&self.sums)[index] {
             Sum::Empty => return Ok(None),
             Sum::Lost(e) => return Err(self.lost(index, e.clone())),
             Sum::Stored { layout, crc } => (layout.clone(), *crc),
         };
+        if !usable(&layout) {
+            return Ok(None);
+        }
         // Read without the lock: the hooks of parameters on other devices run on
         // other threads at the same time.
         let path = self.path(index);
-        let read = file::read(&path, &layout, crc);
+        let read = how(&path, &layout, crc);
         let mut sums = lock(&self.sums);
         match read {
             Ok(t) => {
@@ -201,12 +218,26 @@ impl Shared {
     /// as the gradient when there is none; its file is removed. A lost sum frees
     /// `.grad` (a part of the sum) and is an `Err`.
     fn put_back(&self, index: usize, p: &Tensor) -> Result<(), OffloadError> {
+        // Into the live gradient a chunk at a time where it can take the sum in place
+        // (contiguous, of the sum's kind, shape and device): no second copy of it.
         let grad = p.grad();
-        if grad.defined() && self.add_in_place(index, p, &grad)? {
-            return Ok(());
-        }
+        let in_place = |layout: &Layout| {
+            grad.defined()
+                && grad.is_contiguous()
+                && grad.kind() == layout.kind
+                && grad.size() == layout.shape
+                && grad.device() == layout.device
+        };
+        let added = self.take(index, true, in_place, |path, layout, crc| {
+            file::add_into(path, layout, crc, &grad)
+        });
         drop(grad);
-        let stored = match self.read(index, true) {
+        let stored = match added {
+            Ok(Some(())) => return Ok(()),
+            Ok(None) => self.read(index, true),
+            Err(e) => Err(e),
+        };
+        let stored = match stored {
             Ok(Some(stored)) => stored,
             Ok(None) => return Ok(()),
             Err(e) => {
@@ -221,43 +252,6 @@ impl Shared {
                 .map_err(|e| self.grad_error(index, "add the stored sum to", e))
         } else {
             memsave_sys::tensor::set_grad(p, &stored).map_err(|e| self.grad_error(index, "set", e))
-        }
-    }
-
-    /// Adds parameter `index`'s stored sum, if any, into `grad` (`p`'s live `.grad`) a
-    /// chunk at a time, its file removed; `Ok(false)`, with nothing done, when `grad`
-    /// cannot take it in place (not contiguous, or not of the sum's kind and size), or
-    /// when no sum is stored. A sum that cannot be read back frees `.grad` (a part of
-    /// the sum) and is an `Err`, lost for good, as [`GradOffload::put_back`] says.
-    fn add_in_place(&self, index: usize, p: &Tensor, grad: &Tensor) -> Result<bool, OffloadError> {
-        let (layout, crc) = match &lock(&self.sums)[index] {
-            Sum::Empty => return Ok(false),
-            Sum::Lost(_) => return Ok(false),
-            Sum::Stored { layout, crc } => (layout.clone(), *crc),
-        };
-        if !grad.is_contiguous()
-            || grad.kind() != layout.kind
-            || grad.size() != layout.shape
-            || grad.device() != layout.device
-        {
-            return Ok(false);
-        }
-        let path = self.path(index);
-        let added = file::add_into(&path, &layout, crc, grad);
-        let mut sums = lock(&self.sums);
-        let _ = std::fs::remove_file(&path);
-        match added {
-            Ok(()) => {
-                sums[index] = Sum::Empty;
-                self.read.fetch_add(layout.bytes, Ordering::Relaxed);
-                Ok(true)
-            }
-            Err(e) => {
-                sums[index] = Sum::Lost(e.clone());
-                drop(sums);
-                let _ = memsave_sys::tensor::set_grad_none(p);
-                Err(self.lost(index, e))
-            }
         }
     }
 
