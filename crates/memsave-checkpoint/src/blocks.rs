@@ -479,7 +479,7 @@ impl Blocks {
         // graph saves them and nothing is recomputed, so a block may change them there
         // (as under inference mode, whose tensors have no version): a key-value cache
         // written in place, a `relu_` on its input.
-        let f = move |xs: &[Tensor]| -> std::result::Result<Vec<Tensor>, String> {
+        let f = move |xs: &[Tensor]| -> std::result::Result<Vec<Tensor>, RunError<E>> {
             let watch = memsave_sys::tensor::grad_enabled().unwrap_or(true);
             let versions: Vec<Option<u64>> = xs
                 .iter()
@@ -489,8 +489,8 @@ impl Blocks {
                         .flatten()
                 })
                 .collect();
-            let out = f(xs).map_err(|e| e.to_string())?;
-            misuse(xs, &versions, &out).map_or(Ok(out), Err)
+            let out = f(xs).map_err(RunError::Function)?;
+            misuse(xs, &versions, &out).map_or(Ok(out), |m| Err(RunError::Misuse(m)))
         };
         let started = Instant::now();
         let device = inputs
@@ -802,25 +802,48 @@ fn distinct_bytes<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> u64 {
     bytes
 }
 
+/// Why a block's run failed: its own function's error, or what it must not do.
+enum RunError<E> {
+    /// The error the block's function returned.
+    Function(E),
+    /// What the block did wrong.
+    Misuse(Misuse),
+}
+
+impl<E: fmt::Display> fmt::Display for RunError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RunError::Function(e) => e.fmt(f),
+            RunError::Misuse(m) => m.fmt(f),
+        }
+    }
+}
+
+/// What a block must not do; each message says what to do instead.
+#[derive(Debug, thiserror::Error)]
+enum Misuse {
+    /// An input changed in place under grad mode.
+    #[error("it modified its input {input} in place; a block must leave its inputs as they are (autograd and a recomputation read them): compute out of place, or on a copy (`xs[{input}].copy()`)")]
+    InPlace {
+        /// The input's position.
+        input: usize,
+    },
+    /// No defined tensor among the outputs.
+    #[error("it returned no tensor; a block returns at least one output (return its input, or run the code outside a block)")]
+    NoTensor,
+}
+
 /// What a block's run did wrong, if anything: an input changed in place (its version
-/// moved from `versions`, watched under grad mode only), or no tensor returned. The
-/// message says what to do.
-fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<String> {
-    for (i, (x, before)) in xs.iter().zip(versions).enumerate() {
+/// moved from `versions`, watched under grad mode only), or no tensor returned.
+fn misuse(xs: &[Tensor], versions: &[Option<u64>], out: &[Tensor]) -> Option<Misuse> {
+    for (input, (x, before)) in xs.iter().zip(versions).enumerate() {
         if let Some(before) = before {
             if memsave_sys::tensor::version(x).ok() != Some(*before) {
-                return Some(format!(
-                    "it modified its input {i} in place; a block must leave its inputs as they are (autograd and a recomputation read them): compute out of place, or on a copy (`xs[{i}].copy()`)"
-                ));
+                return Some(Misuse::InPlace { input });
             }
         }
     }
-    if out.iter().all(|t| !t.defined()) {
-        return Some(
-            "it returned no tensor; a block returns at least one output (return its input, or run the code outside a block)".into(),
-        );
-    }
-    None
+    out.iter().all(|t| !t.defined()).then_some(Misuse::NoTensor)
 }
 
 /// A module that block functions can capture: tch's modules are `Send` but not `Sync`,
