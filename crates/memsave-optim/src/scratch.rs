@@ -47,11 +47,7 @@ impl Scratch {
             }
         }
         let fresh = Tensor::f_empty([len], (kind, like.device()))?;
-        if i < self.buffers.len() {
-            self.buffers[i] = fresh.shallow_clone();
-        } else {
-            self.buffers.push(fresh.shallow_clone());
-        }
+        keep(&mut self.buffers, i, fresh.shallow_clone());
         Ok(fresh)
     }
 
@@ -74,11 +70,17 @@ impl Scratch {
             }
         }
         let fresh = number_like(value, like)?;
-        if i < self.numbers.len() {
-            self.numbers[i] = (value, fresh.shallow_clone());
-        } else {
-            self.numbers.push((value, fresh.shallow_clone()));
-        }
+        keep(&mut self.numbers, i, (value, fresh.shallow_clone()));
         Ok(fresh)
+    }
+}
+
+/// Puts `item` in slot `i` of `slots`, the request's place in the chunk's sequence
+/// (at most one past the last slot, requests coming in order).
+fn keep<T>(slots: &mut Vec<T>, i: usize, item: T) {
+    if i < slots.len() {
+        slots[i] = item;
+    } else {
+        slots.push(item);
     }
 }
