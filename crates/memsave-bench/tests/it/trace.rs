@@ -23,6 +23,24 @@ fn assert_adds_up(trace: &Trace) {
     }
 }
 
+/// Every storage allocated while a recomputation ran is `recompute` (none
+/// `temporary`) and knows its recomputation; outside them, none is `recompute`.
+fn assert_recompute_exactly_inside_recomputations(trace: &Trace) {
+    for b in &trace.blocks {
+        let Some(at) = b.alloc_event else { continue };
+        let inside = trace
+            .recomputations
+            .iter()
+            .any(|r| r.start <= at && r.end.is_none_or(|end| at < end));
+        if inside {
+            assert_eq!(b.category, Category::Recompute, "{b:?}");
+            assert!(b.recomputation.is_some(), "{b:?}");
+        } else {
+            assert_ne!(b.category, Category::Recompute, "{b:?}");
+        }
+    }
+}
+
 /// The seed network: 10 layers of `x = x + Linear(512, 512)(x)` on `[50, 100, 512]`.
 #[test]
 #[serial]
@@ -149,14 +167,7 @@ fn a_model_of_blocks_is_traced_per_block() {
             ("block enc0#0", 1)
         ]
     );
-    for b in &trace.blocks {
-        let Some(at) = b.alloc_event else { continue };
-        let inside = trace
-            .recomputations
-            .iter()
-            .any(|r| r.start <= at && r.end.is_none_or(|end| at < end));
-        assert_eq!(b.category == Category::Recompute, inside, "{b:?}");
-    }
+    assert_recompute_exactly_inside_recomputations(trace);
     // The forward's allocations are marked by the block that made them.
     assert!(
         trace
@@ -357,21 +368,7 @@ fn recomputation_in_backward_is_its_own_category_per_block() {
         ]
     );
     assert!(table.iter().all(|b| b.duration_ns > 0));
-    // Every storage allocated while a recomputation ran is `recompute`, none
-    // `temporary`; outside them, none is `recompute`.
-    for b in &trace.blocks {
-        let Some(at) = b.alloc_event else { continue };
-        let inside = trace
-            .recomputations
-            .iter()
-            .any(|r| r.start <= at && r.end.is_none_or(|end| at < end));
-        if inside {
-            assert_eq!(b.category, Category::Recompute, "{b:?}");
-            assert!(b.recomputation.is_some(), "{b:?}");
-        } else {
-            assert_ne!(b.category, Category::Recompute, "{b:?}");
-        }
-    }
+    assert_recompute_exactly_inside_recomputations(trace);
     let most = |c: Category| trace.timeline().iter().map(|t| t[c]).max().unwrap();
     // All four at once, just before down's output is freed; at the step's peak (layer
     // 0's backward) up's and GELU's outputs of layer 0.

@@ -514,6 +514,15 @@ fn a_failing_block_keeps_its_own_error_and_the_last_complete_record() {
     assert!(matches!(err, CheckpointError::BlocksChanged(_)), "{err}");
 }
 
+/// `err` names the block `key` and says `what` it did.
+fn assert_refused(err: &CheckpointError, key: &str, what: &str, case: &str) {
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("block {key}")) && text.contains(what),
+        "{case}: {text}"
+    );
+}
+
 /// What a block must not do gets an error naming the block, before any gradient: two
 /// functions under one name in a forward, no tensor returned, an output cut from the
 /// graph, an input changed in place; and a block nested in one forward and not in the
@@ -567,11 +576,7 @@ fn a_block_that_misbehaves_gets_an_error_naming_it() {
             .forward(|b| b.run("empty", &[&x], |_| Vec::new()))
             .unwrap()
             .unwrap_err();
-        assert!(
-            err.to_string().contains("block empty#0")
-                && err.to_string().contains("it returned no tensor"),
-            "{case}: {err}"
-        );
+        assert_refused(&err, "empty#0", "it returned no tensor", &case);
         // An input changed in place (not the caller's leaf: a tensor computed from it).
         let h = &x * 1;
         let err = blocks
@@ -584,11 +589,7 @@ fn a_block_that_misbehaves_gets_an_error_naming_it() {
             })
             .unwrap()
             .unwrap_err();
-        assert!(
-            err.to_string().contains("block inplace#0")
-                && err.to_string().contains("it modified its input 0 in place"),
-            "{case}: {err}"
-        );
+        assert_refused(&err, "inplace#0", "it modified its input 0 in place", &case);
         // Outputs that never require grad are a function's outputs like any other: a
         // table made from the input's shape, and one detached beside one in the graph
         // give the plain gradients, kept or recomputed.

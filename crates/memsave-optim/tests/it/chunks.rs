@@ -1,9 +1,10 @@
 //! A parameter larger than one chunk (in f32 on the CPU an eighth of it, between 2^12
-//! and 2^16 values) is updated a chunk at a time: the same bits as tch's own optimizers, which update it whole, and
-//! scratch memory of one chunk, not of the parameter.
+//! and 2^16 values) is updated a chunk at a time: the same bits as tch's own
+//! optimizers, which update it whole, and scratch memory of one chunk, not of the
+//! parameter.
 use crate::common::assert_bitwise;
 use memsave_meter::f_measure;
-use memsave_optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use memsave_optim::{AdamW, AdamWConfig, Optimizer, Rule, Sgd, SgdConfig};
 use serial_test::serial;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -30,72 +31,90 @@ fn backward(vs: &nn::VarStore, step: i64) {
     (w * &x).sin().sum(Kind::Float).backward();
 }
 
-#[test]
-#[serial_test::parallel]
-fn a_parameter_of_several_chunks_matches_tch_bit_for_bit() {
-    const { assert!(ROWS * COLS % 16_512 != 0 && ROWS * COLS > 7 * 16_512) };
-    let config = AdamWConfig {
+/// AdamW with weight decay, the configuration these tests step.
+fn adamw_config() -> AdamWConfig {
+    AdamWConfig {
         lr: 1e-2,
         weight_decay: 0.05,
         ..Default::default()
-    };
-    let (theirs, ours) = (store(), store());
-    let mut reference = nn::AdamW {
-        beta1: config.betas.0,
-        beta2: config.betas.1,
-        wd: config.weight_decay,
-        eps: config.eps,
-        amsgrad: false,
     }
-    .build(&theirs, config.lr)
-    .unwrap();
-    let mut opt = AdamW::new(&ours.trainable_variables(), config).unwrap();
-    for step in 0..4 {
-        reference.zero_grad();
-        backward(&theirs, step);
-        reference.step();
-        opt.zero_grad(true);
-        backward(&ours, step);
-        opt.step();
-        let what = format!("AdamW, step {step}");
-        assert_bitwise(
-            &ours.trainable_variables(),
-            &theirs.trainable_variables(),
-            &what,
-        );
-    }
+}
 
-    let config = SgdConfig {
+/// SGD with Nesterov momentum and weight decay, the configuration these tests step.
+fn sgd_config() -> SgdConfig {
+    SgdConfig {
         lr: 1e-2,
         momentum: 0.9,
         weight_decay: 1e-3,
         nesterov: true,
         ..Default::default()
-    };
-    let (theirs, ours) = (store(), store());
-    let mut reference = nn::Sgd {
-        momentum: config.momentum,
-        dampening: config.dampening,
-        wd: config.weight_decay,
-        nesterov: config.nesterov,
     }
-    .build(&theirs, config.lr)
-    .unwrap();
-    let mut opt = Sgd::new(&ours.trainable_variables(), config).unwrap();
+}
+
+/// tch's own AdamW of `c` on `vs`.
+fn tch_adamw(c: &AdamWConfig, vs: &nn::VarStore) -> nn::Optimizer {
+    nn::AdamW {
+        beta1: c.betas.0,
+        beta2: c.betas.1,
+        wd: c.weight_decay,
+        eps: c.eps,
+        amsgrad: false,
+    }
+    .build(vs, c.lr)
+    .unwrap()
+}
+
+/// tch's own SGD of `c` on `vs`.
+fn tch_sgd(c: &SgdConfig, vs: &nn::VarStore) -> nn::Optimizer {
+    nn::Sgd {
+        momentum: c.momentum,
+        dampening: c.dampening,
+        wd: c.weight_decay,
+        nesterov: c.nesterov,
+    }
+    .build(vs, c.lr)
+    .unwrap()
+}
+
+/// Steps `opt` on `ours` and `reference` on `theirs` (the same values) four times
+/// from the same gradients, checking the parameters bitwise after each step.
+fn compare<R: Rule>(
+    what: &str,
+    opt: &mut Optimizer<R>,
+    reference: &mut nn::Optimizer,
+    (ours, theirs): (&nn::VarStore, &nn::VarStore),
+    set_to_none: bool,
+) {
     for step in 0..4 {
         reference.zero_grad();
-        backward(&theirs, step);
+        backward(theirs, step);
         reference.step();
-        opt.zero_grad(false);
-        backward(&ours, step);
+        opt.zero_grad(set_to_none);
+        backward(ours, step);
         opt.step();
-        let what = format!("SGD, step {step}");
         assert_bitwise(
             &ours.trainable_variables(),
             &theirs.trainable_variables(),
-            &what,
+            &format!("{what}, step {step}"),
         );
     }
+}
+
+#[test]
+#[serial_test::parallel]
+fn a_parameter_of_several_chunks_matches_tch_bit_for_bit() {
+    const { assert!(ROWS * COLS % 16_512 != 0 && ROWS * COLS > 7 * 16_512) };
+    let config = adamw_config();
+    let (theirs, ours) = (store(), store());
+    let mut reference = tch_adamw(&config, &theirs);
+    let mut opt = AdamW::new(&ours.trainable_variables(), config).unwrap();
+    compare("AdamW", &mut opt, &mut reference, (&ours, &theirs), true);
+
+    let config = sgd_config();
+    let (theirs, ours) = (store(), store());
+    let mut reference = tch_sgd(&config, &theirs);
+    let mut opt = Sgd::new(&ours.trainable_variables(), config).unwrap();
+    compare("SGD", &mut opt, &mut reference, (&ours, &theirs), false);
 }
 
 /// AdamW's one temporary, the denominator, is one chunk: an eighth of the parameter
@@ -142,39 +161,14 @@ fn a_bf16_parameter_of_several_chunks_matches_tch_in_f32() {
         let params = [ours.shallow_clone()];
         let (mut step_ours, mut step_reference): (Box<dyn FnMut()>, nn::Optimizer) = match rule {
             "AdamW" => {
-                let c = AdamWConfig {
-                    lr: 1e-2,
-                    weight_decay: 0.05,
-                    ..Default::default()
-                };
-                let tch_opt = nn::AdamW {
-                    beta1: c.betas.0,
-                    beta2: c.betas.1,
-                    wd: c.weight_decay,
-                    eps: c.eps,
-                    amsgrad: false,
-                }
-                .build(&reference_store, c.lr)
-                .unwrap();
+                let c = adamw_config();
+                let tch_opt = tch_adamw(&c, &reference_store);
                 let mut opt = AdamW::with_options(&params, c, options.clone()).unwrap();
                 (Box::new(move || opt.step()), tch_opt)
             }
             _ => {
-                let c = SgdConfig {
-                    lr: 1e-2,
-                    momentum: 0.9,
-                    weight_decay: 1e-3,
-                    nesterov: true,
-                    ..Default::default()
-                };
-                let tch_opt = nn::Sgd {
-                    momentum: c.momentum,
-                    dampening: c.dampening,
-                    wd: c.weight_decay,
-                    nesterov: c.nesterov,
-                }
-                .build(&reference_store, c.lr)
-                .unwrap();
+                let c = sgd_config();
+                let tch_opt = tch_sgd(&c, &reference_store);
                 let mut opt = Sgd::with_options(&params, c, options.clone()).unwrap();
                 (Box::new(move || opt.step()), tch_opt)
             }
