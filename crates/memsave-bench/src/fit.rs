@@ -12,61 +12,10 @@ use memsave_dist::{init_process_group, DistError, InitOptions};
 use memsave_fit::{fit_with, Allow, FitEvent};
 use memsave_fit::{FitError, FitReport, FitRequest};
 use memsave_meter::Bytes;
-use memsave_step::{Batch, Workload};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tch::Device;
-
-/// A bundled model with the optimizer `fit` should count and step.
-struct WithOptimizer {
-    model: Model,
-    optimizer: Option<OptimizerSpec>,
-}
-
-impl Workload for WithOptimizer {
-    fn name(&self) -> &str {
-        self.model.name()
-    }
-    fn device(&self) -> Device {
-        Workload::device(&self.model)
-    }
-    fn layers(&self) -> &memsave_checkpoint::CheckpointedSequential {
-        self.model.layers()
-    }
-    fn layers_mut(&mut self) -> &mut memsave_checkpoint::CheckpointedSequential {
-        self.model.layers_mut()
-    }
-    fn parameters(&self) -> Vec<tch::Tensor> {
-        self.model.parameters()
-    }
-    fn global_batch(&self) -> i64 {
-        self.model.global_batch()
-    }
-    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
-        self.model.batch(size)
-    }
-    fn buffers(&self) -> Vec<tch::Tensor> {
-        self.model.buffers()
-    }
-    fn loss(
-        &self,
-        output: &tch::Tensor,
-        target: Option<&tch::Tensor>,
-    ) -> Result<tch::Tensor, tch::TchError> {
-        self.model.loss(output, target)
-    }
-    fn optimizer(&self) -> Option<OptimizerSpec> {
-        self.optimizer
-    }
-    fn layer_parameters(&self) -> Option<Vec<Vec<tch::Tensor>>> {
-        self.model.layer_parameters()
-    }
-    fn set_layer_wrapper(&self, wrapper: Option<memsave_step::LayerWrapper>) -> bool {
-        self.model.set_layer_wrapper(wrapper)
-    }
-}
 
 /// Why `fit` could not run on a suite's model.
 #[derive(Debug, thiserror::Error)]
@@ -165,7 +114,7 @@ pub fn fit_model_with(
             ))
         })?
         .map_err(|e| FitCaseError::Build(one_line(&e.to_string())))?;
-    let mut workload = WithOptimizer { model, optimizer };
+    let mut workload = model.with_optimizer(optimizer);
     Ok(fit_with(&mut workload, request, progress)?)
 }
 

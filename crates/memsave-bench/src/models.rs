@@ -13,7 +13,7 @@ use crate::suite::{ModelKind, ModelSpec};
 use memsave_checkpoint::{Blocks, CheckpointedSequential};
 use memsave_meter::f_memory_allocated;
 use memsave_models::{Architecture, ModelError, Network};
-use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, Workload};
+use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, OptimizerSpec, Workload};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
@@ -190,6 +190,9 @@ pub struct Model {
     /// The named blocks of a zoo network that is not a chain (`unet`,
     /// `encoder_decoder`), whose forward is the chain's one layer.
     blocks: Option<Blocks>,
+    /// The optimizer `fit` counts and steps ([`Model::with_optimizer`]); `None` as
+    /// built (the runner steps the suite's strategies' optimizers itself).
+    optimizer: Option<OptimizerSpec>,
 }
 
 /// Why a model cannot be built: libtorch failed, or the zoo refused its configuration.
@@ -254,6 +257,7 @@ impl Model {
             target: None,
             zoo: None,
             blocks: None,
+            optimizer: None,
         })
     }
 
@@ -295,7 +299,17 @@ impl Model {
                 blocks: None,
             }),
             blocks,
+            optimizer: None,
         })
+    }
+
+    /// This model with `optimizer` as its [`Workload::optimizer`]: the one `fit`
+    /// counts and steps. Set here rather than by a wrapper around the model, which
+    /// would have to forward each of the trait's provided methods (its blocks, its
+    /// trace) and fall back to the defaults silently where it did not.
+    pub fn with_optimizer(mut self, optimizer: Option<OptimizerSpec>) -> Model {
+        self.optimizer = optimizer;
+        self
     }
 
     /// The trainable parameters, in creation order.
@@ -400,6 +414,10 @@ impl Workload for Model {
 
     fn blocks(&self) -> Option<&Blocks> {
         self.blocks.as_ref()
+    }
+
+    fn optimizer(&self) -> Option<OptimizerSpec> {
+        self.optimizer
     }
 
     fn parameters(&self) -> Vec<Tensor> {

@@ -694,6 +694,12 @@ fn fit_on_the_encoder_decoder_at_a_quarter_of_pytorchs_per_block_checkpoint_peak
     let report = fit_model(&suite, "encdec-tiny", &FitRequest::new(budget), Some(adamw))
         .unwrap_or_else(|e| panic!("{e}"));
     let text = report.to_text();
+    // The blocks planner ran (with the optimizer: `fit_model`'s workload once hid the
+    // model's blocks, and fit planned the whole network as one chain layer).
+    assert!(
+        report.candidates.iter().any(|c| c.choice.blocks.is_some()),
+        "no candidate with per-block levers\n{text}"
+    );
     assert!(report.choice.is_lossless(), "{text}");
     assert_eq!(report.tries, 1, "the first choice fits\n{text}");
     assert!(report.measured_peak_bytes <= budget, "{text}");
