@@ -49,6 +49,33 @@ pub struct BlocksProfile {
     offload_s: Option<Vec<f64>>,
 }
 
+/// How [`Blocks::profile_with`] profiles: the default is
+/// [`Blocks::profile`]'s two steps, with the gradients kept.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct ProfileOptions {
+    /// A third step with every block's saves in this store (a
+    /// [`BlockLever::Store`]), for [`BlocksProfile::solve_levers`].
+    pub offload: Option<BlockLever>,
+    /// Free each parameter's gradient as soon as backward completes it (a step whose
+    /// gradients go to files, or into the optimizer step in backward).
+    pub free_gradients: bool,
+}
+
+impl ProfileOptions {
+    /// The default options with the offload step's store.
+    pub fn with_offload(mut self, offload: BlockLever) -> Self {
+        self.offload = Some(offload);
+        self
+    }
+
+    /// The default options with each gradient freed as it is complete, or not.
+    pub fn with_free_gradients(mut self, free: bool) -> Self {
+        self.free_gradients = free;
+        self
+    }
+}
+
 /// What the planner gives one top-level block: kept, recomputed, or its saved tensors
 /// offloaded (with the store [`Blocks::profile_with_offload`] measured).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -391,24 +418,12 @@ impl Blocks {
     ///
     /// # Errors
     /// The step's error, a block's, or the backward's.
-    pub fn profile<F, E>(&self, params: &[Tensor], mut step: F) -> Result<BlocksProfile>
+    pub fn profile<F, E>(&self, params: &[Tensor], step: F) -> Result<BlocksProfile>
     where
         F: FnMut() -> std::result::Result<Tensor, E>,
         E: std::fmt::Display,
     {
-        let device = params.first().map_or(Device::Cpu, Tensor::device);
-        let outcome = {
-            let _levers = LeversBack::save(self);
-            memsave_sys::checkpoint::with_running_stats_preserved(|| {
-                let kept = self.profile_run(params, device, BlockLever::Keep, &mut step)?;
-                let recomputed =
-                    self.profile_run(params, device, BlockLever::Recompute, &mut step)?;
-                Ok::<_, CheckpointError>((kept, recomputed))
-            })
-            .map_err(|e| CheckpointError::Torch(e.to_string()))
-        };
-        let (kept, recomputed) = outcome??;
-        build(kept, recomputed)
+        self.profile_with(params, &ProfileOptions::default(), step)
     }
 
     /// [`profile`](Self::profile), and a third step with every block's saved tensors
@@ -423,24 +438,69 @@ impl Blocks {
         &self,
         params: &[Tensor],
         offload: BlockLever,
+        step: F,
+    ) -> Result<BlocksProfile>
+    where
+        F: FnMut() -> std::result::Result<Tensor, E>,
+        E: std::fmt::Display,
+    {
+        let options = ProfileOptions {
+            offload: Some(offload),
+            ..ProfileOptions::default()
+        };
+        self.profile_with(params, &options, step)
+    }
+
+    /// [`profile`](Self::profile) as `options` say: with an offload step
+    /// ([`profile_with_offload`](Self::profile_with_offload)), and with each
+    /// parameter's gradient kept as backward accumulates it (as a plain step does) or
+    /// freed as soon as it is complete (as a step does whose gradients go to files or
+    /// straight into the optimizer: profiled with them kept, the backward segments
+    /// carry every gradient made so far, and no lever seems to lower a peak they set).
+    ///
+    /// # Errors
+    /// As [`profile_with_offload`](Self::profile_with_offload); with
+    /// `free_gradients`, [`CheckpointError::Torch`] when a parameter has a
+    /// post-accumulate-grad hook already (libtorch keeps one per tensor).
+    pub fn profile_with<F, E>(
+        &self,
+        params: &[Tensor],
+        options: &ProfileOptions,
         mut step: F,
     ) -> Result<BlocksProfile>
     where
         F: FnMut() -> std::result::Result<Tensor, E>,
         E: std::fmt::Display,
     {
-        if !matches!(offload, BlockLever::Store { .. }) {
-            return Err(CheckpointError::Blocks(format!(
-                "profile_with_offload takes a store lever, not {}",
-                offload.name()
-            )));
+        if let Some(offload) = &options.offload {
+            if !matches!(offload, BlockLever::Store { .. }) {
+                return Err(CheckpointError::Blocks(format!(
+                    "profile_with_offload takes a store lever, not {}",
+                    offload.name()
+                )));
+            }
         }
-        let mut profile = self.profile(params, &mut step)?;
         let device = params.first().map_or(Device::Cpu, Tensor::device);
+        let free = options.free_gradients;
         let outcome = {
             let _levers = LeversBack::save(self);
             memsave_sys::checkpoint::with_running_stats_preserved(|| {
-                self.profile_run(params, device, offload, &mut step)
+                let kept = self.profile_run(params, device, BlockLever::Keep, free, &mut step)?;
+                let recomputed =
+                    self.profile_run(params, device, BlockLever::Recompute, free, &mut step)?;
+                Ok::<_, CheckpointError>((kept, recomputed))
+            })
+            .map_err(|e| CheckpointError::Torch(e.to_string()))
+        };
+        let (kept, recomputed) = outcome??;
+        let mut profile = build(kept, recomputed)?;
+        let Some(offload) = &options.offload else {
+            return Ok(profile);
+        };
+        let outcome = {
+            let _levers = LeversBack::save(self);
+            memsave_sys::checkpoint::with_running_stats_preserved(|| {
+                self.profile_run(params, device, offload.clone(), free, &mut step)
             })
             .map_err(|e| CheckpointError::Torch(e.to_string()))
         };
@@ -468,6 +528,7 @@ impl Blocks {
         params: &[Tensor],
         device: Device,
         lever: BlockLever,
+        free_gradients: bool,
         step: &mut F,
     ) -> Result<Run>
     where
@@ -488,6 +549,24 @@ impl Blocks {
             state.planned = None;
         }
         clear()?;
+        // Removed (dropped) when the run ends, however it ends.
+        let _freeing = if free_gradients {
+            params
+                .iter()
+                .filter(|p| p.requires_grad())
+                .map(|p| {
+                    memsave_sys::grad_hooks::register_post_accumulate_grad_hook(
+                        p,
+                        Box::new(|t: &Tensor| Ok(memsave_sys::tensor::set_grad_none(t)?)),
+                    )
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| {
+                    CheckpointError::Torch(format!("freeing each gradient during the profile: {e}"))
+                })?
+        } else {
+            Vec::new()
+        };
         self.lock().profiler = Some(Profiler::begin(device)?);
         let outcome = (|| {
             let loss =

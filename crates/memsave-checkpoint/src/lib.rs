@@ -69,7 +69,7 @@ mod schedule;
 mod sequential;
 mod solver;
 
-pub use block_plan::{BlocksProfile, PlannedLever};
+pub use block_plan::{BlocksProfile, PlannedLever, ProfileOptions};
 pub use blocks::{BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, Blocks, Shared};
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};

@@ -6,6 +6,7 @@ use crate::levers::{CompressDtype, OffloadSpec};
 use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{
     BlockLever, Blocks, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
+    ProfileOptions,
 };
 use memsave_hooks::{Compress, DiskOffload};
 use memsave_sys::hooks::RawHooks;
@@ -70,20 +71,23 @@ pub fn f_profile_blocks(model: &dyn Workload, example: &Batch) -> Result<BlocksP
 }
 
 /// [`f_profile_blocks`] with a third step whose blocks offload what they save to files
-/// ([`disk_block_lever`]), for `BlocksProfile::solve_levers`.
+/// ([`disk_block_lever`]), for `BlocksProfile::solve_levers`; with `free_gradients`,
+/// each parameter's gradient is freed as soon as backward completes it (the profile of
+/// a step whose gradients go to files or into the optimizer step in backward: see
+/// `Blocks::profile_with`).
 ///
 /// # Errors
 /// As [`f_profile_blocks`].
 pub fn f_profile_blocks_with_offload(
     model: &dyn Workload,
     example: &Batch,
+    free_gradients: bool,
 ) -> Result<BlocksProfile, StepError> {
+    let options = ProfileOptions::default()
+        .with_offload(disk_block_lever())
+        .with_free_gradients(free_gradients);
     blocks_of(model)?
-        .profile_with_offload(
-            &model.parameters(),
-            disk_block_lever(),
-            step_of(model, example),
-        )
+        .profile_with(&model.parameters(), &options, step_of(model, example))
         .map_err(|e| StepError::lever("checkpoint", e))
 }
 

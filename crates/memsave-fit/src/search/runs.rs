@@ -30,9 +30,11 @@ pub(super) struct Runs<'w> {
     pub(super) global: i64,
     affines: HashMap<AffineKey, Option<Affine>>,
     profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
-    /// The blocks' profiles at two sizes, once (`Some(None)`: none could be made).
+    /// The blocks' profiles at two sizes, once per way of handling the gradients (with
+    /// them kept, and with each freed as it is complete: see [`Runs::block_profile`];
+    /// `Some(None)`: none could be made).
     #[allow(clippy::type_complexity)]
-    block_profiles: Option<Option<(BlocksProfile, i64, BlocksProfile, i64)>>,
+    block_profiles: [Option<Option<(BlocksProfile, i64, BlocksProfile, i64)>>; 2],
     /// Small runs that did not fit the budget (retried at half the size).
     pub(super) small_over: usize,
     /// Small runs made so far, by configuration, size and micro-batch count.
@@ -64,7 +66,7 @@ impl<'w> Runs<'w> {
             global,
             affines: HashMap::new(),
             profiles: None,
-            block_profiles: None,
+            block_profiles: [None, None],
             small_over: 0,
             probes: HashMap::new(),
             progress,
@@ -409,12 +411,20 @@ impl Runs<'_> {
 impl Runs<'_> {
     /// The blocks' profile at micro-batch `m`, from two measured profiles (see
     /// `BlocksProfile::interpolate`); `None` when the two do not line up, or on ranks
-    /// (not planned there yet).
-    fn block_profile(&mut self, m: i64) -> Result<Option<BlocksProfile>, FitError> {
+    /// (not planned there yet). With `free_gradients`, profiled with each gradient
+    /// freed as soon as backward completes it: the step of a base whose gradients go
+    /// to files or into the optimizer step holds none of them, and a profile that
+    /// holds them all puts the peak where no block's lever moves it.
+    fn block_profile(
+        &mut self,
+        m: i64,
+        free_gradients: bool,
+    ) -> Result<Option<BlocksProfile>, FitError> {
         if self.ranks.group().is_some() {
             return Ok(None);
         }
-        if self.block_profiles.is_none() {
+        let slot = usize::from(free_gradients);
+        if self.block_profiles[slot].is_none() {
             // At half and the whole batch: a block's bytes are affine in the batch
             // from a few examples on, not from one (kernels pick their workspace by
             // size), and the whole batch is what most splits run. The plain step runs
@@ -424,7 +434,11 @@ impl Runs<'_> {
                 let a = div_ceil(b, 2);
                 (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
                 let at = |size: i64| -> Result<BlocksProfile, memsave_step::StepError> {
-                    f_profile_blocks_with_offload(&*self.workload, &self.workload.batch(size)?)
+                    f_profile_blocks_with_offload(
+                        &*self.workload,
+                        &self.workload.batch(size)?,
+                        free_gradients,
+                    )
                 };
                 let both = at(a).and_then(|pa| {
                     let pb = if a == b { pa.clone() } else { at(b)? };
@@ -436,9 +450,10 @@ impl Runs<'_> {
                     Err(_) => break None,
                 }
             };
-            self.block_profiles = Some(profiles);
+            self.block_profiles[slot] = Some(profiles);
         }
-        let Some((pa, a, pb, b)) = self.block_profiles.as_ref().expect("profiled above") else {
+        let Some((pa, a, pb, b)) = self.block_profiles[slot].as_ref().expect("profiled above")
+        else {
             return Ok(None);
         };
         Ok(BlocksProfile::interpolate(pa, *a, pb, *b, m))
@@ -453,15 +468,16 @@ impl Runs<'_> {
         m: i64,
         k: usize,
     ) -> Result<Option<Candidate>, FitError> {
-        let Some(profile) = self.block_profile(m)? else {
+        let Some(profile) = self.block_profile(m, base.offload_grads || base.in_backward)? else {
             return Ok(None);
         };
         let n = profile.keys().len();
-        let model_plain = profile.predict(&vec![false; n]).max(0) as u64;
-        // What the real step adds to the planner's model (accumulated gradients,
-        // optimizer state...), taken from the plain configuration's prediction.
+        let model_plain = profile.predict(&vec![false; n]).max(0);
+        // What the real step adds to the planner's model (gradients accumulated over
+        // micro-batches, the optimizer's scratch...), or takes from it, from the plain
+        // configuration's prediction; none known when one example of it does not fit.
         let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
-            Some(real) => real.saturating_sub(model_plain),
+            Some(real) => i64::try_from(real).unwrap_or(i64::MAX) - model_plain,
             None => 0,
         };
         // Under the offload lever every kept block's saves go to files already: the
@@ -485,7 +501,8 @@ impl Runs<'_> {
                 profile.solve_levers(budget).ok()
             }
         };
-        let mut solver_budget = self.target.saturating_sub(extra);
+        let target = i64::try_from(self.target).unwrap_or(i64::MAX);
+        let mut solver_budget = u64::try_from(target.saturating_sub(extra)).unwrap_or(0);
         let mut last = None;
         let mut tried = Vec::new();
         for _ in 0..3 {
@@ -493,7 +510,7 @@ impl Runs<'_> {
                 break;
             };
             if plan.iter().all(|l| *l == PlannedLever::Keep) {
-                solver_budget = model_plain.saturating_sub(1);
+                solver_budget = u64::try_from(model_plain - 1).unwrap_or(0);
                 continue;
             }
             if tried.contains(&plan) {
