@@ -193,6 +193,9 @@ pub struct Model {
     /// The optimizer `fit` counts and steps ([`Model::with_optimizer`]); `None` as
     /// built (the runner steps the suite's strategies' optimizers itself).
     optimizer: Option<OptimizerSpec>,
+    /// A zoo chain's parameters per layer, found once when first asked
+    /// ([`Workload::layer_parameters`]).
+    layer_params: std::cell::OnceCell<Option<Vec<Vec<Tensor>>>>,
 }
 
 /// Why a model cannot be built: libtorch failed, or the zoo refused its configuration.
@@ -258,6 +261,7 @@ impl Model {
             zoo: None,
             blocks: None,
             optimizer: None,
+            layer_params: Default::default(),
         })
     }
 
@@ -300,6 +304,7 @@ impl Model {
             }),
             blocks,
             optimizer: None,
+            layer_params: Default::default(),
         })
     }
 
@@ -474,10 +479,29 @@ impl Workload for Model {
     }
 
     /// The harness's kinds: each block's variables (named `{block}.…`, in name
-    /// order). `None` for the zoo's networks, whose variables are not named by block.
+    /// order). The zoo's chains (whose variables are not named by block): the
+    /// parameters each layer's output depends on, found once by running each layer on
+    /// the first example in evaluation mode
+    /// (`CheckpointedSequential::f_layer_parameters`; a tied weight is then in two
+    /// layers, which ZeRO-3 refuses). `None` for the zoo's networks of blocks, whose
+    /// one layer is the whole forward (ZeRO-3's units are layers, not blocks, yet).
     fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
         if self.is_zoo() {
-            return None;
+            if self.blocks.is_some() {
+                return None;
+            }
+            let found = self.layer_params.get_or_init(|| {
+                let first = self.input.f_narrow(0, 0, 1).ok()?;
+                self.seq
+                    .f_layer_parameters(&first, &self.params(), false)
+                    .ok()
+            });
+            return found.as_ref().map(|lists| {
+                lists
+                    .iter()
+                    .map(|l| l.iter().map(Tensor::shallow_clone).collect())
+                    .collect()
+            });
         }
         let mut named: Vec<(String, Tensor)> = self
             .vs
@@ -494,8 +518,8 @@ impl Workload for Model {
         Some(layers)
     }
 
-    /// Every block runs through the shared context's wrapper (the zoo's too, though
-    /// ZeRO-3 refuses them for want of [`Workload::layer_parameters`]).
+    /// Every block runs through the shared context's wrapper (the zoo's too; ZeRO-3
+    /// refuses the zoo's networks of blocks, which give no [`Workload::layer_parameters`]).
     fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
         self.ctx.wrapper.set(wrapper);
         true

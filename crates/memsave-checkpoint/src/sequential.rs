@@ -378,6 +378,64 @@ impl CheckpointedSequential {
     }
 }
 
+impl CheckpointedSequential {
+    /// Which of `params` each layer uses, one list per layer (in `params`' order):
+    /// each layer runs once on its input (the previous layer's output, detached, from
+    /// `x` on, with the train flag `train`, outside the plan), and a parameter is the
+    /// layer's when the layer's output depends on it through autograd (its gradient
+    /// from that output is defined). This is what ZeRO-3 needs to shard a chain one
+    /// unit per layer (`memsave_step::Workload::layer_parameters`) when its variables
+    /// are not named by layer. A parameter two layers use is in both lists.
+    ///
+    /// Warning: a parameter a layer reads without autograd (under `no_grad`, through
+    /// `.detach()`, or only as an integer index) is not found; nor is anything in a
+    /// layer that takes another path with other inputs. With `train` true, BatchNorm
+    /// updates its running statistics once here: pass `false` unless that is wanted.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Torch`] when a layer panics or libtorch fails.
+    pub fn f_layer_parameters(
+        &self,
+        x: &Tensor,
+        params: &[Tensor],
+        train: bool,
+    ) -> Result<Vec<Vec<Tensor>>> {
+        let torch = |e: tch::TchError| CheckpointError::Torch(e.to_string());
+        let trainable: Vec<(usize, &Tensor)> = params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.requires_grad())
+            .collect();
+        let inputs: Vec<&Tensor> = trainable.iter().map(|(_, p)| *p).collect();
+        let mut h = x.detach();
+        let mut lists = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let run = || layer.forward_t(&h, train);
+            let y =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).map_err(|payload| {
+                    CheckpointError::Torch(format!(
+                        "layer {i} panicked: {}",
+                        panic_message(&*payload)
+                    ))
+                })?;
+            let mut used = Vec::new();
+            if y.requires_grad() && !inputs.is_empty() {
+                let total = y.f_sum(tch::Kind::Float).map_err(torch)?;
+                let grads =
+                    Tensor::f_run_backward(&[total], &inputs, false, false).map_err(torch)?;
+                for ((index, _), g) in trainable.iter().zip(&grads) {
+                    if g.defined() {
+                        used.push(params[*index].shallow_clone());
+                    }
+                }
+            }
+            lists.push(used);
+            h = y.detach();
+        }
+        Ok(lists)
+    }
+}
+
 /// Runs `blocks` on `x`; `store_for(start)` names the store that keeps the input of a
 /// checkpoint starting at `start` (top level only: the recompute of a checkpoint runs
 /// its inner blocks with none).

@@ -3,7 +3,7 @@ use crate::architecture::Architecture;
 use crate::error::ModelError;
 use crate::network::{Network, Task};
 use memsave_checkpoint::{Blocks, CheckpointedSequential};
-use memsave_step::{Batch, Workload};
+use memsave_step::{Batch, LayerWrapper, LayerWrapperSlot, Workload};
 use tch::{nn, Device, TchError, Tensor};
 
 /// A network of the zoo, its parameters and buffers in a `VarStore`, and one global
@@ -16,6 +16,10 @@ pub struct ZooWorkload {
     task: Task,
     data: Batch,
     blocks: Option<Blocks>,
+    /// What each layer's forward runs through (ZeRO-3's units).
+    wrapper: LayerWrapperSlot,
+    /// A chain's parameters per layer, found once when first asked.
+    layer_params: std::cell::OnceCell<Option<Vec<Vec<Tensor>>>>,
 }
 
 impl std::fmt::Debug for ZooWorkload {
@@ -57,11 +61,17 @@ impl ZooWorkload {
             blocks,
             ..
         } = network;
-        let layers = layers
-            .into_iter()
-            .fold(CheckpointedSequential::new(), |seq, layer| {
-                seq.add_t(BoxedLayer(layer))
-            });
+        let wrapper = LayerWrapperSlot::default();
+        let layers = layers.into_iter().enumerate().fold(
+            CheckpointedSequential::new(),
+            |seq, (index, layer)| {
+                seq.add_t(BoxedLayer {
+                    index,
+                    layer,
+                    wrapper: wrapper.clone(),
+                })
+            },
+        );
         Ok(ZooWorkload {
             name: name.into(),
             vs,
@@ -69,6 +79,8 @@ impl ZooWorkload {
             task,
             data,
             blocks,
+            wrapper,
+            layer_params: Default::default(),
         })
     }
 
@@ -98,12 +110,18 @@ impl ZooWorkload {
 }
 
 /// A boxed `ModuleT` as a `ModuleT` (the chain takes layers by value).
+/// One layer of the network, run through the workload's wrapper (if set).
 #[derive(Debug)]
-struct BoxedLayer(Box<dyn nn::ModuleT>);
+struct BoxedLayer {
+    index: usize,
+    layer: Box<dyn nn::ModuleT>,
+    wrapper: LayerWrapperSlot,
+}
 
 impl nn::ModuleT for BoxedLayer {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.0.forward_t(xs, train)
+        self.wrapper
+            .run(self.index, || self.layer.forward_t(xs, train))
     }
 }
 
@@ -164,5 +182,34 @@ impl Workload for ZooWorkload {
     /// Cross-entropy against the batch's target, in f32 ([`Task::loss`]).
     fn loss(&self, output: &Tensor, target: Option<&Tensor>) -> Result<Tensor, TchError> {
         self.task.loss(output, target)
+    }
+
+    /// A chain's parameters per layer (ZeRO-3's units): those each layer's output
+    /// depends on, found once by running each layer on the first example in
+    /// evaluation mode (`CheckpointedSequential::f_layer_parameters`; a head tied to
+    /// the embedding is then in two layers, which ZeRO-3 refuses). `None` for a network
+    /// of blocks, whose one layer is the whole forward.
+    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+        if self.blocks.is_some() {
+            return None;
+        }
+        let found = self.layer_params.get_or_init(|| {
+            let first = self.data.input.f_narrow(0, 0, 1).ok()?;
+            self.layers
+                .f_layer_parameters(&first, &self.vs.trainable_variables(), false)
+                .ok()
+        });
+        found.as_ref().map(|lists| {
+            lists
+                .iter()
+                .map(|l| l.iter().map(Tensor::shallow_clone).collect())
+                .collect()
+        })
+    }
+
+    /// Every layer runs through `wrapper` (ZeRO-3 gathers its unit around it).
+    fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
+        self.wrapper.set(wrapper);
+        true
     }
 }

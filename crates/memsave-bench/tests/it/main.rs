@@ -27,3 +27,4 @@ mod suite_messages;
 mod trace;
 mod zero3;
 mod zoo;
+mod zoo_zero3;

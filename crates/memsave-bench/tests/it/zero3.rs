@@ -251,6 +251,8 @@ world_size: 2
 models:
   - {name: lin, kind: residual_linear, layers: 2, hidden: 8, batch: [4]}
   - {name: net, kind: resnet, depth: 18, image: [3, 32, 32], classes: 4, batch: 4}
+  - {name: unet, kind: unet, image: [3, 16, 16], classes: 2, base: 4, levels: 2, batch: 4}
+  - {name: tied, kind: llama, vocab: 64, dim: 16, layers: 1, heads: 2, seq: 8, tied: true, batch: 4}
 strategies:
   - {name: plain, with: [{zero: 3}]}
   - {name: in-backward, with: [{zero: 3}, {optimizer: {kind: adamw, in_backward: true}}]}
@@ -295,12 +297,21 @@ strategies:
         assert!(e.to_string().contains(needle), "{name}: {e}");
         assert!(!e.to_string().contains("add offload_grads"), "{name}: {e}");
     }
-    // The zoo's networks do not attribute their variables to blocks.
-    let e = availability(net, strategy("plain"), Some(2)).expect_err("zoo");
-    assert!(
-        e.to_string().contains("zero: 3 shards one unit per layer"),
-        "{e}"
-    );
+    // A zoo chain runs: each layer's parameters are found by running it.
+    availability(net, strategy("plain"), Some(2)).unwrap_or_else(|e| panic!("zoo chain: {e}"));
+    // A network of blocks, and a chain whose head is tied to its embedding, do not.
+    for (model, needle) in [
+        (&suite.models[2], "is a network of blocks"),
+        (&suite.models[3], "ties its output head to the embedding"),
+    ] {
+        let e = availability(model, strategy("plain"), Some(2)).expect_err(&model.name);
+        assert!(
+            e.to_string()
+                .contains("zero: 3 shards one unit per layer of a chain")
+                && e.to_string().contains(needle),
+            "{e}"
+        );
+    }
     // Without ranks, zero is unavailable.
     let e = availability(lin, strategy("plain"), None).expect_err("no ranks");
     assert!(e.to_string().contains("world_size"), "{e}");

@@ -11,6 +11,7 @@ mod common;
 mod entry_points;
 mod function;
 mod gradients;
+mod layer_parameters;
 mod levers;
 mod memory;
 mod pytorch_checkpoint;

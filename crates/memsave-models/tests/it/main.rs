@@ -6,6 +6,7 @@ mod disk_offload_zoo;
 mod fit_running_stats;
 mod fit_zoo;
 mod graphs;
+mod layer_units;
 mod one_value_per_channel;
 mod resnet18_training;
 mod running_stats;
