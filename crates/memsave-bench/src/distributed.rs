@@ -767,15 +767,13 @@ fn harness_only(technique: &Technique) -> Option<&'static str> {
 /// cannot run on `model` over `world_size` ranks (the case is then `unavailable`). It
 /// reads only the suite, so `memsave check` and the parent of the ranks decide as the
 /// ranks do, before any rank starts.
-/// Why ZeRO-3 cannot shard a zoo network one unit per layer, if it cannot: its units
-/// are the layers of a chain, each with parameters of its own (found by running each
-/// layer: `CheckpointedSequential::f_layer_parameters`).
+/// Why ZeRO-3 cannot shard a zoo network, if it cannot: its units are the layers of a
+/// chain or the top-level blocks of a network of blocks, each with parameters of its
+/// own (found by running each: `CheckpointedSequential::f_layer_parameters`,
+/// `Blocks::f_block_parameters`).
 fn zero3_refuses(architecture: &memsave_models::Architecture) -> Option<&'static str> {
     use memsave_models::Architecture;
     match architecture {
-        a if a.is_blocks() => {
-            Some("is a network of blocks, whose one layer is the whole forward (its blocks are not units yet)")
-        }
         Architecture::Llama(c) if c.tied => Some(
             "ties its output head to the embedding: one weight in the first and the last layer, and a unit shards each weight once",
         ),
@@ -808,7 +806,7 @@ pub(crate) fn rank_config(
     if matches!(mode, DataParallel::Fsdp(_)) {
         if let Some(reason) = model.kind.architecture().and_then(zero3_refuses) {
             return Err(RanksUnavailable::new(format!(
-                "zero: 3 shards one unit per layer of a chain, but the model '{}' ({}) {reason}; use zero: 2",
+                "zero: 3 shards one unit per layer (or block), but the model '{}' ({}) {reason}; use zero: 2",
                 model.name,
                 model.kind.as_str()
             )));

@@ -606,7 +606,7 @@ impl Blocks {
 
 /// Puts the blocks' levers back as they were, and takes out any profiler, when
 /// dropped: after a profile, also one that failed or panicked.
-struct LeversBack<'a> {
+pub(crate) struct LeversBack<'a> {
     blocks: &'a Blocks,
     every: BlockLever,
     levers: std::collections::HashMap<BlockKey, BlockLever>,
@@ -614,7 +614,7 @@ struct LeversBack<'a> {
 }
 
 impl<'a> LeversBack<'a> {
-    fn save(blocks: &'a Blocks) -> Self {
+    pub(crate) fn save(blocks: &'a Blocks) -> Self {
         let state = blocks.lock();
         LeversBack {
             blocks,

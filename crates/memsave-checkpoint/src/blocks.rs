@@ -1,4 +1,5 @@
 //! [`Blocks`]: named blocks of any forward function, each run under its own lever.
+use crate::block_plan::LeversBack;
 use crate::error::{CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::levers::{BoundaryStore, Lever, LeverStats};
@@ -149,6 +150,18 @@ pub enum BlockNotice {
 /// Told when each block's run starts and ends, on the thread that runs it.
 pub type BlockObserver = Arc<dyn Fn(&BlockNotice) + Send + Sync>;
 
+/// A block function's outputs, or why it has none.
+type Outputs<E> = std::result::Result<Vec<Tensor>, RunError<E>>;
+
+/// What each top-level block's function runs through ([`Blocks::set_wrapper`]): called
+/// with the block's name, its inputs and its function, it returns the function's
+/// outputs (ZeRO-3 gathers the block's weights around it). It has no error channel:
+/// it panics, and the block's run turns the panic into an `Err` naming the block.
+/// The function's own error comes back as its `Err` whatever the wrapper returns.
+pub type BlockWrapper = Arc<
+    dyn Fn(&str, &[Tensor], &mut dyn FnMut(&[Tensor]) -> Vec<Tensor>) -> Vec<Tensor> + Send + Sync,
+>;
+
 #[derive(Default)]
 pub(crate) struct State {
     /// The lever of a key without one of its own.
@@ -181,6 +194,11 @@ pub(crate) struct State {
     /// The function (closure type) each block name runs in the forward in progress,
     /// from its first call on.
     functions: HashMap<String, TypeId>,
+    /// What each top-level block's function runs through ([`Blocks::set_wrapper`]).
+    wrapper: Option<BlockWrapper>,
+    /// The top-level blocks (by name) whose function is running now, innermost last:
+    /// a block run inside one of them runs inside its wrapper already.
+    ancestors: Vec<String>,
 }
 
 /// What delimits a segment of a profiled step: the start or end of a top-level
@@ -492,6 +510,22 @@ impl Blocks {
             let out = f(xs).map_err(RunError::Function)?;
             misuse(xs, &versions, &out).map_or(Ok(out), |m| Err(RunError::Misuse(m)))
         };
+        // The top-level block this one runs in (itself at the top level): its wrapper
+        // is entered once, around the top-level block's run, and again around a run of
+        // this block outside it (a recomputation in backward).
+        let ancestor = {
+            let state = self.lock();
+            match recorded_at {
+                Some(i) if state.recording[i].depth == 0 => name.to_string(),
+                _ => state
+                    .ancestors
+                    .last()
+                    .cloned()
+                    .unwrap_or_else(|| name.to_string()),
+            }
+        };
+        let blocks = self.clone();
+        let f = move |xs: &[Tensor]| blocks.run_wrapped(&ancestor, xs, &f);
         let started = Instant::now();
         let device = inputs
             .iter()
@@ -538,6 +572,180 @@ impl Blocks {
             }
         }
         out
+    }
+
+    /// Runs `f` on `xs` as part of top-level block `ancestor`: through the wrapper
+    /// when one is set and no run of a top-level block is in progress (the forward of
+    /// a top-level block, or a recomputation in backward), directly otherwise.
+    fn run_wrapped<E>(
+        &self,
+        ancestor: &str,
+        xs: &[Tensor],
+        f: &dyn Fn(&[Tensor]) -> Outputs<E>,
+    ) -> Outputs<E> {
+        /// Pops the ancestor pushed below, however the run ends.
+        struct Entered<'a>(&'a Blocks);
+        impl Drop for Entered<'_> {
+            fn drop(&mut self) {
+                self.0.lock().ancestors.pop();
+            }
+        }
+        let wrapper = {
+            let mut state = self.lock();
+            let outside = state.ancestors.is_empty();
+            state.ancestors.push(ancestor.to_string());
+            state.wrapper.clone().filter(|_| outside)
+        };
+        let _entered = Entered(self);
+        let Some(wrapper) = wrapper else {
+            return f(xs);
+        };
+        let mut result = None;
+        let out = wrapper(ancestor, xs, &mut |ys: &[Tensor]| match f(ys) {
+            Ok(out) => {
+                result = Some(Ok(()));
+                out
+            }
+            Err(e) => {
+                result = Some(Err(e));
+                Vec::new()
+            }
+        });
+        match result {
+            Some(Ok(())) => Ok(out),
+            Some(Err(e)) => Err(e),
+            None => Err(RunError::Misuse(Misuse::NotRun)),
+        }
+    }
+
+    /// Sets (or, with `None`, removes) the wrapper each top-level block's function runs
+    /// through, in the forward and in each recomputation, and a nested block's when it
+    /// is recomputed outside its top-level block's run: ZeRO-3 gathers a block's
+    /// weights around it (`memsave_step`'s data parallel setup sets it).
+    pub fn set_wrapper(&self, wrapper: Option<BlockWrapper>) {
+        self.lock().wrapper = wrapper;
+    }
+
+    /// Which of `params` each top-level block uses, by name in the order first run
+    /// (all calls of a name together; each list in `params`' order): `step` runs a
+    /// forward of these blocks once (and whatever else it does, but no backward of its
+    /// own is needed), every top-level block kept and run on its inputs detached, and
+    /// a parameter is a block's when the block's outputs depend on it through
+    /// autograd. What ZeRO-3 needs to shard a model of blocks one unit per block.
+    ///
+    /// Warning: a parameter used outside every block, or read without autograd, is in
+    /// no list; one two blocks use is in both. Run `step` in evaluation mode (or expect
+    /// BatchNorm's running statistics to move once).
+    ///
+    /// # Errors
+    /// `step`'s error; [`CheckpointError::Torch`] when libtorch fails.
+    pub fn f_block_parameters<F, T, E>(
+        &self,
+        params: &[Tensor],
+        step: F,
+    ) -> Result<Vec<(String, Vec<Tensor>)>>
+    where
+        F: FnOnce() -> std::result::Result<T, E>,
+        E: fmt::Display,
+    {
+        let trainable: Vec<usize> = (0..params.len())
+            .filter(|&i| params[i].requires_grad())
+            .collect();
+        // Tensors are `Send`, not `Sync`: the wrapper (`Sync`) holds them in a mutex.
+        let inputs: Mutex<Vec<Tensor>> = Mutex::new(
+            trainable
+                .iter()
+                .map(|&i| params[i].shallow_clone())
+                .collect(),
+        );
+        type Found = Vec<(String, Vec<bool>)>;
+        let found: Arc<Mutex<(Found, Option<String>)>> = Arc::new(Mutex::new((Vec::new(), None)));
+        let record = Arc::clone(&found);
+        let n = params.len();
+        let wrapper: BlockWrapper = Arc::new(move |name, xs, f| {
+            let detached: Vec<Tensor> = xs
+                .iter()
+                .map(|x| {
+                    if x.defined() {
+                        x.detach()
+                    } else {
+                        x.shallow_clone()
+                    }
+                })
+                .collect();
+            let out = f(&detached);
+            let used = (|| -> std::result::Result<Vec<usize>, tch::TchError> {
+                let mut total: Option<Tensor> = None;
+                for o in out.iter().filter(|o| o.defined() && o.requires_grad()) {
+                    let s = o.f_sum(tch::Kind::Float)?;
+                    total = Some(match total {
+                        Some(t) => t.f_add(&s)?,
+                        None => s,
+                    });
+                }
+                let inputs = inputs.lock().unwrap_or_else(|e| e.into_inner());
+                let (Some(total), false) = (total, inputs.is_empty()) else {
+                    return Ok(Vec::new());
+                };
+                let grads = Tensor::f_run_backward(&[total], &inputs[..], false, false)?;
+                Ok(trainable
+                    .iter()
+                    .zip(&grads)
+                    .filter(|(_, g)| g.defined())
+                    .map(|(&i, _)| i)
+                    .collect())
+            })();
+            let mut found = record.lock().unwrap_or_else(|e| e.into_inner());
+            match used {
+                Ok(used) => {
+                    let at = match found.0.iter().position(|(n, _)| n == name) {
+                        Some(at) => at,
+                        None => {
+                            found.0.push((name.to_string(), vec![false; n]));
+                            found.0.len() - 1
+                        }
+                    };
+                    for i in used {
+                        found.0[at].1[i] = true;
+                    }
+                }
+                Err(e) => {
+                    found.1.get_or_insert(format!("block {name}: {e}"));
+                }
+            }
+            out
+        });
+        let outcome = {
+            let _levers = LeversBack::save(self);
+            let wrapper_before = self.lock().wrapper.replace(wrapper);
+            /// Puts the wrapper back, however the step ends.
+            struct WrapperBack<'a>(&'a Blocks, Option<BlockWrapper>);
+            impl Drop for WrapperBack<'_> {
+                fn drop(&mut self) {
+                    self.0.lock().wrapper = self.1.take();
+                }
+            }
+            let _back = WrapperBack(self, wrapper_before);
+            self.set_every(BlockLever::Keep);
+            step()
+        };
+        outcome.map_err(|e| {
+            CheckpointError::Blocks(format!("the step run to find each block's parameters: {e}"))
+        })?;
+        let (lists, error) = std::mem::take(&mut *found.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(e) = error {
+            return Err(CheckpointError::Torch(e));
+        }
+        Ok(lists
+            .into_iter()
+            .map(|(name, used)| {
+                let list = (0..n)
+                    .filter(|&i| used[i])
+                    .map(|i| params[i].shallow_clone())
+                    .collect();
+                (name, list)
+            })
+            .collect())
     }
 
     /// Refuses a second function under a block name within a forward: one name is one
@@ -831,6 +1039,9 @@ enum Misuse {
     /// No defined tensor among the outputs.
     #[error("it returned no tensor; a block returns at least one output (return its input, or run the code outside a block)")]
     NoTensor,
+    /// The block wrapper ([`Blocks::set_wrapper`]) returned without running it.
+    #[error("the block wrapper returned without running the block's function")]
+    NotRun,
 }
 
 /// What a block's run did wrong, if anything: an input changed in place (its version

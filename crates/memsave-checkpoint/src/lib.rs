@@ -70,7 +70,9 @@ mod sequential;
 mod solver;
 
 pub use block_plan::{BlocksProfile, PlannedLever, ProfileOptions};
-pub use blocks::{BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, Blocks, Shared};
+pub use blocks::{
+    BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, BlockWrapper, Blocks, Shared,
+};
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
 pub use levers::{BoundaryCost, BoundaryStore, LeverProfile, LeverStats, StoreError, Stored};

@@ -56,13 +56,18 @@ impl ParallelMode {
     }
 
     /// Why this mode cannot run `workload` at all, if so: ZeRO-3 needs to know which
-    /// parameters each layer uses and to run each layer's forward inside its unit.
+    /// parameters each layer uses and to run each layer's forward inside its unit (a
+    /// model of blocks has its units found per block when it is set up).
     /// (Removes any layer wrapper the workload has: `fit` sets its own per run.)
     pub(crate) fn refuses_workload(self, workload: &dyn Workload) -> Option<String> {
         if self != ParallelMode::Zero3 {
             return None;
         }
         let name = workload.name();
+        // A model of blocks: one unit per top-level block, found when it is set up.
+        if workload.blocks().is_some() {
+            return None;
+        }
         let why = if workload.layer_parameters().is_none() {
             format!("the workload '{name}' does not say which parameters each layer uses (Workload::layer_parameters)")
         } else if !workload.set_layer_wrapper(None) {

@@ -409,6 +409,9 @@ impl Setup {
         drop(self.data_parallel);
         if sharded {
             workload.set_layer_wrapper(None);
+            if let Some(blocks) = workload.blocks() {
+                blocks.set_wrapper(None);
+            }
             for p in &self.params {
                 let own = Tensor::f_zeros(p.size(), (p.kind(), p.device())).map_err(failed)?;
                 p.shallow_clone().f_set_data(&own).map_err(failed)?;

@@ -228,6 +228,9 @@ impl DataParallelHandle {
         let DataParallel::Fsdp(config) = mode else {
             return Self::new(group, mode, &model.parameters());
         };
+        if let Some(blocks) = model.blocks() {
+            return Self::for_blocks(group, config, model, blocks);
+        }
         let layers = layer_units(model)?;
         if !model.set_layer_wrapper(None) {
             return Err(StepError::invalid(format!(
@@ -256,6 +259,54 @@ impl DataParallelHandle {
         Ok(Self {
             group: group.clone(),
             mode,
+            ddp: None,
+            fsdp: Some(fsdp),
+        })
+    }
+
+    /// ZeRO-3 over a model of blocks: one unit per top-level block name (all its calls),
+    /// with the parameters its function uses (`Blocks::f_block_parameters`, on one
+    /// example of the workload's batch in evaluation mode), and every top-level
+    /// block's function run inside its unit (`Blocks::set_wrapper`): its weights are
+    /// gathered for its forward, its recomputation and its backward.
+    fn for_blocks(
+        group: &ProcessGroup,
+        config: FsdpConfig,
+        model: &dyn Workload,
+        blocks: &memsave_checkpoint::Blocks,
+    ) -> Result<Self, StepError> {
+        let name = model.name();
+        let params = model.parameters();
+        let example = model.batch(1)?;
+        let found = blocks
+            .f_block_parameters(&params, || {
+                model.layers().f_forward_t(&example.input, false)
+            })
+            .map_err(|e| StepError::lever("zero", e))?;
+        let units = block_units(name, &params, found)?;
+        let zero = |e| StepError::lever("zero", e);
+        let mut fsdp = Fsdp::new(group, config).map_err(zero)?;
+        let mut unit_of = std::collections::HashMap::new();
+        for (block, list) in &units {
+            if !list.is_empty() {
+                unit_of.insert(
+                    block.clone(),
+                    fsdp.fully_shard_parameters(list).map_err(zero)?,
+                );
+            }
+        }
+        let handles = fsdp.units();
+        let wrapper: memsave_checkpoint::BlockWrapper =
+            Arc::new(move |block, xs, f| match unit_of.get(block) {
+                Some(&unit) => handles
+                    .f_forward(unit, || f(xs))
+                    .unwrap_or_else(|e| panic!("{e}")),
+                None => f(xs),
+            });
+        blocks.set_wrapper(Some(wrapper));
+        Ok(Self {
+            group: group.clone(),
+            mode: DataParallel::Fsdp(config),
             ddp: None,
             fsdp: Some(fsdp),
         })
@@ -441,6 +492,37 @@ impl Drop for SyncGuard<'_> {
             dp.set_grad_sync(true);
         }
     }
+}
+
+/// Each top-level block's parameters (by name, as found), checked against the
+/// workload's: every parameter in exactly one block.
+fn block_units(
+    name: &str,
+    params: &[Tensor],
+    found: Vec<(String, Vec<Tensor>)>,
+) -> Result<Vec<(String, Vec<Tensor>)>, StepError> {
+    let mut owner: Vec<Option<&str>> = vec![None; params.len()];
+    for (block, list) in &found {
+        for p in list {
+            let Some(index) = params.iter().position(|q| q.data_ptr() == p.data_ptr()) else {
+                continue;
+            };
+            if let Some(first) = owner[index] {
+                return Err(StepError::invalid(format!(
+                    "the workload '{name}': the parameter of shape {:?} is used by block \"{first}\" and by block \"{block}\"; {ZERO3} shards each parameter in one unit, and a unit is a top-level block: run both uses in one block",
+                    p.size()
+                )));
+            }
+            owner[index] = Some(block.as_str());
+        }
+    }
+    if let Some(index) = owner.iter().position(Option::is_none) {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}': its parameter {index} (shape {:?}) is used by no block (outside every block, or not through autograd), so {ZERO3}, whose units are the top-level blocks, would not shard it: run the code that uses it inside a block",
+            params[index].size()
+        )));
+    }
+    Ok(found)
 }
 
 /// The parameters of each layer of `model`, checked against its parameters: every

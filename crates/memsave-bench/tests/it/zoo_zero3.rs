@@ -6,9 +6,11 @@
 //! other masks on the second rank than on the second micro-batch.
 use memsave_bench::models::Model;
 use memsave_bench::Suite;
+use memsave_checkpoint::Plan;
 use memsave_dist::{init_process_group, launch, InitOptions, LaunchConfig, ProcessGroup};
 use memsave_step::{
-    DataParallel, FsdpConfig, OptimizerKind, OptimizerSpec, StepConfig, TrainerBuilder, Workload,
+    DataParallel, FsdpConfig, OptimizerKind, OptimizerSpec, PlanChoice, StepConfig, TrainerBuilder,
+    Workload,
 };
 use serial_test::serial;
 use std::ffi::OsString;
@@ -21,6 +23,8 @@ models:
   - {name: resnet, kind: resnet, depth: 18, image: [3, 32, 32], classes: 4, batch: 4}
   - {name: vit, kind: vit, image: [3, 16, 16], patch: 4, dim: 32, layers: 2, heads: 2, mlp: 64, classes: 4, batch: 4}
   - {name: llama, kind: llama, vocab: 64, dim: 32, layers: 2, heads: 2, kv_heads: 1, seq: 8, batch: 4}
+  - {name: unet, kind: unet, image: [3, 16, 16], classes: 2, base: 4, levels: 2, batch: 4}
+  - {name: encdec, kind: encoder_decoder, vocab: 64, dim: 32, heads: 2, encoder_layers: 2, decoder_layers: 2, source: 8, target: 6, batch: 4}
 strategies:
   - baseline
 ";
@@ -36,8 +40,22 @@ fn model(name: &str) -> Model {
     Model::build(spec, Device::Cpu).unwrap()
 }
 
-fn config(micro_batches: Option<usize>) -> StepConfig {
+/// The cases: a model, and whether every layer (or block) is recomputed.
+const CASES: [(&str, bool); 7] = [
+    ("resnet", false),
+    ("vit", false),
+    ("llama", false),
+    ("unet", false),
+    ("unet", true),
+    ("encdec", false),
+    ("encdec", true),
+];
+
+fn config(micro_batches: Option<usize>, recompute: bool) -> StepConfig {
     let mut config = StepConfig::baseline();
+    if recompute {
+        config.plan = PlanChoice::Fixed(Plan::EveryLayer);
+    }
     config.optimizer = Some(OptimizerSpec {
         kind: OptimizerKind::Sgd,
         lr: Some(0.01),
@@ -60,7 +78,11 @@ fn out_dir() -> PathBuf {
         .into()
 }
 
-fn run_on_rank(group: &ProcessGroup, name: &str, out: &Path) {
+fn tag(name: &str, recompute: bool) -> String {
+    format!("{name}{}", if recompute { "-recompute" } else { "" })
+}
+
+fn run_on_rank(group: &ProcessGroup, name: &str, recompute: bool, out: &Path) {
     let rank = group.rank() as i64;
     let mut model = model(name);
     let share = model.global_batch() / WORLD;
@@ -70,7 +92,7 @@ fn run_on_rank(group: &ProcessGroup, name: &str, out: &Path) {
         .f_narrow(rank * share, share)
         .unwrap();
     let mode = DataParallel::Fsdp(FsdpConfig::default());
-    let mut trainer = TrainerBuilder::new(config(None))
+    let mut trainer = TrainerBuilder::new(config(None, recompute))
         .data_parallel(group, mode)
         .build(&mut model)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -85,8 +107,9 @@ fn run_on_rank(group: &ProcessGroup, name: &str, out: &Path) {
     // The units' order: each layer's parameters, layer after layer.
     let full = dp.fsdp().unwrap().f_full_parameters().unwrap();
     let bytes: Vec<u8> = values(&full).iter().flat_map(|v| v.to_le_bytes()).collect();
-    std::fs::write(out.join(format!("{name}-rank{rank}")), bytes).unwrap();
-    std::fs::write(out.join(format!("{name}-units")), units.to_string()).unwrap();
+    let tag = tag(name, recompute);
+    std::fs::write(out.join(format!("{tag}-rank{rank}")), bytes).unwrap();
+    std::fs::write(out.join(format!("{tag}-units")), units.to_string()).unwrap();
     trainer.restore_full_parameters().unwrap();
 }
 
@@ -101,8 +124,8 @@ fn zoo_zero3_worker() {
     };
     let group = init_process_group(&options).expect("join the group");
     let out = out_dir();
-    for name in ["resnet", "vit", "llama"] {
-        run_on_rank(&group, name, &out);
+    for (name, recompute) in CASES {
+        run_on_rank(&group, name, recompute, &out);
     }
 }
 
@@ -132,46 +155,56 @@ fn zoo_chains_train_under_zero3_as_one_process() {
     let threads = tch::get_num_threads();
     tch::set_num_threads(1);
     let mut report = Vec::new();
-    for name in ["resnet", "vit", "llama"] {
+    for (name, recompute) in CASES {
+        let tag = tag(name, recompute);
         let mut one = model(name);
-        let layers = one.layer_parameters().expect("a zoo chain's layers");
+        // The units' order: a chain's layers, or a network's top-level blocks, as
+        // found; their parameters in the model's order.
+        let layers: Vec<Vec<Tensor>> = match one.blocks() {
+            Some(blocks) => {
+                let example = one.batch(1).unwrap();
+                blocks
+                    .f_block_parameters(&one.parameters(), || {
+                        one.layers().f_forward_t(&example.input, false)
+                    })
+                    .unwrap()
+                    .into_iter()
+                    .map(|(_, list)| list)
+                    .collect()
+            }
+            None => one.layer_parameters().expect("a zoo chain's layers"),
+        };
         let with_params = layers.iter().filter(|l| !l.is_empty()).count();
-        let units: usize = std::fs::read_to_string(dir.path().join(format!("{name}-units")))
+        let units: usize = std::fs::read_to_string(dir.path().join(format!("{tag}-units")))
             .unwrap()
             .parse()
             .unwrap();
-        // One unit per layer that has parameters, and more than one.
-        assert_eq!(units, with_params, "{name}");
-        assert!(units > 1, "{name}: {units} unit");
+        // One unit per layer (or block) that has parameters, and more than one.
+        assert_eq!(units, with_params, "{tag}");
+        assert!(units > 1, "{tag}: {units} unit");
+        let ordered: Vec<Tensor> = layers.iter().flatten().map(Tensor::shallow_clone).collect();
+        let before = values(&ordered);
         let batch = one.batch(one.global_batch()).unwrap();
-        let mut trainer = TrainerBuilder::new(config(Some(WORLD as usize)))
+        let mut trainer = TrainerBuilder::new(config(Some(WORLD as usize), recompute))
             .build(&mut one)
             .unwrap();
         for _ in 0..STEPS {
             trainer.step(&batch).unwrap();
         }
-        let ordered: Vec<Tensor> = layers.into_iter().flatten().collect();
         let expected = values(&ordered);
-        let initial: Vec<Tensor> = model(name)
-            .layer_parameters()
-            .unwrap()
-            .into_iter()
-            .flatten()
-            .collect();
-        let before = values(&initial);
         assert!(
             expected.iter().zip(&before).any(|(a, b)| a != b),
-            "{name}: the steps changed nothing"
+            "{tag}: the steps changed nothing"
         );
         let read = |rank: i64| -> Vec<f32> {
-            std::fs::read(dir.path().join(format!("{name}-rank{rank}")))
+            std::fs::read(dir.path().join(format!("{tag}-rank{rank}")))
                 .unwrap()
                 .chunks(4)
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                 .collect()
         };
         let (rank0, rank1) = (read(0), read(1));
-        assert_eq!(rank0.len(), expected.len(), "{name}");
+        assert_eq!(rank0.len(), expected.len(), "{tag}");
         let max_diff = |a: &[f32], b: &[f32]| {
             a.iter()
                 .zip(b)
@@ -180,20 +213,17 @@ fn zoo_chains_train_under_zero3_as_one_process() {
         };
         assert!(
             rank0 == rank1,
-            "{name}: the ranks' weights differ by up to {:.2e}",
+            "{tag}: the ranks' weights differ by up to {:.2e}",
             max_diff(&rank0, &rank1)
         );
         let largest = expected
             .iter()
             .map(|v| f64::from(v.abs()))
             .fold(0.0, f64::max);
-        assert!(
-            largest < 100.0,
-            "{name}: the steps diverged ({largest:.2e})"
-        );
+        assert!(largest < 100.0, "{tag}: the steps diverged ({largest:.2e})");
         let diff = max_diff(&rank0, &expected);
         report.push(format!(
-            "{name}: {units} units, max |ranks - one process| {diff:.2e}"
+            "{tag}: {units} units, max |ranks - one process| {diff:.2e}"
         ));
         assert!(diff <= TOLERANCE, "{}", report.join("\n"));
     }

@@ -6,6 +6,7 @@
 //! serial one. `solver` installs a counting global allocator for the whole binary.
 mod batch_norm;
 mod block_plan;
+mod block_wrapper;
 mod blocks;
 mod common;
 mod entry_points;

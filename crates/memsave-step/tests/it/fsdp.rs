@@ -22,6 +22,7 @@ use serial_test::serial;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
+use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
 const WORLD: i64 = 2;
@@ -741,4 +742,165 @@ fn a_workload_whose_parameters_are_not_attributable_to_layers_is_refused() {
     let other = self::model();
     let err = DataParallelHandle::new(&group, zero3(), &other.parameters()).expect_err("refused");
     assert!(err.to_string().contains("for_workload"), "{err}");
+}
+
+/// How [`TwoBlocks`] uses its shared weight `w`.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum SharedWeight {
+    /// In the first block only.
+    InOne,
+    /// In both blocks.
+    InBoth,
+    /// Between the blocks, outside both.
+    Outside,
+}
+
+/// Two named blocks, `first` and `second`, in one layer of the chain, and a weight `w`
+/// used as `use_w` says.
+struct TwoBlocks {
+    vs: nn::VarStore,
+    blocks: memsave_checkpoint::Blocks,
+    layers: CheckpointedSequential,
+    data: Tensor,
+}
+
+impl TwoBlocks {
+    fn new(use_w: SharedWeight) -> TwoBlocks {
+        use memsave_checkpoint::Shared;
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let p = vs.root();
+        let a = Shared::new(nn::linear(&p / "a", 4, 4, Default::default()));
+        let b = Shared::new(nn::linear(&p / "b", 4, 4, Default::default()));
+        let w = p.var("w", &[4], nn::Init::Const(0.5));
+        let blocks = memsave_checkpoint::Blocks::new();
+        let bl = blocks.clone();
+        let w = Shared::new(w);
+        let layers = CheckpointedSequential::new().add_fn(move |x| {
+            let (a, b, w1, w2) = (a.clone(), b.clone(), w.clone(), w.clone());
+            bl.forward(|bl| {
+                let h = bl.run("first", &[x], move |xs| {
+                    let h = a.forward(&xs[0]).tanh();
+                    vec![if use_w == SharedWeight::Outside {
+                        h
+                    } else {
+                        w1.with(|w| &h * w)
+                    }]
+                })?[0]
+                    .shallow_clone();
+                let h = if use_w == SharedWeight::Outside {
+                    w2.with(|w| &h * w)
+                } else {
+                    h
+                };
+                let w3 = w2.clone();
+                bl.run("second", &[&h], move |xs| {
+                    let y = b.forward(&xs[0]);
+                    vec![if use_w == SharedWeight::InBoth {
+                        w3.with(|w| &y + w)
+                    } else {
+                        y
+                    }]
+                })
+                .map(|mut v| v.remove(0))
+            })
+            .and_then(|r| r)
+            .unwrap_or_else(|e| panic!("{e}"))
+        });
+        TwoBlocks {
+            data: Tensor::randn([4, 4], (Kind::Float, Device::Cpu)),
+            vs,
+            blocks,
+            layers,
+        }
+    }
+}
+
+impl Workload for TwoBlocks {
+    fn name(&self) -> &str {
+        "two-blocks"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn layers(&self) -> &CheckpointedSequential {
+        &self.layers
+    }
+    fn layers_mut(&mut self) -> &mut CheckpointedSequential {
+        &mut self.layers
+    }
+    fn blocks(&self) -> Option<&memsave_checkpoint::Blocks> {
+        Some(&self.blocks)
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        named.sort_by(|x, y| x.0.cmp(&y.0));
+        named.into_iter().map(|(_, t)| t).collect()
+    }
+    fn global_batch(&self) -> i64 {
+        4
+    }
+    fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
+        Ok(Batch::input(self.data.f_narrow(0, 0, size)?))
+    }
+}
+
+/// ZeRO-3 shards a model of blocks one unit per top-level block: on one rank it trains
+/// as the plain step does (every block kept, or recomputed); a weight two blocks use,
+/// or one used outside every block, is refused naming the blocks or the parameter,
+/// before anything is sharded.
+#[test]
+#[serial]
+fn a_model_of_blocks_is_sharded_one_unit_per_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let group = group_of_one(dir.path());
+    let sgd = OptimizerSpec {
+        kind: OptimizerKind::Sgd,
+        lr: Some(0.1),
+        ..OptimizerSpec::default()
+    };
+    for plan in [Plan::None, Plan::EveryLayer] {
+        let mut config = StepConfig::baseline();
+        config.optimizer = Some(sgd);
+        config.plan = PlanChoice::Fixed(plan);
+        let mut plain = TwoBlocks::new(SharedWeight::InOne);
+        let batch = plain.batch(4).unwrap();
+        let mut trainer = TrainerBuilder::new(config.clone())
+            .build(&mut plain)
+            .unwrap();
+        for _ in 0..2 {
+            trainer.step(&batch).unwrap();
+        }
+        drop(trainer);
+        let mut sharded = TwoBlocks::new(SharedWeight::InOne);
+        let mut trainer = TrainerBuilder::new(config)
+            .data_parallel(&group, zero3())
+            .build(&mut sharded)
+            .unwrap();
+        for _ in 0..2 {
+            trainer.step(&batch).unwrap();
+        }
+        let fsdp = trainer.data_parallel().unwrap().fsdp().unwrap();
+        assert_eq!(fsdp.len(), 2, "{plan:?}: one unit per block");
+        trainer.restore_full_parameters().unwrap();
+        drop(trainer);
+        assert_eq!(weights(&sharded), weights(&plain), "{plan:?}");
+        assert_ne!(
+            weights(&plain),
+            weights(&TwoBlocks::new(SharedWeight::InOne))
+        );
+    }
+    for (use_w, needle) in [
+        (
+            SharedWeight::InBoth,
+            "is used by block \"first\" and by block \"second\"",
+        ),
+        (SharedWeight::Outside, "is used by no block"),
+    ] {
+        let model = TwoBlocks::new(use_w);
+        let before = weights(&model);
+        let e = DataParallelHandle::for_workload(&group, zero3(), &model).unwrap_err();
+        assert!(e.to_string().contains(needle), "{use_w:?}: {e}");
+        assert_eq!(weights(&model), before, "{use_w:?}: nothing was sharded");
+    }
 }
