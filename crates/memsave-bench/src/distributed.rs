@@ -763,10 +763,6 @@ fn harness_only(technique: &Technique) -> Option<&'static str> {
     }
 }
 
-/// The step every rank of a case runs and how the ranks share it, or why `strategy`
-/// cannot run on `model` over `world_size` ranks (the case is then `unavailable`). It
-/// reads only the suite, so `memsave check` and the parent of the ranks decide as the
-/// ranks do, before any rank starts.
 /// Why ZeRO-3 cannot shard a zoo network, if it cannot: its units are the layers of a
 /// chain or the top-level blocks of a network of blocks, each with parameters of its
 /// own (found by running each: `CheckpointedSequential::f_layer_parameters`,
@@ -781,6 +777,10 @@ fn zero3_refuses(architecture: &memsave_models::Architecture) -> Option<&'static
     }
 }
 
+/// The step every rank of a case runs and how the ranks share it, or why `strategy`
+/// cannot run on `model` over `world_size` ranks (the case is then `unavailable`). It
+/// reads only the suite, so `memsave check` and the parent of the ranks decide as the
+/// ranks do, before any rank starts.
 pub(crate) fn rank_config(
     model: &ModelSpec,
     strategy: &StrategySpec,

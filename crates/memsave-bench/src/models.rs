@@ -484,7 +484,8 @@ impl Workload for Model {
     /// the first example in evaluation mode
     /// (`CheckpointedSequential::f_layer_parameters`; a tied weight is then in two
     /// layers, which ZeRO-3 refuses). `None` for the zoo's networks of blocks, whose
-    /// one layer is the whole forward (ZeRO-3's units are layers, not blocks, yet).
+    /// one layer is the whole forward: ZeRO-3 makes their top-level blocks its units
+    /// (`Blocks::f_block_parameters`).
     fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
         if self.is_zoo() {
             if self.blocks.is_some() {
@@ -518,8 +519,8 @@ impl Workload for Model {
         Some(layers)
     }
 
-    /// Every block runs through the shared context's wrapper (the zoo's too; ZeRO-3
-    /// refuses the zoo's networks of blocks, which give no [`Workload::layer_parameters`]).
+    /// Every layer runs through the shared context's wrapper (the zoo's too; the
+    /// networks of blocks run their blocks through `Blocks::set_wrapper` under ZeRO-3).
     fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
         self.ctx.wrapper.set(wrapper);
         true

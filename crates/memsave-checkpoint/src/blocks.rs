@@ -600,17 +600,32 @@ impl Blocks {
         let Some(wrapper) = wrapper else {
             return f(xs);
         };
+        // The function's error, or its panic, is kept here and the wrapper returns
+        // normally (a ZeRO-3 unit then frees what it gathered); the panic goes on
+        // from here, to become the block's error as without a wrapper.
         let mut result = None;
-        let out = wrapper(ancestor, xs, &mut |ys: &[Tensor]| match f(ys) {
-            Ok(out) => {
-                result = Some(Ok(()));
-                out
-            }
-            Err(e) => {
-                result = Some(Err(e));
-                Vec::new()
-            }
-        });
+        let mut panicked = None;
+        let out = wrapper(
+            ancestor,
+            xs,
+            &mut |ys: &[Tensor]| match panic::catch_unwind(AssertUnwindSafe(|| f(ys))) {
+                Ok(Ok(out)) => {
+                    result = Some(Ok(()));
+                    out
+                }
+                Ok(Err(e)) => {
+                    result = Some(Err(e));
+                    Vec::new()
+                }
+                Err(payload) => {
+                    panicked = Some(payload);
+                    Vec::new()
+                }
+            },
+        );
+        if let Some(payload) = panicked {
+            panic::resume_unwind(payload);
+        }
         match result {
             Some(Ok(())) => Ok(out),
             Some(Err(e)) => Err(e),
@@ -635,7 +650,9 @@ impl Blocks {
     ///
     /// Warning: a parameter used outside every block, or read without autograd, is in
     /// no list; one two blocks use is in both. Run `step` in evaluation mode (or expect
-    /// BatchNorm's running statistics to move once).
+    /// BatchNorm's running statistics to move once). The levers, the wrapper, the
+    /// observer (told nothing of this forward) and [`last_forward`](Self::last_forward)
+    /// are as they were afterwards.
     ///
     /// # Errors
     /// `step`'s error; [`CheckpointError::Torch`] when libtorch fails.
@@ -717,15 +734,31 @@ impl Blocks {
         });
         let outcome = {
             let _levers = LeversBack::save(self);
-            let wrapper_before = self.lock().wrapper.replace(wrapper);
-            /// Puts the wrapper back, however the step ends.
-            struct WrapperBack<'a>(&'a Blocks, Option<BlockWrapper>);
-            impl Drop for WrapperBack<'_> {
+            let before = {
+                let mut state = self.lock();
+                Saved {
+                    wrapper: state.wrapper.replace(wrapper),
+                    observer: state.observer.take(),
+                    last: state.last.clone(),
+                }
+            };
+            /// Puts back the wrapper, the observer (told nothing of this forward) and
+            /// the last forward's record, however the step ends.
+            struct Saved {
+                wrapper: Option<BlockWrapper>,
+                observer: Option<BlockObserver>,
+                last: Vec<BlockRecord>,
+            }
+            struct Back<'a>(&'a Blocks, Saved);
+            impl Drop for Back<'_> {
                 fn drop(&mut self) {
-                    self.0.lock().wrapper = self.1.take();
+                    let mut state = self.0.lock();
+                    state.wrapper = self.1.wrapper.take();
+                    state.observer = self.1.observer.take();
+                    state.last = std::mem::take(&mut self.1.last);
                 }
             }
-            let _back = WrapperBack(self, wrapper_before);
+            let _back = Back(self, before);
             self.set_every(BlockLever::Keep);
             step()
         };
@@ -841,6 +874,13 @@ impl Blocks {
         match lever {
             BlockLever::Keep => plain(&f),
             BlockLever::Store { hooks, .. } => {
+                if self.lock().wrapper.is_some() {
+                    // Its hooks would sit inside the wrapper's (ZeRO-3's, which must
+                    // see the gathered weights autograd saves) and take those too.
+                    return Err(CheckpointError::Blocks(format!(
+                        "{label}: its saves cannot go to a store while its function runs inside a block wrapper (ZeRO-3's units): the store would keep the gathered weights; recompute the block instead (with its inputs in files, if memory is short)"
+                    )));
+                }
                 let frame = memsave_sys::hooks::push(Arc::clone(hooks))
                     .map_err(|e| failed(e.to_string()))?;
                 let out = plain(&f);

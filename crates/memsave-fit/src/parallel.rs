@@ -65,7 +65,8 @@ impl ParallelMode {
         }
         let name = workload.name();
         // A model of blocks: one unit per top-level block, found when it is set up.
-        if workload.blocks().is_some() {
+        if let Some(blocks) = workload.blocks() {
+            blocks.set_wrapper(None);
             return None;
         }
         let why = if workload.layer_parameters().is_none() {

@@ -208,18 +208,33 @@ impl DataParallelHandle {
     /// parameters, and under ZeRO-3 shards each layer of its `CheckpointedSequential`
     /// as one unit (the parameters [`Workload::layer_parameters`] gives for it; layers
     /// without parameters are left as they are) and routes every layer's forward
-    /// through its unit ([`Workload::set_layer_wrapper`]). A collective: every rank
-    /// sets it up over the same model, and rank 0's weights are copied to every rank.
+    /// through its unit ([`Workload::set_layer_wrapper`]). A model of blocks
+    /// ([`Workload::blocks`]) is sharded one unit per top-level block name instead (all
+    /// its calls in one unit), with the parameters found by one forward of
+    /// `model.batch(1)` in evaluation mode (`Blocks::f_block_parameters`), and each
+    /// top-level block's function runs inside its unit (`Blocks::set_wrapper`). A
+    /// collective: every rank sets it up over the same model, and rank 0's weights are
+    /// copied to every rank.
     ///
     /// Set the checkpoint plan first: a budget plan profiles the layers, which runs
     /// them outside any step once they are sharded.
+    ///
+    /// Trap: a unit is a block *name*. A loop that runs one closure over several
+    /// modules under one name (`b.run("layer", ..)` for every layer) makes one unit of
+    /// all their weights, gathered at every call: correct, but nothing is saved. Name
+    /// each its own (`format!("layer{i}")`). The parameters are found on each rank's
+    /// own example: a forward whose blocks depend on the data (a router that skips a
+    /// block) can find other units on another rank, which then waits for the group's
+    /// timeout.
     ///
     /// # Errors
     /// [`StepError::InvalidConfig`], before anything is sharded, when the workload does
     /// not say which parameters each layer uses, gives another number of lists than it
     /// has layers, leaves a parameter out, names one twice or names a tensor that is
-    /// not a parameter, or cannot wrap its layers; `zero` errors (a parameter whose
-    /// shape differs across the ranks, ...) from the sharding.
+    /// not a parameter, or cannot wrap its layers; for a model of blocks, when two
+    /// blocks use one parameter or no block uses one (the error names them); `zero`
+    /// errors (a parameter whose shape differs across the ranks, ...) from the
+    /// sharding.
     pub fn for_workload(
         group: &ProcessGroup,
         mode: DataParallel,

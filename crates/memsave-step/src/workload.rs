@@ -268,11 +268,24 @@ impl LayerWrapperSlot {
         let Some(wrapper) = self.get() else {
             return forward();
         };
+        // A panicking forward is caught here and goes on once the wrapper returned:
+        // what the wrapper entered (a ZeRO-3 unit's gathered weights), it leaves.
         let mut once = Some(forward);
-        wrapper(index, &mut || match once.take() {
-            Some(f) => f(),
+        let mut panicked = None;
+        let out = wrapper(index, &mut || match once.take() {
+            Some(f) => match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(out) => out,
+                Err(payload) => {
+                    panicked = Some(payload);
+                    Tensor::new()
+                }
+            },
             None => panic!("layer {index}: a layer wrapper ran the forward twice"),
-        })
+        });
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
+        }
+        out
     }
 }
 
@@ -305,8 +318,30 @@ pub fn var_store_buffers(vs: &tch::nn::VarStore) -> Vec<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::var_store_buffers;
-    use tch::nn;
+    use super::{var_store_buffers, LayerWrapperSlot};
+    use std::sync::Arc;
+    use tch::{nn, Tensor};
+
+    #[test]
+    fn a_panicking_layer_leaves_the_wrapper_and_panics_on() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (entered, left) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (e, l) = (Arc::clone(&entered), Arc::clone(&left));
+        let slot = LayerWrapperSlot::default();
+        slot.set(Some(Arc::new(
+            move |_, forward: &mut dyn FnMut() -> Tensor| {
+                e.fetch_add(1, Ordering::SeqCst);
+                let out = forward();
+                l.fetch_add(1, Ordering::SeqCst);
+                out
+            },
+        )));
+        let caught = std::panic::catch_unwind(|| slot.run(0, || panic!("broken layer")));
+        let message = caught.expect_err("the panic goes on");
+        assert_eq!(message.downcast_ref::<&str>(), Some(&"broken layer"));
+        assert_eq!(entered.load(Ordering::SeqCst), 1);
+        assert_eq!(left.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn var_store_buffers_are_the_untrained_variables_by_name() {

@@ -109,6 +109,8 @@ fn each_top_level_block_gets_the_parameters_it_uses_nested_blocks_included() {
     *CURRENT.lock().unwrap() = Some(blocks.clone());
     let x = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
     blocks.set_every(BlockLever::Recompute);
+    let _ = net.loss(&blocks, &x);
+    let keys = blocks.keys();
     let mut params: Vec<(String, Tensor)> = net.vs.variables().into_iter().collect();
     params.sort_by(|p, q| p.0.cmp(&q.0));
     let params: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
@@ -132,6 +134,9 @@ fn each_top_level_block_gets_the_parameters_it_uses_nested_blocks_included() {
         .iter()
         .all(|(_, l)| l.iter().all(|t| t.data_ptr() != net.glue.data_ptr())));
     assert_eq!(blocks.lever(&BlockKey::new("b", 1)).name(), "recompute");
+    // The last forward's record is the one before (not the search's).
+    assert_eq!(blocks.keys(), keys);
+    assert!(blocks.last_forward().iter().all(|r| r.lever == "recompute"));
     assert!(params.iter().all(|p| !p.grad().defined()));
     *CURRENT.lock().unwrap() = None;
 }
@@ -202,4 +207,35 @@ fn the_wrapper_runs_around_each_top_level_block_and_each_recomputation_outside_o
     {
         assert!(g.equal(p));
     }
+}
+
+/// A block function that panics inside the wrapper: the wrapper still returns (what it
+/// entered, it leaves: a ZeRO-3 unit frees its weights), and the run is an error
+/// naming the block; the next forward runs.
+#[test]
+#[serial]
+fn a_panicking_block_leaves_the_wrapper_and_is_an_error_naming_it() {
+    let blocks = Blocks::new();
+    let depth = Arc::new(Mutex::new((0i32, 0i32)));
+    let seen = Arc::clone(&depth);
+    let wrapper: BlockWrapper = Arc::new(move |_, xs, f| {
+        seen.lock().unwrap().0 += 1;
+        let out = f(xs);
+        seen.lock().unwrap().1 += 1;
+        out
+    });
+    blocks.set_wrapper(Some(wrapper));
+    let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let out = blocks
+        .forward(|b| b.run("boom", &[&x], |_| panic!("broken block")))
+        .unwrap();
+    let e = out.unwrap_err().to_string();
+    assert!(e.contains("boom#0") && e.contains("broken block"), "{e}");
+    assert_eq!(*depth.lock().unwrap(), (1, 1));
+    let y = blocks
+        .forward(|b| b.run("fine", &[&x], |xs| vec![&xs[0] * 2.0]))
+        .unwrap()
+        .unwrap();
+    assert_eq!(y.len(), 1);
+    assert_eq!(*depth.lock().unwrap(), (2, 2));
 }

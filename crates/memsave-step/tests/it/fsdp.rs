@@ -890,6 +890,43 @@ fn a_model_of_blocks_is_sharded_one_unit_per_block() {
             weights(&TwoBlocks::new(SharedWeight::InOne))
         );
     }
+    // A block whose saves go to files (a per-block offload lever) is refused under
+    // ZeRO-3: the store would take the gathered weights autograd saves.
+    let mut config = StepConfig::baseline();
+    config.optimizer = Some(sgd);
+    let batch = TwoBlocks::new(SharedWeight::InOne).batch(4).unwrap();
+    let mut sharded = TwoBlocks::new(SharedWeight::InOne);
+    let offload = memsave_step::plan::disk_block_lever();
+    let mut trainer = TrainerBuilder::new(config)
+        .block_levers(vec![
+            (
+                memsave_checkpoint::BlockKey::new("first", 0),
+                offload.clone(),
+            ),
+            (memsave_checkpoint::BlockKey::new("second", 0), offload),
+        ])
+        .data_parallel(&group, zero3())
+        .build(&mut sharded)
+        .unwrap();
+    let lever = |t: &memsave_step::Trainer<'_, TwoBlocks>| {
+        t.model()
+            .blocks
+            .lever(&memsave_checkpoint::BlockKey::new("first", 0))
+            .name()
+    };
+    assert!(lever(&trainer).contains("offload"), "{}", lever(&trainer));
+    // Refused before the block runs, naming it; the weights are as they were.
+    let e = trainer.step(&batch).unwrap_err().to_string();
+    assert!(
+        e.contains("block first#0") && e.contains("cannot go to a store"),
+        "{e}"
+    );
+    trainer.restore_full_parameters().unwrap();
+    drop(trainer);
+    assert_eq!(
+        weights(&sharded),
+        weights(&TwoBlocks::new(SharedWeight::InOne))
+    );
     for (use_w, needle) in [
         (
             SharedWeight::InBoth,
