@@ -927,6 +927,13 @@ struct RankCase {
     data_parallel: DataParallelHandle,
 }
 
+impl Drop for RankCase {
+    /// A case's model is thrown away: under ZeRO-3 its weights go without a word.
+    fn drop(&mut self) {
+        self.data_parallel.discard();
+    }
+}
+
 impl RankCase {
     fn build(
         group: &ProcessGroup,

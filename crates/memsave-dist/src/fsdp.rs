@@ -254,6 +254,8 @@ pub(crate) struct Shared {
     /// The `Fsdp` was dropped: its hooks are gone, and units run their module as it is
     /// when their weights were restored, and refuse otherwise.
     closed: bool,
+    /// [`Fsdp::discard`] was called: dropping it loses the weights without a word.
+    discarded: bool,
     pub(crate) units: Vec<Unit>,
     gathered_bytes: u64,
     gathered_peak_bytes: u64,
@@ -348,6 +350,7 @@ impl Fsdp {
                 config,
                 placeholder,
                 closed: false,
+                discarded: false,
                 units: Vec::new(),
                 gathered_bytes: 0,
                 gathered_peak_bytes: 0,
@@ -777,6 +780,15 @@ impl Fsdp {
         Ok(())
     }
 
+    /// Says that the weights of the units not restored may go when this `Fsdp` is
+    /// dropped, without the line on stderr that says they are lost: for a caller that
+    /// keeps a copy of its own and puts it back (as `fit` does after each run), or
+    /// throws the model away (as a benchmark's case does). The parameters still read
+    /// NaN afterwards. Communicates nothing.
+    pub fn discard(&self) {
+        self.state().discarded = true;
+    }
+
     /// What this rank holds and has done (see [`FsdpStats`]).
     pub fn stats(&self) -> FsdpStats {
         let state = self.state();
@@ -1149,7 +1161,7 @@ impl Drop for Fsdp {
         }
         // Not silent: the trained weights of these units are gone from this process.
         // (While unwinding, the panic is the news.)
-        if lost > 0 && !std::thread::panicking() {
+        if lost > 0 && !state.discarded && !std::thread::panicking() {
             eprintln!(
                 "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters (Trainer::restore_full_parameters): {lost} of {} units' weights are lost and their parameters read NaN; restore them before dropping to keep the trained weights",
                 self.group.rank(),

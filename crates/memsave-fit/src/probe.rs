@@ -406,6 +406,10 @@ impl Setup {
             .as_ref()
             .and_then(DataParallelHandle::fsdp)
             .is_some();
+        // The weights are put back below from the copy taken before the run.
+        if let Some(dp) = &self.data_parallel {
+            dp.discard();
+        }
         drop(self.data_parallel);
         if sharded {
             workload.set_layer_wrapper(None);

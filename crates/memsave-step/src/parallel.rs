@@ -353,6 +353,15 @@ impl DataParallelHandle {
         }
     }
 
+    /// Under ZeRO-3, lets the weights go without a word when this handle is dropped
+    /// (`Fsdp::discard`: for a caller that puts back a copy of its own, or throws the
+    /// model away); nothing in the other modes.
+    pub fn discard(&self) {
+        if let Some(fsdp) = &self.fsdp {
+            fsdp.discard();
+        }
+    }
+
     /// ZeRO-3's `Fsdp` (`None` in the other modes): what it holds
     /// (`Fsdp::stats`), the full weights (`Fsdp::f_full_parameters`), sharded
     /// checkpoints.
