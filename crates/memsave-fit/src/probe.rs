@@ -341,20 +341,30 @@ impl Setup {
                 Some(dp) => dp.optimizer(&spec, &params),
                 None => CaseOptimizer::build(&spec, &params),
             })
-            .transpose()
-            .map_err(failed)?;
-        let setup = Setup {
+            .transpose();
+        let mut setup = Setup {
             device,
             config,
             x,
             params,
             weights,
-            optimizer,
+            optimizer: None,
             data_parallel,
             check_statistics: false,
             buffers,
         };
-        Ok((setup, outside))
+        match optimizer {
+            Ok(optimizer) => {
+                setup.optimizer = optimizer;
+                Ok((setup, outside))
+            }
+            Err(e) => {
+                // The layers may be sharded already: put the weights back (and take
+                // any wrapper off) before saying why.
+                let _ = setup.put_back(workload);
+                Err(failed(e))
+            }
+        }
     }
 
     /// With an optimizer, a warm-up step of one example per micro-batch (outside the
