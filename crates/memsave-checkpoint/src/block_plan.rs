@@ -147,6 +147,64 @@ impl BlocksProfile {
         })
     }
 
+    /// Every figure of the profile (bytes and seconds) in a fixed order, without its
+    /// structure (its blocks and which are alive in each segment): what ranks agree
+    /// on, each taking the largest over them, before they plan (see
+    /// [`with_figures`](Self::with_figures)). Bytes are exact as `f64` up to 2^53.
+    pub fn figures(&self) -> Vec<f64> {
+        let bytes = |v: &[i64]| v.iter().map(|&b| b as f64).collect::<Vec<_>>();
+        let mut out = Vec::new();
+        out.extend(bytes(&self.saved));
+        out.extend(&self.forward_s);
+        out.extend(bytes(&self.forward_kept));
+        out.extend(bytes(&self.forward_recomputed));
+        out.extend(bytes(&self.output));
+        out.extend(self.segments.iter().map(|(p, _, _)| *p as f64));
+        out.push(self.kept_peak as f64);
+        out.push(self.recomputed_peak as f64);
+        if let Some(off) = &self.offload_s {
+            out.extend(off);
+        }
+        out
+    }
+
+    /// This profile with `figures` (ordered as [`figures`](Self::figures) gives them)
+    /// in place of its own; `None` when there are not as many.
+    pub fn with_figures(&self, figures: &[f64]) -> Option<BlocksProfile> {
+        if figures.len() != self.figures().len() {
+            return None;
+        }
+        let mut at = figures.iter().copied();
+        let mut take = |n: usize| -> Vec<f64> { at.by_ref().take(n).collect() };
+        let bytes = |v: Vec<f64>| v.into_iter().map(|b| b.round() as i64).collect::<Vec<_>>();
+        let n = self.keys.len();
+        let saved = bytes(take(n));
+        let forward_s = take(n);
+        let forward_kept = bytes(take(n));
+        let forward_recomputed = bytes(take(n));
+        let output = bytes(take(n));
+        let peaks = bytes(take(self.segments.len()));
+        let ends = bytes(take(2));
+        let offload_s = self.offload_s.as_ref().map(|_| take(n));
+        Some(BlocksProfile {
+            keys: self.keys.clone(),
+            saved,
+            forward_s,
+            forward_kept,
+            forward_recomputed,
+            segments: self
+                .segments
+                .iter()
+                .zip(peaks)
+                .map(|((_, alive, own), p)| (p, alive.clone(), *own))
+                .collect(),
+            output,
+            kept_peak: ends[0],
+            recomputed_peak: ends[1],
+            offload_s,
+        })
+    }
+
     /// The top-level blocks, in forward order.
     pub fn keys(&self) -> &[BlockKey] {
         &self.keys

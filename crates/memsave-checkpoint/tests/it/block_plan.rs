@@ -204,6 +204,35 @@ fn profiles_with_gradients_freed_predict_steps_that_free_them() {
     );
 }
 
+/// A profile's figures come back as they were (what ranks agree on before planning),
+/// and a larger figure moves the prediction it enters.
+#[test]
+#[serial]
+fn a_profile_is_rebuilt_from_its_figures() {
+    let g = Graph::new(2, 32, 8);
+    let blocks = Blocks::new();
+    let profile = profile_of(&g, &blocks);
+    let figures = profile.figures();
+    let same = profile.with_figures(&figures).unwrap();
+    assert_eq!(same.figures(), figures);
+    let n = profile.keys().len();
+    for mask in 0..(1u32 << n) {
+        let r: Vec<bool> = (0..n).map(|i| mask & (1 << i) != 0).collect();
+        assert_eq!(same.predict(&r), profile.predict(&r), "{mask:b}");
+    }
+    assert!(profile.with_figures(&figures[1..]).is_none());
+    // The first figure is the first block's saved bytes: kept, it counts more.
+    let mut larger = figures.clone();
+    larger[0] += 1e6;
+    let larger = profile.with_figures(&larger).unwrap();
+    let kept = vec![false; n];
+    assert!(larger.predict(&kept) > profile.predict(&kept));
+    assert_eq!(
+        larger.saved_bytes()[0],
+        profile.saved_bytes()[0] + 1_000_000
+    );
+}
+
 /// The fastest assignment within a budget halfway between every block recomputed and
 /// every block kept: its measured peak fits, is what was predicted within 5%, and it
 /// recomputes less than every block.

@@ -410,8 +410,9 @@ impl Runs<'_> {
 
 impl Runs<'_> {
     /// The blocks' profile at micro-batch `m`, from two measured profiles (see
-    /// `BlocksProfile::interpolate`); `None` when the two do not line up, or on ranks
-    /// (not planned there yet). With `free_gradients`, profiled with each gradient
+    /// `BlocksProfile::interpolate`; on ranks, each figure the largest over them);
+    /// `None` when the two do not line up, or not on every rank. With
+    /// `free_gradients`, profiled with each gradient
     /// freed as soon as backward completes it: the step of a base whose gradients go
     /// to files or into the optimizer step holds none of them, and a profile that
     /// holds them all puts the peak where no block's lever moves it.
@@ -420,9 +421,6 @@ impl Runs<'_> {
         m: i64,
         free_gradients: bool,
     ) -> Result<Option<BlocksProfile>, FitError> {
-        if self.ranks.group().is_some() {
-            return Ok(None);
-        }
         let slot = usize::from(free_gradients);
         if self.block_profiles[slot].is_none() {
             // At half and the whole batch: a block's bytes are affine in the batch
@@ -444,11 +442,25 @@ impl Runs<'_> {
                     let pb = if a == b { pa.clone() } else { at(b)? };
                     Ok((pa, pb))
                 });
+                // Ranks go on together: halving where any rank failed.
+                let failed = self.ranks.any(both.is_err())?;
                 match both {
-                    Ok((pa, pb)) => break Some((pa, a, pb, b)),
-                    Err(_) if b > 1 => b = a,
-                    Err(_) => break None,
+                    Ok((pa, pb)) if !failed => break Some((pa, a, pb, b)),
+                    _ if b > 1 => b = a,
+                    _ => break None,
                 }
+            };
+            let profiles = match profiles {
+                Some((pa, a, pb, b)) => {
+                    match (
+                        agree_blocks(&self.ranks, pa)?,
+                        agree_blocks(&self.ranks, pb)?,
+                    ) {
+                        (Some(pa), Some(pb)) => Some((pa, a, pb, b)),
+                        _ => None,
+                    }
+                }
+                None => None,
             };
             self.block_profiles[slot] = Some(profiles);
         }
@@ -483,8 +495,11 @@ impl Runs<'_> {
         // Under the offload lever every kept block's saves go to files already: the
         // others are recomputed (their inputs in files too); otherwise each block is
         // kept, recomputed or offloaded, whichever costs least.
+        // Under ZeRO-3 a block's saves cannot go to a store (it would keep the
+        // gathered weights): kept or recomputed only, as under the offload lever.
+        let zero3 = base.data_parallel == Some(crate::ParallelMode::Zero3);
         let solve = |budget: u64| -> Option<Vec<PlannedLever>> {
-            if base.offload {
+            if base.offload || zero3 {
                 let r = profile.solve(budget).ok()?;
                 Some(
                     r.into_iter()
@@ -546,6 +561,22 @@ impl Runs<'_> {
         }
         Ok(last)
     }
+}
+
+/// `profile` with each of its figures the largest over the ranks; `None` on every rank
+/// when the ranks' profiles do not have as many figures (other blocks ran).
+fn agree_blocks(ranks: &Ranks, profile: BlocksProfile) -> Result<Option<BlocksProfile>, FitError> {
+    if ranks.group().is_none() {
+        return Ok(Some(profile));
+    }
+    let figures = profile.figures();
+    let len = figures.len() as f64;
+    let lens = ranks.max(&[len, -len])?;
+    if lens[0] != len || -lens[1] != len {
+        return Ok(None);
+    }
+    let agreed = ranks.max(&figures)?;
+    Ok(profile.with_figures(&agreed))
 }
 
 /// `profile` with each of its figures the largest over the ranks (each rank profiles

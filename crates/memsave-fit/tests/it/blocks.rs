@@ -44,7 +44,7 @@ fn forward(m: &Modules, b: &Blocks, x: &Tensor) -> Result<Tensor, CheckpointErro
     Ok(h)
 }
 
-struct Graph {
+pub(crate) struct Graph {
     vs: nn::VarStore,
     blocks: Blocks,
     layers: CheckpointedSequential,
@@ -53,7 +53,7 @@ struct Graph {
 }
 
 impl Graph {
-    fn new(levels: usize, width: i64, batch: i64) -> Graph {
+    pub(crate) fn new(levels: usize, width: i64, batch: i64) -> Graph {
         tch::manual_seed(0);
         let vs = nn::VarStore::new(Device::Cpu);
         let p = vs.root();

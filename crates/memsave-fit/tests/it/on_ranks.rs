@@ -226,6 +226,66 @@ fn memory_limit_worker() {
     std::fs::write(out_dir().join(format!("rank{}", group.rank())), text).unwrap();
 }
 
+/// The peak of the second of two steps of `builder` over a model of blocks on this
+/// rank's share, above what the rank held before it less the parameters.
+fn graph_peak(builder: TrainerBuilder, model: &mut crate::blocks::Graph, share: i64) -> u64 {
+    let params: u64 = model
+        .parameters()
+        .iter()
+        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    let outside = memsave_meter::f_memory_allocated(Device::Cpu).unwrap() - params;
+    let mut trainer = builder.build(model).unwrap();
+    let batch = trainer.model().batch(share).unwrap();
+    trainer.step(&batch).unwrap();
+    let m = trainer.step(&batch).unwrap();
+    m.start_bytes + m.peak_bytes - outside
+}
+
+#[test]
+#[ignore = "a rank of on_ranks::fit_plans_the_blocks_of_a_model_on_two_ranks: started by the launcher"]
+fn blocks_worker() {
+    use memsave_checkpoint::Plan;
+    use memsave_step::PlanChoice;
+    tch::set_num_threads(1);
+    memsave_meter::install();
+    let options = InitOptions {
+        timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let group = init_process_group(&options).expect("join the group");
+    // The activations (2048 rows of width 64 a rank, a few tensors a block) outweigh
+    // the parameters (about 160 KB).
+    let new = || crate::blocks::Graph::new(3, 64, 4096);
+    let share = 4096 / WORLD as i64;
+    let ddp = |plan| {
+        let mut config = StepConfig::baseline();
+        config.plan = PlanChoice::Fixed(plan);
+        TrainerBuilder::new(config).data_parallel(&group, DataParallel::Ddp(Default::default()))
+    };
+    let kept = max_over_ranks(&group, graph_peak(ddp(Plan::None), &mut new(), share));
+    let recomputed = max_over_ranks(&group, graph_peak(ddp(Plan::EveryLayer), &mut new(), share));
+    let budget = (kept + recomputed) / 2;
+    let mut model = new();
+    let report = fit(&mut model, &FitRequest::new(budget).on_ranks(&group))
+        .unwrap_or_else(|e| panic!("rank {}: {e}", group.rank()));
+    let blocks = report
+        .candidates
+        .iter()
+        .filter(|c| c.choice.blocks.is_some())
+        .count();
+    let text = format!(
+        "kept {kept}\nrecomputed {recomputed}\nbudget {budget}\nstrategy {}\nblocks {}\nblock_candidates {blocks}\nmeasured_by_rank {:?}\n",
+        report.choice.strategy,
+        report.choice.blocks.as_deref().unwrap_or("none"),
+        report.measured_peak_bytes_by_rank,
+    );
+    std::fs::write(out_dir().join(format!("rank{}", group.rank())), text).unwrap();
+    if group.rank() == 0 {
+        std::fs::write(out_dir().join("report.txt"), report.to_text()).unwrap();
+    }
+}
+
 /// Starts `worker` (a test of this module) of this binary as two ranks, on
 /// `scenario`'s model.
 fn run_ranks(out: &Path, worker: &str, scenario: &str) {
@@ -434,4 +494,47 @@ fn spoiled_splits_are_left_out_on_every_rank() {
     assert_eq!(fields[2], "1", "a split on one example a rank: {rank0}");
     let spoiled: usize = fields[3].parse().unwrap();
     assert!(spoiled > 0, "no spoiled split was run: {rank0}");
+}
+
+/// `fit` on two ranks plans the blocks of a model of blocks (each rank profiles them,
+/// and the ranks agree on each figure): at a per-rank budget halfway between the
+/// plain step's and every block recomputed (both under DDP), the ranks choose the
+/// same configuration, with blocks recomputed, within the budget on each rank.
+#[test]
+#[serial]
+fn fit_plans_the_blocks_of_a_model_on_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ranks(dir.path(), "blocks_worker", "blocks");
+    let report = std::fs::read_to_string(dir.path().join("report.txt")).unwrap();
+    let ranks: Vec<_> = (0..WORLD)
+        .map(|r| read(dir.path(), &format!("rank{r}")))
+        .collect();
+    for key in [
+        "budget",
+        "strategy",
+        "blocks",
+        "measured_by_rank",
+        "block_candidates",
+    ] {
+        assert_eq!(get(&ranks[0], key), get(&ranks[1], key), "{key}\n{report}");
+    }
+    let kept: u64 = get(&ranks[0], "kept").parse().unwrap();
+    let recomputed: u64 = get(&ranks[0], "recomputed").parse().unwrap();
+    assert!(recomputed < kept, "{recomputed} vs {kept}");
+    let budget: u64 = get(&ranks[0], "budget").parse().unwrap();
+    let candidates: usize = get(&ranks[0], "block_candidates").parse().unwrap();
+    assert!(
+        candidates > 0,
+        "no candidate with per-block levers\n{report}"
+    );
+    assert!(
+        get(&ranks[0], "blocks").starts_with("recompute "),
+        "the choice recomputes blocks\n{report}"
+    );
+    let by_rank = numbers(get(&ranks[0], "measured_by_rank"));
+    assert!(
+        by_rank.iter().all(|&p| p > 0 && p <= budget),
+        "{by_rank:?} vs {budget}\n{report}"
+    );
+    eprintln!("{report}");
 }
