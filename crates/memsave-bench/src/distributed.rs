@@ -961,15 +961,22 @@ impl RankCase {
         }
         let params = model.parameters();
         let data_parallel = DataParallelHandle::for_workload(group, mode, &model)?;
+        // The case's model is thrown away if what follows fails: under ZeRO-3 its
+        // weights go without a word.
+        let discarding = |e| {
+            data_parallel.discard();
+            e
+        };
         let optimizer = config
             .optimizer
             .map(|o| data_parallel.optimizer(&o, &params))
-            .transpose()?;
+            .transpose()
+            .map_err(discarding)?;
         let scaler = config
             .scaler
             .map(GradScaler::new)
             .transpose()
-            .map_err(|e| StepError::lever("grad_scaler", e))?;
+            .map_err(|e| discarding(StepError::lever("grad_scaler", e)))?;
         Ok(RankCase {
             model,
             local,

@@ -168,6 +168,36 @@ impl BlocksProfile {
         out
     }
 
+    /// A fingerprint of the profile's structure (its blocks' keys, and which blocks are
+    /// alive in each segment and which recomputation opened it), without its figures:
+    /// ranks whose fingerprints differ ran other blocks, and must not plan together.
+    pub fn structure_fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        // FNV-1a through `Hash`: the same on every process (std's default hasher is
+        // seeded per process).
+        struct Fnv(u64);
+        impl Hasher for Fnv {
+            fn finish(&self) -> u64 {
+                self.0
+            }
+            fn write(&mut self, bytes: &[u8]) {
+                for b in bytes {
+                    self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
+        let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+        for k in &self.keys {
+            k.to_string().hash(&mut h);
+        }
+        for (_, alive, own) in &self.segments {
+            alive.hash(&mut h);
+            own.hash(&mut h);
+        }
+        self.offload_s.is_some().hash(&mut h);
+        h.finish()
+    }
+
     /// This profile with `figures` (ordered as [`figures`](Self::figures) gives them)
     /// in place of its own; `None` when there are not as many.
     pub fn with_figures(&self, figures: &[f64]) -> Option<BlocksProfile> {

@@ -323,8 +323,26 @@ impl Setup {
                     .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
                     .sum();
                 let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
-                let dp = DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)
-                    .map_err(failed)?;
+                let dp =
+                    match DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)
+                    {
+                        Ok(dp) => dp,
+                        Err(e) => {
+                            // Some layers may be sharded already, and their `Fsdp` gone:
+                            // put the weights back from the copy before saying why.
+                            let back = unshard(&*workload, &params).and_then(|()| match weights {
+                                Some(w) => w.restore().map_err(failed),
+                                None => Ok(()),
+                            });
+                            return Err(failed(match back {
+                                Ok(()) => e.to_string(),
+                                Err(b) => format!(
+                                    "{e}; and the weights could not be put back: {}",
+                                    b.message()
+                                ),
+                            }));
+                        }
+                    };
                 (Some(held.saturating_sub(parameter_bytes)), Some(dp))
             }
             (group, mode) => {
@@ -361,8 +379,13 @@ impl Setup {
             Err(e) => {
                 // The layers may be sharded already: put the weights back (and take
                 // any wrapper off) before saying why.
-                let _ = setup.put_back(workload);
-                Err(failed(e))
+                Err(failed(match setup.put_back(workload) {
+                    Ok(()) => e.to_string(),
+                    Err(b) => format!(
+                        "{e}; and the weights could not be put back: {}",
+                        b.message()
+                    ),
+                }))
             }
         }
     }
@@ -422,14 +445,7 @@ impl Setup {
         }
         drop(self.data_parallel);
         if sharded {
-            workload.set_layer_wrapper(None);
-            if let Some(blocks) = workload.blocks() {
-                blocks.set_wrapper(None);
-            }
-            for p in &self.params {
-                let own = Tensor::f_zeros(p.size(), (p.kind(), p.device())).map_err(failed)?;
-                p.shallow_clone().f_set_data(&own).map_err(failed)?;
-            }
+            unshard(workload, &self.params)?;
         }
         let _ = memsave_accum::free_grads(&self.params);
         if let Some(weights) = self.weights {
@@ -437,6 +453,21 @@ impl Setup {
         }
         buffers
     }
+}
+
+/// After ZeRO-3 (whose parameters held nothing of their own once their `Fsdp` was
+/// dropped): the layers and blocks run without a wrapper, and each parameter gets
+/// storage of its own again (zeros, for the caller to put the weights back into).
+fn unshard(workload: &dyn Workload, params: &[Tensor]) -> Result<(), ProbeError> {
+    workload.set_layer_wrapper(None);
+    if let Some(blocks) = workload.blocks() {
+        blocks.set_wrapper(None);
+    }
+    for p in params {
+        let own = Tensor::f_zeros(p.size(), (p.kind(), p.device())).map_err(failed)?;
+        p.shallow_clone().f_set_data(&own).map_err(failed)?;
+    }
+    Ok(())
 }
 
 /// On the CPU, the machine's memory as a simulated capacity for the probe's runs: the

@@ -231,6 +231,31 @@ fn a_profile_is_rebuilt_from_its_figures() {
         larger.saved_bytes()[0],
         profile.saved_bytes()[0] + 1_000_000
     );
+    // The structure: the same blocks give the same fingerprint, other blocks another.
+    assert_eq!(
+        profile_of(&g, &blocks).structure_fingerprint(),
+        profile.structure_fingerprint()
+    );
+    let deeper = Graph::new(3, 32, 8);
+    let other = Blocks::new();
+    assert_ne!(
+        profile_of(&deeper, &other).structure_fingerprint(),
+        profile.structure_fingerprint()
+    );
+    // With the offload step's figures too (what fit profiles).
+    let store = BlockLever::store("vector", true, std::sync::Arc::new(VecHooks));
+    let offloaded = blocks
+        .profile_with_offload(&g.vs.trainable_variables(), store, || {
+            blocks.forward(|b| g.loss(b)).and_then(|r| r)
+        })
+        .unwrap();
+    let figures = offloaded.figures();
+    let same = offloaded.with_figures(&figures).unwrap();
+    assert_eq!(same.figures(), figures);
+    assert_eq!(same.offload_seconds(), offloaded.offload_seconds());
+    assert!(offloaded
+        .with_figures(&figures[..figures.len() - n])
+        .is_none());
 }
 
 /// The fastest assignment within a budget halfway between every block recomputed and

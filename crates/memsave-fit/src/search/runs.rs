@@ -564,15 +564,25 @@ impl Runs<'_> {
 }
 
 /// `profile` with each of its figures the largest over the ranks; `None` on every rank
-/// when the ranks' profiles do not have as many figures (other blocks ran).
+/// when the ranks' profiles differ in structure (other blocks ran: see
+/// `BlocksProfile::structure_fingerprint`) or in their number of figures.
 fn agree_blocks(ranks: &Ranks, profile: BlocksProfile) -> Result<Option<BlocksProfile>, FitError> {
     if ranks.group().is_none() {
         return Ok(Some(profile));
     }
     let figures = profile.figures();
-    let len = figures.len() as f64;
-    let lens = ranks.max(&[len, -len])?;
-    if lens[0] != len || -lens[1] != len {
+    let print = profile.structure_fingerprint();
+    // Each a whole number below 2^32, exact in an f64; compared as largest and least.
+    let mine = [
+        figures.len() as f64,
+        (print >> 32) as f64,
+        (print & 0xffff_ffff) as f64,
+    ];
+    let mut both = mine.to_vec();
+    both.extend(mine.iter().map(|v| -v));
+    let agreed = ranks.max(&both)?;
+    let same = (0..mine.len()).all(|i| agreed[i] == mine[i] && -agreed[i + mine.len()] == mine[i]);
+    if !same {
         return Ok(None);
     }
     let agreed = ranks.max(&figures)?;
