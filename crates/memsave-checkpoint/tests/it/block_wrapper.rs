@@ -114,9 +114,21 @@ fn each_top_level_block_gets_the_parameters_it_uses_nested_blocks_included() {
     let mut params: Vec<(String, Tensor)> = net.vs.variables().into_iter().collect();
     params.sort_by(|p, q| p.0.cmp(&q.0));
     let params: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
+    // An observer is told nothing of the search's forward.
+    let told = Arc::new(Mutex::new(0usize));
+    let count = Arc::clone(&told);
+    blocks.set_observer(Some(Arc::new(
+        move |_: &memsave_checkpoint::BlockNotice| {
+            *count.lock().unwrap() += 1;
+        },
+    )));
     let lists = blocks
         .f_block_parameters(&params, || Ok::<_, String>(net.loss(&blocks, &x)))
         .unwrap();
+    assert_eq!(*told.lock().unwrap(), 0);
+    let _ = net.loss(&blocks, &x);
+    assert!(*told.lock().unwrap() > 0, "the observer is back");
+    blocks.set_observer(None);
     let s = |v: &[&str]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
     assert_eq!(
         named(&net, &lists),
