@@ -52,7 +52,7 @@ fn model(scenario: &str) -> Mlp {
     m
 }
 
-fn parameter_bytes(model: &Mlp) -> u64 {
+fn parameter_bytes(model: &impl Workload) -> u64 {
     model
         .parameters()
         .iter()
@@ -62,7 +62,12 @@ fn parameter_bytes(model: &Mlp) -> u64 {
 
 /// The peak of each of `steps` steps of `builder` over `model` on this rank's share,
 /// above what the rank held before it less the parameters.
-fn rank_peaks(builder: TrainerBuilder, model: &mut Mlp, share: i64, steps: usize) -> Vec<u64> {
+fn rank_peaks<W: Workload>(
+    builder: TrainerBuilder,
+    model: &mut W,
+    share: i64,
+    steps: usize,
+) -> Vec<u64> {
     let held = memsave_meter::f_memory_allocated(Device::Cpu).unwrap();
     let outside = held - parameter_bytes(model);
     let mut trainer = builder.build(model).unwrap();
@@ -226,22 +231,6 @@ fn memory_limit_worker() {
     std::fs::write(out_dir().join(format!("rank{}", group.rank())), text).unwrap();
 }
 
-/// The peak of the second of two steps of `builder` over a model of blocks on this
-/// rank's share, above what the rank held before it less the parameters.
-fn graph_peak(builder: TrainerBuilder, model: &mut crate::blocks::Graph, share: i64) -> u64 {
-    let params: u64 = model
-        .parameters()
-        .iter()
-        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
-        .sum();
-    let outside = memsave_meter::f_memory_allocated(Device::Cpu).unwrap() - params;
-    let mut trainer = builder.build(model).unwrap();
-    let batch = trainer.model().batch(share).unwrap();
-    trainer.step(&batch).unwrap();
-    let m = trainer.step(&batch).unwrap();
-    m.start_bytes + m.peak_bytes - outside
-}
-
 #[test]
 #[ignore = "a rank of on_ranks::fit_plans_the_blocks_of_a_model_on_two_ranks: started by the launcher"]
 fn blocks_worker() {
@@ -263,8 +252,11 @@ fn blocks_worker() {
         config.plan = PlanChoice::Fixed(plan);
         TrainerBuilder::new(config).data_parallel(&group, DataParallel::Ddp(Default::default()))
     };
-    let kept = max_over_ranks(&group, graph_peak(ddp(Plan::None), &mut new(), share));
-    let recomputed = max_over_ranks(&group, graph_peak(ddp(Plan::EveryLayer), &mut new(), share));
+    let kept = max_over_ranks(&group, rank_peaks(ddp(Plan::None), &mut new(), share, 2)[1]);
+    let recomputed = max_over_ranks(
+        &group,
+        rank_peaks(ddp(Plan::EveryLayer), &mut new(), share, 2)[1],
+    );
     let budget = (kept + recomputed) / 2;
     let mut model = new();
     let report = fit(&mut model, &FitRequest::new(budget).on_ranks(&group))
@@ -336,25 +328,47 @@ fn numbers(list: &str) -> Vec<u64> {
         .collect()
 }
 
-/// Fits `scenario`'s model on two ranks and checks what every choice must hold; the
-/// choice's mode, and rank 0's report.
-fn fit_on_two_ranks(scenario: &str) -> (String, String) {
+/// Runs `worker` on two ranks over `scenario`'s model and reads rank 0's report and
+/// every rank's `key value` file, asserting that the ranks wrote the same value for
+/// each of `agreed`.
+fn run_agreeing(
+    worker: &str,
+    scenario: &str,
+    agreed: &[&str],
+) -> (String, Vec<HashMap<String, String>>) {
     let dir = tempfile::tempdir().unwrap();
-    run_ranks(dir.path(), "fit_worker", scenario);
+    run_ranks(dir.path(), worker, scenario);
     let report = std::fs::read_to_string(dir.path().join("report.txt")).unwrap();
     let ranks: Vec<_> = (0..WORLD)
         .map(|r| read(dir.path(), &format!("rank{r}")))
         .collect();
-    // The ranks ran the same search: the same budget, choice and candidates.
-    for key in [
-        "budget",
-        "strategy",
-        "mode",
-        "measured_by_rank",
-        "candidates",
-    ] {
-        assert_eq!(get(&ranks[0], key), get(&ranks[1], key), "{key}\n{report}");
+    for key in agreed {
+        for (r, lines) in ranks.iter().enumerate().skip(1) {
+            assert_eq!(
+                get(&ranks[0], key),
+                get(lines, key),
+                "{key}: rank 0 vs rank {r}\n{report}"
+            );
+        }
     }
+    (report, ranks)
+}
+
+/// Fits `scenario`'s model on two ranks and checks what every choice must hold; the
+/// choice's mode, and rank 0's report.
+fn fit_on_two_ranks(scenario: &str) -> (String, String) {
+    // The ranks ran the same search: the same budget, choice and candidates.
+    let (report, ranks) = run_agreeing(
+        "fit_worker",
+        scenario,
+        &[
+            "budget",
+            "strategy",
+            "mode",
+            "measured_by_rank",
+            "candidates",
+        ],
+    );
     let budget: u64 = get(&ranks[0], "budget").parse().unwrap();
     let zero2: u64 = get(&ranks[0], "zero2_peak").parse().unwrap();
     assert!(budget < zero2, "{budget} vs ZeRO-2's {zero2}");
@@ -503,21 +517,17 @@ fn spoiled_splits_are_left_out_on_every_rank() {
 #[test]
 #[serial]
 fn fit_plans_the_blocks_of_a_model_on_two_ranks() {
-    let dir = tempfile::tempdir().unwrap();
-    run_ranks(dir.path(), "blocks_worker", "blocks");
-    let report = std::fs::read_to_string(dir.path().join("report.txt")).unwrap();
-    let ranks: Vec<_> = (0..WORLD)
-        .map(|r| read(dir.path(), &format!("rank{r}")))
-        .collect();
-    for key in [
-        "budget",
-        "strategy",
+    let (report, ranks) = run_agreeing(
+        "blocks_worker",
         "blocks",
-        "measured_by_rank",
-        "block_candidates",
-    ] {
-        assert_eq!(get(&ranks[0], key), get(&ranks[1], key), "{key}\n{report}");
-    }
+        &[
+            "budget",
+            "strategy",
+            "blocks",
+            "measured_by_rank",
+            "block_candidates",
+        ],
+    );
     let kept: u64 = get(&ranks[0], "kept").parse().unwrap();
     let recomputed: u64 = get(&ranks[0], "recomputed").parse().unwrap();
     assert!(recomputed < kept, "{recomputed} vs {kept}");
