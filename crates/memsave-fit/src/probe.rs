@@ -334,13 +334,7 @@ impl Setup {
                                 Some(w) => w.restore().map_err(failed),
                                 None => Ok(()),
                             });
-                            return Err(failed(match back {
-                                Ok(()) => e.to_string(),
-                                Err(b) => format!(
-                                    "{e}; and the weights could not be put back: {}",
-                                    b.message()
-                                ),
-                            }));
+                            return Err(failed_putting_back(e, back));
                         }
                     };
                 (Some(held.saturating_sub(parameter_bytes)), Some(dp))
@@ -379,13 +373,7 @@ impl Setup {
             Err(e) => {
                 // The layers may be sharded already: put the weights back (and take
                 // any wrapper off) before saying why.
-                Err(failed(match setup.put_back(workload) {
-                    Ok(()) => e.to_string(),
-                    Err(b) => format!(
-                        "{e}; and the weights could not be put back: {}",
-                        b.message()
-                    ),
-                }))
+                Err(failed_putting_back(e, setup.put_back(workload)))
             }
         }
     }
@@ -769,6 +757,18 @@ fn step_error(message: String) -> ProbeError {
 /// Anything but a step failing, as a probe's error.
 fn failed(e: impl std::fmt::Display) -> ProbeError {
     ProbeError::Failed(e.to_string())
+}
+
+/// The error `e` of a setup that failed partway, with the outcome `back` of putting
+/// the weights back after it: `e` alone when they are back, both when not.
+fn failed_putting_back(e: impl std::fmt::Display, back: Result<(), ProbeError>) -> ProbeError {
+    match back {
+        Ok(()) => failed(e),
+        Err(b) => ProbeError::Failed(format!(
+            "{e}; and the weights could not be put back: {}",
+            b.message()
+        )),
+    }
 }
 
 /// Sets `choice`'s block levers on a workload of blocks (every block kept when it has
