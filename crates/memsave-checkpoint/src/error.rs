@@ -80,3 +80,14 @@ impl From<tch::TchError> for CheckpointError {
 
 /// The result of checkpointing calls.
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
+
+/// `run`'s result, or a [`CheckpointError::Torch`] saying that a layer panicked while
+/// doing `what` (a panic must not cross into libtorch's autograd or the caller).
+pub(crate) fn catching_panics<T>(what: &str, run: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+        Err(CheckpointError::Torch(format!(
+            "{what}: {}",
+            memsave_sys::checkpoint::panic_message(&*payload)
+        )))
+    })
+}

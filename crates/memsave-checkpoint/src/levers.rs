@@ -8,7 +8,7 @@
 //! on the real boundaries ([`LeverProfile`]), and `CheckpointedSequential::explain` says
 //! what it chose. `memsave-hooks` implements the trait for its disk offload and its
 //! compression codecs.
-use crate::error::{CheckpointError, Result};
+use crate::error::{catching_panics, CheckpointError, Result};
 use crate::layers::SharedLayer;
 use memsave_meter::measure;
 use memsave_sys::hooks::{Packed, RawHooks};
@@ -235,12 +235,7 @@ pub(crate) fn profile_levers(
     };
     // A calibration is not a training step: BatchNorm's running statistics stay as they were.
     memsave_sys::checkpoint::with_running_stats_preserved(|| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-            Err(CheckpointError::Torch(format!(
-                "a layer panicked while calibrating boundary stores: {}",
-                memsave_sys::checkpoint::panic_message(&*payload)
-            )))
-        })
+        catching_panics("a layer panicked while calibrating boundary stores", run)
     })
     .map_err(|e| CheckpointError::Torch(e.to_string()))??;
     Ok(profiles)

@@ -1,5 +1,5 @@
 //! Measuring each layer once: the bytes and times the budget solver plans with.
-use crate::error::{CheckpointError, Result};
+use crate::error::{catching_panics, CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
 use memsave_meter::measure;
@@ -176,12 +176,7 @@ pub(crate) fn profile_chain(
     };
     // A profile is not a training step: BatchNorm's running statistics stay as they were.
     memsave_sys::checkpoint::with_running_stats_preserved(|| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-            Err(CheckpointError::Torch(format!(
-                "a layer panicked while profiling: {}",
-                memsave_sys::checkpoint::panic_message(&*payload)
-            )))
-        })
+        catching_panics("a layer panicked while profiling", run)
     })
     .map_err(|e| CheckpointError::Torch(e.to_string()))?
 }

@@ -1,5 +1,5 @@
 //! `CheckpointedSequential`: a chain of layers run under a checkpointing plan.
-use crate::error::{CheckpointError, Result};
+use crate::error::{catching_panics, CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
 use crate::levers::{profile_levers, BoundaryStore, Lever, LeverProfile, LeverStats};
@@ -8,7 +8,6 @@ use crate::profile::{profile_chain, ChainProfile};
 use crate::schedule::{Block, Schedule};
 use crate::solver::{predict_with_levers, Prediction, Solver};
 use memsave_meter::Bytes;
-use memsave_sys::checkpoint::panic_message;
 use std::fmt;
 use std::sync::Arc;
 use tch::nn::{self, Module, ModuleT};
@@ -369,12 +368,7 @@ impl CheckpointedSequential {
                 &store_for,
             )
         };
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-            Err(CheckpointError::Torch(format!(
-                "a layer panicked: {}",
-                panic_message(&*payload)
-            )))
-        })
+        catching_panics("a layer panicked", run)
     }
 }
 
@@ -410,14 +404,9 @@ impl CheckpointedSequential {
         let mut h = x.detach();
         let mut lists = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
-            let run = || layer.forward_t(&h, train);
-            let y =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).map_err(|payload| {
-                    CheckpointError::Torch(format!(
-                        "layer {i} panicked: {}",
-                        panic_message(&*payload)
-                    ))
-                })?;
+            let y = catching_panics(&format!("layer {i} panicked"), || {
+                Ok(layer.forward_t(&h, train))
+            })?;
             let mut used = Vec::new();
             if y.requires_grad() && !inputs.is_empty() {
                 let total = y.f_sum(tch::Kind::Float).map_err(torch)?;
