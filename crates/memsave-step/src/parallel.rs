@@ -223,18 +223,19 @@ impl DataParallelHandle {
     /// modules under one name (`b.run("layer", ..)` for every layer) makes one unit of
     /// all their weights, gathered at every call: correct, but nothing is saved. Name
     /// each its own (`format!("layer{i}")`). The parameters are found on each rank's
-    /// own example: a forward whose blocks depend on the data (a router that skips a
-    /// block) can find other units on another rank, which then waits for the group's
-    /// timeout.
+    /// own example, and the ranks agree on them before anything is sharded: a forward
+    /// whose blocks depend on the data (a router that skips a block) and finds other
+    /// units on another rank is refused on every rank, as is a search that fails on
+    /// one rank only (instead of the other ranks waiting for the group's timeout).
     ///
     /// # Errors
-    /// [`StepError::InvalidConfig`], before anything is sharded, when the workload does
-    /// not say which parameters each layer uses, gives another number of lists than it
-    /// has layers, leaves a parameter out, names one twice or names a tensor that is
-    /// not a parameter, or cannot wrap its layers; for a model of blocks, when two
-    /// blocks use one parameter or no block uses one (the error names them); `zero`
-    /// errors (a parameter whose shape differs across the ranks, ...) from the
-    /// sharding.
+    /// [`StepError::InvalidConfig`], before anything is sharded and on every rank, when
+    /// the workload does not say which parameters each layer uses, gives another
+    /// number of lists than it has layers, leaves a parameter out, names one twice or
+    /// names a tensor that is not a parameter, or cannot wrap its layers; for a model
+    /// of blocks, when two blocks use one parameter or no block uses one (the error
+    /// names them); when the ranks found different units; `zero` errors (a parameter
+    /// whose shape differs across the ranks, ...) from the sharding.
     pub fn for_workload(
         group: &ProcessGroup,
         mode: DataParallel,
@@ -243,85 +244,63 @@ impl DataParallelHandle {
         let DataParallel::Fsdp(config) = mode else {
             return Self::new(group, mode, &model.parameters());
         };
-        if let Some(blocks) = model.blocks() {
-            return Self::for_blocks(group, config, model, blocks);
-        }
-        let layers = layer_units(model)?;
-        if !model.set_layer_wrapper(None) {
-            return Err(StepError::invalid(format!(
-                "the workload '{}' cannot run its layers inside their units ({ZERO3} gathers a layer's weights around its forward): implement Workload::set_layer_wrapper",
-                model.name()
-            )));
-        }
+        // Every rank finds its units on its own example, then the ranks agree on them
+        // (or on one rank's error) before the first collective of the sharding: a
+        // rank whose forward ran other blocks, or that failed alone, would otherwise
+        // wait in a collective the others never join.
+        let found = match model.blocks() {
+            Some(blocks) => find_block_units(model, blocks).map(Units::Blocks),
+            None => find_layer_units(model).map(Units::Layers),
+        };
+        let units = agree_units(group, model, found)?;
         let zero = |e| StepError::lever("zero", e);
         let mut fsdp = Fsdp::new(group, config).map_err(zero)?;
-        let mut unit_of = Vec::with_capacity(layers.len());
-        for params in &layers {
-            unit_of.push(if params.is_empty() {
-                None
-            } else {
-                Some(fsdp.fully_shard_parameters(params).map_err(zero)?)
-            });
+        match units {
+            Units::Layers(layers) => {
+                let mut unit_of = Vec::with_capacity(layers.len());
+                for params in &layers {
+                    unit_of.push(if params.is_empty() {
+                        None
+                    } else {
+                        Some(fsdp.fully_shard_parameters(params).map_err(zero)?)
+                    });
+                }
+                let units = fsdp.units();
+                let wrapper: LayerWrapper =
+                    Arc::new(move |layer, forward| match unit_of.get(layer) {
+                        Some(&Some(unit)) => units
+                            .f_forward(unit, forward)
+                            .unwrap_or_else(|e| panic!("{e}")),
+                        _ => forward(),
+                    });
+                model.set_layer_wrapper(Some(wrapper));
+            }
+            Units::Blocks(blocks_units) => {
+                let mut unit_of = std::collections::HashMap::new();
+                for (block, list) in &blocks_units {
+                    if !list.is_empty() {
+                        unit_of.insert(
+                            block.clone(),
+                            fsdp.fully_shard_parameters(list).map_err(zero)?,
+                        );
+                    }
+                }
+                let handles = fsdp.units();
+                let wrapper: memsave_checkpoint::BlockWrapper =
+                    Arc::new(move |block, xs, f| match unit_of.get(block) {
+                        Some(&unit) => handles
+                            .f_forward(unit, || f(xs))
+                            .unwrap_or_else(|e| panic!("{e}")),
+                        None => f(xs),
+                    });
+                if let Some(blocks) = model.blocks() {
+                    blocks.set_wrapper(Some(wrapper));
+                }
+            }
         }
-        let units = fsdp.units();
-        let wrapper: LayerWrapper = Arc::new(move |layer, forward| match unit_of.get(layer) {
-            Some(&Some(unit)) => units
-                .f_forward(unit, forward)
-                .unwrap_or_else(|e| panic!("{e}")),
-            _ => forward(),
-        });
-        model.set_layer_wrapper(Some(wrapper));
         Ok(Self {
             group: group.clone(),
             mode,
-            ddp: None,
-            fsdp: Some(fsdp),
-        })
-    }
-
-    /// ZeRO-3 over a model of blocks: one unit per top-level block name (all its calls),
-    /// with the parameters its function uses (`Blocks::f_block_parameters`, on one
-    /// example of the workload's batch in evaluation mode), and every top-level
-    /// block's function run inside its unit (`Blocks::set_wrapper`): its weights are
-    /// gathered for its forward, its recomputation and its backward.
-    fn for_blocks(
-        group: &ProcessGroup,
-        config: FsdpConfig,
-        model: &dyn Workload,
-        blocks: &memsave_checkpoint::Blocks,
-    ) -> Result<Self, StepError> {
-        let name = model.name();
-        let params = model.parameters();
-        let example = model.batch(1)?;
-        let found = blocks
-            .f_block_parameters(&params, || {
-                model.layers().f_forward_t(&example.input, false)
-            })
-            .map_err(|e| StepError::lever("zero", e))?;
-        let units = block_units(name, &params, found)?;
-        let zero = |e| StepError::lever("zero", e);
-        let mut fsdp = Fsdp::new(group, config).map_err(zero)?;
-        let mut unit_of = std::collections::HashMap::new();
-        for (block, list) in &units {
-            if !list.is_empty() {
-                unit_of.insert(
-                    block.clone(),
-                    fsdp.fully_shard_parameters(list).map_err(zero)?,
-                );
-            }
-        }
-        let handles = fsdp.units();
-        let wrapper: memsave_checkpoint::BlockWrapper =
-            Arc::new(move |block, xs, f| match unit_of.get(block) {
-                Some(&unit) => handles
-                    .f_forward(unit, || f(xs))
-                    .unwrap_or_else(|e| panic!("{e}")),
-                None => f(xs),
-            });
-        blocks.set_wrapper(Some(wrapper));
-        Ok(Self {
-            group: group.clone(),
-            mode: DataParallel::Fsdp(config),
             ddp: None,
             fsdp: Some(fsdp),
         })
@@ -547,6 +526,113 @@ fn block_units(
         )));
     }
     Ok(found)
+}
+
+/// ZeRO-3's units of a workload, as one rank found them.
+enum Units {
+    /// One list per layer of a chain, in layer order (a layer without parameters has
+    /// an empty one and no unit).
+    Layers(Vec<Vec<Tensor>>),
+    /// One list per top-level block name of a model of blocks, in the order found.
+    Blocks(Vec<(String, Vec<Tensor>)>),
+}
+
+impl Units {
+    /// How many units, and a fingerprint of which parameters (by index in
+    /// `params`) each holds and, for blocks, each block's name: equal on two ranks
+    /// exactly when they found the same units (up to a hash collision).
+    fn fingerprint(&self, params: &[Tensor]) -> (i64, i64) {
+        use std::hash::{Hash, Hasher};
+        let index = |p: &Tensor| params.iter().position(|q| q.data_ptr() == p.data_ptr());
+        // SipHash with fixed keys: the same value in every process of one build.
+        let mut hasher = std::hash::DefaultHasher::new();
+        let count = match self {
+            Units::Layers(layers) => {
+                for list in layers {
+                    list.iter().map(index).collect::<Vec<_>>().hash(&mut hasher);
+                }
+                layers.len()
+            }
+            Units::Blocks(blocks) => {
+                for (name, list) in blocks {
+                    name.hash(&mut hasher);
+                    list.iter().map(index).collect::<Vec<_>>().hash(&mut hasher);
+                }
+                blocks.len()
+            }
+        };
+        (count as i64, hasher.finish() as i64)
+    }
+}
+
+/// The units every rank found (`found`, this rank's), agreed over `group` before
+/// anything is sharded: this rank's error, or an error on every rank when another
+/// rank's search failed or found other units (naming the ranks and their counts).
+/// One all-gather of three numbers per rank.
+fn agree_units(
+    group: &ProcessGroup,
+    model: &dyn Workload,
+    found: Result<Units, StepError>,
+) -> Result<Units, StepError> {
+    let (count, print) = match &found {
+        Ok(units) => units.fingerprint(&model.parameters()),
+        Err(_) => (0, 0),
+    };
+    let mine = [i64::from(found.is_ok()), count, print];
+    let n = group.world_size();
+    let input = Tensor::from_slice(&mine);
+    let output = Tensor::zeros([3 * n as i64], (tch::Kind::Int64, tch::Device::Cpu));
+    group
+        .all_gather(&output, &input)
+        .map_err(|e| StepError::lever("zero", e))?;
+    let all = Vec::<i64>::try_from(&output)?;
+    let ranks: Vec<&[i64]> = all.chunks(3).collect();
+    let units = found?;
+    let name = model.name();
+    if let Some(r) = ranks.iter().position(|v| v[0] == 0) {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}': rank {r} could not find its units to shard ({ZERO3}; its own error says why), so no rank shards"
+        )));
+    }
+    if let Some(r) = ranks.iter().position(|v| v[1..] != mine[1..]) {
+        return Err(StepError::invalid(format!(
+            "the workload '{name}': on their own examples, rank {} found {} units to shard ({ZERO3}) and rank {r} found {} (or other names or parameters in them); the ranks must shard the same units: make the forward run the same blocks whatever the data",
+            group.rank(),
+            mine[1],
+            ranks[r][1]
+        )));
+    }
+    Ok(units)
+}
+
+/// The parameters of each top-level block of a model of blocks (see
+/// [`DataParallelHandle::for_workload`]), checked: every parameter in exactly one
+/// block.
+fn find_block_units(
+    model: &dyn Workload,
+    blocks: &memsave_checkpoint::Blocks,
+) -> Result<Vec<(String, Vec<Tensor>)>, StepError> {
+    let params = model.parameters();
+    let example = model.batch(1)?;
+    let found = blocks
+        .f_block_parameters(&params, || {
+            model.layers().f_forward_t(&example.input, false)
+        })
+        .map_err(|e| StepError::lever("zero", e))?;
+    block_units(model.name(), &params, found)
+}
+
+/// The parameters of each layer of a chain, checked (see [`layer_units`]), and
+/// whether the workload can run its layers inside their units.
+fn find_layer_units(model: &dyn Workload) -> Result<Vec<Vec<Tensor>>, StepError> {
+    let layers = layer_units(model)?;
+    if !model.set_layer_wrapper(None) {
+        return Err(StepError::invalid(format!(
+            "the workload '{}' cannot run its layers inside their units ({ZERO3} gathers a layer's weights around its forward): implement Workload::set_layer_wrapper",
+            model.name()
+        )));
+    }
+    Ok(layers)
 }
 
 /// The parameters of each layer of `model`, checked against its parameters: every

@@ -753,6 +753,12 @@ enum SharedWeight {
     InBoth,
     /// Between the blocks, outside both.
     Outside,
+    /// In the first block only, and the second block named `renamed` (as a forward
+    /// whose blocks depend on its data might name it on one rank).
+    Renamed,
+    /// In the first block only, and the second block not run (its weights used by no
+    /// block).
+    Skipped,
 }
 
 /// Two named blocks, `first` and `second`, in one layer of the chain, and a weight `w`
@@ -793,8 +799,16 @@ impl TwoBlocks {
                 } else {
                     h
                 };
+                if use_w == SharedWeight::Skipped {
+                    return Ok(h);
+                }
                 let w3 = w2.clone();
-                bl.run("second", &[&h], move |xs| {
+                let second = if use_w == SharedWeight::Renamed {
+                    "renamed"
+                } else {
+                    "second"
+                };
+                bl.run(second, &[&h], move |xs| {
                     let y = b.forward(&xs[0]);
                     vec![if use_w == SharedWeight::InBoth {
                         w3.with(|w| &y + w)
@@ -940,4 +954,69 @@ fn a_model_of_blocks_is_sharded_one_unit_per_block() {
         assert!(e.to_string().contains(needle), "{use_w:?}: {e}");
         assert_eq!(weights(&model), before, "{use_w:?}: nothing was sharded");
     }
+}
+
+#[test]
+#[ignore = "a rank of fsdp::ranks_that_find_other_units_are_refused_on_every_rank: started by the launcher"]
+fn other_units_worker() {
+    let out = out_dir();
+    let group = join_group();
+    for case in [SharedWeight::Renamed, SharedWeight::Skipped] {
+        // Rank 0's forward runs the blocks `first` and `second`; rank 1's does not.
+        let use_w = if group.rank() == 0 {
+            SharedWeight::InOne
+        } else {
+            case
+        };
+        let model = TwoBlocks::new(use_w);
+        let before = weights(&model);
+        let text = match DataParallelHandle::for_workload(&group, zero3(), &model) {
+            Ok(_) => "sharded".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        let kept = weights(&model) == before;
+        std::fs::write(
+            out.join(format!("{case:?}-rank{}", group.rank())),
+            format!("{kept}\n{text}"),
+        )
+        .unwrap();
+    }
+}
+
+/// ZeRO-3 over a model of blocks finds each rank's units on its own example: ranks
+/// whose forwards ran other blocks (another name, or a block left out) are refused on
+/// every rank before anything is sharded, naming the ranks, instead of waiting in
+/// collectives the other ranks never join.
+#[test]
+#[serial]
+fn ranks_that_find_other_units_are_refused_on_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ranks("fsdp::other_units_worker", dir.path());
+    let read = |case: SharedWeight, rank: usize| {
+        std::fs::read_to_string(dir.path().join(format!("{case:?}-rank{rank}"))).unwrap()
+    };
+    // Both ranks found two units, but not the same ones.
+    for rank in 0..2 {
+        let text = read(SharedWeight::Renamed, rank);
+        assert!(
+            text.starts_with("true\n"),
+            "rank {rank}: weights changed: {text}"
+        );
+        assert!(
+            text.contains("found 2 units to shard")
+                && text.contains("found 2 (or other names")
+                && text.contains("the same units"),
+            "rank {rank}: {text}"
+        );
+    }
+    // Rank 1's own error names its unused weight; rank 0 is told rank 1 failed.
+    let rank0 = read(SharedWeight::Skipped, 0);
+    let rank1 = read(SharedWeight::Skipped, 1);
+    assert!(rank0.starts_with("true\n"), "{rank0}");
+    assert!(rank1.starts_with("true\n"), "{rank1}");
+    assert!(
+        rank0.contains("rank 1 could not find its units to shard"),
+        "{rank0}"
+    );
+    assert!(rank1.contains("is used by no block"), "{rank1}");
 }
