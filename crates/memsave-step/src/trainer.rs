@@ -97,7 +97,8 @@ impl TrainerBuilder {
     /// For a model of blocks ([`Workload::blocks`]): sets these levers by key, every
     /// other block kept, after the plan (e.g. the levers `fit` chose,
     /// `memsave_fit::Choice::block_levers`). [`build`](Self::build) refuses them for a
-    /// chain.
+    /// chain, and a lever whose saves go to a store under ZeRO-3 (its unit's gathered
+    /// weights would go with them).
     pub fn block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Self {
         self.block_levers = Some(levers);
         self
@@ -155,6 +156,18 @@ impl TrainerBuilder {
             .map_or(1, |(group, _)| group.world_size());
         set_plan(model, &config, self.schedule, world_size)?;
         if let Some(levers) = self.block_levers {
+            let sharded = matches!(self.data_parallel, Some((_, DataParallel::Fsdp(_))));
+            let store = levers
+                .iter()
+                .find(|(_, lever)| matches!(lever, BlockLever::Store { .. }));
+            if let (true, Some((key, lever))) = (sharded, store) {
+                // Refused here, not at the block's first run: its saves would take the
+                // gathered weights of its unit.
+                return Err(StepError::InvalidConfig(format!(
+                    "block {key}: its saves cannot go to a store ({}) under zero: 3, which runs the block inside its unit: the store would keep the gathered weights; recompute the block instead (with its inputs in files, if memory is short)",
+                    lever.name()
+                )));
+            }
             let Some(blocks) = model.blocks() else {
                 return Err(StepError::InvalidConfig(format!(
                     "block levers for '{}', a chain of layers: they are for a model of blocks",

@@ -905,31 +905,51 @@ fn a_model_of_blocks_is_sharded_one_unit_per_block() {
         );
     }
     // A block whose saves go to files (a per-block offload lever) is refused under
-    // ZeRO-3: the store would take the gathered weights autograd saves.
+    // ZeRO-3 when the trainer is built, naming the block, before anything is sharded:
+    // the store would take the gathered weights autograd saves.
     let mut config = StepConfig::baseline();
     config.optimizer = Some(sgd);
-    let batch = TwoBlocks::new(SharedWeight::InOne).batch(4).unwrap();
     let mut sharded = TwoBlocks::new(SharedWeight::InOne);
     let offload = memsave_step::plan::disk_block_lever();
-    let mut trainer = TrainerBuilder::new(config)
+    let e = TrainerBuilder::new(config.clone())
         .block_levers(vec![
             (
                 memsave_checkpoint::BlockKey::new("first", 0),
                 offload.clone(),
             ),
-            (memsave_checkpoint::BlockKey::new("second", 0), offload),
+            (
+                memsave_checkpoint::BlockKey::new("second", 0),
+                offload.clone(),
+            ),
         ])
         .data_parallel(&group, zero3())
         .build(&mut sharded)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("block first#0") && e.contains("cannot go to a store"),
+        "{e}"
+    );
+    assert_eq!(
+        weights(&sharded),
+        weights(&TwoBlocks::new(SharedWeight::InOne))
+    );
+    // A store set on the blocks after the trainer is built is refused at the block's
+    // run, naming it; the weights are as they were.
+    let batch = sharded.batch(4).unwrap();
+    let mut trainer = TrainerBuilder::new(config)
+        .data_parallel(&group, zero3())
+        .build(&mut sharded)
         .unwrap();
-    let lever = |t: &memsave_step::Trainer<'_, TwoBlocks>| {
-        t.model()
-            .blocks
-            .lever(&memsave_checkpoint::BlockKey::new("first", 0))
-            .name()
-    };
-    assert!(lever(&trainer).contains("offload"), "{}", lever(&trainer));
-    // Refused before the block runs, naming it; the weights are as they were.
+    trainer
+        .model()
+        .blocks
+        .set_levers(vec![(
+            memsave_checkpoint::BlockKey::new("first", 0),
+            offload,
+        )])
+        .unwrap();
     let e = trainer.step(&batch).unwrap_err().to_string();
     assert!(
         e.contains("block first#0") && e.contains("cannot go to a store"),
