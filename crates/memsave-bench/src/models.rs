@@ -195,7 +195,7 @@ pub struct Model {
     optimizer: Option<OptimizerSpec>,
     /// A zoo chain's parameters per layer, found once when first asked
     /// ([`Workload::layer_parameters`]).
-    layer_params: std::cell::OnceCell<Option<Vec<Vec<Tensor>>>>,
+    layer_params: std::cell::OnceCell<Vec<Vec<Tensor>>>,
 }
 
 /// Why a model cannot be built: libtorch failed, or the zoo refused its configuration.
@@ -486,23 +486,29 @@ impl Workload for Model {
     /// layers, which ZeRO-3 refuses). `None` for the zoo's networks of blocks, whose
     /// one layer is the whole forward: ZeRO-3 makes their top-level blocks its units
     /// (`Blocks::f_block_parameters`).
-    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+    fn layer_parameters(&self) -> Result<Option<Vec<Vec<Tensor>>>, tch::TchError> {
         if self.is_zoo() {
             if self.blocks.is_some() {
-                return None;
+                return Ok(None);
             }
-            let found = self.layer_params.get_or_init(|| {
-                let first = self.input.f_narrow(0, 0, 1).ok()?;
-                self.seq
-                    .f_layer_parameters(&first, &self.params(), false)
-                    .ok()
-            });
-            return found.as_ref().map(|lists| {
-                lists
+            // Found once; a failure is not kept (the next call tries again).
+            let found = match self.layer_params.get() {
+                Some(found) => found,
+                None => {
+                    let first = self.input.f_narrow(0, 0, 1)?;
+                    let lists = self
+                        .seq
+                        .f_layer_parameters(&first, &self.params(), false)
+                        .map_err(|e| tch::TchError::Torch(e.to_string()))?;
+                    self.layer_params.get_or_init(|| lists)
+                }
+            };
+            return Ok(Some(
+                found
                     .iter()
                     .map(|l| l.iter().map(Tensor::shallow_clone).collect())
-                    .collect()
-            });
+                    .collect(),
+            ));
         }
         let mut named: Vec<(String, Tensor)> = self
             .vs
@@ -513,10 +519,13 @@ impl Workload for Model {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let mut layers: Vec<Vec<Tensor>> = (0..self.seq.len()).map(|_| Vec::new()).collect();
         for (name, t) in named {
-            let block: usize = name.split('.').next()?.parse().ok()?;
-            layers.get_mut(block)?.push(t);
+            let block = name.split('.').next().and_then(|b| b.parse::<usize>().ok());
+            let Some(list) = block.and_then(|b| layers.get_mut(b)) else {
+                return Ok(None);
+            };
+            list.push(t);
         }
-        Some(layers)
+        Ok(Some(layers))
     }
 
     /// Every layer runs through the shared context's wrapper (the zoo's too; the

@@ -69,12 +69,13 @@ impl ParallelMode {
             blocks.set_wrapper(None);
             return None;
         }
-        let why = if workload.layer_parameters().is_none() {
-            format!("the workload '{name}' does not say which parameters each layer uses (Workload::layer_parameters)")
-        } else if !workload.set_layer_wrapper(None) {
-            format!("the workload '{name}' cannot run its layers inside their units (Workload::set_layer_wrapper)")
-        } else {
-            return None;
+        let why = match workload.layer_parameters() {
+            Err(e) => format!(
+                "the workload '{name}' could not find which parameters each layer uses: {e}"
+            ),
+            Ok(None) => format!("the workload '{name}' does not say which parameters each layer uses (Workload::layer_parameters)"),
+            Ok(Some(_)) if !workload.set_layer_wrapper(None) => format!("the workload '{name}' cannot run its layers inside their units (Workload::set_layer_wrapper)"),
+            Ok(Some(_)) => return None,
         };
         Some(format!("{REFUSED}{}: {why}", self.name()))
     }

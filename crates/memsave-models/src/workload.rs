@@ -19,7 +19,7 @@ pub struct ZooWorkload {
     /// What each layer's forward runs through (ZeRO-3's units).
     wrapper: LayerWrapperSlot,
     /// A chain's parameters per layer, found once when first asked.
-    layer_params: std::cell::OnceCell<Option<Vec<Vec<Tensor>>>>,
+    layer_params: std::cell::OnceCell<Vec<Vec<Tensor>>>,
 }
 
 impl std::fmt::Debug for ZooWorkload {
@@ -189,22 +189,28 @@ impl Workload for ZooWorkload {
     /// evaluation mode (`CheckpointedSequential::f_layer_parameters`; a head tied to
     /// the embedding is then in two layers, which ZeRO-3 refuses). `None` for a network
     /// of blocks, whose one layer is the whole forward.
-    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
+    fn layer_parameters(&self) -> Result<Option<Vec<Vec<Tensor>>>, TchError> {
         if self.blocks.is_some() {
-            return None;
+            return Ok(None);
         }
-        let found = self.layer_params.get_or_init(|| {
-            let first = self.data.input.f_narrow(0, 0, 1).ok()?;
-            self.layers
-                .f_layer_parameters(&first, &self.vs.trainable_variables(), false)
-                .ok()
-        });
-        found.as_ref().map(|lists| {
-            lists
+        // Found once; a failure is not kept (the next call tries again).
+        let found = match self.layer_params.get() {
+            Some(found) => found,
+            None => {
+                let first = self.data.input.f_narrow(0, 0, 1)?;
+                let lists = self
+                    .layers
+                    .f_layer_parameters(&first, &self.vs.trainable_variables(), false)
+                    .map_err(|e| TchError::Torch(e.to_string()))?;
+                self.layer_params.get_or_init(|| lists)
+            }
+        };
+        Ok(Some(
+            found
                 .iter()
                 .map(|l| l.iter().map(Tensor::shallow_clone).collect())
-                .collect()
-        })
+                .collect(),
+        ))
     }
 
     /// Every layer runs through `wrapper` (ZeRO-3 gathers its unit around it).

@@ -639,7 +639,7 @@ fn find_layer_units(model: &dyn Workload) -> Result<Vec<Vec<Tensor>>, StepError>
 /// parameter in exactly one layer, nothing else, one list per layer.
 fn layer_units(model: &dyn Workload) -> Result<Vec<Vec<Tensor>>, StepError> {
     let name = model.name();
-    let Some(layers) = model.layer_parameters() else {
+    let Some(layers) = model.layer_parameters()? else {
         return Err(StepError::invalid(format!(
             "the workload '{name}' does not say which parameters each layer uses, so {ZERO3} cannot shard it one unit per layer: implement Workload::layer_parameters (and set_layer_wrapper)"
         )));

@@ -187,10 +187,11 @@ pub trait Workload {
     /// The trainable parameters each layer of [`layers`](Self::layers) uses: one list
     /// per layer, in layer order, each parameter of [`parameters`](Self::parameters) in
     /// exactly one list. ZeRO-3 ([`DataParallel::Fsdp`](crate::DataParallel::Fsdp))
-    /// shards each layer's list as one unit. `None` by default: the parameters are not
-    /// attributable to layers, and ZeRO-3 is refused.
-    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
-        None
+    /// shards each layer's list as one unit. `Ok(None)` by default: the parameters
+    /// are not attributable to layers, and ZeRO-3 is refused. An `Err` (a workload
+    /// that finds them by running its layers, and failed) is ZeRO-3's error, as it is.
+    fn layer_parameters(&self) -> Result<Option<Vec<Vec<Tensor>>>, TchError> {
+        Ok(None)
     }
 
     /// Runs every layer's forward through `wrapper` from now on (`None`: directly

@@ -172,7 +172,10 @@ fn zoo_chains_train_under_zero3_as_one_process() {
                     .map(|(_, list)| list)
                     .collect()
             }
-            None => one.layer_parameters().expect("a zoo chain's layers"),
+            None => one
+                .layer_parameters()
+                .unwrap()
+                .expect("a zoo chain's layers"),
         };
         let with_params = layers.iter().filter(|l| !l.is_empty()).count();
         let units: usize = std::fs::read_to_string(dir.path().join(format!("{tag}-units")))

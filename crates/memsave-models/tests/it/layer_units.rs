@@ -32,7 +32,7 @@ fn a_chain_names_every_parameter_in_one_layer_and_runs_each_through_the_wrapper(
     });
     let model = ZooWorkload::new("resnet", &arch, 2, Device::Cpu).unwrap();
     let stats: Vec<Tensor> = model.buffers().iter().map(Tensor::copy).collect();
-    let layers = model.layer_parameters().expect("a chain's layers");
+    let layers = model.layer_parameters().unwrap().expect("a chain's layers");
     assert_eq!(layers.len(), model.layers().len());
     // The stem (conv1, bn1), 8 basic blocks, the head (fc).
     assert_eq!(layers[0].len(), 3);
@@ -77,7 +77,7 @@ fn a_tied_head_is_in_two_layers_and_a_network_of_blocks_gives_none() {
         ..LlamaConfig::default()
     });
     let model = ZooWorkload::new("tied", &tied, 2, Device::Cpu).unwrap();
-    let layers = model.layer_parameters().expect("a chain's layers");
+    let layers = model.layer_parameters().unwrap().expect("a chain's layers");
     let params = model.parameters();
     let counts = owners(&layers, &params);
     let embedding = params
@@ -96,5 +96,5 @@ fn a_tied_head_is_in_two_layers_and_a_network_of_blocks_gives_none() {
         levels: 2,
     });
     let model = ZooWorkload::new("unet", &unet, 2, Device::Cpu).unwrap();
-    assert!(model.layer_parameters().is_none());
+    assert!(model.layer_parameters().unwrap().is_none());
 }

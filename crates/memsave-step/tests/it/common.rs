@@ -79,13 +79,13 @@ impl Workload for Mlp {
     fn optimizer(&self) -> Option<OptimizerSpec> {
         self.optimizer
     }
-    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
-        Some(
+    fn layer_parameters(&self) -> Result<Option<Vec<Vec<Tensor>>>, tch::TchError> {
+        Ok(Some(
             self.layer_params
                 .iter()
                 .map(|l| l.iter().map(Tensor::shallow_clone).collect())
                 .collect(),
-        )
+        ))
     }
     fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
         self.wrapper.set(wrapper);

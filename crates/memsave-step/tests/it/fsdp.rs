@@ -223,6 +223,7 @@ fn layer_weights(model: &Mlp) -> Vec<Vec<f32>> {
     model
         .layer_parameters()
         .unwrap()
+        .unwrap()
         .iter()
         .flatten()
         .map(|p| Vec::<f32>::try_from(&p.detach().reshape([-1])).unwrap())
@@ -606,6 +607,8 @@ struct Attributed {
     inner: Mlp,
     layers: Option<Edit>,
     wraps: bool,
+    /// Whether finding the layers' parameters fails (as running the layers can).
+    fails: bool,
 }
 
 impl Workload for Attributed {
@@ -630,9 +633,15 @@ impl Workload for Attributed {
     fn batch(&self, size: i64) -> Result<Batch, tch::TchError> {
         self.inner.batch(size)
     }
-    fn layer_parameters(&self) -> Option<Vec<Vec<Tensor>>> {
-        self.layers
-            .map(|f| f(self.inner.layer_parameters().unwrap()))
+    fn layer_parameters(&self) -> Result<Option<Vec<Vec<Tensor>>>, tch::TchError> {
+        if self.fails {
+            return Err(tch::TchError::Torch(
+                "layer 1 ran out of memory finding its parameters".into(),
+            ));
+        }
+        Ok(self
+            .layers
+            .map(|f| f(self.inner.layer_parameters().unwrap().unwrap())))
     }
     fn set_layer_wrapper(&self, wrapper: Option<LayerWrapper>) -> bool {
         self.wraps && self.inner.set_layer_wrapper(wrapper)
@@ -703,6 +712,7 @@ fn a_workload_whose_parameters_are_not_attributable_to_layers_is_refused() {
             inner: model(),
             layers,
             wraps,
+            fails: false,
         };
         let before = weights(&model);
         let err = TrainerBuilder::new(StepConfig::baseline())
@@ -716,11 +726,30 @@ fn a_workload_whose_parameters_are_not_attributable_to_layers_is_refused() {
         assert!(err.to_string().contains(names), "{what}: {err}");
         assert_eq!(before, weights(&model), "{what}: sharded anyway");
     }
+    // A search that fails is ZeRO-3's error as it is (not "does not say which
+    // parameters each layer uses").
+    let mut failing = Attributed {
+        inner: model(),
+        layers: Some(same),
+        wraps: true,
+        fails: true,
+    };
+    let before = weights(&failing);
+    let err = TrainerBuilder::new(StepConfig::baseline())
+        .data_parallel(&group, zero3())
+        .build(&mut failing)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layer 1 ran out of memory"), "{err}");
+    assert!(!err.contains("does not say"), "{err}");
+    assert_eq!(before, weights(&failing), "sharded anyway");
     // The same workload attributing its parameters runs.
     let mut model = Attributed {
         inner: model(),
         layers: Some(same),
         wraps: true,
+        fails: false,
     };
     let x = model.batch(BATCH).unwrap();
     let mut trainer = TrainerBuilder::new(StepConfig::baseline())
@@ -924,8 +953,8 @@ fn a_model_of_blocks_is_sharded_one_unit_per_block() {
         ])
         .data_parallel(&group, zero3())
         .build(&mut sharded)
-        .err()
-        .expect("refused")
+        .map(|_| ())
+        .unwrap_err()
         .to_string();
     assert!(
         e.contains("block first#0") && e.contains("cannot go to a store"),
