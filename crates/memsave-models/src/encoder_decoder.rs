@@ -31,7 +31,7 @@
 //! `scripts/reference/zoo_models.py`'s `encoder_decoder` is the PyTorch counterpart:
 //! the same variables and ATen ops in the same order, so a training step allocates the
 //! same bytes on both sides.
-use crate::error::ModelError;
+use crate::error::{at_least_one, ModelError};
 use crate::network::{forward_blocks, only, Layer, Network, Task};
 use memsave_checkpoint::{Blocks, Shared};
 use tch::nn::{self, Init, ModuleT};
@@ -80,7 +80,7 @@ impl EncoderDecoderConfig {
     /// [`ModelError::Config`] naming the key at fault (`vocab`, `dim`, `heads`,
     /// `encoder_layers`, `decoder_layers`, `source`, `target`).
     pub fn validate(&self) -> Result<(), ModelError> {
-        for (key, value) in [
+        at_least_one(&[
             ("vocab", self.vocab),
             ("dim", self.dim),
             ("heads", self.heads),
@@ -88,14 +88,7 @@ impl EncoderDecoderConfig {
             ("decoder_layers", self.decoder_layers),
             ("source", self.source),
             ("target", self.target),
-        ] {
-            if value < 1 {
-                return Err(ModelError::config(
-                    key,
-                    format!("must be at least 1, got {value}"),
-                ));
-            }
-        }
+        ])?;
         if self.dim % self.heads != 0 {
             return Err(ModelError::config(
                 "heads",

@@ -27,6 +27,29 @@ impl ModelError {
     }
 }
 
+/// The first of `values` (configuration keys and their values) below 1, as the error
+/// naming its key.
+pub(crate) fn at_least_one(values: &[(&'static str, i64)]) -> Result<(), ModelError> {
+    match values.iter().find(|(_, value)| *value < 1) {
+        Some(&(key, value)) => Err(ModelError::config(
+            key,
+            format!("must be at least 1, got {value}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An `image` key `[channels, height, width]` with every side at least 1.
+pub(crate) fn image_sides(image: [i64; 3]) -> Result<(), ModelError> {
+    if image.iter().any(|&side| side < 1) {
+        return Err(ModelError::config(
+            "image",
+            format!("must be [channels, height, width] with every side at least 1, got {image:?}"),
+        ));
+    }
+    Ok(())
+}
+
 impl From<tch::TchError> for ModelError {
     fn from(e: tch::TchError) -> Self {
         ModelError::Torch(e.to_string())

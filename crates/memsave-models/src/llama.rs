@@ -27,7 +27,7 @@
 //! `scaled_dot_product_attention` with `is_causal`. The PyTorch counterpart,
 //! `scripts/reference/zoo_models.py`'s `llama`, runs the same ATen ops in the same
 //! order, so a training step allocates the same bytes on both sides.
-use crate::error::ModelError;
+use crate::error::{at_least_one, ModelError};
 use crate::network::{Layer, Network, Task};
 use tch::nn::{self, Init, ModuleT};
 use tch::{Kind, Tensor};
@@ -86,21 +86,14 @@ impl LlamaConfig {
     /// [`ModelError::Config`] naming the key at fault (`vocab`, `dim`, `layers`,
     /// `heads`, `kv_heads`, `hidden`, `seq`, `norm_eps`, `rope_theta`).
     pub fn validate(&self) -> Result<(), ModelError> {
-        for (key, value) in [
+        at_least_one(&[
             ("vocab", self.vocab),
             ("dim", self.dim),
             ("layers", self.layers),
             ("heads", self.heads),
             ("kv_heads", self.kv_heads),
             ("seq", self.seq),
-        ] {
-            if value < 1 {
-                return Err(ModelError::config(
-                    key,
-                    format!("must be at least 1, got {value}"),
-                ));
-            }
-        }
+        ])?;
         if let Some(hidden) = self.hidden {
             if hidden < 1 {
                 return Err(ModelError::config(

@@ -21,7 +21,7 @@
 //! Initialization follows torchvision: convolutions from a normal of standard
 //! deviation `sqrt(2 / fan_out)`, BatchNorm weight 1 and bias 0, the classifier's
 //! weight from N(0, 0.01²) and its bias 0.
-use crate::error::ModelError;
+use crate::error::{at_least_one, ModelError};
 use crate::network::{Layer, Network, Task};
 use crate::resnet::{batch_norm, catch_build, conv, validate_image};
 use tch::nn::{self, ModuleT};
@@ -54,12 +54,7 @@ impl MobileNetV2Config {
     /// # Errors
     /// [`ModelError::Config`] naming `classes` or `image`.
     pub fn validate(&self) -> Result<(), ModelError> {
-        if self.classes < 1 {
-            return Err(ModelError::config(
-                "classes",
-                format!("must be at least 1, got {}", self.classes),
-            ));
-        }
+        at_least_one(&[("classes", self.classes)])?;
         validate_image(&self.image, "MobileNetV2")
     }
 }

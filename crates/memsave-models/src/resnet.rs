@@ -13,7 +13,7 @@
 //! Initialization follows torchvision: convolutions from a normal of standard
 //! deviation `sqrt(2 / fan_out)`, BatchNorm weight 1 and bias 0, `fc` uniform in
 //! `±1/sqrt(fan_in)`; it does not draw the same numbers as torchvision or tch.
-use crate::error::ModelError;
+use crate::error::{at_least_one, ModelError};
 use crate::network::{Layer, Network, Task};
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
@@ -63,12 +63,7 @@ impl ResNetConfig {
                 ),
             ));
         }
-        if self.classes < 1 {
-            return Err(ModelError::config(
-                "classes",
-                format!("must be at least 1, got {}", self.classes),
-            ));
-        }
+        at_least_one(&[("classes", self.classes)])?;
         validate_image(&self.image, "ResNet")
     }
 

@@ -26,7 +26,7 @@
 //! variables and ATen ops in the same order, so a training step allocates the same
 //! bytes on both sides. BatchNorm runs with the batch's statistics in training and
 //! updates its running statistics once per step, also when its block is recomputed.
-use crate::error::ModelError;
+use crate::error::{at_least_one, image_sides, ModelError};
 use crate::network::{forward_blocks, only, Layer, Network, Task};
 use crate::resnet::{batch_norm, catch_build, conv};
 use memsave_checkpoint::{Blocks, Shared};
@@ -70,28 +70,13 @@ impl UNetConfig {
     /// [`ModelError::Config`] naming the key at fault (`image`, `classes`, `base`,
     /// `levels`).
     pub fn validate(&self) -> Result<(), ModelError> {
-        let [channels, height, width] = self.image;
-        if channels < 1 || height < 1 || width < 1 {
-            return Err(ModelError::config(
-                "image",
-                format!(
-                    "must be [channels, height, width] with every side at least 1, got {:?}",
-                    self.image
-                ),
-            ));
-        }
-        for (key, value) in [
+        image_sides(self.image)?;
+        let [_, height, width] = self.image;
+        at_least_one(&[
             ("classes", self.classes),
             ("base", self.base),
             ("levels", self.levels),
-        ] {
-            if value < 1 {
-                return Err(ModelError::config(
-                    key,
-                    format!("must be at least 1, got {value}"),
-                ));
-            }
-        }
+        ])?;
         if self.levels > MAX_LEVELS {
             return Err(ModelError::config(
                 "levels",

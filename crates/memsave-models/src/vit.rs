@@ -25,7 +25,7 @@
 //! here any `[channels, height, width]` whose sides the patch divides is accepted
 //! (`scripts/reference/zoo_models.py`'s `vit` then adapts torchvision's model the same
 //! way). Dropout is always 0, as torchvision's default.
-use crate::error::ModelError;
+use crate::error::{at_least_one, image_sides, ModelError};
 use crate::network::{Layer, Network, Task};
 use tch::nn::{self, Init, ModuleT};
 use tch::Tensor;
@@ -74,31 +74,16 @@ impl VitConfig {
     /// [`ModelError::Config`] naming the key at fault (`image`, `patch`, `dim`,
     /// `layers`, `heads`, `mlp`, `classes`).
     pub fn validate(&self) -> Result<(), ModelError> {
-        let [channels, height, width] = self.image;
-        if channels < 1 || height < 1 || width < 1 {
-            return Err(ModelError::config(
-                "image",
-                format!(
-                    "must be [channels, height, width] with every side at least 1, got {:?}",
-                    self.image
-                ),
-            ));
-        }
-        for (key, value) in [
+        image_sides(self.image)?;
+        let [_, height, width] = self.image;
+        at_least_one(&[
             ("patch", self.patch),
             ("dim", self.dim),
             ("layers", self.layers),
             ("heads", self.heads),
             ("mlp", self.mlp),
             ("classes", self.classes),
-        ] {
-            if value < 1 {
-                return Err(ModelError::config(
-                    key,
-                    format!("must be at least 1, got {value}"),
-                ));
-            }
-        }
+        ])?;
         if height % self.patch != 0 || width % self.patch != 0 {
             return Err(ModelError::config(
                 "patch",
