@@ -2,6 +2,7 @@
 //! of one per file). Every test is `#[serial]`: nearly all measure the process's
 //! allocations (fit, peaks against PyTorch's) or seed the global generator.
 mod compress_zoo;
+mod configs;
 mod disk_offload_zoo;
 mod fit_running_stats;
 mod fit_zoo;
