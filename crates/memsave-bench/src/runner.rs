@@ -712,9 +712,11 @@ fn measure_case(
         Some(Search::Fit(spec)) => {
             let mut request = memsave_fit::FitRequest::new(spec.budget.bytes);
             request.allow = spec.allowed();
+            // `{with: [{fit: ..}, {optimizer: ..}]}`: the optimizer fit steps.
+            request.optimizer = config.optimizer;
             let report = memsave_fit::fit(model, &request).map_err(|e| e.to_string())?;
             // fit left the chosen schedule on the layers.
-            *config = report.choice.step_config(None);
+            *config = report.choice.step_config(report.optimizer);
             tries = Some(report.tries);
             choice = Some(report.choice.strategy.clone());
         }

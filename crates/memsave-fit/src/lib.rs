@@ -189,7 +189,7 @@ pub use parallel::ParallelMode;
 pub use search::{fit, fit_with, table};
 
 use memsave_meter::Bytes;
-use memsave_step::ProcessGroup;
+use memsave_step::{OptimizerSpec, ProcessGroup};
 use serde::Serialize;
 
 /// What to fit.
@@ -217,6 +217,10 @@ pub struct FitRequest {
     /// Fit on every rank of this group (see [`on_ranks`](Self::on_ranks)); `None`:
     /// one process.
     pub process_group: Option<ProcessGroup>,
+    /// The optimizer every step steps (its kind and hyperparameters; `fit` chooses its
+    /// state's precision and whether it steps in backward) instead of the workload's
+    /// [`optimizer`](memsave_step::Workload::optimizer); `None`: the workload's.
+    pub optimizer: Option<OptimizerSpec>,
 }
 
 impl FitRequest {
@@ -230,6 +234,7 @@ impl FitRequest {
             margin: 0.05,
             exhaustive: false,
             process_group: None,
+            optimizer: None,
         }
     }
 
@@ -325,6 +330,11 @@ pub struct FitReport {
     pub sample_coupling_op: Option<String>,
     /// The chosen configuration.
     pub choice: Choice,
+    /// The optimizer the fit stepped (the request's, else the workload's), before the
+    /// choice's levers change it: what [`trainer`](Self::trainer) builds the choice
+    /// with.
+    #[serde(skip)]
+    pub optimizer: Option<OptimizerSpec>,
     /// Its predicted peak.
     pub predicted_peak_bytes: u64,
     /// Its peak measured by the confirming step at its real size (on ranks, the

@@ -12,7 +12,7 @@ use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
 use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::workload::{Batch, Workload};
-use memsave_step::{DataParallelHandle, StepError};
+use memsave_step::{DataParallelHandle, OptimizerSpec, StepError};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
@@ -224,6 +224,7 @@ const LONG_RUNS_S: f64 = 0.5;
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn probe(
     workload: &mut dyn Workload,
+    optimizer: Option<OptimizerSpec>,
     choice: &Choice,
     batch: i64,
     micro_batches: usize,
@@ -233,8 +234,8 @@ pub(crate) fn probe(
     check_statistics: bool,
     ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
-    let (mut setup, outside) =
-        Setup::new(workload, choice, batch, micro_batches, ranks).map_err(|e| e.on(ranks))?;
+    let (mut setup, outside) = Setup::new(workload, optimizer, choice, batch, micro_batches, ranks)
+        .map_err(|e| e.on(ranks))?;
     setup.check_statistics = check_statistics;
     let warmed = setup.warm_up(&*workload, micro_batches);
     if let Err(e) = agree_step(ranks, warmed) {
@@ -284,6 +285,7 @@ impl Setup {
     /// the batch and the copy of the weights are made, less the parameters' bytes.
     fn new(
         workload: &mut dyn Workload,
+        optimizer: Option<OptimizerSpec>,
         choice: &Choice,
         batch: i64,
         micro_batches: usize,
@@ -300,7 +302,7 @@ impl Setup {
             .set_schedule(schedule)
             .map_err(failed)?;
         set_block_levers(workload, choice).map_err(failed)?;
-        let config = choice.probe_config(workload.optimizer(), micro_batches);
+        let config = choice.probe_config(optimizer, micro_batches);
         let params = workload.parameters();
         memsave_accum::free_grads(&params).map_err(failed)?;
         let x = workload

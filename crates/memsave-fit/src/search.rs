@@ -127,7 +127,7 @@ fn search_fit(
     } else {
         &[]
     };
-    let optimizer = workload.optimizer();
+    let optimizer = request.optimizer.or_else(|| workload.optimizer());
     let has_optimizer = optimizer.is_some();
     let unfit: Vec<(ParallelMode, String)> = modes
         .iter()
@@ -142,6 +142,7 @@ fn search_fit(
     let mut search = Search {
         runs: Runs::new(
             workload,
+            optimizer,
             request.budget_bytes,
             target,
             share,
@@ -714,6 +715,7 @@ impl Search<'_, '_> {
             allow: request.allow,
             sample_coupling_op: coupling.as_ref().map(Coupling::name),
             choice: c.choice.clone(),
+            optimizer: runs.optimizer,
             predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
             measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
             world_size,

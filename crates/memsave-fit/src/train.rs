@@ -14,10 +14,11 @@ impl Choice {
     ///
     /// Use it to add to the choice before building (e.g. a per-block
     /// [`record_trace`](TrainerBuilder::record_trace)); [`FitReport::trainer`] builds
-    /// the trainer at once with the workload's own optimizer.
+    /// the trainer at once with the optimizer the fit stepped.
     ///
     /// Traps: pass the optimizer the workload was fitted with
-    /// ([`Workload::optimizer`]): the choice's peak was measured with it, and
+    /// ([`FitReport::optimizer`]: the request's, else [`Workload::optimizer`]): the
+    /// choice's peak was measured with it, and
     /// `in_backward` or 8-bit state only mean something with one. Replacing it or the
     /// levers afterwards (e.g. [`TrainerBuilder::optimizer`], which would drop the
     /// choice's `in_backward`) leaves the budget unchecked. Offloaded activations are
@@ -57,8 +58,9 @@ impl Choice {
 
 impl FitReport {
     /// A [`Trainer`] over `model` with the chosen configuration, in one call: the
-    /// choice's [`trainer_builder`](Choice::trainer_builder) with `model`'s own
-    /// [`optimizer`](Workload::optimizer), built. Each
+    /// choice's [`trainer_builder`](Choice::trainer_builder) with the optimizer the fit
+    /// stepped ([`FitReport::optimizer`]: the request's, else `model`'s own
+    /// [`optimizer`](Workload::optimizer)), built. Each
     /// [`step`](Trainer::step) then trains as the choice's measured step did, with its
     /// peak within the budget for a batch of [`global_batch`](Self::global_batch)
     /// examples.
@@ -139,8 +141,7 @@ impl FitReport {
                 self.choice.strategy
             )));
         }
-        let optimizer = model.optimizer();
-        self.choice.trainer_builder(optimizer).build(model)
+        self.choice.trainer_builder(self.optimizer).build(model)
     }
 
     /// [`trainer`](Self::trainer) for a fit on the ranks of `group` (the one the fit
@@ -168,9 +169,8 @@ impl FitReport {
                 group.world_size()
             )));
         }
-        let optimizer = model.optimizer();
         self.choice
-            .trainer_builder_on(optimizer, group)
+            .trainer_builder_on(self.optimizer, group)
             .build(model)
     }
 }

@@ -176,6 +176,9 @@ pub enum Technique {
     AutoBatch(AutoBatchSpec),
     /// `memsave_fit::fit` chooses the configuration (micro-batches, recompute,
     /// offload, and the allowed lossy levers) for the budget, keeping the global batch.
+    /// Combined with `optimizer` (`with: [{fit: ..}, {optimizer: ..}]`), it steps that
+    /// optimizer and chooses where it steps and its state's precision; with nothing
+    /// else.
     Fit(FitSpec),
 }
 
@@ -790,7 +793,13 @@ fn combine(
         if t.group() == "baseline" && techniques.len() > 1 {
             return Err(StrategyError::BaselineCombined);
         }
-        if t.group() == "fit" && techniques.len() > 1 {
+        // fit chooses every lever itself; the optimizer it steps is the one thing a
+        // strategy can give it.
+        if t.group() == "fit"
+            && techniques
+                .iter()
+                .any(|u| !matches!(u.group(), "fit" | "optimizer"))
+        {
             return Err(StrategyError::FitCombined);
         }
         if techniques[..i].iter().any(|u| u.group() == t.group()) {
@@ -852,8 +861,8 @@ pub(super) enum StrategyError {
     /// `baseline` with other techniques.
     #[error("baseline cannot be combined with other techniques")]
     BaselineCombined,
-    /// `fit` with other techniques.
-    #[error("fit chooses every lever itself, so it cannot be combined with other techniques")]
+    /// `fit` with other techniques than `optimizer`.
+    #[error("fit chooses every lever itself, so it combines only with optimizer (the optimizer it steps)")]
     FitCombined,
     /// Two techniques of one group.
     #[error("a strategy can apply only one {group}; '{technique}' repeats it")]

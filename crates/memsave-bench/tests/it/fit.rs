@@ -69,6 +69,48 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
     );
 }
 
+/// `fit` combined with `optimizer` steps that optimizer: its state is measured, the
+/// plain step with the same optimizer is the reference, and the choice fits the
+/// budget; `fit` with another technique is refused.
+#[test]
+#[serial]
+fn fit_with_an_optimizer_steps_it_within_the_budget() {
+    // A warm-up step makes the state before the measured one, as fit's runs do.
+    let suite = |strategies: &str| {
+        let yaml = format!(
+            "suite: fit-opt\nwarmup: 1\nrepeats: 1\nmodels:\n{MODEL}strategies:\n{strategies}"
+        );
+        Suite::from_yaml(&yaml, "fit-opt.yaml").unwrap()
+    };
+    let adamw = "  - {name: adamw, with: [{optimizer: {kind: adamw}}]}\n";
+    let base = run_suite(&suite(adamw), &RunOptions::default()).unwrap();
+    let plain = &base.cases[0];
+    assert_eq!(plain.status, Status::Ok, "{:?}", plain.error);
+    let (peak, state) = (
+        plain.peak_bytes.unwrap(),
+        plain.optimizer_state_bytes.unwrap(),
+    );
+    assert!(state > 0);
+    let budget = peak / 2;
+    let strategies = format!(
+        "{adamw}  - {{name: fit-adamw, with: [{{fit: {{budget: {budget}B}}}}, {{optimizer: {{kind: adamw}}}}]}}\n"
+    );
+    let report = run_suite(&suite(&strategies), &RunOptions::default()).unwrap();
+    let fit = &report.cases[1];
+    assert_eq!(fit.status, Status::Ok, "{:?}", fit.error);
+    assert!(
+        fit.peak_bytes.unwrap() <= budget,
+        "{:?} > {budget}",
+        fit.peak_bytes
+    );
+    // The case stepped AdamW (a case without an optimizer has no state figure).
+    assert!(fit.optimizer_state_bytes.is_some(), "{:?}", fit.choice);
+    assert_eq!(fit.tries, Some(1));
+    let err =
+        error_of("  - {with: [{fit: {budget: 1MiB}}, {optimizer: {kind: sgd}}, safe_residual]}\n");
+    assert!(err.contains("combines only with optimizer"), "{err}");
+}
+
 #[test]
 #[serial]
 fn halving_without_a_budget_says_what_it_needs() {

@@ -139,7 +139,7 @@ fn strategy_entries_say_what_is_wrong_in_these_words() {
         ),
         (
             "{with: [{fit: {budget: 1MiB}}, safe_residual]}",
-            "fit chooses every lever itself, so it cannot be combined with other techniques",
+            "fit chooses every lever itself, so it combines only with optimizer (the optimizer it steps)",
         ),
         (
             "{with: [{checkpoint: {segments: 2}}, {checkpoint: {nested: true}}]}",

@@ -82,7 +82,7 @@ fn least_peaks(
 ) -> Result<(Least, Least, bool), FitError> {
     let k = runs.global as usize;
     let n = if k > 1 { 2 } else { 1 };
-    let optimizer = runs.workload.optimizer();
+    let optimizer = runs.optimizer;
     let has_optimizer = optimizer.is_some();
     let modes: &[ParallelMode] = if runs.ranks.group().is_some() {
         &ParallelMode::ALL
@@ -170,6 +170,7 @@ fn least_peaks(
             while let Some((choice, batch, k)) = at.take() {
                 let peak = match probe(
                     runs.workload,
+                    runs.optimizer,
                     &choice,
                     batch,
                     n,
@@ -229,13 +230,23 @@ fn least_peaks(
 /// predictions); `None` when they did not run (out of the machine's memory).
 fn predict_whole_batch(runs: &mut Runs<'_>, choice: &Choice) -> Result<Option<u64>, FitError> {
     let ranks = runs.ranks.clone();
-    let mut at =
-        |size: i64| match probe(runs.workload, choice, size, 1, 1, None, true, false, &ranks) {
-            Ok(p) => Ok(Some(p)),
-            Err(ProbeError::OutOfMemory(_)) => Ok(None),
-            Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => Err(FitError::Step(e)),
-            Err(ProbeError::Fatal(e)) => Err(e),
-        };
+    let mut at = |size: i64| match probe(
+        runs.workload,
+        runs.optimizer,
+        choice,
+        size,
+        1,
+        1,
+        None,
+        true,
+        false,
+        &ranks,
+    ) {
+        Ok(p) => Ok(Some(p)),
+        Err(ProbeError::OutOfMemory(_)) => Ok(None),
+        Err(ProbeError::Failed(e) | ProbeError::Unusable(e)) => Err(FitError::Step(e)),
+        Err(ProbeError::Fatal(e)) => Err(e),
+    };
     let (Some(p1), Some(p2)) = (at(1)?, at(2)?) else {
         return Ok(None);
     };

@@ -17,6 +17,7 @@ use memsave_checkpoint::{
 use memsave_meter::Bytes;
 use memsave_step::plan::{f_profile, f_profile_blocks_with_offload};
 use memsave_step::workload::Workload;
+use memsave_step::OptimizerSpec;
 use std::collections::HashMap;
 
 type AffineKey = (String, bool);
@@ -25,6 +26,8 @@ type AffineKey = (String, bool);
 /// the layer profiles and the small runs, each made once.
 pub(super) struct Runs<'w> {
     pub(super) workload: &'w mut dyn Workload,
+    /// The optimizer every run steps (the request's, else the workload's).
+    pub(super) optimizer: Option<OptimizerSpec>,
     budget: u64,
     target: u64,
     pub(super) global: i64,
@@ -48,11 +51,13 @@ pub(super) struct Runs<'w> {
 }
 
 impl<'w> Runs<'w> {
-    /// Runs of `workload` on `ranks` for a step of `global` examples (on ranks, each
-    /// rank's share) whose peak must be within `budget` bytes, predicted within
-    /// `target` (the budget less the margin).
+    /// Runs of `workload` stepping `optimizer` on `ranks` for a step of `global`
+    /// examples (on ranks, each rank's share) whose peak must be within `budget` bytes,
+    /// predicted within `target` (the budget less the margin).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         workload: &'w mut dyn Workload,
+        optimizer: Option<OptimizerSpec>,
         budget: u64,
         target: u64,
         global: i64,
@@ -61,6 +66,7 @@ impl<'w> Runs<'w> {
     ) -> Self {
         Runs {
             workload,
+            optimizer,
             budget,
             target,
             global,
@@ -201,6 +207,7 @@ impl Runs<'_> {
         }
         let outcome = match probe(
             self.workload,
+            self.optimizer,
             choice,
             batch,
             n,
@@ -237,6 +244,7 @@ impl Runs<'_> {
     ) -> Result<Probe, ProbeError> {
         probe(
             self.workload,
+            self.optimizer,
             choice,
             self.global,
             choice.micro_batches,
@@ -265,7 +273,7 @@ impl Runs<'_> {
         // micro-batch) is not run: on ranks, a refused step would end the fit.
         let refused = choice
             .data_parallel
-            .and_then(|mode| mode.refuses(&choice.probe_config(self.workload.optimizer(), k)));
+            .and_then(|mode| mode.refuses(&choice.probe_config(self.optimizer, k)));
         if let Some(why) = refused {
             let mut c = Candidate::unmeasured(choice.clone());
             c.note = Some(why);

@@ -171,3 +171,47 @@ fn the_trainer_from_fit_s_choice_steps_the_optimizer_in_backward_as_chosen() {
     assert!(strategy.contains("in_backward=true"), "{strategy}");
     eprintln!("below the gradients: {strategy}");
 }
+
+#[test]
+#[serial]
+fn the_request_s_optimizer_is_stepped_instead_of_the_workload_s() {
+    // The workload asks for no optimizer; the request gives AdamW. A budget below the
+    // gradients' bytes needs the step in backward, a lever of an optimizer only.
+    let mut model = Mlp::new(3, 96, 4, 2);
+    assert!(model.optimizer.is_none());
+    let grads: u64 = model
+        .parameters()
+        .iter()
+        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    let spec = adamw(Mlp::new(1, 4, 1, 1)).optimizer;
+    let mut request = FitRequest::new(grads * 3 / 4);
+    request.optimizer = spec;
+    let report = fit(&mut model, &request).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.optimizer, spec);
+    assert!(
+        report.choice.strategy.contains("in_backward=true"),
+        "{}",
+        report.to_text()
+    );
+    // The trainer steps the optimizer the fit stepped, within the budget after the
+    // step that makes its state.
+    let before = host(&model.parameters());
+    let batch = model.batch(model.global_batch()).unwrap();
+    let mut trainer = report.trainer(&mut model).unwrap();
+    trainer.step(&batch).unwrap();
+    assert!(trainer.optimizer_state_bytes() > 0, "no AdamW state");
+    let m = trainer.step(&batch).unwrap();
+    assert!(
+        m.peak_bytes <= request.budget_bytes,
+        "{} > {}",
+        m.peak_bytes,
+        request.budget_bytes
+    );
+    drop(trainer);
+    assert_ne!(
+        host(&model.parameters()),
+        before,
+        "the weights did not move"
+    );
+}
