@@ -26,6 +26,10 @@ use tch::{Device, Tensor};
 /// Blocks up to which [`BlocksProfile::solve`] tries every assignment.
 const EXACT_UP_TO: usize = 16;
 
+/// Blocks up to which [`BlocksProfile::solve_levers`] tries every assignment of kept,
+/// sent away and compressed (3^10 = 59,049 predictions).
+const EXACT_THREE_WAYS_UP_TO: usize = 10;
+
 /// What [`Blocks::profile`] measured: per top-level block its saved bytes and forward
 /// time, and the segments of the two profiled steps.
 #[derive(Debug, Clone)]
@@ -47,6 +51,20 @@ pub struct BlocksProfile {
     /// With [`Blocks::profile_with_offload`]: seconds each block's offload adds to the
     /// step (its forward's write, measured, twice for the read in backward).
     offload_s: Option<Vec<f64>>,
+    /// With [`ProfileOptions::compress`]: what the step with every block's saves
+    /// compressed measured.
+    compressed: Option<CompressedFigures>,
+}
+
+/// Per top-level block, from the step with every block's saves compressed: the bytes
+/// its compressed saves hold between its forward and its backward (above what a
+/// recomputed block holds), the peak of its forward, and the seconds compression adds
+/// (the encode measured, twice for the decode in backward).
+#[derive(Debug, Clone, PartialEq)]
+struct CompressedFigures {
+    saved: Vec<i64>,
+    forward: Vec<i64>,
+    seconds: Vec<f64>,
 }
 
 /// How [`Blocks::profile_with`] profiles: the default is
@@ -60,12 +78,23 @@ pub struct ProfileOptions {
     /// Free each parameter's gradient as soon as backward completes it (a step whose
     /// gradients go to files, or into the optimizer step in backward).
     pub free_gradients: bool,
+    /// A step with every block's saves handed to this lossy store (a
+    /// [`BlockLever::Store`] that compresses: memsave-hooks' `Compress`), so that
+    /// [`BlocksProfile::solve_levers`] may compress a block's saves
+    /// ([`PlannedLever::Compress`]) where that is the cheapest way to fit.
+    pub compress: Option<BlockLever>,
 }
 
 impl ProfileOptions {
     /// The default options with the offload step's store.
     pub fn with_offload(mut self, offload: BlockLever) -> Self {
         self.offload = Some(offload);
+        self
+    }
+
+    /// The default options with the compressing step's store.
+    pub fn with_compress(mut self, compress: BlockLever) -> Self {
+        self.compress = Some(compress);
         self
     }
 
@@ -76,8 +105,9 @@ impl ProfileOptions {
     }
 }
 
-/// What the planner gives one top-level block: kept, recomputed, or its saved tensors
-/// offloaded (with the store [`Blocks::profile_with_offload`] measured).
+/// What the planner gives one top-level block: kept, recomputed, its saved tensors
+/// offloaded (with the store [`Blocks::profile_with_offload`] measured), or compressed
+/// (with the store of [`ProfileOptions::compress`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PlannedLever {
     /// What it saves stays in memory.
@@ -86,6 +116,16 @@ pub enum PlannedLever {
     Recompute,
     /// What it saves waits in the store until backward.
     Offload,
+    /// What it saves stays in memory, compressed (lossy: gradients change).
+    Compress,
+}
+
+impl PlannedLever {
+    /// False for [`Compress`](Self::Compress), whose gradients differ from the plain
+    /// step's.
+    pub fn is_lossless(self) -> bool {
+        self != PlannedLever::Compress
+    }
 }
 
 impl BlocksProfile {
@@ -103,6 +143,7 @@ impl BlocksProfile {
         m: i64,
     ) -> Option<BlocksProfile> {
         let same = pa.keys == pb.keys
+            && pa.compressed.is_some() == pb.compressed.is_some()
             && pa.segments.len() == pb.segments.len()
             && pa
                 .segments
@@ -121,6 +162,15 @@ impl BlocksProfile {
             (v.round() as i64).max(0)
         };
         let lines = |xa: &[i64], xb: &[i64]| xa.iter().zip(xb).map(|(&x, &y)| line(x, y)).collect();
+        let scaled = |v: &[f64]| v.iter().map(|s| s * m as f64 / b as f64).collect();
+        let compressed = match (&pa.compressed, &pb.compressed) {
+            (Some(ca), Some(cb)) => Some(CompressedFigures {
+                saved: lines(&ca.saved, &cb.saved),
+                forward: lines(&ca.forward, &cb.forward),
+                seconds: scaled(&cb.seconds),
+            }),
+            _ => None,
+        };
         Some(BlocksProfile {
             keys: pb.keys.clone(),
             saved: lines(&pa.saved, &pb.saved),
@@ -140,10 +190,8 @@ impl BlocksProfile {
                 .collect(),
             kept_peak: line(pa.kept_peak, pb.kept_peak),
             recomputed_peak: line(pa.recomputed_peak, pb.recomputed_peak),
-            offload_s: pb
-                .offload_s
-                .as_ref()
-                .map(|o| o.iter().map(|s| s * m as f64 / b as f64).collect()),
+            offload_s: pb.offload_s.as_deref().map(scaled),
+            compressed,
         })
     }
 
@@ -164,6 +212,11 @@ impl BlocksProfile {
         out.push(self.recomputed_peak as f64);
         if let Some(off) = &self.offload_s {
             out.extend(off);
+        }
+        if let Some(c) = &self.compressed {
+            out.extend(bytes(&c.saved));
+            out.extend(bytes(&c.forward));
+            out.extend(&c.seconds);
         }
         out
     }
@@ -195,6 +248,7 @@ impl BlocksProfile {
             own.hash(&mut h);
         }
         self.offload_s.is_some().hash(&mut h);
+        self.compressed.is_some().hash(&mut h);
         h.finish()
     }
 
@@ -216,6 +270,11 @@ impl BlocksProfile {
         let peaks = bytes(take(self.segments.len()));
         let ends = bytes(take(2));
         let offload_s = self.offload_s.as_ref().map(|_| take(n));
+        let compressed = self.compressed.as_ref().map(|_| CompressedFigures {
+            saved: bytes(take(n)),
+            forward: bytes(take(n)),
+            seconds: take(n),
+        });
         Some(BlocksProfile {
             keys: self.keys.clone(),
             saved,
@@ -232,6 +291,7 @@ impl BlocksProfile {
             kept_peak: ends[0],
             recomputed_peak: ends[1],
             offload_s,
+            compressed,
         })
     }
 
@@ -263,19 +323,47 @@ impl BlocksProfile {
     /// # Panics
     /// When `recompute` has not one entry per top-level block.
     pub fn predict(&self, recompute: &[bool]) -> i64 {
-        self.predict_with(recompute, &vec![false; recompute.len()])
+        let levers: Vec<PlannedLever> = recompute
+            .iter()
+            .map(|&r| {
+                if r {
+                    PlannedLever::Recompute
+                } else {
+                    PlannedLever::Keep
+                }
+            })
+            .collect();
+        self.predict_levers(&levers)
     }
 
-    /// [`predict`](Self::predict) where the blocks of `offloaded` (a subset of those
-    /// sent away) read their saves back in backward instead of recomputing.
-    fn predict_with(&self, recompute: &[bool], offloaded: &[bool]) -> i64 {
-        assert_eq!(recompute.len(), self.keys.len(), "one entry per block");
-        let kept_alive = |alive: &[usize]| -> i64 {
-            alive
-                .iter()
-                .filter(|&&j| !recompute[j])
-                .map(|&j| self.saved[j])
-                .sum()
+    /// Bytes block `j` holds between its forward and its backward under `lever`, above
+    /// what it holds recomputed (its saves kept, compressed, or none). A block
+    /// compressed in a profile that did not measure compression counts as kept.
+    fn held(&self, lever: PlannedLever, j: usize) -> i64 {
+        match lever {
+            PlannedLever::Keep => self.saved[j],
+            PlannedLever::Compress => self
+                .compressed
+                .as_ref()
+                .map_or(self.saved[j], |c| c.saved[j]),
+            PlannedLever::Recompute | PlannedLever::Offload => 0,
+        }
+    }
+
+    /// The predicted step peak (bytes above the step's start) under `levers`, one per
+    /// top-level block. An offloaded block holds what a recomputed one does between
+    /// its forward and its backward (its saved tensors are in the store), and reads
+    /// its saves back in its backward instead of recomputing its outputs; a compressed
+    /// one holds its compressed saves, measured (which may be more than its kept saves
+    /// where it saves tensors that stay alive anyway, as its own output: each gets a
+    /// compressed copy).
+    ///
+    /// # Panics
+    /// When `levers` has not one entry per top-level block.
+    pub fn predict_levers(&self, levers: &[PlannedLever]) -> i64 {
+        assert_eq!(levers.len(), self.keys.len(), "one entry per block");
+        let held = |alive: &mut dyn Iterator<Item = usize>| -> i64 {
+            alive.map(|j| self.held(levers[j], j)).sum()
         };
         let mut peak = self
             .segments
@@ -283,29 +371,38 @@ impl BlocksProfile {
             .map(|(p, alive, own)| {
                 // The profile's segment of a block's backward began with its
                 // recomputation, which made its outputs again; an offloaded block
-                // reads its saves back instead.
-                let again = own.filter(|&i| offloaded[i]).map_or(0, |i| self.output[i]);
-                p + kept_alive(alive) - again
+                // reads its saves back instead. A compressed one is counted as its
+                // recomputation with its compressed saves still held: high, since it
+                // decompresses its saves one node at a time, but a compressed copy of
+                // a tensor alive anyway (the block's output) costs its bytes then.
+                let own = match own.map(|i| (i, levers[i])) {
+                    Some((i, PlannedLever::Offload)) => -self.output[i],
+                    Some((i, PlannedLever::Compress)) => self.held(PlannedLever::Compress, i),
+                    _ => 0,
+                };
+                p + held(&mut alive.iter().copied()) + own
             })
             .max()
             .unwrap_or(0);
-        for i in 0..self.keys.len() {
-            let before: Vec<usize> = (0..i).collect();
-            let at = if recompute[i] {
-                self.forward_recomputed[i] + kept_alive(&before)
-            } else {
-                let recomputed_before: i64 = before
-                    .iter()
-                    .filter(|&&j| recompute[j])
-                    .map(|&j| self.saved[j])
-                    .sum();
-                self.forward_kept[i] - recomputed_before
+        for (i, lever) in levers.iter().enumerate() {
+            // A block's forward peak in the profiled run where every block had its
+            // lever, corrected by what the blocks before it hold under theirs instead.
+            let before = held(&mut (0..i));
+            let at = match (lever, &self.compressed) {
+                (PlannedLever::Recompute | PlannedLever::Offload, _) => {
+                    self.forward_recomputed[i] + before
+                }
+                (PlannedLever::Compress, Some(c)) => {
+                    c.forward[i] + before - c.saved[..i].iter().sum::<i64>()
+                }
+                (PlannedLever::Keep | PlannedLever::Compress, _) => {
+                    self.forward_kept[i] + before - self.saved[..i].iter().sum::<i64>()
+                }
             };
             peak = peak.max(at);
         }
         peak
     }
-
     /// The levers of `recompute` (true: [`BlockLever::Recompute`], false:
     /// [`BlockLever::Keep`]) by key, for [`Blocks::assign`].
     pub fn levers(&self, recompute: &[bool]) -> Vec<(BlockKey, BlockLever)> {
@@ -375,45 +472,128 @@ impl BlocksProfile {
     }
 
     /// The levers with the least added time within `budget` (see
-    /// [`solve`](Self::solve)), each block kept, recomputed or, when the profile
-    /// measured offload ([`Blocks::profile_with_offload`]), offloaded. An offloaded
-    /// block frees between its forward and its backward what a recomputed one does
-    /// (its saved tensors; the store keeps none in memory), so each block that does
-    /// not stay takes the cheaper of the two.
+    /// [`solve`](Self::solve)): each block kept, recomputed, or, when the profile
+    /// measured them, offloaded ([`Blocks::profile_with_offload`]) or compressed
+    /// ([`ProfileOptions::compress`]). An offloaded block frees between its forward and
+    /// its backward what a recomputed one does (its saved tensors; the store keeps none
+    /// in memory), so each block sent away takes the cheaper of the two; a compressed
+    /// one frees less (it keeps its compressed saves), at its own cost.
+    ///
+    /// With compression measured, every assignment of the three (kept, sent away,
+    /// compressed) is tried up to 10 blocks. Beyond, the faster of two greedy passes:
+    /// the best assignment of kept and sent away as [`solve`](Self::solve) finds it,
+    /// with the blocks sent away whose compression costs less compressed one at a
+    /// time, the largest saving first, while the prediction fits (never slower than
+    /// without compression); and every block sent away, then moved to cheaper levers
+    /// (compressed, kept) one at a time, the most seconds saved per byte added first,
+    /// while the prediction fits.
     ///
     /// # Errors
     /// As [`solve`](Self::solve).
     pub fn solve_levers(&self, budget: u64) -> Result<Vec<PlannedLever>> {
-        let costs: Vec<f64> = match &self.offload_s {
-            Some(off) => self
-                .forward_s
-                .iter()
-                .zip(off)
-                .map(|(f, o)| f.min(*o))
-                .collect(),
-            None => self.forward_s.clone(),
-        };
-        let away = self.solve_costs(budget, &costs)?;
-        Ok(away
-            .iter()
-            .enumerate()
-            .map(|(i, &away)| match (away, &self.offload_s) {
-                (false, _) => PlannedLever::Keep,
-                (true, Some(off)) if off[i] < self.forward_s[i] => PlannedLever::Offload,
-                (true, _) => PlannedLever::Recompute,
+        let n = self.keys.len();
+        // The cheaper of recomputing and offloading, for a block sent away.
+        let away: Vec<(PlannedLever, f64)> = (0..n)
+            .map(|i| match &self.offload_s {
+                Some(off) if off[i] < self.forward_s[i] => (PlannedLever::Offload, off[i]),
+                _ => (PlannedLever::Recompute, self.forward_s[i]),
             })
-            .collect())
+            .collect();
+        let costs: Vec<f64> = away.iter().map(|(_, s)| *s).collect();
+        let Some(c) = &self.compressed else {
+            let r = self.solve_costs(budget, &costs)?;
+            return Ok(r
+                .iter()
+                .zip(&away)
+                .map(|(&r, (l, _))| if r { *l } else { PlannedLever::Keep })
+                .collect());
+        };
+        let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
+        if n <= EXACT_THREE_WAYS_UP_TO {
+            let options = |i: usize| {
+                [
+                    (PlannedLever::Keep, 0.0),
+                    away[i],
+                    (PlannedLever::Compress, c.seconds[i]),
+                ]
+            };
+            let mut best: Option<(f64, Vec<PlannedLever>)> = None;
+            let mut smallest = i64::MAX;
+            for code in 0..3usize.pow(n as u32) {
+                let (mut levers, mut cost, mut rest) = (Vec::with_capacity(n), 0.0, code);
+                for i in 0..n {
+                    let (l, s) = options(i)[rest % 3];
+                    rest /= 3;
+                    levers.push(l);
+                    cost += s;
+                }
+                let peak = self.predict_levers(&levers);
+                smallest = smallest.min(peak);
+                if peak <= budget_i && best.as_ref().is_none_or(|(bc, _)| cost < *bc) {
+                    best = Some((cost, levers));
+                }
+            }
+            return best
+                .map(|(_, l)| l)
+                .ok_or(CheckpointError::InfeasibleBudget {
+                    budget: Bytes(budget),
+                    smallest_feasible: Bytes(smallest.max(0) as u64),
+                });
+        }
+        let fits = |l: &[PlannedLever]| self.predict_levers(l) <= budget_i;
+        // From the best assignment of kept and sent away: each block sent away
+        // compressed instead where that costs less, the largest saving first.
+        let r = self.solve_costs(budget, &costs)?;
+        let mut swapped: Vec<PlannedLever> = r
+            .iter()
+            .zip(&away)
+            .map(|(&r, (l, _))| if r { *l } else { PlannedLever::Keep })
+            .collect();
+        let saving = |i: usize| costs[i] - c.seconds[i];
+        let mut order: Vec<usize> = (0..n).filter(|&i| r[i] && saving(i) > 0.0).collect();
+        order.sort_by(|&a, &b| saving(b).total_cmp(&saving(a)));
+        for i in order {
+            let was = std::mem::replace(&mut swapped[i], PlannedLever::Compress);
+            if !fits(&swapped) {
+                swapped[i] = was;
+            }
+        }
+        // From every block sent away: the moves to a cheaper lever (sent away to
+        // compressed, compressed to kept, sent away to kept), the most seconds saved
+        // per byte added first, each made while the prediction fits.
+        let held = |l: PlannedLever, i: usize| self.held(l, i);
+        let mut moves: Vec<(usize, PlannedLever, PlannedLever, f64)> = Vec::new();
+        for (i, &(sent, cost)) in away.iter().enumerate() {
+            for (from, to, saved) in [
+                (sent, PlannedLever::Compress, cost - c.seconds[i]),
+                (PlannedLever::Compress, PlannedLever::Keep, c.seconds[i]),
+                (sent, PlannedLever::Keep, cost),
+            ] {
+                if saved > 0.0 {
+                    let added = (held(to, i) - held(from, i)).max(1) as f64;
+                    moves.push((i, from, to, saved / added));
+                }
+            }
+        }
+        moves.sort_by(|a, b| b.3.total_cmp(&a.3));
+        let mut grown: Vec<PlannedLever> = away.iter().map(|(l, _)| *l).collect();
+        for (i, from, to, _) in moves {
+            if grown[i] == from {
+                grown[i] = to;
+                if !fits(&grown) {
+                    grown[i] = from;
+                }
+            }
+        }
+        let mut best = swapped;
+        if fits(&grown) && self.added_seconds(&grown) < self.added_seconds(&best) {
+            best = grown;
+        }
+        Ok(best)
     }
 
-    /// The predicted step peak of `levers` (an offloaded block counts as a
-    /// recomputed one: see [`solve_levers`](Self::solve_levers)).
-    pub fn predict_levers(&self, levers: &[PlannedLever]) -> i64 {
-        let away: Vec<bool> = levers.iter().map(|l| *l != PlannedLever::Keep).collect();
-        let offloaded: Vec<bool> = levers.iter().map(|l| *l == PlannedLever::Offload).collect();
-        self.predict_with(&away, &offloaded)
-    }
-
-    /// Seconds `levers` add to the step: recomputed forwards and offloads.
+    /// Seconds `levers` add to the step: recomputed forwards, offloads and
+    /// compressions (infinite for a lever the profile did not measure).
     pub fn added_seconds(&self, levers: &[PlannedLever]) -> f64 {
         levers
             .iter()
@@ -422,10 +602,18 @@ impl BlocksProfile {
                 PlannedLever::Keep => 0.0,
                 PlannedLever::Recompute => self.forward_s[i],
                 PlannedLever::Offload => self.offload_s.as_ref().map_or(f64::INFINITY, |o| o[i]),
+                PlannedLever::Compress => self
+                    .compressed
+                    .as_ref()
+                    .map_or(f64::INFINITY, |c| c.seconds[i]),
             })
             .sum()
     }
 
+    /// Whether the profile measured compression ([`ProfileOptions::compress`]).
+    pub fn measured_compression(&self) -> bool {
+        self.compressed.is_some()
+    }
     /// Seconds each block's offload adds, when measured.
     pub fn offload_seconds(&self) -> Option<&[f64]> {
         self.offload_s.as_deref()
@@ -560,12 +748,17 @@ impl Blocks {
         F: FnMut() -> std::result::Result<Tensor, E>,
         E: std::fmt::Display,
     {
-        if let Some(offload) = &options.offload {
-            if !matches!(offload, BlockLever::Store { .. }) {
-                return Err(CheckpointError::Blocks(format!(
-                    "profile_with_offload takes a store lever, not {}",
-                    offload.name()
-                )));
+        for (what, lever) in [
+            ("offload", &options.offload),
+            ("compress", &options.compress),
+        ] {
+            if let Some(lever) = lever {
+                if !matches!(lever, BlockLever::Store { .. }) {
+                    return Err(CheckpointError::Blocks(format!(
+                        "a profile's {what} step takes a store lever, not {}",
+                        lever.name()
+                    )));
+                }
             }
         }
         let device = params.first().map_or(Device::Cpu, Tensor::device);
@@ -581,34 +774,69 @@ impl Blocks {
             .map_err(|e| CheckpointError::Torch(e.to_string()))
         };
         let (kept, recomputed) = outcome??;
+        let recomputed_retained: Vec<i64> = recomputed.top.iter().map(|(_, r, _)| *r).collect();
         let mut profile = build(kept, recomputed)?;
-        let Some(offload) = &options.offload else {
-            return Ok(profile);
-        };
-        let outcome = {
-            let _levers = LeversBack::save(self);
-            memsave_sys::checkpoint::with_running_stats_preserved(|| {
-                self.profile_run(params, device, offload.clone(), free, &mut step)
-            })
-            .map_err(|e| CheckpointError::Torch(e.to_string()))
-        };
-        let stored = outcome??;
-        let keys: Vec<&BlockKey> = stored.top.iter().map(|(k, _, _)| k).collect();
-        if keys.len() != profile.keys.len() || keys.iter().zip(&profile.keys).any(|(a, b)| *a != b)
-        {
-            return Err(CheckpointError::BlocksChanged(
-                "the offloaded step ran other blocks than the kept one".into(),
-            ));
-        }
-        profile.offload_s = Some(
-            stored
-                .top
+        // Seconds a store adds to each block: its forward's extra time, twice (the
+        // write or encode, and as much again to read back in backward).
+        let added = |run: &Run, profile: &BlocksProfile| -> Vec<f64> {
+            run.top
                 .iter()
                 .zip(&profile.forward_s)
                 .map(|((_, _, s), kept)| 2.0 * (s - kept).max(0.0))
-                .collect(),
-        );
+                .collect()
+        };
+        if let Some(offload) = &options.offload {
+            let run = self.profile_store_run(params, device, offload, free, &mut step, &profile)?;
+            profile.offload_s = Some(added(&run, &profile));
+        }
+        if let Some(compress) = &options.compress {
+            let run =
+                self.profile_store_run(params, device, compress, free, &mut step, &profile)?;
+            profile.compressed = Some(CompressedFigures {
+                saved: run
+                    .top
+                    .iter()
+                    .zip(&recomputed_retained)
+                    .map(|((_, c, _), r)| (c - r).max(0))
+                    .collect(),
+                forward: run.forward_peaks(),
+                seconds: added(&run, &profile),
+            });
+        }
         Ok(profile)
+    }
+
+    /// One more profiled step with every block's saves in `store`, which must run the
+    /// blocks `profile` ran.
+    fn profile_store_run<F, E>(
+        &self,
+        params: &[Tensor],
+        device: Device,
+        store: &BlockLever,
+        free_gradients: bool,
+        step: &mut F,
+        profile: &BlocksProfile,
+    ) -> Result<Run>
+    where
+        F: FnMut() -> std::result::Result<Tensor, E>,
+        E: std::fmt::Display,
+    {
+        let outcome = {
+            let _levers = LeversBack::save(self);
+            memsave_sys::checkpoint::with_running_stats_preserved(|| {
+                self.profile_run(params, device, store.clone(), free_gradients, step)
+            })
+            .map_err(|e| CheckpointError::Torch(e.to_string()))
+        };
+        let run = outcome??;
+        let keys = run.top.iter().map(|(k, _, _)| k);
+        if run.top.len() != profile.keys.len() || keys.zip(&profile.keys).any(|(a, b)| a != b) {
+            return Err(CheckpointError::BlocksChanged(format!(
+                "the step with every block's saves in '{}' ran other blocks than the kept one",
+                store.name()
+            )));
+        }
+        Ok(run)
     }
 
     fn profile_run<F, E>(
@@ -796,5 +1024,90 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         segments,
         output: recomputed.output,
         offload_s: None,
+        compressed: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use PlannedLever::{Compress, Keep, Recompute};
+
+    /// `n` blocks that each hold 100 bytes kept and 25 compressed until a backward
+    /// where all of them are alive at once (one segment of nothing else), recomputing
+    /// each costs a second and compressing it a tenth: what fits is what the blocks
+    /// hold.
+    fn flat(n: usize) -> BlocksProfile {
+        BlocksProfile {
+            keys: (0..n).map(|i| BlockKey::new(format!("b{i}"), 0)).collect(),
+            saved: vec![100; n],
+            forward_s: vec![1.0; n],
+            forward_kept: vec![0; n],
+            forward_recomputed: vec![0; n],
+            segments: vec![(0, (0..n).collect(), None)],
+            output: vec![0; n],
+            kept_peak: 100 * n as i64,
+            recomputed_peak: 0,
+            offload_s: None,
+            compressed: Some(CompressedFigures {
+                saved: vec![25; n],
+                forward: vec![0; n],
+                seconds: vec![0.1; n],
+            }),
+        }
+    }
+
+    fn count(levers: &[PlannedLever], which: PlannedLever) -> usize {
+        levers.iter().filter(|l| **l == which).count()
+    }
+
+    #[test]
+    fn compressed_blocks_hold_their_compressed_saves() {
+        let p = flat(3);
+        assert_eq!(p.predict_levers(&[Keep, Compress, Recompute]), 125);
+        assert_eq!(p.predict_levers(&[Compress; 3]), 75);
+        assert_eq!(p.predict_levers(&[Keep; 3]), 300);
+        assert!((p.added_seconds(&[Keep, Compress, Recompute]) - 1.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_exact_solver_compresses_where_that_is_cheaper_than_recomputing() {
+        // Within 200 bytes: one kept and two compressed (150 bytes, 0.2 s) beats two
+        // kept and one recomputed (200 bytes, 1 s).
+        let plan = flat(3).solve_levers(200).unwrap();
+        assert_eq!(
+            (count(&plan, Keep), count(&plan, Compress)),
+            (1, 2),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
+    fn the_greedy_solver_compresses_where_that_is_cheaper_than_recomputing() {
+        // 12 blocks within 600 bytes: four kept and eight compressed (600 bytes, 0.8
+        // s); kept and recomputed only, six recomputed (6 s).
+        let plan = flat(12).solve_levers(600).unwrap();
+        assert_eq!(
+            (count(&plan, Keep), count(&plan, Compress)),
+            (4, 8),
+            "{plan:?}"
+        );
+        // Below what every block compressed holds, some are recomputed.
+        let plan = flat(12).solve_levers(250).unwrap();
+        assert!(flat(12).predict_levers(&plan) <= 250, "{plan:?}");
+        assert!(count(&plan, Recompute) >= 2, "{plan:?}");
+    }
+
+    #[test]
+    fn a_budget_below_every_assignment_names_the_smallest() {
+        // Something else holds 10 bytes in the backward whatever the levers.
+        let mut p = flat(3);
+        p.segments[0].0 = 10;
+        match p.solve_levers(5).map(|_| ()).unwrap_err() {
+            CheckpointError::InfeasibleBudget {
+                smallest_feasible, ..
+            } => assert_eq!(smallest_feasible, Bytes(10)),
+            e => panic!("{e}"),
+        }
+    }
 }

@@ -50,8 +50,8 @@ pub struct Choice {
     /// when nothing coupling was found, or with one micro-batch.
     pub sample_coupling_op: Option<String>,
     /// For a workload of blocks (`Workload::blocks`): the top-level blocks it
-    /// recomputes, as `recompute enc1#0, dec1#0 (2 of 7 blocks)`; `None` when every
-    /// block is kept (or for a chain).
+    /// recomputes, offloads or compresses, as `recompute enc1#0, dec1#0; offload
+    /// bottom#0 (3 of 7 blocks)`; `None` when every block is kept (or for a chain).
     pub blocks: Option<String>,
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
@@ -98,7 +98,9 @@ impl Choice {
 
     /// The levers of a workload of blocks this choice sets, by key (`None`: every
     /// block kept): offloaded blocks write what they save to files
-    /// ([`disk_block_lever`](memsave_step::plan::disk_block_lever)); with
+    /// ([`disk_block_lever`](memsave_step::plan::disk_block_lever)), compressed ones
+    /// keep it in int8 ([`compress_block_lever`](memsave_step::plan::compress_block_lever),
+    /// lossy: only with [`Allow::compress`](crate::Allow::compress)); with
     /// [`offload`](Self::offload), each recomputed block keeps its inputs in files until
     /// its recomputation ([`BlockLever::RecomputeStoringInputs`] with
     /// [`disk_boundary_store`](memsave_step::plan::disk_boundary_store)). The stores
@@ -113,6 +115,7 @@ impl Choice {
             BlockLever::Recompute
         };
         let offload = memsave_step::plan::disk_block_lever();
+        let compress = memsave_step::plan::compress_block_lever(CompressDtype::Int8);
         Some(
             levers
                 .iter()
@@ -121,6 +124,7 @@ impl Choice {
                         PlannedLever::Keep => BlockLever::Keep,
                         PlannedLever::Recompute => recompute.clone(),
                         PlannedLever::Offload => offload.clone(),
+                        PlannedLever::Compress => compress.clone(),
                     };
                     (k.clone(), lever)
                 })
@@ -136,8 +140,11 @@ impl Choice {
                 .map(|(k, _)| k.to_string())
                 .collect()
         };
-        let (recomputed, offloaded) =
-            (named(PlannedLever::Recompute), named(PlannedLever::Offload));
+        let (recomputed, offloaded, compressed) = (
+            named(PlannedLever::Recompute),
+            named(PlannedLever::Offload),
+            named(PlannedLever::Compress),
+        );
         let mut parts = Vec::new();
         if !recomputed.is_empty() {
             let inputs = if self.offload {
@@ -150,11 +157,14 @@ impl Choice {
         if !offloaded.is_empty() {
             parts.push(format!("offload {}", offloaded.join(", ")));
         }
+        if !compressed.is_empty() {
+            parts.push(format!("compress to int8 {}", compressed.join(", ")));
+        }
         self.blocks = (!parts.is_empty()).then(|| {
             format!(
                 "{} ({} of {} blocks)",
                 parts.join("; "),
-                recomputed.len() + offloaded.len(),
+                recomputed.len() + offloaded.len() + compressed.len(),
                 levers.len()
             )
         });
@@ -182,7 +192,20 @@ impl Choice {
     /// draws otherwise, are not counted as a change. Set by hand, a choice knows only
     /// what its `sample_coupling_op` says.
     pub fn is_lossless(&self) -> bool {
-        !(self.autocast_bf16 || self.compress_int8 || self.int8_state || self.lossy_split())
+        !(self.autocast_bf16
+            || self.compress_int8
+            || self.int8_state
+            || self.lossy_split()
+            || self.compresses_blocks())
+    }
+
+    /// True when the planner compresses what some block saves
+    /// ([`PlannedLever::Compress`]; lossy).
+    pub fn compresses_blocks(&self) -> bool {
+        self.block_levers
+            .iter()
+            .flatten()
+            .any(|(_, l)| !l.is_lossless())
     }
 
     /// True when the split into micro-batches changes the step: more than one, and the
@@ -201,15 +224,23 @@ impl Choice {
         }
         if let Some(levers) = &self.block_levers {
             let count = |which| levers.iter().filter(|(_, l)| *l == which).count();
-            let (r, o) = (count(PlannedLever::Recompute), count(PlannedLever::Offload));
-            match (r, o) {
-                (0, 0) => {}
-                (r, 0) => parts.push(format!(
+            let (r, o, c) = (
+                count(PlannedLever::Recompute),
+                count(PlannedLever::Offload),
+                count(PlannedLever::Compress),
+            );
+            match (r, o, c) {
+                (0, 0, 0) => {}
+                (r, 0, 0) => parts.push(format!(
                     "checkpoint({r} of {} blocks recomputed)",
                     levers.len()
                 )),
-                (r, o) => parts.push(format!(
+                (r, o, 0) => parts.push(format!(
                     "blocks(recompute={r},offload={o} of {})",
+                    levers.len()
+                )),
+                (r, o, c) => parts.push(format!(
+                    "blocks(recompute={r},offload={o},compress={c} of {})",
                     levers.len()
                 )),
             }
@@ -297,4 +328,43 @@ pub(crate) fn recomputed(s: &Schedule) -> usize {
         })
         .sum();
     s.forward_count().saturating_sub(layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_choice_that_compresses_a_block_is_lossy_and_says_so() {
+        let keys = [BlockKey::new("enc", 0), BlockKey::new("dec", 0)];
+        let choice = Choice::new(8, 1).with_block_levers(vec![
+            (keys[0].clone(), PlannedLever::Keep),
+            (keys[1].clone(), PlannedLever::Compress),
+        ]);
+        assert!(choice.compresses_blocks());
+        assert!(!choice.is_lossless());
+        assert_eq!(
+            choice.blocks.as_deref(),
+            Some("compress to int8 dec#0 (1 of 2 blocks)")
+        );
+        assert!(
+            choice.strategy.contains("compress=1 of 2"),
+            "{}",
+            choice.strategy
+        );
+        let levers = choice.block_levers().unwrap();
+        assert!(matches!(levers[0].1, BlockLever::Keep));
+        match &levers[1].1 {
+            BlockLever::Store { name, lossless, .. } => {
+                assert_eq!((name.as_str(), *lossless), ("compress to int8", false))
+            }
+            other => panic!("{}", other.name()),
+        }
+        // Kept, recomputed and offloaded blocks are lossless.
+        let lossless = Choice::new(8, 1).with_block_levers(vec![
+            (keys[0].clone(), PlannedLever::Recompute),
+            (keys[1].clone(), PlannedLever::Offload),
+        ]);
+        assert!(lossless.is_lossless() && !lossless.compresses_blocks());
+    }
 }

@@ -28,7 +28,8 @@
 //!   backward needs them all back at once. They cost a write and a read of every
 //!   gradient per micro-batch, and reach budgets below the gradients' own size;
 //! - only when allowed ([`Allow`]), the lossy ones: bf16 autocast, int8 compression of
-//!   saved activations, 8-bit optimizer state.
+//!   saved activations (for a model of blocks, also per block, mixed with the other
+//!   levers by the blocks planner), 8-bit optimizer state.
 //!
 //! # How it predicts
 //! It runs each lever set on two small micro-batches (for accumulation, a step of two

@@ -159,6 +159,8 @@ fn search_fit(
         coupling: None,
         tries: 0,
     };
+    // Per block, the planner may then compress what a block saves (lossy).
+    search.runs.compress_blocks = request.allow.compress;
     let mut passes = Vec::new();
     for sets in [
         lever_sets(request, has_optimizer),

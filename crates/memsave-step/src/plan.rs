@@ -86,8 +86,22 @@ pub fn f_profile_blocks_with_offload(
     let options = ProfileOptions::default()
         .with_offload(disk_block_lever())
         .with_free_gradients(free_gradients);
+    f_profile_blocks_with(model, example, &options)
+}
+
+/// [`f_profile_blocks`] as `options` say (`Blocks::profile_with`): with a step whose
+/// blocks offload ([`disk_block_lever`]) or compress ([`compress_block_lever`]) what
+/// they save, with the gradients freed as they are complete.
+///
+/// # Errors
+/// As [`f_profile_blocks`].
+pub fn f_profile_blocks_with(
+    model: &dyn Workload,
+    example: &Batch,
+    options: &ProfileOptions,
+) -> Result<BlocksProfile, StepError> {
     blocks_of(model)?
-        .profile_with(&model.parameters(), &options, step_of(model, example))
+        .profile_with(&model.parameters(), options, step_of(model, example))
         .map_err(|e| StepError::lever("checkpoint", e))
 }
 
@@ -239,6 +253,18 @@ pub fn disk_block_lever() -> BlockLever {
         "offload to disk",
         true,
         Arc::new(LazyDiskHooks(std::sync::OnceLock::new())),
+    )
+}
+
+/// Saved-tensor hooks that keep what a block saves compressed to `dtype`
+/// (memsave-hooks' `Compress` under its lossy policy: parameters, integer tensors and
+/// small tensors stay as they are): what `fit` uses for blocks it compresses
+/// ([`BlockLever::Store`], lossy: the block's gradients change).
+pub fn compress_block_lever(dtype: CompressDtype) -> BlockLever {
+    BlockLever::store(
+        format!("compress to {}", dtype.as_str()),
+        false,
+        memsave_hooks::raw_hooks(Compress::new(crate::saved::codec(dtype))),
     )
 }
 

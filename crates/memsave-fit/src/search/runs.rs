@@ -12,12 +12,15 @@ use crate::predict::{profile_at, Affine};
 use crate::probe::{probe, Probe, ProbeError};
 use crate::{Candidate, FitError, FitEvent};
 use memsave_checkpoint::{
-    predict, BlocksProfile, ChainProfile, LayerProfile, PlannedLever, Schedule, Solver,
+    predict, BlocksProfile, ChainProfile, LayerProfile, PlannedLever, ProfileOptions, Schedule,
+    Solver,
 };
 use memsave_meter::Bytes;
-use memsave_step::plan::{f_profile, f_profile_blocks_with_offload};
+use memsave_step::plan::{
+    compress_block_lever, disk_block_lever, f_profile, f_profile_blocks_with,
+};
 use memsave_step::workload::Workload;
-use memsave_step::OptimizerSpec;
+use memsave_step::{CompressDtype, OptimizerSpec};
 use std::collections::HashMap;
 
 type AffineKey = (String, bool);
@@ -48,6 +51,9 @@ pub(super) struct Runs<'w> {
     pub(super) lossy_split: bool,
     /// The ranks every run runs on.
     pub(super) ranks: Ranks,
+    /// The blocks' profiles measure compression too, so that the planner may
+    /// compress a block's saves (lossy: only when allowed).
+    pub(super) compress_blocks: bool,
 }
 
 impl<'w> Runs<'w> {
@@ -78,6 +84,7 @@ impl<'w> Runs<'w> {
             progress,
             lossy_split: false,
             ranks,
+            compress_blocks: false,
         }
     }
 }
@@ -439,12 +446,14 @@ impl Runs<'_> {
             let profiles = loop {
                 let a = div_ceil(b, 2);
                 (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
+                let mut options = ProfileOptions::default()
+                    .with_offload(disk_block_lever())
+                    .with_free_gradients(free_gradients);
+                if self.compress_blocks {
+                    options = options.with_compress(compress_block_lever(CompressDtype::Int8));
+                }
                 let at = |size: i64| -> Result<BlocksProfile, memsave_step::StepError> {
-                    f_profile_blocks_with_offload(
-                        &*self.workload,
-                        &self.workload.batch(size)?,
-                        free_gradients,
-                    )
+                    f_profile_blocks_with(&*self.workload, &self.workload.batch(size)?, &options)
                 };
                 let both = at(a).and_then(|pa| {
                     let pb = if a == b { pa.clone() } else { at(b)? };

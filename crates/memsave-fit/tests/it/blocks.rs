@@ -281,3 +281,54 @@ fn with_gradients_freed_in_backward_fit_keeps_some_blocks() {
     );
     assert!(report.measured_peak_bytes <= budget, "{text}");
 }
+
+/// With compression allowed, the blocks' profile measures it and the planner may
+/// compress what a block saves where that is the cheapest way to fit (which depends
+/// on the machine's speeds: not asserted); the choice fits the budget as predicted,
+/// and a candidate that compresses a block says so and is called lossy. Without the
+/// allowance no candidate compresses a block.
+#[test]
+#[serial]
+fn with_compression_allowed_fit_may_compress_blocks_and_calls_them_lossy() {
+    memsave_meter::install();
+    let mut model = Graph::new(3, 128, 96);
+    let kept = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
+    );
+    let recomputed = peak(
+        &mut model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
+    );
+    let budget = (kept + recomputed) / 2;
+    let mut request = FitRequest::new(budget);
+    request.allow.compress = true;
+    let report = fit(&mut model, &request).unwrap();
+    let text = report.to_text();
+    assert!(report.measured_peak_bytes <= budget, "{text}");
+    let error = report.predicted_peak_bytes as f64 / report.measured_peak_bytes as f64 - 1.0;
+    assert!(error.abs() <= 0.05, "{error:+.3}\n{text}");
+    for c in &report.candidates {
+        let compresses = c.choice.compresses_blocks();
+        let named = c
+            .choice
+            .blocks
+            .as_deref()
+            .unwrap_or("")
+            .contains("compress");
+        assert_eq!(compresses, named, "{text}");
+        if compresses {
+            assert!(!c.choice.is_lossless(), "{text}");
+        }
+    }
+    request.allow.compress = false;
+    let report = fit(&mut model, &request).unwrap();
+    let text = report.to_text();
+    assert!(
+        report
+            .candidates
+            .iter()
+            .all(|c| !c.choice.compresses_blocks() && c.choice.is_lossless()),
+        "{text}"
+    );
+}
