@@ -241,7 +241,9 @@ struct FitArgs {
     /// chooses its state's precision and where it steps), if any, else none.
     #[arg(long, value_name = "KIND")]
     optimizer: Option<FitOptimizer>,
-    /// Fraction of the budget kept free for prediction errors.
+    /// Fraction of the budget kept free for prediction errors. On the CPU, when nothing
+    /// is predicted within it, a configuration predicted within the budget itself is
+    /// run, and chosen if its measured peak is within the budget.
     #[arg(long, default_value_t = 0.05, value_parser = parse_margin)]
     margin: f64,
     /// Also run every candidate at its real size to check the choice (slow).

@@ -49,7 +49,9 @@
 //! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real
 //! step of it (its peak measured and checked against the budget) and reports the
 //! prediction, the
-//! measurement, and the Pareto front of peak against time. Times predicted from small
+//! measurement (on the CPU, when no configuration is predicted within the margin,
+//! those predicted within the budget itself run in the same way, fastest first: a
+//! real-size run measured within the budget needs no margin), and the Pareto front of peak against time. Times predicted from small
 //! runs are off by tens of percent, more than separates close configurations, so up
 //! to sixteen runners-up predicted within 1.5× of the choice's time (and the best
 //! predicted of each other family within 3×: on steps of a few hundredths of a second
@@ -204,7 +206,9 @@ pub struct FitRequest {
     /// The lossy levers the caller accepts.
     pub allow: Allow,
     /// Fraction of the budget kept free for prediction errors: a configuration is
-    /// chosen only if its predicted peak is within `budget · (1 − margin)`.
+    /// chosen only if its predicted peak is within `budget · (1 − margin)`, or, on the
+    /// CPU when none is, predicted within the budget and measured within it at its
+    /// real size (the meter's peak is exact there).
     pub margin: f64,
     /// Also run every candidate predicted within twice the budget at its real size
     /// (its peak checked against the budget) and report the

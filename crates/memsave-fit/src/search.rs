@@ -182,6 +182,9 @@ fn search_fit(
         search.predict_pass(pass > 0, lever_sets)?;
         chosen = search.confirm()?;
     }
+    if chosen.is_none() && search.runs.workload.device() == tch::Device::Cpu {
+        chosen = search.confirm_within_budget()?;
+    }
     let coupling = search.name_coupling();
     let Some(chosen) = chosen else {
         return Err(search.infeasible()?);
@@ -420,8 +423,30 @@ impl Search<'_, '_> {
     /// predicted first, until one's measured peak fits the budget: that one is the
     /// choice. Those that do not fit get a note.
     fn confirm(&mut self) -> Result<Option<usize>, FitError> {
+        self.confirm_where(|c| c.predicted_fits)
+    }
+
+    /// On the CPU, where the meter's peak is exact to the byte, when nothing predicted
+    /// within the margin fits: those predicted within the budget itself, confirmed as
+    /// [`confirm`](Self::confirm) does (each measured within the budget, or not
+    /// chosen). The margin is there for predictions from small runs that miss; a
+    /// real-size run measured within the budget needs none.
+    fn confirm_within_budget(&mut self) -> Result<Option<usize>, FitError> {
+        let budget = self.request.budget_bytes;
+        self.confirm_where(|c| {
+            !c.predicted_fits
+                && c.note.is_none()
+                && c.predicted_peak_bytes.is_some_and(|p| p <= budget)
+        })
+    }
+
+    /// [`confirm`](Self::confirm) over the candidates `eligible` picks.
+    fn confirm_where(
+        &mut self,
+        eligible: impl Fn(&Candidate) -> bool,
+    ) -> Result<Option<usize>, FitError> {
         let mut order: Vec<usize> = (0..self.candidates.len())
-            .filter(|&i| self.candidates[i].predicted_fits && !self.run_already.contains(&i))
+            .filter(|&i| eligible(&self.candidates[i]) && !self.run_already.contains(&i))
             .collect();
         sort_by_predicted_time(&mut order, &self.candidates);
         for &i in &order {

@@ -65,6 +65,21 @@ pub(super) fn why(
             ));
         }
     }
+    if raced <= 1 && !chosen.predicted_fits {
+        let within = candidates
+            .iter()
+            .filter(|c| {
+                c.predicted_peak_bytes
+                    .is_some_and(|p| p <= request.budget_bytes)
+            })
+            .count();
+        why = format!(
+            "none of the configurations is predicted within {} (the budget less a {:.0}% margin): the fastest predicted of {within} within the budget itself, run at its real size, measured {} within the budget",
+            Bytes(target),
+            request.margin * 100.0,
+            Bytes(chosen.measured_peak_bytes.unwrap_or(0))
+        );
+    }
     let t = chosen.predicted_step_time_s.unwrap_or(0.0);
     if let Some(faster) = candidates
         .iter()

@@ -255,3 +255,34 @@ fn gradients_in_files_give_the_plain_step_s_gradients_and_adamw_update_bitwise()
     }
     assert_eq!(host(&params), expected);
 }
+
+#[test]
+#[serial]
+fn on_the_cpu_a_budget_within_the_margin_of_the_least_is_met_by_a_measured_run() {
+    let mut model = Mlp::new(4, 32, 8, 16);
+    // The least predicted peak, from the error at a budget nothing meets: its
+    // smallest budget is that peak with the 5% margin on top.
+    let err = fit(&mut model, &FitRequest::new(1024)).unwrap_err();
+    let FitError::Infeasible { smallest_bytes, .. } = err else {
+        panic!("expected Infeasible, got {err}");
+    };
+    // Above the least predicted peak (0.95 of the smallest budget), below it with
+    // the margin taken off: no configuration is predicted within the margin.
+    let budget = (smallest_bytes as f64 * 0.97) as u64;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap_or_else(|e| {
+        panic!("at {budget} bytes (the least with the margin: {smallest_bytes}): {e}")
+    });
+    assert!(
+        report.measured_peak_bytes <= budget,
+        "measured {} over the budget {budget}",
+        report.measured_peak_bytes
+    );
+    assert!(report.predicted_peak_bytes > (budget as f64 * 0.95) as u64);
+    assert_eq!(report.tries, 1, "{}", report.to_text());
+    assert!(
+        report.why.contains("measured") && report.why.contains("within the budget itself"),
+        "{}",
+        report.why
+    );
+    assert!(report.choice.is_lossless());
+}
