@@ -14,6 +14,10 @@ use memsave_step::workload::Workload;
 /// The least peak found and the configuration that reaches it, if any.
 type Least = Option<(u64, String)>;
 
+/// [`Least`] among the configurations that take lossy levers not allowed, with the
+/// names of those levers (see [`lossy_levers`]).
+type LossyLeast = Option<(u64, String, String)>;
+
 /// What one example per micro-batch does to BatchNorm here, for the hint.
 const ONE_EXAMPLE_SPOILS: &str = "one example per micro-batch turns running statistics NaN \
      here (BatchNorm given one value per channel), so such splits are not counted; ";
@@ -38,10 +42,10 @@ pub(super) fn error(
     } else {
         String::new()
     };
-    if let (Some((lossy, how)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
+    if let (Some((lossy, how, names)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
         if lossy < lossless {
             hint.push_str(&format!(
-                "allowing lossy levers would need {} ({how}); ",
+                "allowing {names} would need {} ({how}); ",
                 need(*lossy)
             ));
         }
@@ -79,7 +83,7 @@ fn least_peaks(
     runs: &mut Runs<'_>,
     candidates: &[Candidate],
     request: &FitRequest,
-) -> Result<(Least, Least, bool), FitError> {
+) -> Result<(Least, LossyLeast, bool), FitError> {
     let k = runs.global as usize;
     let n = if k > 1 { 2 } else { 1 };
     let optimizer = runs.optimizer;
@@ -123,6 +127,8 @@ fn least_peaks(
     let mut probed_allowed: Least = None;
     let mut one_example_spoils = false;
     let mut best_lossy: Least = None;
+    // The lossy levers `best_lossy` takes, for the hint.
+    let mut lossy_names = String::new();
     let sets = lever_sets(&everything, has_optimizer)
         .into_iter()
         .chain(grad_lever_sets(&everything, has_optimizer))
@@ -131,13 +137,22 @@ fn least_peaks(
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);
     let (sets, _refused) = in_modes(sets, modes, optimizer, &unfit);
     // Where a split changes the step (BatchNorm) and is not allowed, the least memory
-    // of the allowed levers is the whole batch at once.
+    // of the allowed levers is the whole batch at once; the split is run too, to say
+    // what allowing micro-batches would reach.
     let splits_allowed = !lossy_split || request.allow.micro_batches;
-    for levers in sets {
-        // One example per micro-batch, or, for the optimizer step in backward
-        // (which frees the gradients accumulation needs, unless they are in
-        // files) and where splits are not allowed, the whole batch at once.
-        let whole = (levers.in_backward && !levers.offload_grads) || !splits_allowed;
+    // The optimizer step in backward frees the gradients accumulation needs, unless
+    // they are in files: the whole batch at once only.
+    let shapes = |l: &Levers| match (l.in_backward && !l.offload_grads, splits_allowed) {
+        (true, _) => vec![true],
+        (false, true) => vec![false],
+        (false, false) => vec![true, false],
+    };
+    let shaped: Vec<(Levers, bool)> = sets
+        .into_iter()
+        .flat_map(|l| shapes(&l).into_iter().map(move |whole| (l, whole)))
+        .collect();
+    for (levers, whole) in shaped {
+        // One example per micro-batch, or the whole batch at once.
         let (k, n, batch) = if whole {
             (1, 1, runs.global)
         } else {
@@ -184,7 +199,8 @@ fn least_peaks(
                     Err(ProbeError::OutOfMemory(_)) => continue,
                     // Not a configuration to suggest: it spoils the running statistics.
                     Err(ProbeError::Unusable(_)) => {
-                        one_example_spoils = true;
+                        // Said only of what the levers allowed may run.
+                        one_example_spoils |= allowed(&levers, k);
                         // As many micro-batches as leave at least two examples in
                         // each, probed at the largest's size.
                         let two = (runs.global / 2) as usize;
@@ -204,6 +220,9 @@ fn least_peaks(
                 let slots = if allowed(&levers, k) {
                     vec![&mut best_allowed, &mut probed_allowed]
                 } else {
+                    if best_lossy.as_ref().is_none_or(|(p, _)| peak < *p) {
+                        lossy_names = lossy_levers(&levers, k, lossy_split, request.allow);
+                    }
                     vec![&mut best_lossy]
                 };
                 for slot in slots {
@@ -222,7 +241,26 @@ fn least_peaks(
             .flatten()
             .min_by_key(|(p, _)| *p);
     }
+    let best_lossy = best_lossy.map(|(peak, how)| (peak, how, lossy_names));
     Ok((best_allowed, best_lossy, one_example_spoils))
+}
+
+/// The lossy levers `levers` with `k` micro-batches take that `allow` does not, by the
+/// names of [`Allow`]'s fields with `-` for `_` (as `memsave fit --allow` takes them),
+/// e.g. `micro-batches` for a split of a step that couples its samples.
+fn lossy_levers(levers: &Levers, k: usize, lossy_split: bool, allow: Allow) -> String {
+    let used = [
+        (lossy_split && k > 1, allow.micro_batches, "micro-batches"),
+        (levers.bf16, allow.bf16, "bf16"),
+        (levers.compress, allow.compress, "compress"),
+        (levers.int8_state, allow.int8_state, "int8-state"),
+    ];
+    let names: Vec<&str> = used
+        .iter()
+        .filter(|(takes, allowed, _)| *takes && !*allowed)
+        .map(|(_, _, name)| *name)
+        .collect();
+    format!("lossy levers ({})", names.join(", "))
 }
 
 /// The peak of `choice` on the whole batch in one micro-batch, predicted from runs

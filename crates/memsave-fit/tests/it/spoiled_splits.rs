@@ -64,8 +64,8 @@ fn one_example_splits_are_run_but_never_chosen() {
 
 /// Fits below what anything reaches with `allow`, then at the budget the error
 /// suggests: that one must work, with no micro-batch of one example. Returns the
-/// error's text.
-fn fit_at_the_suggested_budget(allow: Allow) -> String {
+/// error's text and the configuration it names.
+fn fit_at_the_suggested_budget(allow: Allow) -> (String, String) {
     let mut model = Norm1d::new(BATCH, WIDTH);
     let plain = plain_peak(&model);
     let mut request = FitRequest::new(plain / 100);
@@ -101,13 +101,13 @@ fn fit_at_the_suggested_budget(allow: Allow) -> String {
         "{}",
         report.to_text()
     );
-    message
+    (message, how)
 }
 
 #[test]
 #[serial]
 fn the_budget_fit_suggests_is_never_one_only_one_example_splits_reach() {
-    let message = fit_at_the_suggested_budget(Allow::all());
+    let (message, _) = fit_at_the_suggested_budget(Allow::all());
     assert!(message.contains("running statistics NaN"), "{message}");
 }
 
@@ -116,8 +116,18 @@ fn the_budget_fit_suggests_is_never_one_only_one_example_splits_reach() {
 fn without_splits_the_budget_fit_suggests_is_one_the_whole_batch_reaches() {
     // Lossless levers only: with BatchNorm no split; the least memory is the whole
     // batch's at once.
-    let message = fit_at_the_suggested_budget(Allow::default());
-    assert!(!message.contains("accumulate"), "{message}");
+    let (message, how) = fit_at_the_suggested_budget(Allow::default());
+    assert!(!how.contains("accumulate"), "{message}");
+    // ... and says what micro-batches, lossy here, would reach (two examples each
+    // at least: one spoils the statistics, which it does not say of splits it
+    // cannot take).
+    let hint = message
+        .split("allowing lossy levers (micro-batches) would need ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no hint for micro-batches: {message}"));
+    assert!(hint.contains("accumulate(micro_batches="), "{message}");
+    assert!(!hint.contains("micro_batches=64"), "{message}");
+    assert!(!message.contains("running statistics NaN"), "{message}");
 }
 
 /// Issue "Trust III" item 10: a batch of one example on a BatchNorm net spoils the
