@@ -377,7 +377,9 @@ impl BlocksProfile {
                 // a tensor alive anyway (the block's output) costs its bytes then.
                 let own = match own.map(|i| (i, levers[i])) {
                     Some((i, PlannedLever::Offload)) => -self.output[i],
-                    Some((i, PlannedLever::Compress)) => self.held(PlannedLever::Compress, i),
+                    Some((i, PlannedLever::Compress)) if self.compressed.is_some() => {
+                        self.held(PlannedLever::Compress, i)
+                    }
                     _ => 0,
                 };
                 p + held(&mut alive.iter().copied()) + own

@@ -158,6 +158,7 @@ fn search_fit(
         run_already: HashSet::new(),
         coupling: None,
         tries: 0,
+        fell_back: false,
     };
     // Per block, the planner may then compress what a block saves (lossy).
     search.runs.compress_blocks = request.allow.compress;
@@ -184,6 +185,7 @@ fn search_fit(
     }
     if chosen.is_none() && search.runs.workload.device() == tch::Device::Cpu {
         chosen = search.confirm_within_budget()?;
+        search.fell_back = chosen.is_some();
     }
     let coupling = search.name_coupling();
     let Some(chosen) = chosen else {
@@ -222,6 +224,9 @@ struct Search<'w, 'q> {
     coupling: Option<Option<Coupling>>,
     /// Real steps of chosen configurations run to confirm one.
     tries: usize,
+    /// The choice was confirmed among those predicted within the budget but not the
+    /// margin ([`Search::confirm_within_budget`]).
+    fell_back: bool,
 }
 
 /// What the race of runners-up measured.
@@ -705,6 +710,7 @@ impl Search<'_, '_> {
             started,
             candidates,
             tries,
+            fell_back,
             ..
         } = self;
         // Leave the workload on the chosen schedule.
@@ -727,6 +733,7 @@ impl Search<'_, '_> {
             global,
             world_size,
             raced.measured,
+            fell_back,
         );
         if let Some(coupling) = &coupling {
             why.push_str(&format!(

@@ -35,7 +35,8 @@ pub(super) fn front(candidates: &[Candidate]) -> Vec<Candidate> {
 
 /// Why `chosen` among `candidates`: the fastest predicted within `target` (the budget
 /// less the margin), or, when `raced` configurations (the choice included) ran at
-/// their real size, the fastest measured; what faster one would need; and the split
+/// their real size, the fastest measured; with `fell_back`, found among those
+/// predicted within the budget itself, none within the margin having fitted; what faster one would need; and the split
 /// (over `world_size` ranks) that keeps the global batch.
 pub(super) fn why(
     chosen: &Candidate,
@@ -45,6 +46,7 @@ pub(super) fn why(
     global: i64,
     world_size: usize,
     raced: usize,
+    fell_back: bool,
 ) -> String {
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
     let mut why = format!(
@@ -65,24 +67,35 @@ pub(super) fn why(
             ));
         }
     }
-    if raced <= 1 && !chosen.predicted_fits {
-        let within = candidates
-            .iter()
-            .filter(|c| {
-                c.predicted_peak_bytes
-                    .is_some_and(|p| p <= request.budget_bytes)
-            })
-            .count();
+    if fell_back {
+        let none = if fitting == 0 {
+            format!(
+                "none of the configurations is predicted within {} (the budget less a {:.0}% margin)",
+                Bytes(target),
+                request.margin * 100.0
+            )
+        } else {
+            format!(
+                "none of the {fitting} configurations predicted within {} (the budget less a {:.0}% margin) fitted when run",
+                Bytes(target),
+                request.margin * 100.0
+            )
+        };
         why = format!(
-            "none of the configurations is predicted within {} (the budget less a {:.0}% margin): the fastest predicted of {within} within the budget itself, run at its real size, measured {} within the budget",
-            Bytes(target),
-            request.margin * 100.0,
+            "{none}: the fastest predicted within the budget itself that measured within it at its real size ({})",
             Bytes(chosen.measured_peak_bytes.unwrap_or(0))
         );
+        if raced > 1 {
+            why.push_str(&format!(
+                ", then the fastest measured of {raced} configurations run at their real size (runners-up predicted within {RACE_WITHIN}x its time, each other family's best within {RACE_FAMILY_WITHIN}x)"
+            ));
+        }
     }
     let t = chosen.predicted_step_time_s.unwrap_or(0.0);
     if let Some(faster) = candidates
         .iter()
+        // Not one that failed its run: its prediction is not what it needs.
+        .filter(|c| c.note.is_none())
         .filter(|c| !c.predicted_fits && c.predicted_step_time_s.is_some_and(|ct| ct < t))
         .min_by(|a, b| {
             a.predicted_step_time_s

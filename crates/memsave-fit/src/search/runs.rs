@@ -443,13 +443,16 @@ impl Runs<'_> {
             // size), and the whole batch is what most splits run. The plain step runs
             // there: where it fails (out of memory on a device), halve both sizes.
             let mut b = self.global;
+            // Without the compressing step if it fails: a lossy lever allowed must not
+            // take the lossless ones' plans away.
+            let mut compress = self.compress_blocks;
             let profiles = loop {
                 let a = div_ceil(b, 2);
                 (self.progress)(&FitEvent::Profiling { sizes: (a, b) });
                 let mut options = ProfileOptions::default()
                     .with_offload(disk_block_lever())
                     .with_free_gradients(free_gradients);
-                if self.compress_blocks {
+                if compress {
                     options = options.with_compress(compress_block_lever(CompressDtype::Int8));
                 }
                 let at = |size: i64| -> Result<BlocksProfile, memsave_step::StepError> {
@@ -463,6 +466,7 @@ impl Runs<'_> {
                 let failed = self.ranks.any(both.is_err())?;
                 match both {
                     Ok((pa, pb)) if !failed => break Some((pa, a, pb, b)),
+                    _ if compress => compress = false,
                     _ if b > 1 => b = a,
                     _ => break None,
                 }
