@@ -22,7 +22,7 @@ mod tuning;
 pub use self::explain::table;
 
 use self::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, splits, Levers};
-use self::explain::{front, why};
+use self::explain::{front, why, Confirmed};
 use self::race::{
     close_to_fastest, ends_before, fastest_of, fastest_of_run, racers, rounds,
     sort_by_measured_time, sort_by_predicted_time, Rounds,
@@ -732,8 +732,10 @@ impl Search<'_, '_> {
             request,
             global,
             world_size,
-            raced.measured,
-            fell_back,
+            Confirmed {
+                raced: raced.measured,
+                fell_back,
+            },
         );
         if let Some(coupling) = &coupling {
             why.push_str(&format!(

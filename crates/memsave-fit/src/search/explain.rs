@@ -33,6 +33,15 @@ pub(super) fn front(candidates: &[Candidate]) -> Vec<Candidate> {
     front
 }
 
+/// How the choice was confirmed, for [`why`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Confirmed {
+    /// Configurations run at their real size in the race, the choice included.
+    pub(super) raced: usize,
+    /// Found among those predicted within the budget but not the margin.
+    pub(super) fell_back: bool,
+}
+
 /// Why `chosen` among `candidates`: the fastest predicted within `target` (the budget
 /// less the margin), or, when `raced` configurations (the choice included) ran at
 /// their real size, the fastest measured; with `fell_back`, found among those
@@ -45,9 +54,9 @@ pub(super) fn why(
     request: &FitRequest,
     global: i64,
     world_size: usize,
-    raced: usize,
-    fell_back: bool,
+    confirmed: Confirmed,
 ) -> String {
+    let Confirmed { raced, fell_back } = confirmed;
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
     let mut why = format!(
         "the fastest predicted of {fitting} configurations whose predicted peak is within {} (the budget less a {:.0}% margin)",
