@@ -26,9 +26,9 @@ use tch::{Device, Tensor};
 /// Blocks up to which [`BlocksProfile::solve`] tries every assignment.
 const EXACT_UP_TO: usize = 16;
 
-/// Blocks up to which [`BlocksProfile::solve_levers`] tries every assignment of kept,
-/// sent away and compressed (3^10 = 59,049 predictions).
-const EXACT_THREE_WAYS_UP_TO: usize = 10;
+/// Assignments up to which [`BlocksProfile::solve_levers`] tries every one (3^10:
+/// ten blocks with three levers measured, seven with four).
+const EXACT_ASSIGNMENTS: usize = 59_049;
 
 /// What [`Blocks::profile`] measured: per top-level block its saved bytes and forward
 /// time, and the segments of the two profiled steps.
@@ -51,6 +51,11 @@ pub struct BlocksProfile {
     /// With [`Blocks::profile_with_offload`]: seconds each block's offload adds to the
     /// step (its forward's write, measured, twice for the read in backward).
     offload_s: Option<Vec<f64>>,
+    /// With an offload step: per top-level block, the peak of its own backward segment
+    /// there (from backward's first read of its saves, every block's saves in the
+    /// store) less that of the recomputed step's (from its recomputation), or, where
+    /// either was not seen, less the block's output (which recomputing makes again).
+    offload_backward: Option<Vec<i64>>,
     /// With [`ProfileOptions::compress`]: what the step with every block's saves
     /// compressed measured.
     compressed: Option<CompressedFigures>,
@@ -144,6 +149,7 @@ impl BlocksProfile {
     ) -> Option<BlocksProfile> {
         let same = pa.keys == pb.keys
             && pa.compressed.is_some() == pb.compressed.is_some()
+            && pa.offload_backward.is_some() == pb.offload_backward.is_some()
             && pa.segments.len() == pb.segments.len()
             && pa
                 .segments
@@ -160,6 +166,10 @@ impl BlocksProfile {
         let line = |fa: i64, fb: i64| -> i64 {
             let v = fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64;
             (v.round() as i64).max(0)
+        };
+        // A difference of two peaks, which may be below zero.
+        let signed = |fa: i64, fb: i64| -> i64 {
+            (fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64).round() as i64
         };
         let lines = |xa: &[i64], xb: &[i64]| xa.iter().zip(xb).map(|(&x, &y)| line(x, y)).collect();
         let scaled = |v: &[f64]| v.iter().map(|s| s * m as f64 / b as f64).collect();
@@ -191,6 +201,12 @@ impl BlocksProfile {
             kept_peak: line(pa.kept_peak, pb.kept_peak),
             recomputed_peak: line(pa.recomputed_peak, pb.recomputed_peak),
             offload_s: pb.offload_s.as_deref().map(scaled),
+            offload_backward: match (&pa.offload_backward, &pb.offload_backward) {
+                (Some(oa), Some(ob)) => {
+                    Some(oa.iter().zip(ob).map(|(&x, &y)| signed(x, y)).collect())
+                }
+                _ => None,
+            },
             compressed,
         })
     }
@@ -212,6 +228,9 @@ impl BlocksProfile {
         out.push(self.recomputed_peak as f64);
         if let Some(off) = &self.offload_s {
             out.extend(off);
+        }
+        if let Some(ob) = &self.offload_backward {
+            out.extend(bytes(ob));
         }
         if let Some(c) = &self.compressed {
             out.extend(bytes(&c.saved));
@@ -248,6 +267,7 @@ impl BlocksProfile {
             own.hash(&mut h);
         }
         self.offload_s.is_some().hash(&mut h);
+        self.offload_backward.is_some().hash(&mut h);
         self.compressed.is_some().hash(&mut h);
         h.finish()
     }
@@ -270,6 +290,7 @@ impl BlocksProfile {
         let peaks = bytes(take(self.segments.len()));
         let ends = bytes(take(2));
         let offload_s = self.offload_s.as_ref().map(|_| take(n));
+        let offload_backward = self.offload_backward.as_ref().map(|_| bytes(take(n)));
         let compressed = self.compressed.as_ref().map(|_| CompressedFigures {
             saved: bytes(take(n)),
             forward: bytes(take(n)),
@@ -291,6 +312,7 @@ impl BlocksProfile {
             kept_peak: ends[0],
             recomputed_peak: ends[1],
             offload_s,
+            offload_backward,
             compressed,
         })
     }
@@ -376,7 +398,10 @@ impl BlocksProfile {
                 // decompresses its saves one node at a time, but a compressed copy of
                 // a tensor alive anyway (the block's output) costs its bytes then.
                 let own = match own.map(|i| (i, levers[i])) {
-                    Some((i, PlannedLever::Offload)) => -self.output[i],
+                    Some((i, PlannedLever::Offload)) => self
+                        .offload_backward
+                        .as_ref()
+                        .map_or(-self.output[i], |d| d[i]),
                     Some((i, PlannedLever::Compress)) if self.compressed.is_some() => {
                         self.held(PlannedLever::Compress, i)
                     }
@@ -470,7 +495,11 @@ impl BlocksProfile {
     /// [`CheckpointError::InfeasibleBudget`] with the smallest predicted peak when
     /// nothing fits.
     pub fn solve(&self, budget: u64) -> Result<Vec<bool>> {
-        self.solve_costs(budget, &self.forward_s)
+        self.solve_costs(
+            budget,
+            &self.forward_s,
+            &vec![PlannedLever::Recompute; self.keys.len()],
+        )
     }
 
     /// The levers with the least added time within `budget` (see
@@ -478,81 +507,149 @@ impl BlocksProfile {
     /// measured them, offloaded ([`Blocks::profile_with_offload`]) or compressed
     /// ([`ProfileOptions::compress`]). An offloaded block frees between its forward and
     /// its backward what a recomputed one does (its saved tensors; the store keeps none
-    /// in memory), so each block sent away takes the cheaper of the two; a compressed
-    /// one frees less (it keeps its compressed saves), at its own cost.
+    /// in memory), and its own backward, which reads its saves back instead of making
+    /// them again, holds what the profile measured there; a compressed one frees less
+    /// (it keeps its compressed saves), at its own cost.
     ///
-    /// With compression measured, every assignment of the three (kept, sent away,
-    /// compressed) is tried up to 10 blocks. Beyond, the faster of two greedy passes:
+    /// Every assignment is tried up to 59,049 of them (ten blocks with offload or
+    /// compression measured, seven with both). Beyond, the fastest of greedy passes:
     /// the best assignment of kept and sent away as [`solve`](Self::solve) finds it,
-    /// with the blocks sent away whose compression costs less compressed one at a
-    /// time, the largest saving first, while the prediction fits (never slower than
-    /// without compression); and every block sent away, then moved to cheaper levers
-    /// (compressed, kept) one at a time, the most seconds saved per byte added first,
-    /// while the prediction fits.
+    /// a block sent away taking the faster of recompute and offload, or the one whose
+    /// own backward holds less; with compression measured, each of those with the
+    /// blocks sent away whose compression costs less compressed one at a time, the
+    /// largest saving first, while the prediction fits; and every block sent away (or
+    /// compressed), then moved to cheaper levers one at a time, the most seconds saved
+    /// per byte added first, while the prediction fits. Never slower than the best
+    /// assignment of kept and sent away alone.
     ///
     /// # Errors
     /// As [`solve`](Self::solve).
     pub fn solve_levers(&self, budget: u64) -> Result<Vec<PlannedLever>> {
         let n = self.keys.len();
-        // The cheaper of recomputing and offloading, for a block sent away.
-        let away: Vec<(PlannedLever, f64)> = (0..n)
+        let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
+        let mut options = vec![PlannedLever::Keep, PlannedLever::Recompute];
+        if self.offload_s.is_some() {
+            options.push(PlannedLever::Offload);
+        }
+        if self.compressed.is_some() {
+            options.push(PlannedLever::Compress);
+        }
+        let k = options.len();
+        if k > 2 && (k as f64).powi(n as i32) <= EXACT_ASSIGNMENTS as f64 {
+            return self.solve_every_assignment(budget, &options);
+        }
+        // A block sent away: the cheaper of recomputing and offloading, or the one whose
+        // own backward holds less (offloaded, backward reads its saves back one node at
+        // a time; recomputed, it makes them all again).
+        let (recompute, offload) = (PlannedLever::Recompute, PlannedLever::Offload);
+        let by_time: Vec<PlannedLever> = (0..n)
             .map(|i| match &self.offload_s {
-                Some(off) if off[i] < self.forward_s[i] => (PlannedLever::Offload, off[i]),
-                _ => (PlannedLever::Recompute, self.forward_s[i]),
+                Some(off) if off[i] < self.forward_s[i] => offload,
+                _ => recompute,
             })
             .collect();
-        let costs: Vec<f64> = away.iter().map(|(_, s)| *s).collect();
-        let Some(c) = &self.compressed else {
-            let r = self.solve_costs(budget, &costs)?;
-            return Ok(r
-                .iter()
-                .zip(&away)
-                .map(|(&r, (l, _))| if r { *l } else { PlannedLever::Keep })
-                .collect());
-        };
-        let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
-        if n <= EXACT_THREE_WAYS_UP_TO {
-            let options = |i: usize| {
-                [
-                    (PlannedLever::Keep, 0.0),
-                    away[i],
-                    (PlannedLever::Compress, c.seconds[i]),
-                ]
-            };
-            let mut best: Option<(f64, Vec<PlannedLever>)> = None;
-            let mut smallest = i64::MAX;
-            for code in 0..3usize.pow(n as u32) {
-                let (mut levers, mut cost, mut rest) = (Vec::with_capacity(n), 0.0, code);
-                for i in 0..n {
-                    let (l, s) = options(i)[rest % 3];
-                    rest /= 3;
-                    levers.push(l);
-                    cost += s;
-                }
-                let peak = self.predict_levers(&levers);
-                smallest = smallest.min(peak);
-                if peak <= budget_i && best.as_ref().is_none_or(|(bc, _)| cost < *bc) {
-                    best = Some((cost, levers));
-                }
-            }
-            return best
-                .map(|(_, l)| l)
-                .ok_or(CheckpointError::InfeasibleBudget {
-                    budget: Bytes(budget),
-                    smallest_feasible: Bytes(smallest.max(0) as u64),
-                });
-        }
-        let fits = |l: &[PlannedLever]| self.predict_levers(l) <= budget_i;
-        // From the best assignment of kept and sent away: each block sent away
-        // compressed instead where that costs less, the largest saving first.
-        let r = self.solve_costs(budget, &costs)?;
-        let mut swapped: Vec<PlannedLever> = r
-            .iter()
-            .zip(&away)
-            .map(|(&r, (l, _))| if r { *l } else { PlannedLever::Keep })
+        let by_memory: Vec<PlannedLever> = (0..n)
+            .map(|i| match &self.offload_backward {
+                Some(d) if d[i] < 0 => offload,
+                _ => recompute,
+            })
             .collect();
-        let saving = |i: usize| costs[i] - c.seconds[i];
-        let mut order: Vec<usize> = (0..n).filter(|&i| r[i] && saving(i) > 0.0).collect();
+        let mut plans = Vec::new();
+        let mut smallest = i64::MAX;
+        for away in [by_time, by_memory] {
+            let costs: Vec<f64> = away
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| self.lever_seconds(l, i))
+                .collect();
+            match self.solve_costs(budget, &costs, &away) {
+                Ok(r) => {
+                    let plan: Vec<PlannedLever> = r
+                        .iter()
+                        .zip(&away)
+                        .map(|(&r, &l)| if r { l } else { PlannedLever::Keep })
+                        .collect();
+                    plans.extend(self.with_compression(budget_i, &plan, &away));
+                    plans.push(plan);
+                }
+                Err(CheckpointError::InfeasibleBudget {
+                    smallest_feasible, ..
+                }) => smallest = smallest.min(smallest_feasible.0 as i64),
+                Err(e) => return Err(e),
+            }
+        }
+        if self.compressed.is_some() {
+            let every = vec![PlannedLever::Compress; n];
+            smallest = smallest.min(self.predict_levers(&every));
+            plans.extend(self.with_compression(budget_i, &every, &every));
+        }
+        plans
+            .into_iter()
+            .filter(|l| self.predict_levers(l) <= budget_i)
+            .min_by(|a, b| self.added_seconds(a).total_cmp(&self.added_seconds(b)))
+            .ok_or(CheckpointError::InfeasibleBudget {
+                budget: Bytes(budget),
+                smallest_feasible: Bytes(smallest.max(0) as u64),
+            })
+    }
+
+    /// Every assignment of `options` to the blocks, the fastest whose prediction is
+    /// within `budget`.
+    fn solve_every_assignment(
+        &self,
+        budget: u64,
+        options: &[PlannedLever],
+    ) -> Result<Vec<PlannedLever>> {
+        let (n, k) = (self.keys.len(), options.len());
+        let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
+        let mut best: Option<(f64, Vec<PlannedLever>)> = None;
+        let mut smallest = i64::MAX;
+        let mut levers = vec![PlannedLever::Keep; n];
+        for code in 0..k.pow(n as u32) {
+            let (mut cost, mut rest) = (0.0, code);
+            for (i, lever) in levers.iter_mut().enumerate() {
+                *lever = options[rest % k];
+                rest /= k;
+                cost += self.lever_seconds(*lever, i);
+            }
+            if best.as_ref().is_some_and(|(bc, _)| cost >= *bc) && smallest <= budget_i {
+                continue; // no faster, and the smallest is known to fit
+            }
+            let peak = self.predict_levers(&levers);
+            smallest = smallest.min(peak);
+            if peak <= budget_i && best.as_ref().is_none_or(|(bc, _)| cost < *bc) {
+                best = Some((cost, levers.clone()));
+            }
+        }
+        best.map(|(_, l)| l)
+            .ok_or(CheckpointError::InfeasibleBudget {
+                budget: Bytes(budget),
+                smallest_feasible: Bytes(smallest.max(0) as u64),
+            })
+    }
+
+    /// `plan` with compression mixed in, when measured: each block `away` says is
+    /// sent away compressed instead where that costs less, the largest saving first,
+    /// while the prediction fits; and from every block sent away, the moves to a
+    /// cheaper lever (sent away to compressed, compressed to kept, sent away to kept),
+    /// the most seconds saved per byte added first, each made while the prediction
+    /// fits. Both results (none without compression measured).
+    fn with_compression(
+        &self,
+        budget: i64,
+        plan: &[PlannedLever],
+        away: &[PlannedLever],
+    ) -> Vec<Vec<PlannedLever>> {
+        let Some(c) = &self.compressed else {
+            return Vec::new();
+        };
+        let fits = |l: &[PlannedLever]| self.predict_levers(l) <= budget;
+        let cost = |l: PlannedLever, i: usize| self.lever_seconds(l, i);
+        let saving = |i: usize| cost(plan[i], i) - c.seconds[i];
+        let mut swapped = plan.to_vec();
+        let mut order: Vec<usize> = (0..plan.len())
+            .filter(|&i| plan[i] != PlannedLever::Keep && saving(i) > 0.0)
+            .collect();
         order.sort_by(|&a, &b| saving(b).total_cmp(&saving(a)));
         for i in order {
             let was = std::mem::replace(&mut swapped[i], PlannedLever::Compress);
@@ -560,25 +657,22 @@ impl BlocksProfile {
                 swapped[i] = was;
             }
         }
-        // From every block sent away: the moves to a cheaper lever (sent away to
-        // compressed, compressed to kept, sent away to kept), the most seconds saved
-        // per byte added first, each made while the prediction fits.
-        let held = |l: PlannedLever, i: usize| self.held(l, i);
         let mut moves: Vec<(usize, PlannedLever, PlannedLever, f64)> = Vec::new();
-        for (i, &(sent, cost)) in away.iter().enumerate() {
-            for (from, to, saved) in [
-                (sent, PlannedLever::Compress, cost - c.seconds[i]),
-                (PlannedLever::Compress, PlannedLever::Keep, c.seconds[i]),
-                (sent, PlannedLever::Keep, cost),
+        for (i, &sent) in away.iter().enumerate() {
+            for (from, to) in [
+                (sent, PlannedLever::Compress),
+                (PlannedLever::Compress, PlannedLever::Keep),
+                (sent, PlannedLever::Keep),
             ] {
-                if saved > 0.0 {
-                    let added = (held(to, i) - held(from, i)).max(1) as f64;
+                let saved = cost(from, i) - cost(to, i);
+                if from != to && saved > 0.0 {
+                    let added = (self.held(to, i) - self.held(from, i)).max(1) as f64;
                     moves.push((i, from, to, saved / added));
                 }
             }
         }
         moves.sort_by(|a, b| b.3.total_cmp(&a.3));
-        let mut grown: Vec<PlannedLever> = away.iter().map(|(l, _)| *l).collect();
+        let mut grown = away.to_vec();
         for (i, from, to, _) in moves {
             if grown[i] == from {
                 grown[i] = to;
@@ -587,11 +681,20 @@ impl BlocksProfile {
                 }
             }
         }
-        let mut best = swapped;
-        if fits(&grown) && self.added_seconds(&grown) < self.added_seconds(&best) {
-            best = grown;
+        vec![swapped, grown]
+    }
+
+    /// Seconds `lever` adds to block `i` (infinite for a lever not measured).
+    fn lever_seconds(&self, lever: PlannedLever, i: usize) -> f64 {
+        match lever {
+            PlannedLever::Keep => 0.0,
+            PlannedLever::Recompute => self.forward_s[i],
+            PlannedLever::Offload => self.offload_s.as_ref().map_or(f64::INFINITY, |o| o[i]),
+            PlannedLever::Compress => self
+                .compressed
+                .as_ref()
+                .map_or(f64::INFINITY, |c| c.seconds[i]),
         }
-        Ok(best)
     }
 
     /// Seconds `levers` add to the step: recomputed forwards, offloads and
@@ -600,15 +703,7 @@ impl BlocksProfile {
         levers
             .iter()
             .enumerate()
-            .map(|(i, l)| match l {
-                PlannedLever::Keep => 0.0,
-                PlannedLever::Recompute => self.forward_s[i],
-                PlannedLever::Offload => self.offload_s.as_ref().map_or(f64::INFINITY, |o| o[i]),
-                PlannedLever::Compress => self
-                    .compressed
-                    .as_ref()
-                    .map_or(f64::INFINITY, |c| c.seconds[i]),
-            })
+            .map(|(i, &l)| self.lever_seconds(l, i))
             .sum()
     }
 
@@ -621,11 +716,20 @@ impl BlocksProfile {
         self.offload_s.as_deref()
     }
 
-    /// `solve` with `costs[i]` the time of sending block `i` away.
-    fn solve_costs(&self, budget: u64, costs: &[f64]) -> Result<Vec<bool>> {
+    /// `solve` with `costs[i]` the time of sending block `i` away, under the lever
+    /// `away[i]`.
+    fn solve_costs(&self, budget: u64, costs: &[f64], away: &[PlannedLever]) -> Result<Vec<bool>> {
         let n = self.keys.len();
         let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
-        let fits = |r: &[bool]| self.predict(r) <= budget_i;
+        let predict = |r: &[bool]| {
+            let levers: Vec<PlannedLever> = r
+                .iter()
+                .zip(away)
+                .map(|(&r, &l)| if r { l } else { PlannedLever::Keep })
+                .collect();
+            self.predict_levers(&levers)
+        };
+        let fits = |r: &[bool]| predict(r) <= budget_i;
         let cost = |r: &[bool]| -> f64 {
             r.iter()
                 .zip(costs)
@@ -667,12 +771,12 @@ impl BlocksProfile {
                 let smallest = if n <= EXACT_UP_TO {
                     (0u32..(1u32 << n))
                         .map(|mask| {
-                            self.predict(&(0..n).map(|i| mask & (1 << i) != 0).collect::<Vec<_>>())
+                            predict(&(0..n).map(|i| mask & (1 << i) != 0).collect::<Vec<_>>())
                         })
                         .min()
                         .unwrap_or(0)
                 } else {
-                    self.predict(&vec![true; n])
+                    predict(&vec![true; n])
                 };
                 Err(CheckpointError::InfeasibleBudget {
                     budget: Bytes(budget),
@@ -777,6 +881,10 @@ impl Blocks {
         };
         let (kept, recomputed) = outcome??;
         let recomputed_retained: Vec<i64> = recomputed.top.iter().map(|(_, r, _)| *r).collect();
+        let recomputed_own = recomputed.own_backward_peaks(|e| match e {
+            Event::Recompute(i) => Some(i),
+            _ => None,
+        });
         let mut profile = build(kept, recomputed)?;
         // Seconds a store adds to each block: its forward's extra time, twice (the
         // write or encode, and as much again to read back in backward).
@@ -790,6 +898,21 @@ impl Blocks {
         if let Some(offload) = &options.offload {
             let run = self.profile_store_run(params, device, offload, free, &mut step, &profile)?;
             profile.offload_s = Some(added(&run, &profile));
+            let stored = run.own_backward_peaks(|e| match e {
+                Event::Unpack(i) => Some(i),
+                _ => None,
+            });
+            profile.offload_backward = Some(
+                stored
+                    .iter()
+                    .zip(&recomputed_own)
+                    .zip(&profile.output)
+                    .map(|((s, r), out)| match (s, r) {
+                        (Some(s), Some(r)) => s - r,
+                        _ => -out,
+                    })
+                    .collect(),
+            );
         }
         if let Some(compress) = &options.compress {
             let run =
@@ -966,6 +1089,19 @@ impl Run {
         self.segments.iter().map(|(_, p)| *p).max().unwrap_or(0)
     }
 
+    /// Peak of each top-level block's own backward segment, opened by the event `own`
+    /// names it by (its recomputation, or the first read of its stored saves); `None`
+    /// for a block whose segment was not seen.
+    fn own_backward_peaks(&self, own: impl Fn(Event) -> Option<usize>) -> Vec<Option<i64>> {
+        let mut peaks = vec![None; self.top.len()];
+        for (event, peak) in &self.segments {
+            if let Some(i) = own(*event).filter(|&i| i < peaks.len()) {
+                peaks[i] = Some(peaks[i].map_or(*peak, |p: i64| p.max(*peak)));
+            }
+        }
+        peaks
+    }
+
     /// Peak of each top-level block's forward.
     fn forward_peaks(&self) -> Vec<i64> {
         let mut peaks = vec![0; self.top.len()];
@@ -998,7 +1134,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
     let mut freed: Vec<usize> = Vec::new();
     for (event, peak) in &recomputed.segments {
         match *event {
-            Event::Start(_) => {}
+            Event::Start(_) | Event::Unpack(_) => {}
             Event::Begin | Event::ForwardEnd => segments.push((*peak, finished.clone(), None)),
             Event::End(i) => {
                 finished.push(i);
@@ -1026,6 +1162,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         segments,
         output: recomputed.output,
         offload_s: None,
+        offload_backward: None,
         compressed: None,
     })
 }
@@ -1033,7 +1170,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use PlannedLever::{Compress, Keep, Recompute};
+    use PlannedLever::{Compress, Keep, Offload, Recompute};
 
     /// `n` blocks that each hold 100 bytes kept and 25 compressed until a backward
     /// where all of them are alive at once (one segment of nothing else), recomputing
@@ -1051,6 +1188,7 @@ mod tests {
             kept_peak: 100 * n as i64,
             recomputed_peak: 0,
             offload_s: None,
+            offload_backward: None,
             compressed: Some(CompressedFigures {
                 saved: vec![25; n],
                 forward: vec![0; n],
@@ -1098,6 +1236,38 @@ mod tests {
         let plan = flat(12).solve_levers(250).unwrap();
         assert!(flat(12).predict_levers(&plan) <= 250, "{plan:?}");
         assert!(count(&plan, Recompute) >= 2, "{plan:?}");
+    }
+
+    /// `n` blocks whose own backward peaks at 1000 bytes recomputed and at 500
+    /// offloaded (backward reads the saves back one node at a time), recomputing
+    /// faster (1 s) than offloading (2 s); nothing else holds anything.
+    fn tall(n: usize) -> BlocksProfile {
+        BlocksProfile {
+            keys: (0..n).map(|i| BlockKey::new(format!("b{i}"), 0)).collect(),
+            saved: vec![100; n],
+            forward_s: vec![1.0; n],
+            forward_kept: vec![0; n],
+            forward_recomputed: vec![0; n],
+            segments: (0..n).map(|i| (1000, Vec::new(), Some(i))).collect(),
+            output: vec![0; n],
+            kept_peak: 1000,
+            recomputed_peak: 1000,
+            offload_s: Some(vec![2.0; n]),
+            offload_backward: Some(vec![-500; n]),
+            compressed: None,
+        }
+    }
+
+    #[test]
+    fn offload_is_chosen_where_only_its_own_backward_fits_though_it_is_slower() {
+        for n in [3, 12] {
+            let p = tall(n);
+            assert_eq!(p.predict_levers(&vec![Recompute; n]), 1000);
+            assert_eq!(p.predict_levers(&vec![Offload; n]), 500);
+            assert_eq!(p.solve_levers(600).unwrap(), vec![Offload; n], "{n} blocks");
+            // With room for the recomputation, the faster lever: nothing (kept).
+            assert_eq!(p.solve_levers(1000).unwrap(), vec![Keep; n], "{n} blocks");
+        }
     }
 
     #[test]

@@ -216,6 +216,44 @@ pub(crate) enum Event {
     ForwardEnd,
     /// Top-level block `i`'s recomputation starts, in backward.
     Recompute(usize),
+    /// Backward first reads back a save of top-level block `i`, whose saves are in a
+    /// store ([`BlockLever::Store`]): where its recomputation would start.
+    Unpack(usize),
+}
+
+/// A store's hooks that, while a step is profiled, mark the first read of top-level
+/// block `index`'s saves in backward ([`Event::Unpack`]).
+struct MarksBackward {
+    inner: Arc<dyn RawHooks>,
+    blocks: Blocks,
+    index: usize,
+    marked: std::sync::atomic::AtomicBool,
+}
+
+impl RawHooks for MarksBackward {
+    fn pack(
+        &self,
+        tensor: &Tensor,
+        saved_by: Option<&str>,
+    ) -> std::result::Result<memsave_sys::hooks::Packed, memsave_sys::CallbackError> {
+        self.inner.pack(tensor, saved_by)
+    }
+
+    fn records_ops(&self) -> bool {
+        self.inner.records_ops()
+    }
+
+    fn unpack(
+        &self,
+        packed: &memsave_sys::hooks::Packed,
+    ) -> std::result::Result<Tensor, memsave_sys::CallbackError> {
+        if !self.marked.swap(true, Ordering::SeqCst) {
+            if let Some(profiler) = self.blocks.lock().profiler.as_mut() {
+                profiler.event(Event::Unpack(self.index));
+            }
+        }
+        self.inner.unpack(packed)
+    }
 }
 
 /// The peak of each segment of a step, above the bytes allocated when it began.
@@ -881,8 +919,17 @@ impl Blocks {
                         "{label}: its saves cannot go to a store while its function runs inside a block wrapper (ZeRO-3's units): the store would keep the gathered weights; recompute the block instead (with its inputs in files, if memory is short)"
                     )));
                 }
-                let frame = memsave_sys::hooks::push(Arc::clone(hooks))
-                    .map_err(|e| failed(e.to_string()))?;
+                let profiled = self.lock().profiler.is_some();
+                let hooks: Arc<dyn RawHooks> = match top {
+                    Some(index) if profiled => Arc::new(MarksBackward {
+                        inner: Arc::clone(hooks),
+                        blocks: self.clone(),
+                        index,
+                        marked: std::sync::atomic::AtomicBool::new(false),
+                    }),
+                    _ => Arc::clone(hooks),
+                };
+                let frame = memsave_sys::hooks::push(hooks).map_err(|e| failed(e.to_string()))?;
                 let out = plain(&f);
                 frame.exit().map_err(|e| failed(e.to_string()))?;
                 out
