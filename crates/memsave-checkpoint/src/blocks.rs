@@ -186,6 +186,10 @@ pub(crate) struct State {
     refused: bool,
     /// The memory segments of a profiled step in progress.
     pub(crate) profiler: Option<Profiler>,
+    /// While a profiled step runs a top-level block whose saves go to a store: its
+    /// index, and whether backward has read one of its saves yet (see
+    /// [`MarksBackward`]).
+    stored_top: Option<(usize, Arc<std::sync::atomic::AtomicBool>)>,
     /// Told when each block's run starts and ends.
     observer: Option<BlockObserver>,
     /// The stores of [`BlockLever::RecomputeStoringInputs`] used so far, each with
@@ -227,7 +231,8 @@ struct MarksBackward {
     inner: Arc<dyn RawHooks>,
     blocks: Blocks,
     index: usize,
-    marked: std::sync::atomic::AtomicBool,
+    /// Shared by the frames of the top-level block and of the blocks nested in it.
+    marked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RawHooks for MarksBackward {
@@ -919,18 +924,36 @@ impl Blocks {
                         "{label}: its saves cannot go to a store while its function runs inside a block wrapper (ZeRO-3's units): the store would keep the gathered weights; recompute the block instead (with its inputs in files, if memory is short)"
                     )));
                 }
-                let profiled = self.lock().profiler.is_some();
-                let hooks: Arc<dyn RawHooks> = match top {
-                    Some(index) if profiled => Arc::new(MarksBackward {
+                // While a step is profiled, backward's first read of a top-level
+                // block's saves (or of a block's nested in it) is marked.
+                let (profiled, enclosing) = {
+                    let state = self.lock();
+                    (state.profiler.is_some(), state.stored_top.clone())
+                };
+                let mark = match top {
+                    Some(index) if profiled => {
+                        Some((index, Arc::new(std::sync::atomic::AtomicBool::new(false))))
+                    }
+                    None if profiled => enclosing.clone(),
+                    _ => None,
+                };
+                let hooks: Arc<dyn RawHooks> = match &mark {
+                    Some((index, marked)) => Arc::new(MarksBackward {
                         inner: Arc::clone(hooks),
                         blocks: self.clone(),
-                        index,
-                        marked: std::sync::atomic::AtomicBool::new(false),
+                        index: *index,
+                        marked: Arc::clone(marked),
                     }),
-                    _ => Arc::clone(hooks),
+                    None => Arc::clone(hooks),
                 };
                 let frame = memsave_sys::hooks::push(hooks).map_err(|e| failed(e.to_string()))?;
+                if top.is_some() {
+                    self.lock().stored_top = mark;
+                }
                 let out = plain(&f);
+                if top.is_some() {
+                    self.lock().stored_top = enclosing;
+                }
                 frame.exit().map_err(|e| failed(e.to_string()))?;
                 out
             }

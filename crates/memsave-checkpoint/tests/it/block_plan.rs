@@ -380,7 +380,6 @@ fn offloaded_blocks_are_predicted_and_mixed_with_recomputed_ones() {
             100.0 * err
         ));
     }
-    println!("{}", lines.join("\n"));
     assert!(worst <= 0.05, "{}", lines.join("\n"));
     let (kept, recomputed) = profile.measured_peaks();
     let budget = ((kept + recomputed) / 2) as u64;

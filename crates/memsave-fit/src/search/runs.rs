@@ -538,12 +538,6 @@ impl Runs<'_> {
             }
         };
         let target = i64::try_from(self.target).unwrap_or(i64::MAX);
-        eprintln!(
-            "DEBUG base offload_grads={} m={m} allrec={} alloff={} target={target} extra={extra}",
-            base.offload_grads,
-            profile.predict_levers(&vec![PlannedLever::Recompute; n]),
-            profile.predict_levers(&vec![PlannedLever::Offload; n])
-        );
         let mut solver_budget = u64::try_from(target.saturating_sub(extra)).unwrap_or(0);
         let mut last = None;
         let mut tried = Vec::new();
