@@ -18,6 +18,8 @@ struct Graph {
     bn: Shared<nn::BatchNorm>,
     dec: Vec<Shared<nn::Linear>>,
     x: Tensor,
+    /// Each decoder block runs its concatenation and linear layer as a nested block.
+    nested: bool,
 }
 
 impl Graph {
@@ -39,6 +41,15 @@ impl Graph {
             dec,
             x: Tensor::randn([batch, width], (Kind::Float, Device::Cpu)),
             vs,
+            nested: false,
+        }
+    }
+
+    /// [`Graph::new`] whose decoder blocks each nest a block.
+    fn nested(levels: usize, width: i64, batch: i64) -> Graph {
+        Graph {
+            nested: true,
+            ..Graph::new(levels, width, batch)
         }
     }
 
@@ -60,10 +71,21 @@ impl Graph {
             .shallow_clone();
         for (l, dec) in self.dec.iter().enumerate().rev() {
             let dec = dec.clone();
-            h = b.run(&format!("dec{l}"), &[&h, &skips[l]], move |xs| {
-                vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
-            })?[0]
-                .shallow_clone();
+            h = if self.nested {
+                let inner = b.clone();
+                b.try_run(&format!("dec{l}"), &[&h, &skips[l]], move |xs| {
+                    let dec = dec.clone();
+                    let mixed = inner.run(&format!("mix{l}"), &[&xs[0], &xs[1]], move |ys| {
+                        vec![dec.forward(&Tensor::cat(&[&ys[0], &ys[1]], 1))]
+                    })?;
+                    Ok::<_, CheckpointError>(vec![mixed[0].tanh().sin()])
+                })?
+            } else {
+                b.run(&format!("dec{l}"), &[&h, &skips[l]], move |xs| {
+                    vec![dec.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)).tanh()]
+                })?
+            }[0]
+            .shallow_clone();
         }
         Ok(h.square().mean(Kind::Float))
     }
@@ -390,6 +412,58 @@ fn offloaded_blocks_are_predicted_and_mixed_with_recomputed_ones() {
     let m = measured(&g, &blocks);
     assert!(m as u64 <= budget, "{plan:?}: {m} > {budget}");
     assert!(plan.iter().any(|l| *l != Keep), "{plan:?}");
+}
+
+/// With blocks nested in the planned ones (each decoder block nests one; a nested
+/// block follows its parent's lever), offload is still measured per top-level block:
+/// uniform assignments, and mixes of offload with the other levers, predicted within
+/// 5%. Known gap, left out here and reported: keeping (or recomputing) the encoder
+/// blocks while offloading the decoders is predicted 12-14% low on this graph, with
+/// or without the nesting (measured 787,976 B against 691,208 B predicted for four
+/// kept and three offloaded); `fit` runs every plan before choosing it.
+#[test]
+#[serial]
+fn offloaded_blocks_with_nested_blocks_are_predicted() {
+    use memsave_checkpoint::PlannedLever::{Keep, Offload, Recompute};
+    let g = Graph::nested(3, 96, 64);
+    let blocks = Blocks::new();
+    let _ = blocks.forward(|b| g.loss(b)).unwrap().unwrap();
+    let store = BlockLever::store("vector", true, std::sync::Arc::new(VecHooks));
+    let profile = blocks
+        .profile_with_offload(&g.vs.trainable_variables(), store.clone(), || {
+            blocks.forward(|b| g.loss(b)).and_then(|r| r)
+        })
+        .unwrap();
+    let keys = profile.keys().to_vec();
+    assert_eq!(keys.len(), 7, "the top-level blocks only: {keys:?}");
+    let lever = |l| match l {
+        Keep => BlockLever::Keep,
+        Recompute => BlockLever::Recompute,
+        _ => store.clone(),
+    };
+    let mut lines = Vec::new();
+    let mut worst: f64 = 0.0;
+    for plan in [
+        [Offload; 7],
+        [Keep; 7],
+        [Recompute; 7],
+        [Keep, Keep, Keep, Keep, Recompute, Recompute, Recompute],
+        [Keep, Offload, Recompute, Offload, Keep, Recompute, Offload],
+        [Offload, Offload, Keep, Keep, Recompute, Recompute, Keep],
+    ] {
+        blocks
+            .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
+            .unwrap();
+        let m = measured(&g, &blocks);
+        let p = profile.predict_levers(&plan);
+        let err = (p - m) as f64 / m as f64;
+        worst = worst.max(err.abs());
+        lines.push(format!(
+            "{plan:?}: predicted {p} measured {m} ({:+.2}%)",
+            100.0 * err
+        ));
+    }
+    assert!(worst <= 0.05, "{}", lines.join("\n"));
 }
 
 /// Keeps each saved f32 tensor in half precision (a lossy store on libtorch's
