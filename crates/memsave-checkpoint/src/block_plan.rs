@@ -348,17 +348,8 @@ impl BlocksProfile {
     /// # Panics
     /// When `recompute` has not one entry per top-level block.
     pub fn predict(&self, recompute: &[bool]) -> i64 {
-        let levers: Vec<PlannedLever> = recompute
-            .iter()
-            .map(|&r| {
-                if r {
-                    PlannedLever::Recompute
-                } else {
-                    PlannedLever::Keep
-                }
-            })
-            .collect();
-        self.predict_levers(&levers)
+        let away = vec![PlannedLever::Recompute; recompute.len()];
+        self.predict_levers(&sent_away(recompute, &away))
     }
 
     /// Bytes block `j` holds between its forward and its backward under `lever`, above
@@ -570,10 +561,7 @@ impl BlocksProfile {
                 .collect();
             match self.solve_every_assignment(budget, &options) {
                 Ok(plan) => plans.push(plan),
-                Err(CheckpointError::InfeasibleBudget {
-                    smallest_feasible, ..
-                }) => smallest = smallest.min(smallest_feasible.0 as i64),
-                Err(e) => return Err(e),
+                Err(e) => smallest = smallest.min(smallest_of(e)?),
             }
         }
         let aways = if by_time == by_memory {
@@ -589,18 +577,11 @@ impl BlocksProfile {
                 .collect();
             match self.solve_costs(budget, &costs, &away) {
                 Ok(r) => {
-                    let plan: Vec<PlannedLever> = r
-                        .iter()
-                        .zip(&away)
-                        .map(|(&r, &l)| if r { l } else { PlannedLever::Keep })
-                        .collect();
+                    let plan = sent_away(&r, &away);
                     plans.extend(self.with_compression(budget_i, &plan, &away));
                     plans.push(plan);
                 }
-                Err(CheckpointError::InfeasibleBudget {
-                    smallest_feasible, ..
-                }) => smallest = smallest.min(smallest_feasible.0 as i64),
-                Err(e) => return Err(e),
+                Err(e) => smallest = smallest.min(smallest_of(e)?),
             }
         }
         if self.compressed.is_some() {
@@ -612,10 +593,7 @@ impl BlocksProfile {
             .into_iter()
             .filter(|l| self.predict_levers(l) <= budget_i)
             .min_by(|a, b| self.added_seconds(a).total_cmp(&self.added_seconds(b)))
-            .ok_or(CheckpointError::InfeasibleBudget {
-                budget: Bytes(budget),
-                smallest_feasible: Bytes(smallest.max(0) as u64),
-            })
+            .ok_or(infeasible(budget, smallest))
     }
 
     /// Every assignment of the levers `options[i]` gives block `i` (as many for each),
@@ -647,11 +625,7 @@ impl BlocksProfile {
                 best = Some((cost, levers.clone()));
             }
         }
-        best.map(|(_, l)| l)
-            .ok_or(CheckpointError::InfeasibleBudget {
-                budget: Bytes(budget),
-                smallest_feasible: Bytes(smallest.max(0) as u64),
-            })
+        best.map(|(_, l)| l).ok_or(infeasible(budget, smallest))
     }
 
     /// `plan` with compression mixed in, when measured: each block `away` says is
@@ -747,14 +721,7 @@ impl BlocksProfile {
     fn solve_costs(&self, budget: u64, costs: &[f64], away: &[PlannedLever]) -> Result<Vec<bool>> {
         let n = self.keys.len();
         let budget_i = i64::try_from(budget).unwrap_or(i64::MAX);
-        let predict = |r: &[bool]| {
-            let levers: Vec<PlannedLever> = r
-                .iter()
-                .zip(away)
-                .map(|(&r, &l)| if r { l } else { PlannedLever::Keep })
-                .collect();
-            self.predict_levers(&levers)
-        };
+        let predict = |r: &[bool]| self.predict_levers(&sent_away(r, away));
         let fits = |r: &[bool]| predict(r) <= budget_i;
         let cost = |r: &[bool]| -> f64 {
             r.iter()
@@ -804,12 +771,37 @@ impl BlocksProfile {
                 } else {
                     predict(&vec![true; n])
                 };
-                Err(CheckpointError::InfeasibleBudget {
-                    budget: Bytes(budget),
-                    smallest_feasible: Bytes(smallest.max(0) as u64),
-                })
+                Err(infeasible(budget, smallest))
             }
         }
+    }
+}
+
+/// The levers of an assignment of kept and sent away: block `i` under `away[i]` where
+/// `r[i]`, kept elsewhere.
+fn sent_away(r: &[bool], away: &[PlannedLever]) -> Vec<PlannedLever> {
+    r.iter()
+        .zip(away)
+        .map(|(&r, &l)| if r { l } else { PlannedLever::Keep })
+        .collect()
+}
+
+/// The error for `budget` when the smallest predicted peak is `smallest`.
+fn infeasible(budget: u64, smallest: i64) -> CheckpointError {
+    CheckpointError::InfeasibleBudget {
+        budget: Bytes(budget),
+        smallest_feasible: Bytes(smallest.max(0) as u64),
+    }
+}
+
+/// The smallest predicted peak an [`CheckpointError::InfeasibleBudget`] names; any
+/// other error as it is.
+fn smallest_of(e: CheckpointError) -> Result<i64> {
+    match e {
+        CheckpointError::InfeasibleBudget {
+            smallest_feasible, ..
+        } => Ok(smallest_feasible.0 as i64),
+        e => Err(e),
     }
 }
 

@@ -1,6 +1,8 @@
 //! Planning `Blocks`: the predicted peak of keep/recompute assignments against the
 //! measured one, and the solver's choice within a budget.
-use memsave_checkpoint::{BlockKey, BlockLever, Blocks, BlocksProfile, CheckpointError, Shared};
+use memsave_checkpoint::{
+    BlockKey, BlockLever, Blocks, BlocksProfile, CheckpointError, PlannedLever, Shared,
+};
 use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
 use memsave_sys::grad_hooks::register_post_accumulate_grad_hook;
 use memsave_sys::tensor::set_grad_none;
@@ -123,6 +125,59 @@ fn measured_freeing_gradients(g: &Graph, blocks: &Blocks) -> i64 {
     let peak = measured(g, blocks);
     drop(hooks);
     peak
+}
+
+/// Each of `plans` (one lever per top-level block, run through `lever`) predicted
+/// within 5% of its peak measured under it.
+fn assert_predicted_within_5_percent(
+    g: &Graph,
+    blocks: &Blocks,
+    profile: &BlocksProfile,
+    lever: &dyn Fn(PlannedLever) -> BlockLever,
+    plans: &[[PlannedLever; 7]],
+) {
+    let keys = profile.keys();
+    let mut lines = Vec::new();
+    let mut worst: f64 = 0.0;
+    for plan in plans {
+        blocks
+            .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
+            .unwrap();
+        let m = measured(g, blocks);
+        let p = profile.predict_levers(plan);
+        let err = (p - m) as f64 / m as f64;
+        worst = worst.max(err.abs());
+        lines.push(format!(
+            "{plan:?}: predicted {p} measured {m} ({:+.2}%)",
+            100.0 * err
+        ));
+    }
+    assert!(worst <= 0.05, "{}", lines.join("\n"));
+}
+
+/// `solve_levers` at a budget halfway between everything kept and everything
+/// recomputed sends some block away, and its plan fits when run.
+fn assert_midpoint_solution_fits(
+    g: &Graph,
+    blocks: &Blocks,
+    profile: &BlocksProfile,
+    lever: &dyn Fn(PlannedLever) -> BlockLever,
+) {
+    let (kept, recomputed) = profile.measured_peaks();
+    let budget = ((kept + recomputed) / 2) as u64;
+    let plan = profile.solve_levers(budget).unwrap();
+    blocks
+        .assign(
+            profile
+                .keys()
+                .iter()
+                .cloned()
+                .zip(plan.iter().map(|&l| lever(l))),
+        )
+        .unwrap();
+    let m = measured(g, blocks);
+    assert!(m as u64 <= budget, "{plan:?}: {m} > {budget}");
+    assert!(plan.iter().any(|l| *l != PlannedLever::Keep), "{plan:?}");
 }
 
 fn assign(blocks: &Blocks, keys: &[BlockKey], recompute: &[bool]) {
@@ -371,7 +426,6 @@ fn offloaded_blocks_are_predicted_and_mixed_with_recomputed_ones() {
             blocks.forward(|b| g.loss(b)).and_then(|r| r)
         })
         .unwrap();
-    let keys = profile.keys().to_vec();
     let offload = profile.offload_seconds().expect("measured");
     assert!(
         offload.iter().all(|s| s.is_finite() && *s >= 0.0),
@@ -383,35 +437,18 @@ fn offloaded_blocks_are_predicted_and_mixed_with_recomputed_ones() {
         Offload => store.clone(),
         Compress => unreachable!("not profiled"),
     };
-    let mut lines = Vec::new();
-    let mut worst: f64 = 0.0;
-    for plan in [
-        [Offload; 7],
-        [Keep, Offload, Recompute, Offload, Keep, Recompute, Offload],
-        [Offload, Offload, Keep, Keep, Recompute, Recompute, Keep],
-    ] {
-        blocks
-            .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
-            .unwrap();
-        let m = measured(&g, &blocks);
-        let p = profile.predict_levers(&plan);
-        let err = (p - m) as f64 / m as f64;
-        worst = worst.max(err.abs());
-        lines.push(format!(
-            "{plan:?}: predicted {p} measured {m} ({:+.2}%)",
-            100.0 * err
-        ));
-    }
-    assert!(worst <= 0.05, "{}", lines.join("\n"));
-    let (kept, recomputed) = profile.measured_peaks();
-    let budget = ((kept + recomputed) / 2) as u64;
-    let plan = profile.solve_levers(budget).unwrap();
-    blocks
-        .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
-        .unwrap();
-    let m = measured(&g, &blocks);
-    assert!(m as u64 <= budget, "{plan:?}: {m} > {budget}");
-    assert!(plan.iter().any(|l| *l != Keep), "{plan:?}");
+    assert_predicted_within_5_percent(
+        &g,
+        &blocks,
+        &profile,
+        &lever,
+        &[
+            [Offload; 7],
+            [Keep, Offload, Recompute, Offload, Keep, Recompute, Offload],
+            [Offload, Offload, Keep, Keep, Recompute, Recompute, Keep],
+        ],
+    );
+    assert_midpoint_solution_fits(&g, &blocks, &profile, &lever);
 }
 
 /// With blocks nested in the planned ones (each decoder block nests one; a nested
@@ -446,29 +483,20 @@ fn offloaded_blocks_with_nested_blocks_are_predicted() {
         Recompute => BlockLever::Recompute,
         _ => store.clone(),
     };
-    let mut lines = Vec::new();
-    let mut worst: f64 = 0.0;
-    for plan in [
-        [Offload; 7],
-        [Keep; 7],
-        [Recompute; 7],
-        [Keep, Keep, Keep, Keep, Recompute, Recompute, Recompute],
-        [Keep, Offload, Recompute, Offload, Keep, Recompute, Offload],
-        [Offload, Offload, Keep, Keep, Recompute, Recompute, Keep],
-    ] {
-        blocks
-            .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
-            .unwrap();
-        let m = measured(&g, &blocks);
-        let p = profile.predict_levers(&plan);
-        let err = (p - m) as f64 / m as f64;
-        worst = worst.max(err.abs());
-        lines.push(format!(
-            "{plan:?}: predicted {p} measured {m} ({:+.2}%)",
-            100.0 * err
-        ));
-    }
-    assert!(worst <= 0.05, "{}", lines.join("\n"));
+    assert_predicted_within_5_percent(
+        &g,
+        &blocks,
+        &profile,
+        &lever,
+        &[
+            [Offload; 7],
+            [Keep; 7],
+            [Recompute; 7],
+            [Keep, Keep, Keep, Keep, Recompute, Recompute, Recompute],
+            [Keep, Offload, Recompute, Offload, Keep, Recompute, Offload],
+            [Offload, Offload, Keep, Keep, Recompute, Recompute, Keep],
+        ],
+    );
 }
 
 /// Keeps each saved f32 tensor in half precision (a lossy store on libtorch's
@@ -523,7 +551,6 @@ fn compressed_blocks_are_predicted_and_mixed_with_the_other_levers() {
         })
         .unwrap();
     assert!(profile.measured_compression());
-    let keys = profile.keys().to_vec();
     let lever = |l| match l {
         Keep => BlockLever::Keep,
         Recompute => BlockLever::Recompute,
@@ -532,37 +559,20 @@ fn compressed_blocks_are_predicted_and_mixed_with_the_other_levers() {
     };
     let seconds = profile.added_seconds(&[Compress; 7]);
     assert!(seconds.is_finite() && seconds >= 0.0, "{seconds}");
-    let mut lines = Vec::new();
-    let mut worst: f64 = 0.0;
-    for plan in [
-        [Compress; 7],
-        [Keep; 7],
-        [
-            Keep, Compress, Recompute, Offload, Compress, Recompute, Keep,
+    assert_predicted_within_5_percent(
+        &g,
+        &blocks,
+        &profile,
+        &lever,
+        &[
+            [Compress; 7],
+            [Keep; 7],
+            [
+                Keep, Compress, Recompute, Offload, Compress, Recompute, Keep,
+            ],
+            [Compress, Compress, Keep, Offload, Recompute, Compress, Keep],
+            [Recompute, Keep, Compress, Compress, Offload, Keep, Compress],
         ],
-        [Compress, Compress, Keep, Offload, Recompute, Compress, Keep],
-        [Recompute, Keep, Compress, Compress, Offload, Keep, Compress],
-    ] {
-        blocks
-            .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
-            .unwrap();
-        let m = measured(&g, &blocks);
-        let p = profile.predict_levers(&plan);
-        let err = (p - m) as f64 / m as f64;
-        worst = worst.max(err.abs());
-        lines.push(format!(
-            "{plan:?}: predicted {p} measured {m} ({:+.2}%)",
-            100.0 * err
-        ));
-    }
-    assert!(worst <= 0.05, "{}", lines.join("\n"));
-    let (kept, recomputed) = profile.measured_peaks();
-    let budget = ((kept + recomputed) / 2) as u64;
-    let plan = profile.solve_levers(budget).unwrap();
-    blocks
-        .assign(keys.iter().cloned().zip(plan.iter().map(|&l| lever(l))))
-        .unwrap();
-    let m = measured(&g, &blocks);
-    assert!(m as u64 <= budget, "{plan:?}: {m} > {budget}");
-    assert!(plan.iter().any(|l| *l != Keep), "{plan:?}");
+    );
+    assert_midpoint_solution_fits(&g, &blocks, &profile, &lever);
 }
