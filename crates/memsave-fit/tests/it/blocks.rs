@@ -119,6 +119,18 @@ impl Workload for Graph {
     }
 }
 
+/// Halfway between the peaks of one step with every block kept and with every block
+/// recomputed.
+fn midpoint_budget(model: &mut Graph) -> u64 {
+    let kept = peak(model, PlanChoice::Fixed(memsave_checkpoint::Plan::None));
+    let recomputed = peak(
+        model,
+        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
+    );
+    assert!(recomputed < kept, "{recomputed} vs {kept}");
+    (kept + recomputed) / 2
+}
+
 /// The peak of one step of the whole batch under `plan`, from the meter.
 fn peak(model: &mut Graph, plan: PlanChoice) -> u64 {
     let x = model.batch(model.global_batch()).unwrap();
@@ -136,16 +148,7 @@ fn peak(model: &mut Graph, plan: PlanChoice) -> u64 {
 fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
     memsave_meter::install();
     let mut model = Graph::new(3, 128, 96);
-    let kept = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
-    );
-    let recomputed = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
-    );
-    assert!(recomputed < kept, "{recomputed} vs {kept}");
-    let budget = (kept + recomputed) / 2;
+    let budget = midpoint_budget(&mut model);
     let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
     let text = report.to_text();
     assert!(report.measured_peak_bytes <= budget, "{text}");
@@ -180,15 +183,7 @@ fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
 fn a_trainer_from_the_report_follows_the_chosen_blocks() {
     memsave_meter::install();
     let mut model = Graph::new(3, 128, 96);
-    let kept = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
-    );
-    let recomputed = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
-    );
-    let budget = (kept + recomputed) / 2;
+    let budget = midpoint_budget(&mut model);
     let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
     let text = report.to_text();
     // The blocks candidate (offload may be chosen on a loaded machine).
@@ -292,15 +287,7 @@ fn with_gradients_freed_in_backward_fit_keeps_some_blocks() {
 fn with_compression_allowed_fit_may_compress_blocks_and_calls_them_lossy() {
     memsave_meter::install();
     let mut model = Graph::new(3, 128, 96);
-    let kept = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::None),
-    );
-    let recomputed = peak(
-        &mut model,
-        PlanChoice::Fixed(memsave_checkpoint::Plan::EveryLayer),
-    );
-    let budget = (kept + recomputed) / 2;
+    let budget = midpoint_budget(&mut model);
     let mut request = FitRequest::new(budget);
     request.allow.compress = true;
     let report = fit(&mut model, &request).unwrap();
