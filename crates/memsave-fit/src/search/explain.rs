@@ -58,48 +58,42 @@ pub(super) fn why(
 ) -> String {
     let Confirmed { raced, fell_back } = confirmed;
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
-    let mut why = format!(
-        "the fastest predicted of {fitting} configurations whose predicted peak is within {} (the budget less a {:.0}% margin)",
+    let within = format!(
+        "within {} (the budget less a {:.0}% margin)",
         Bytes(target),
         request.margin * 100.0
     );
-    if raced > 1 {
-        why = format!(
-            "the fastest measured of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is within {} (the budget less a {:.0}% margin) and runners-up predicted within {RACE_WITHIN}x its time (each other family's best within {RACE_FAMILY_WITHIN}x)",
-            Bytes(target),
-            request.margin * 100.0
-        );
-        if !chosen.predicted_fits {
-            why.push_str(&format!(
-                "; its predicted peak is above the margin, its measured peak {} within the budget",
-                Bytes(chosen.measured_peak_bytes.unwrap_or(0))
-            ));
-        }
-    }
-    if fell_back {
+    let measured = Bytes(chosen.measured_peak_bytes.unwrap_or(0));
+    let mut why = if fell_back {
         let none = if fitting == 0 {
-            format!(
-                "none of the configurations is predicted within {} (the budget less a {:.0}% margin)",
-                Bytes(target),
-                request.margin * 100.0
-            )
+            format!("none of the configurations is predicted {within}")
         } else {
-            format!(
-                "none of the {fitting} configurations predicted within {} (the budget less a {:.0}% margin) fitted when run",
-                Bytes(target),
-                request.margin * 100.0
-            )
+            format!("none of the {fitting} configurations predicted {within} fitted when run")
         };
-        why = format!(
-            "{none}: the fastest predicted within the budget itself that measured within it at its real size ({})",
-            Bytes(chosen.measured_peak_bytes.unwrap_or(0))
+        let mut why = format!(
+            "{none}: the fastest predicted within the budget itself that measured within it at its real size ({measured})"
         );
         if raced > 1 {
             why.push_str(&format!(
                 ", then the fastest measured of {raced} configurations run at their real size (runners-up predicted within {RACE_WITHIN}x its time, each other family's best within {RACE_FAMILY_WITHIN}x)"
             ));
         }
-    }
+        why
+    } else if raced > 1 {
+        let mut why = format!(
+            "the fastest measured of {raced} configurations run at their real size: the fastest predicted of {fitting} whose predicted peak is {within} and runners-up predicted within {RACE_WITHIN}x its time (each other family's best within {RACE_FAMILY_WITHIN}x)"
+        );
+        if !chosen.predicted_fits {
+            why.push_str(&format!(
+                "; its predicted peak is above the margin, its measured peak {measured} within the budget"
+            ));
+        }
+        why
+    } else {
+        format!(
+            "the fastest predicted of {fitting} configurations whose predicted peak is {within}"
+        )
+    };
     let t = chosen.predicted_step_time_s.unwrap_or(0.0);
     if let Some(faster) = candidates
         .iter()
