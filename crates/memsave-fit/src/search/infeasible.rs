@@ -96,12 +96,7 @@ fn least_peaks(
     let mut everything = FitRequest::new(request.budget_bytes);
     everything.allow = Allow::all();
     let lossy_split = runs.lossy_split;
-    let allowed = |l: &Levers, k: usize| {
-        (!l.bf16 || request.allow.bf16)
-            && (!l.compress || request.allow.compress)
-            && (!l.int8_state || request.allow.int8_state)
-            && (k == 1 || !lossy_split || request.allow.micro_batches)
-    };
+    let allowed = |l: &Levers, k: usize| lossy_levers(l, k, lossy_split, request.allow).is_empty();
     let least_memory = {
         let profile = runs.profile(1)?;
         Solver::new(&profile).f_min_memory().ok()
@@ -221,7 +216,8 @@ fn least_peaks(
                     vec![&mut best_allowed, &mut probed_allowed]
                 } else {
                     if best_lossy.as_ref().is_none_or(|(p, _)| peak < *p) {
-                        lossy_names = lossy_levers(&levers, k, lossy_split, request.allow);
+                        let names = lossy_levers(&levers, k, lossy_split, request.allow);
+                        lossy_names = format!("lossy levers ({})", names.join(", "));
                     }
                     vec![&mut best_lossy]
                 };
@@ -245,22 +241,21 @@ fn least_peaks(
     Ok((best_allowed, best_lossy, one_example_spoils))
 }
 
-/// The lossy levers `levers` with `k` micro-batches take that `allow` does not, by the
+/// The lossy levers `levers` with `k` micro-batches take that `allow` does not (none:
+/// the configuration is allowed), by the
 /// names of [`Allow`]'s fields with `-` for `_` (as `memsave fit --allow` takes them),
 /// e.g. `micro-batches` for a split of a step that couples its samples.
-fn lossy_levers(levers: &Levers, k: usize, lossy_split: bool, allow: Allow) -> String {
+fn lossy_levers(levers: &Levers, k: usize, lossy_split: bool, allow: Allow) -> Vec<&'static str> {
     let used = [
         (lossy_split && k > 1, allow.micro_batches, "micro-batches"),
         (levers.bf16, allow.bf16, "bf16"),
         (levers.compress, allow.compress, "compress"),
         (levers.int8_state, allow.int8_state, "int8-state"),
     ];
-    let names: Vec<&str> = used
-        .iter()
+    used.iter()
         .filter(|(takes, allowed, _)| *takes && !*allowed)
         .map(|(_, _, name)| *name)
-        .collect();
-    format!("lossy levers ({})", names.join(", "))
+        .collect()
 }
 
 /// The peak of `choice` on the whole batch in one micro-batch, predicted from runs
