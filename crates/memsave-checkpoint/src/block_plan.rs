@@ -10,15 +10,19 @@
 //! segment's peak plus the saved bytes of the kept blocks alive in it (those whose
 //! forward ended and whose backward has not begun); a block's own forward is taken
 //! from the run of its own lever. On a chain this is the usual account of
-//! checkpointing; on a graph it assumes that what one block saves does not change
-//! with another's lever, which holds for the tensors autograd saves but not for a
-//! tensor two blocks share (then the prediction is high, not low, by that tensor).
+//! checkpointing. On a graph, a tensor one block gives to others (a skip, an
+//! encoder's output) lives in backward as long as any block around it holds it, which
+//! depends on their levers: the profile records which block holds which such tensor
+//! under each lever, and each backward segment's prediction adds the bytes of those
+//! alive under the assignment less those alive in the recomputed run (see
+//! [`crate::crossing`]).
 //!
 //! [`BlocksProfile::solve`] picks the assignment with the least forward time
 //! recomputed whose predicted peak fits: by enumeration up to 16 blocks, beyond by a
 //! greedy pass (documented there) that never returns a slower assignment than the
 //! best uniform one that fits.
-use crate::blocks::{BlockKey, BlockLever, Blocks, Event, Profiler};
+use crate::blocks::{BlockKey, BlockLever, Blocks, Event, Profiler, TopIo};
+use crate::crossing::{self, Crossing};
 use crate::error::{CheckpointError, Result};
 use memsave_meter::Bytes;
 use tch::{Device, Tensor};
@@ -62,17 +66,25 @@ pub struct BlocksProfile {
     /// With [`ProfileOptions::compress`]: what the step with every block's saves
     /// compressed measured.
     compressed: Option<CompressedFigures>,
+    /// The tensors that cross top-level blocks, and which block holds each under which
+    /// lever (see [`crossing`]); empty where the profiled steps did not pass the same.
+    crossings: Vec<Crossing>,
+    /// The first of `segments` in backward (the loss's).
+    backward_from: usize,
 }
 
 /// Per top-level block, from the step with every block's saves compressed: the bytes
 /// its compressed saves hold between its forward and its backward (above what a
-/// recomputed block holds), the peak of its forward, and the seconds compression adds
-/// (the encode measured, twice for the decode in backward).
+/// recomputed block holds), the peak of its forward, the seconds compression adds
+/// (the encode measured, twice for the decode in backward), and its own backward.
 #[derive(Debug, Clone, PartialEq)]
 struct CompressedFigures {
     saved: Vec<i64>,
     forward: Vec<i64>,
     seconds: Vec<f64>,
+    /// Per block, its own backward's peak there above the recomputed step's (see
+    /// [`BlocksProfile::own_backward`]).
+    backward: Vec<i64>,
 }
 
 /// How [`Blocks::profile_with`] profiles: the default is
@@ -158,7 +170,12 @@ impl BlocksProfile {
                 .segments
                 .iter()
                 .zip(&pb.segments)
-                .all(|(x, y)| x.1 == y.1 && x.2 == y.2);
+                .all(|(x, y)| x.1 == y.1 && x.2 == y.2)
+            && pa.backward_from == pb.backward_from
+            && pa.crossings.len() == pb.crossings.len()
+            && pa.crossings.iter().zip(&pb.crossings).all(|(x, y)| {
+                (&x.producer, x.place, &x.consumers) == (&y.producer, y.place, &y.consumers)
+            });
         if !same {
             return None;
         }
@@ -181,6 +198,12 @@ impl BlocksProfile {
                 saved: lines(&ca.saved, &cb.saved),
                 forward: lines(&ca.forward, &cb.forward),
                 seconds: scaled(&cb.seconds),
+                backward: ca
+                    .backward
+                    .iter()
+                    .zip(&cb.backward)
+                    .map(|(&x, &y)| signed(x, y))
+                    .collect(),
             }),
             _ => None,
         };
@@ -211,6 +234,16 @@ impl BlocksProfile {
                 _ => None,
             },
             compressed,
+            crossings: pa
+                .crossings
+                .iter()
+                .zip(&pb.crossings)
+                .map(|(x, y)| Crossing {
+                    bytes: line(x.bytes, y.bytes),
+                    ..y.clone()
+                })
+                .collect(),
+            backward_from: pb.backward_from,
         })
     }
 
@@ -239,7 +272,9 @@ impl BlocksProfile {
             out.extend(bytes(&c.saved));
             out.extend(bytes(&c.forward));
             out.extend(&c.seconds);
+            out.extend(bytes(&c.backward));
         }
+        out.extend(self.crossings.iter().map(|c| c.bytes as f64));
         out
     }
 
@@ -272,6 +307,10 @@ impl BlocksProfile {
         self.offload_s.is_some().hash(&mut h);
         self.offload_backward.is_some().hash(&mut h);
         self.compressed.is_some().hash(&mut h);
+        self.backward_from.hash(&mut h);
+        for c in &self.crossings {
+            (c.producer, c.place, &c.consumers).hash(&mut h);
+        }
         h.finish()
     }
 
@@ -298,7 +337,17 @@ impl BlocksProfile {
             saved: bytes(take(n)),
             forward: bytes(take(n)),
             seconds: take(n),
+            backward: bytes(take(n)),
         });
+        let crossings = self
+            .crossings
+            .iter()
+            .zip(bytes(take(self.crossings.len())))
+            .map(|(c, b)| Crossing {
+                bytes: b,
+                ..c.clone()
+            })
+            .collect();
         Some(BlocksProfile {
             keys: self.keys.clone(),
             saved,
@@ -317,6 +366,8 @@ impl BlocksProfile {
             offload_s,
             offload_backward,
             compressed,
+            crossings,
+            backward_from: self.backward_from,
         })
     }
 
@@ -381,10 +432,12 @@ impl BlocksProfile {
         let held = |alive: &mut dyn Iterator<Item = usize>| -> i64 {
             alive.map(|j| self.held(levers[j], j)).sum()
         };
+        let crossing = self.crossing_difference(levers);
         let mut peak = self
             .segments
             .iter()
-            .map(|(p, alive, own)| {
+            .zip(crossing)
+            .map(|((p, alive, own), crossing)| {
                 // The profile's segment of a block's backward began with its
                 // recomputation, which made its outputs again; an offloaded block
                 // reads its saves back instead. A compressed one is counted as its
@@ -396,12 +449,12 @@ impl BlocksProfile {
                         .offload_backward
                         .as_ref()
                         .map_or(-self.output[i], |d| d[i]),
-                    Some((i, PlannedLever::Compress)) if self.compressed.is_some() => {
-                        self.held(PlannedLever::Compress, i)
+                    Some((i, PlannedLever::Compress)) => {
+                        self.compressed.as_ref().map_or(0, |c| c.backward[i])
                     }
                     _ => 0,
                 };
-                p + held(&mut alive.iter().copied()) + own
+                p + held(&mut alive.iter().copied()) + own + crossing
             })
             .max()
             .unwrap_or(0);
@@ -684,6 +737,68 @@ impl BlocksProfile {
         vec![swapped, grown]
     }
 
+    /// Per segment, the bytes of the tensors crossing blocks alive under `levers` less
+    /// those alive in the recomputed step (see [`crossing`]).
+    fn crossing_difference(&self, levers: &[PlannedLever]) -> Vec<i64> {
+        if self.crossings.is_empty() {
+            return vec![0; self.segments.len()];
+        }
+        crossing::alive_difference(
+            &self.crossings,
+            levers,
+            &self.own_segments(),
+            self.backward_from,
+            self.segments.len(),
+        )
+    }
+
+    /// Per top-level block, its own backward's peak in a profiled step with every
+    /// block under the store lever `lever` (from backward's first read of its saves:
+    /// `stored`) less that in the recomputed step (from its recomputation:
+    /// `recomputed`), where both were seen; less, too, what the other blocks alive
+    /// then hold under `lever` and the crossing tensors alive then (each predicted per
+    /// assignment). Where either was not seen: an offloaded block's backward as its
+    /// recomputation less its outputs, which it does not make again; a compressed
+    /// one's as its recomputation with its compressed saves held.
+    fn own_backward(
+        &self,
+        lever: PlannedLever,
+        stored: &[Option<i64>],
+        recomputed: &[Option<i64>],
+    ) -> Vec<i64> {
+        let every = vec![lever; self.keys.len()];
+        let crossing = self.crossing_difference(&every);
+        let own = self.own_segments();
+        (0..self.keys.len())
+            .map(|i| match (stored.get(i), recomputed.get(i), own[i]) {
+                (Some(Some(s)), Some(Some(r)), Some(at)) => {
+                    let others: i64 = self.segments[at]
+                        .1
+                        .iter()
+                        .map(|&j| self.held(lever, j))
+                        .sum();
+                    s - r - others - crossing[at]
+                }
+                _ => match lever {
+                    PlannedLever::Offload => -self.output[i],
+                    _ => self.held(lever, i),
+                },
+            })
+            .collect()
+    }
+
+    /// Per top-level block, the segment its recomputation opened (the first, if
+    /// several did).
+    fn own_segments(&self) -> Vec<Option<usize>> {
+        let mut own = vec![None; self.keys.len()];
+        for (s, (_, _, by)) in self.segments.iter().enumerate() {
+            if let Some(slot) = by.and_then(|i| own.get_mut(i)) {
+                slot.get_or_insert(s);
+            }
+        }
+        own
+    }
+
     /// Seconds `lever` adds to block `i` (infinite for a lever not measured).
     fn lever_seconds(&self, lever: PlannedLever, i: usize) -> f64 {
         match lever {
@@ -913,28 +1028,26 @@ impl Blocks {
                 .map(|((_, _, s), kept)| 2.0 * (s - kept).max(0.0))
                 .collect()
         };
+        let unpacked = |run: &Run| {
+            run.own_backward_peaks(|e| match e {
+                Event::Unpack(i) => Some(i),
+                _ => None,
+            })
+        };
+        let mut known = true;
+        let mut offload_own = None;
         if let Some(offload) = &options.offload {
             let run = self.profile_store_run(params, device, offload, free, &mut step, &profile)?;
             profile.offload_s = Some(added(&run, &profile));
-            let stored = run.own_backward_peaks(|e| match e {
-                Event::Unpack(i) => Some(i),
-                _ => None,
-            });
-            profile.offload_backward = Some(
-                stored
-                    .iter()
-                    .zip(&recomputed_own)
-                    .zip(&profile.output)
-                    .map(|((s, r), out)| match (s, r) {
-                        (Some(s), Some(r)) => s - r,
-                        _ => -out,
-                    })
-                    .collect(),
-            );
+            offload_own = Some(unpacked(&run));
+            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Offload, &run.io);
         }
+        let mut compress_own = None;
         if let Some(compress) = &options.compress {
             let run =
                 self.profile_store_run(params, device, compress, free, &mut step, &profile)?;
+            compress_own = Some(unpacked(&run));
+            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Compress, &run.io);
             profile.compressed = Some(CompressedFigures {
                 saved: run
                     .top
@@ -944,7 +1057,21 @@ impl Blocks {
                     .collect(),
                 forward: run.forward_peaks(),
                 seconds: added(&run, &profile),
+                backward: Vec::new(),
             });
+        }
+        if !known {
+            profile.crossings.clear();
+        }
+        if let Some(stored) = offload_own {
+            let own = profile.own_backward(PlannedLever::Offload, &stored, &recomputed_own);
+            profile.offload_backward = Some(own);
+        }
+        if let Some(stored) = compress_own {
+            let own = profile.own_backward(PlannedLever::Compress, &stored, &recomputed_own);
+            if let Some(c) = profile.compressed.as_mut() {
+                c.backward = own;
+            }
         }
         Ok(profile)
     }
@@ -1059,6 +1186,7 @@ impl Blocks {
             top,
             output,
             segments: profiler.segments,
+            io: profiler.io,
         })
     }
 }
@@ -1100,6 +1228,8 @@ struct Run {
     top: Vec<(BlockKey, i64, f64)>,
     output: Vec<i64>,
     segments: Vec<(Event, i64)>,
+    /// Per top-level block, the tensors it took from earlier ones and gave on.
+    io: Vec<TopIo>,
 }
 
 impl Run {
@@ -1150,10 +1280,15 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
     let mut segments = Vec::new();
     let mut finished: Vec<usize> = Vec::new();
     let mut freed: Vec<usize> = Vec::new();
+    let mut backward_from = None;
     for (event, peak) in &recomputed.segments {
         match *event {
             Event::Start(_) | Event::Unpack(_) => {}
-            Event::Begin | Event::ForwardEnd => segments.push((*peak, finished.clone(), None)),
+            Event::Begin => segments.push((*peak, finished.clone(), None)),
+            Event::ForwardEnd => {
+                backward_from.get_or_insert(segments.len());
+                segments.push((*peak, finished.clone(), None));
+            }
             Event::End(i) => {
                 finished.push(i);
                 segments.push((*peak, finished.clone(), None));
@@ -1177,6 +1312,8 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         keys,
         saved,
         forward_s,
+        crossings: crossing::crossings(&kept.io, &recomputed.io),
+        backward_from: backward_from.unwrap_or(segments.len()),
         segments,
         output: recomputed.output,
         offload_s: None,
@@ -1211,7 +1348,10 @@ mod tests {
                 saved: vec![25; n],
                 forward: vec![0; n],
                 seconds: vec![0.1; n],
+                backward: vec![25; n],
             }),
+            crossings: Vec::new(),
+            backward_from: 0,
         }
     }
 
@@ -1273,6 +1413,8 @@ mod tests {
             offload_s: Some(vec![2.0; n]),
             offload_backward: Some(vec![-500; n]),
             compressed: None,
+            crossings: Vec::new(),
+            backward_from: 0,
         }
     }
 

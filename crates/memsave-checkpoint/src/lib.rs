@@ -59,6 +59,7 @@
 
 mod block_plan;
 mod blocks;
+mod crossing;
 mod error;
 mod function;
 mod layers;
