@@ -174,7 +174,8 @@ impl BlocksProfile {
             && pa.backward_from == pb.backward_from
             && pa.crossings.len() == pb.crossings.len()
             && pa.crossings.iter().zip(&pb.crossings).all(|(x, y)| {
-                (&x.producer, x.place, &x.consumers) == (&y.producer, y.place, &y.consumers)
+                (&x.producer, x.place, &x.consumers, x.user_until)
+                    == (&y.producer, y.place, &y.consumers, y.user_until)
             });
         if !same {
             return None;
@@ -309,7 +310,7 @@ impl BlocksProfile {
         self.compressed.is_some().hash(&mut h);
         self.backward_from.hash(&mut h);
         for c in &self.crossings {
-            (c.producer, c.place, &c.consumers).hash(&mut h);
+            (c.producer, c.place, &c.consumers, c.user_until).hash(&mut h);
         }
         h.finish()
     }
@@ -437,7 +438,16 @@ impl BlocksProfile {
             .segments
             .iter()
             .zip(crossing)
-            .map(|((p, alive, own), crossing)| {
+            .enumerate()
+            .map(|(s, ((p, alive, own), crossing))| {
+                // In the forward, segment s > 0 is the one after block s - 1 ended.
+                let crossing = crossing
+                    + self.forward_crossing(
+                        s < self.backward_from,
+                        2 * s,
+                        levers,
+                        PlannedLever::Recompute,
+                    );
                 // The profile's segment of a block's backward began with its
                 // recomputation, which made its outputs again; an offloaded block
                 // reads its saves back instead. A compressed one is counted as its
@@ -462,6 +472,12 @@ impl BlocksProfile {
             // A block's forward peak in the profiled run where every block had its
             // lever, corrected by what the blocks before it hold under theirs instead.
             let before = held(&mut (0..i));
+            let reference = match (lever, &self.compressed) {
+                (PlannedLever::Recompute | PlannedLever::Offload, _) => PlannedLever::Recompute,
+                (PlannedLever::Compress, Some(_)) => PlannedLever::Compress,
+                _ => PlannedLever::Keep,
+            };
+            let before = before + self.forward_crossing(true, 2 * i + 1, levers, reference);
             let at = match (lever, &self.compressed) {
                 (PlannedLever::Recompute | PlannedLever::Offload, _) => {
                     self.forward_recomputed[i] + before
@@ -785,6 +801,23 @@ impl BlocksProfile {
                 },
             })
             .collect()
+    }
+
+    /// Where `in_forward`, at place `at` of the forward (block `i`'s start `2i + 1`,
+    /// its end `2i + 2`), the bytes of the crossing tensors alive under `levers` less
+    /// those alive in the profiled step with every block under `reference`; 0 in
+    /// backward, and where the profile's forward was not one segment per block.
+    fn forward_crossing(
+        &self,
+        in_forward: bool,
+        at: usize,
+        levers: &[PlannedLever],
+        reference: PlannedLever,
+    ) -> i64 {
+        if !in_forward || self.crossings.is_empty() || self.backward_from != self.keys.len() + 1 {
+            return 0;
+        }
+        crossing::forward_difference(&self.crossings, at, levers, reference)
     }
 
     /// Per top-level block, the segment its recomputation opened (the first, if

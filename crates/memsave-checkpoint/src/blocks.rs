@@ -272,6 +272,11 @@ pub(crate) struct Profiler {
     /// Per top-level block, in forward order: which of its inputs earlier top-level
     /// blocks made, and what its graph holds of its inputs and outputs.
     pub(crate) io: Vec<TopIo>,
+    /// The place of the open segment's event in the forward (the step's start 0,
+    /// block `i`'s start `2i + 1` and end `2i + 2`, the forward's end after them), and
+    /// whether the forward is still running.
+    position: usize,
+    in_forward: bool,
 }
 
 /// What one top-level block of a profiled step took from the blocks before it and
@@ -285,6 +290,9 @@ pub(crate) struct TopIo {
     pub(crate) inputs: Vec<(usize, usize, bool)>,
     /// Per output (each storage once): its bytes, and whether this block holds it.
     pub(crate) outputs: Vec<(i64, bool)>,
+    /// Per output, the place (see [`Profiler`]) of the last event of the forward at
+    /// which it was still alive.
+    pub(crate) alive_until: Vec<usize>,
     /// Each output's storage, to know it again as a later block's input.
     storages: Vec<memsave_sys::tensor::WeakStorage>,
 }
@@ -312,6 +320,8 @@ impl Profiler {
             segments: Vec::new(),
             open: Event::Begin,
             io: Vec::new(),
+            position: 0,
+            in_forward: true,
         })
     }
 
@@ -392,6 +402,7 @@ impl Profiler {
                 .unwrap_or(0);
             io.outputs.push((bytes as i64, held));
             io.storages.push(weak);
+            io.alive_until.push(self.position);
         }
         self.io.push(io);
     }
@@ -400,6 +411,17 @@ impl Profiler {
     pub(crate) fn event(&mut self, event: Event) {
         let peak = memsave_meter::max_memory_allocated(self.device) as i64 - self.base as i64;
         self.segments.push((self.open, peak));
+        if self.in_forward {
+            self.position += 1;
+            for io in &mut self.io {
+                for (w, until) in io.storages.iter().zip(&mut io.alive_until) {
+                    if w.is_alive().unwrap_or(true) {
+                        *until = self.position;
+                    }
+                }
+            }
+            self.in_forward = event != Event::ForwardEnd;
+        }
         memsave_meter::reset_peak_memory_stats(self.device);
         self.open = event;
     }

@@ -59,6 +59,12 @@ pub(crate) struct Crossing {
     pub(crate) place: usize,
     /// The blocks that take it, each with the levers under which it holds it.
     pub(crate) consumers: Vec<(usize, Holds)>,
+    /// The last place in the forward (the step's start 0, block `i`'s start `2i + 1`
+    /// and end `2i + 2`) at which the model's own code still held it, as seen in a
+    /// profiled step where no block held it (a chain lets go of each block's input
+    /// after the block; a U-Net holds its skips to the end of the forward); `None`:
+    /// not seen, held through the forward.
+    pub(crate) user_until: Option<usize>,
 }
 
 impl Crossing {
@@ -97,6 +103,7 @@ pub(crate) fn crossings(kept: &[TopIo], recomputed: &[TopIo]) -> Vec<Crossing> {
                             producer: (p, made),
                             place: o,
                             consumers: Vec::new(),
+                            user_until: None,
                         },
                     ));
                     out.len() - 1
@@ -106,6 +113,10 @@ pub(crate) fn crossings(kept: &[TopIo], recomputed: &[TopIo]) -> Vec<Crossing> {
         }
     }
     let mut crossings: Vec<Crossing> = out.into_iter().map(|(_, c)| c).collect();
+    for c in &mut crossings {
+        let until = kept[c.producer.0].alive_until.get(c.place).copied();
+        observe_model(c, PlannedLever::Keep, until);
+    }
     if !add_holds(&mut crossings, PlannedLever::Recompute, recomputed) {
         crossings.clear();
     }
@@ -142,8 +153,54 @@ pub(crate) fn add_holds(crossings: &mut [Crossing], lever: PlannedLever, run: &[
         for ((_, holds), held) in c.consumers.iter_mut().zip(taken) {
             holds.set(lever, held);
         }
+        let until = run[c.producer.0].alive_until.get(c.place).copied();
+        observe_model(c, lever, until);
     }
     true
+}
+
+/// Learns how long the model's own code holds `c` in the forward from a profiled
+/// step with every block under `lever`, in which it was alive until `until`: only
+/// where no block held it there.
+fn observe_model(c: &mut Crossing, lever: PlannedLever, until: Option<usize>) {
+    let held = c.holders().any(|(_, holds, _)| holds.under(lever));
+    if let (false, Some(until)) = (held, until) {
+        c.user_until = Some(c.user_until.map_or(until, |u| u.min(until)));
+    }
+}
+
+/// Whether `c` is alive at place `at` of the forward (see [`Crossing::user_until`])
+/// under the levers `lever_of` gives: once made, while the model's code holds it,
+/// its maker holds it, or a block that took it and has ended its forward does.
+fn alive_in_forward(c: &Crossing, at: usize, lever_of: &dyn Fn(usize) -> PlannedLever) -> bool {
+    let p = c.producer.0;
+    at >= 2 * p + 2
+        && (c.user_until.is_none_or(|u| at <= u)
+            || c.producer.1.under(lever_of(p))
+            || c.consumers
+                .iter()
+                .any(|&(k, h)| at >= 2 * k + 2 && h.under(lever_of(k))))
+}
+
+/// At place `at` of the forward, the bytes of the crossing tensors alive under
+/// `levers` less those alive with every block under `reference` (the profiled step
+/// whose figure the prediction starts from).
+pub(crate) fn forward_difference(
+    crossings: &[Crossing],
+    at: usize,
+    levers: &[PlannedLever],
+    reference: PlannedLever,
+) -> i64 {
+    let assigned = |b: usize| levers.get(b).copied().unwrap_or(PlannedLever::Keep);
+    let uniform = |_: usize| reference;
+    crossings
+        .iter()
+        .map(|c| {
+            let a = alive_in_forward(c, at, &assigned) as i64;
+            let r = alive_in_forward(c, at, &uniform) as i64;
+            c.bytes * (a - r)
+        })
+        .sum()
 }
 
 /// Per segment of the recomputed step, the bytes of the crossing tensors alive under
@@ -216,6 +273,7 @@ mod tests {
             producer: (0, made),
             place: 0,
             consumers: vec![(2, taken)],
+            user_until: None,
         };
         (vec![c], vec![Some(7), Some(6), Some(5)])
     }

@@ -73,6 +73,12 @@ int ms_storage_weak_is_storage_of(const void* w, const at::Tensor* t, bool* out)
   })
 }
 
+int ms_storage_weak_alive(const void* w, bool* out) {
+  MS_TRY({
+    *out = static_cast<const c10::weak_intrusive_ptr<c10::StorageImpl>*>(w)->lock().defined();
+  })
+}
+
 void ms_storage_weak_free(void* w) noexcept {
   delete static_cast<c10::weak_intrusive_ptr<c10::StorageImpl>*>(w);
 }

@@ -95,6 +95,7 @@ extern "C" {
         t: *const CTensor,
         out: *mut bool,
     ) -> c_int;
+    pub fn ms_storage_weak_alive(w: *const c_void, out: *mut bool) -> c_int;
     pub fn ms_storage_weak_free(w: *mut c_void);
     pub fn ms_tensor_base_use_count(t: *const CTensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_view_creation_meta(t: *const CTensor, out: *mut i32) -> c_int;

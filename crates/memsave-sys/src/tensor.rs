@@ -99,6 +99,16 @@ impl WeakStorage {
     }
 }
 
+impl WeakStorage {
+    /// True while the storage's data is alive: something still holds a tensor on it.
+    pub fn is_alive(&self) -> Result<bool> {
+        let mut out = false;
+        // SAFETY: `self.0` came from ms_storage_weak_new and is freed only on drop.
+        check(unsafe { ffi::ms_storage_weak_alive(self.0.as_ptr(), &mut out) })?;
+        Ok(out)
+    }
+}
+
 impl Drop for WeakStorage {
     fn drop(&mut self) {
         // SAFETY: `self.0` came from ms_storage_weak_new and is freed exactly once, here.

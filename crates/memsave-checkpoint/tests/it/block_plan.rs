@@ -28,6 +28,9 @@ struct Graph {
     /// Every decoder block reads the last encoder's output (as an encoder–decoder's
     /// cross-attention reads the encoder's), instead of its own level's.
     one_memory: bool,
+    /// No skips ([`Graph::chain`]): each block's output is its next one's only input,
+    /// let go of by the model's code as soon as the next block has run.
+    chain: bool,
 }
 
 impl Graph {
@@ -52,6 +55,25 @@ impl Graph {
             nested: false,
             tanh: false,
             one_memory: false,
+            chain: false,
+        }
+    }
+
+    /// A chain of the same shape: every block a linear layer of `width` to `width`
+    /// ending in `sin`, each block's output its next one's only input.
+    fn chain(levels: usize, width: i64, batch: i64) -> Graph {
+        let g = Graph::new(levels, width, batch);
+        let p = g.vs.root();
+        let dec = (0..levels)
+            .map(|l| {
+                let lin = nn::linear(&p / format!("chain{l}"), width, width, Default::default());
+                Shared::new(lin)
+            })
+            .collect();
+        Graph {
+            dec,
+            chain: true,
+            ..g
         }
     }
 
@@ -74,16 +96,25 @@ impl Graph {
                 vec![if tanh { y.tanh() } else { y.sin() }]
             })?[0]
                 .shallow_clone();
-            skips.push(h.shallow_clone());
+            if !self.chain {
+                skips.push(h.shallow_clone());
+            }
         }
         let (bottom, bn) = (self.bottom.clone(), self.bn.clone());
         h = b.run("bottom", &[&h], move |xs| {
             vec![bn.forward_t(&bottom.forward(&xs[0]), true).relu()]
         })?[0]
             .shallow_clone();
-        let last = skips.len() - 1;
+        let last = skips.len().saturating_sub(1);
         for (l, dec) in self.dec.iter().enumerate().rev() {
             let dec = dec.clone();
+            if self.chain {
+                h = b.run(&format!("dec{l}"), &[&h], move |xs| {
+                    vec![dec.forward(&xs[0]).gelu("none").sin()]
+                })?[0]
+                    .shallow_clone();
+                continue;
+            }
             let skip = &skips[if self.one_memory { last } else { l }];
             h = if self.nested {
                 let inner = b.clone();
@@ -147,7 +178,7 @@ fn assert_predicted_within_5_percent(
     profile: &BlocksProfile,
     lever: &dyn Fn(PlannedLever) -> BlockLever,
     plans: &[[PlannedLever; 7]],
-) {
+) -> f64 {
     let keys = profile.keys();
     let mut lines = Vec::new();
     let mut worst: f64 = 0.0;
@@ -165,6 +196,7 @@ fn assert_predicted_within_5_percent(
         ));
     }
     assert!(worst <= 0.05, "{}", lines.join("\n"));
+    worst
 }
 
 /// `solve_levers` at a budget halfway between everything kept and everything
@@ -585,10 +617,12 @@ fn compressed_blocks_are_predicted_and_mixed_with_the_other_levers() {
 
 /// On graphs whose tensors cross blocks in different ways (each decoder reading its
 /// level's skip; every decoder reading one encoder output; encoders whose last op
-/// saves its output, so that a kept encoder holds its skip), assignments drawn from
-/// all four levers are predicted within 5% of their measured peaks. Before the
-/// planner followed the tensors crossing blocks, offloading the encoders of such a
-/// graph was predicted 9-13% high and offloading its middle 7-8% low.
+/// saves its output, so that a kept encoder holds its skip; a chain, whose model
+/// lets go of each block's input after the next block), assignments drawn from all
+/// four levers are predicted within 5% of their measured peaks. Before the planner
+/// followed the tensors crossing blocks, offloading the encoders of the U-Net-like
+/// graph was predicted 9-13% high, offloading its middle 7-8% low, and offloading
+/// half of the chain's blocks 8.6% high.
 #[test]
 #[serial]
 fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks() {
@@ -610,6 +644,7 @@ fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks
                 ..Graph::nested(3, 96, 64)
             },
         ),
+        ("chain", Graph::chain(3, 96, 64)),
     ];
     for (name, g) in &variants {
         let blocks = Blocks::new();
@@ -646,6 +681,11 @@ fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks
             plans.push(plan);
         }
         eprintln!("{name}:");
-        assert_predicted_within_5_percent(g, &blocks, &profile, &lever, &plans);
+        let worst = assert_predicted_within_5_percent(g, &blocks, &profile, &lever, &plans);
+        eprintln!(
+            "{name}: worst {:.2}% of {} assignments",
+            100.0 * worst,
+            plans.len()
+        );
     }
 }
