@@ -171,12 +171,7 @@ impl BlocksProfile {
                 .iter()
                 .zip(&pb.segments)
                 .all(|(x, y)| x.1 == y.1 && x.2 == y.2)
-            && pa.backward_from == pb.backward_from
-            && pa.crossings.len() == pb.crossings.len()
-            && pa.crossings.iter().zip(&pb.crossings).all(|(x, y)| {
-                (&x.producer, x.place, &x.consumers, x.user_until)
-                    == (&y.producer, y.place, &y.consumers, y.user_until)
-            });
+            && pa.backward_from == pb.backward_from;
         if !same {
             return None;
         }
@@ -235,15 +230,26 @@ impl BlocksProfile {
                 _ => None,
             },
             compressed,
-            crossings: pa
-                .crossings
-                .iter()
-                .zip(&pb.crossings)
-                .map(|(x, y)| Crossing {
-                    bytes: line(x.bytes, y.bytes),
-                    ..y.clone()
-                })
-                .collect(),
+            crossings: if same_crossings(&pa.crossings, &pb.crossings) {
+                pa.crossings
+                    .iter()
+                    .zip(&pb.crossings)
+                    .map(|(x, y)| Crossing {
+                        bytes: line(x.bytes, y.bytes),
+                        ..y.clone()
+                    })
+                    .collect()
+            } else {
+                // Who holds which tensor changed with the batch size (an op that
+                // copies at one size and views at another): `pb`'s, bytes scaled.
+                pb.crossings
+                    .iter()
+                    .map(|y| Crossing {
+                        bytes: (y.bytes as f64 * m as f64 / b as f64).round() as i64,
+                        ..y.clone()
+                    })
+                    .collect()
+            },
             backward_from: pb.backward_from,
         })
     }
@@ -923,6 +929,15 @@ impl BlocksProfile {
             }
         }
     }
+}
+
+/// Whether two profiles' crossing tensors are the same but for their bytes.
+fn same_crossings(a: &[Crossing], b: &[Crossing]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            (&x.producer, x.place, &x.consumers, x.user_until)
+                == (&y.producer, y.place, &y.consumers, y.user_until)
+        })
 }
 
 /// The levers of an assignment of kept and sent away: block `i` under `away[i]` where
