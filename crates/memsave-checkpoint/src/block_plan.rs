@@ -21,7 +21,7 @@
 //! recomputed whose predicted peak fits: by enumeration up to 16 blocks, beyond by a
 //! greedy pass (documented there) that never returns a slower assignment than the
 //! best uniform one that fits.
-use crate::blocks::{BlockKey, BlockLever, Blocks, Event, Profiler, TopIo};
+use crate::blocks::{BlockKey, BlockLever, Blocks, Event, Profiler};
 use crate::crossing::{self, Crossing};
 use crate::error::{CheckpointError, Result};
 use memsave_meter::Bytes;
@@ -183,8 +183,17 @@ impl BlocksProfile {
             let v = fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64;
             (v.round() as i64).max(0)
         };
+        // Who holds which crossing tensor may change with the batch size (an op that
+        // copies at one size and views at another): then `pb`'s crossings are taken,
+        // bytes scaled, and with them `pb`'s own-backward figures (corrected for
+        // those crossings when profiled), scaled too.
+        let same_crossings = same_crossings(&pa.crossings, &pb.crossings);
+        let by_b = |fb: i64| (fb as f64 * m as f64 / b as f64).round() as i64;
         // A difference of two peaks, which may be below zero.
         let signed = |fa: i64, fb: i64| -> i64 {
+            if !same_crossings {
+                return by_b(fb);
+            }
             (fa as f64 + (fb - fa) as f64 * (m - a) as f64 / (b - a) as f64).round() as i64
         };
         let lines = |xa: &[i64], xb: &[i64]| xa.iter().zip(xb).map(|(&x, &y)| line(x, y)).collect();
@@ -230,7 +239,7 @@ impl BlocksProfile {
                 _ => None,
             },
             compressed,
-            crossings: if same_crossings(&pa.crossings, &pb.crossings) {
+            crossings: if same_crossings {
                 pa.crossings
                     .iter()
                     .zip(&pb.crossings)
@@ -240,12 +249,10 @@ impl BlocksProfile {
                     })
                     .collect()
             } else {
-                // Who holds which tensor changed with the batch size (an op that
-                // copies at one size and views at another): `pb`'s, bytes scaled.
                 pb.crossings
                     .iter()
                     .map(|y| Crossing {
-                        bytes: (y.bytes as f64 * m as f64 / b as f64).round() as i64,
+                        bytes: by_b(y.bytes),
                         ..y.clone()
                     })
                     .collect()
@@ -316,7 +323,14 @@ impl BlocksProfile {
         self.compressed.is_some().hash(&mut h);
         self.backward_from.hash(&mut h);
         for c in &self.crossings {
-            (c.producer, c.place, &c.consumers, c.user_until).hash(&mut h);
+            (
+                c.source,
+                c.made,
+                &c.consumers,
+                c.user_until,
+                c.model_backward,
+            )
+                .hash(&mut h);
         }
         h.finish()
     }
@@ -767,7 +781,7 @@ impl BlocksProfile {
         }
         crossing::alive_difference(
             &self.crossings,
-            levers,
+            &self.measured_levers(levers),
             &self.own_segments(),
             self.backward_from,
             self.segments.len(),
@@ -823,7 +837,25 @@ impl BlocksProfile {
         if !in_forward || self.crossings.is_empty() || self.backward_from != self.keys.len() + 1 {
             return 0;
         }
-        crossing::forward_difference(&self.crossings, at, levers, reference)
+        let reference = self.measured_levers(&[reference])[0];
+        crossing::forward_difference(
+            &self.crossings,
+            at,
+            &self.measured_levers(levers),
+            reference,
+        )
+    }
+
+    /// `levers` as the profile counts them: compression, where not measured, as kept
+    /// (see [`held`](Self::held)).
+    fn measured_levers(&self, levers: &[PlannedLever]) -> Vec<PlannedLever> {
+        levers
+            .iter()
+            .map(|&l| match l {
+                PlannedLever::Compress if self.compressed.is_none() => PlannedLever::Keep,
+                l => l,
+            })
+            .collect()
     }
 
     /// Per top-level block, the segment its recomputation opened (the first, if
@@ -935,8 +967,19 @@ impl BlocksProfile {
 fn same_crossings(a: &[Crossing], b: &[Crossing]) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|(x, y)| {
-            (&x.producer, x.place, &x.consumers, x.user_until)
-                == (&y.producer, y.place, &y.consumers, y.user_until)
+            (
+                x.source,
+                x.made,
+                &x.consumers,
+                x.user_until,
+                x.model_backward,
+            ) == (
+                y.source,
+                y.made,
+                &y.consumers,
+                y.user_until,
+                y.model_backward,
+            )
         })
 }
 
@@ -1088,14 +1131,14 @@ impl Blocks {
             let run = self.profile_store_run(params, device, offload, free, &mut step, &profile)?;
             profile.offload_s = Some(added(&run, &profile));
             offload_own = Some(unpacked(&run));
-            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Offload, &run.io);
+            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Offload, &run.flow);
         }
         let mut compress_own = None;
         if let Some(compress) = &options.compress {
             let run =
                 self.profile_store_run(params, device, compress, free, &mut step, &profile)?;
             compress_own = Some(unpacked(&run));
-            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Compress, &run.io);
+            known &= crossing::add_holds(&mut profile.crossings, PlannedLever::Compress, &run.flow);
             profile.compressed = Some(CompressedFigures {
                 saved: run
                     .top
@@ -1234,7 +1277,7 @@ impl Blocks {
             top,
             output,
             segments: profiler.segments,
-            io: profiler.io,
+            flow: profiler.flow,
         })
     }
 }
@@ -1276,8 +1319,8 @@ struct Run {
     top: Vec<(BlockKey, i64, f64)>,
     output: Vec<i64>,
     segments: Vec<(Event, i64)>,
-    /// Per top-level block, the tensors it took from earlier ones and gave on.
-    io: Vec<TopIo>,
+    /// The tensors that crossed top-level blocks, and who held them.
+    flow: crossing::Flow,
 }
 
 impl Run {
@@ -1360,7 +1403,7 @@ fn build(kept: Run, recomputed: Run) -> Result<BlocksProfile> {
         keys,
         saved,
         forward_s,
-        crossings: crossing::crossings(&kept.io, &recomputed.io),
+        crossings: crossing::crossings(&kept.flow, &recomputed.flow),
         backward_from: backward_from.unwrap_or(segments.len()),
         segments,
         output: recomputed.output,

@@ -269,45 +269,8 @@ pub(crate) struct Profiler {
     /// Segments so far: the event that opened each, and its peak above `base`.
     pub(crate) segments: Vec<(Event, i64)>,
     open: Event,
-    /// Per top-level block, in forward order: which of its inputs earlier top-level
-    /// blocks made, and what its graph holds of its inputs and outputs.
-    pub(crate) io: Vec<TopIo>,
-    /// The place of the open segment's event in the forward (the step's start 0,
-    /// block `i`'s start `2i + 1` and end `2i + 2`, the forward's end after them), and
-    /// whether the forward is still running.
-    position: usize,
-    in_forward: bool,
-}
-
-/// What one top-level block of a profiled step took from the blocks before it and
-/// gave on, and which of those tensors its graph holds after its forward (for
-/// backward: a kept block's saves, a recomputed one's inputs, a store's pass-through),
-/// as counted by the references to each tensor and its storage before and after.
-#[derive(Debug, Default)]
-pub(crate) struct TopIo {
-    /// Per input made by an earlier top-level block: that block, the place of the
-    /// output among its outputs, and whether this block holds it.
-    pub(crate) inputs: Vec<(usize, usize, bool)>,
-    /// Per output (each storage once): its bytes, and whether this block holds it.
-    pub(crate) outputs: Vec<(i64, bool)>,
-    /// Per output, the place (see [`Profiler`]) of the last event of the forward at
-    /// which it was still alive.
-    pub(crate) alive_until: Vec<usize>,
-    /// Each output's storage, to know it again as a later block's input.
-    storages: Vec<memsave_sys::tensor::WeakStorage>,
-}
-
-/// The references to a tensor and to its storage (see [`TopIo`]).
-fn references(t: &Tensor) -> Option<(u64, u64)> {
-    let handles = memsave_sys::tensor::use_count(t).ok()?;
-    let storage = memsave_sys::tensor::storage_use_count(t).ok()?;
-    Some((handles, storage))
-}
-
-/// Whether `a` and `b` are the same tensor as far as their data goes: one storage,
-/// same place, shape and strides.
-fn same_view(a: &Tensor, b: &Tensor) -> bool {
-    a.data_ptr() == b.data_ptr() && a.size() == b.size() && a.stride() == b.stride()
+    /// The tensors that crossed top-level blocks so far, and who held them.
+    pub(crate) flow: crate::crossing::Flow,
 }
 
 impl Profiler {
@@ -319,118 +282,18 @@ impl Profiler {
             base: memsave_meter::f_memory_allocated(device).map_err(meter)?,
             segments: Vec::new(),
             open: Event::Begin,
-            io: Vec::new(),
-            position: 0,
-            in_forward: true,
+            flow: crate::crossing::Flow::default(),
         })
-    }
-
-    /// Before top-level block `i`'s forward: its inputs that earlier top-level blocks
-    /// made (input place, producer, output place) and the references to each.
-    pub(crate) fn watch(&self, i: usize, inputs: &[&Tensor]) -> Option<Watch> {
-        if i != self.io.len() {
-            return None;
-        }
-        let mut made = Vec::new();
-        for (k, x) in inputs.iter().enumerate().filter(|(_, x)| x.defined()) {
-            // The latest block that gave this storage out (a later one may give on a
-            // view of an earlier one's output).
-            let from = self.io.iter().enumerate().rev().find_map(|(p, io)| {
-                io.storages
-                    .iter()
-                    .position(|w| w.is_storage_of(x).unwrap_or(false))
-                    .map(|o| (p, o))
-            });
-            if let (Some((p, o)), Some(refs)) = (from, references(x)) {
-                if !made.iter().any(|&(_, q, r, _)| (q, r) == (p, o)) {
-                    made.push((k, p, o, refs));
-                }
-            }
-        }
-        Some(Watch { made })
-    }
-
-    /// After top-level block `i`'s forward (see [`watch`](Self::watch)): which of its
-    /// inputs and outputs its graph holds.
-    pub(crate) fn record_io(&mut self, watch: Watch, inputs: &[&Tensor], outputs: &[Tensor]) {
-        let shares = |a: &Tensor, b: &Tensor| {
-            memsave_sys::tensor::WeakStorage::new(a)
-                .and_then(|w| w.is_storage_of(b))
-                .unwrap_or(false)
-        };
-        let inputs_held = watch
-            .made
-            .iter()
-            .map(|&(k, p, o, (handles, storage))| {
-                let x = inputs[k];
-                // An output that is the input or a view of it is given on, not held;
-                // counted as held (the prediction errs high).
-                let given_on = outputs.iter().any(|y| y.defined() && shares(x, y));
-                let held = references(x).is_none_or(|(h, s)| h > handles || s > storage);
-                (p, o, held || given_on)
-            })
-            .collect();
-        let mut io = TopIo {
-            inputs: inputs_held,
-            ..TopIo::default()
-        };
-        for (k, y) in outputs.iter().enumerate().filter(|(_, y)| y.defined()) {
-            if io
-                .storages
-                .iter()
-                .any(|w| w.is_storage_of(y).unwrap_or(false))
-            {
-                continue;
-            }
-            let Ok(weak) = memsave_sys::tensor::WeakStorage::new(y) else {
-                continue;
-            };
-            // Its handles are the outputs that are this very tensor; its storage's,
-            // one per distinct view of it among the outputs. More: the graph holds it.
-            let same = outputs[k..].iter().filter(|z| same_view(y, z)).count() as u64;
-            let mut views: Vec<&Tensor> = Vec::new();
-            for z in outputs.iter().filter(|z| z.defined() && shares(y, z)) {
-                if !views.iter().any(|v| same_view(v, z)) {
-                    views.push(z);
-                }
-            }
-            let held = references(y).is_none_or(|(h, s)| h > same || s > views.len() as u64);
-            let bytes = views
-                .iter()
-                .map(|v| memsave_sys::tensor::nbytes(v))
-                .max()
-                .unwrap_or(0);
-            io.outputs.push((bytes as i64, held));
-            io.storages.push(weak);
-            io.alive_until.push(self.position);
-        }
-        self.io.push(io);
     }
 
     /// Closes the open segment with its peak and opens one at `event`.
     pub(crate) fn event(&mut self, event: Event) {
         let peak = memsave_meter::max_memory_allocated(self.device) as i64 - self.base as i64;
         self.segments.push((self.open, peak));
-        if self.in_forward {
-            self.position += 1;
-            for io in &mut self.io {
-                for (w, until) in io.storages.iter().zip(&mut io.alive_until) {
-                    if w.is_alive().unwrap_or(true) {
-                        *until = self.position;
-                    }
-                }
-            }
-            self.in_forward = event != Event::ForwardEnd;
-        }
+        self.flow.event(event);
         memsave_meter::reset_peak_memory_stats(self.device);
         self.open = event;
     }
-}
-
-/// A top-level block's inputs that earlier ones made, seen before its forward (see
-/// [`Profiler::watch`]): input place, producer, output place, references.
-pub(crate) struct Watch {
-    made: Vec<(usize, usize, usize, (u64, u64))>,
 }
 
 /// Named blocks of a forward function, each run under its own [`BlockLever`]. A
@@ -733,7 +596,7 @@ impl Blocks {
             key: key.clone(),
             recompute,
         });
-        let watch = top.and_then(|i| self.lock().profiler.as_ref()?.watch(i, inputs));
+        let watch = top.and_then(|i| self.lock().profiler.as_mut()?.flow.watch(i, inputs));
         let out = self.apply(&lever, &key, &label, inputs, top, f);
         self.notify(|| BlockNotice::End { key: key.clone() });
         let mut state = self.lock();
@@ -742,7 +605,7 @@ impl Blocks {
         }
         if let (Some(i), Some(profiler)) = (top, state.profiler.as_mut()) {
             if let (Some(watch), Ok(outs)) = (watch, &out) {
-                profiler.record_io(watch, inputs, outs);
+                profiler.flow.record(watch, inputs, outs);
             }
             profiler.event(Event::End(i));
         }

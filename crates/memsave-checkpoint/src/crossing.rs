@@ -15,10 +15,306 @@
 //! the assignment less those alive in the recomputed step.
 //!
 //! Which block holds which tensor under which lever is measured in each profiled step
-//! (see `Profiler::record_io`), not assumed: a store that passes a tensor through
-//! holds it as a kept block does.
+//! ([`Flow`]), not assumed: a store that passes a tensor through holds it as a kept
+//! block does. So is how long the model's own code holds each one: a U-Net keeps its
+//! skips to the end of the forward, a chain lets go of a block's input after the
+//! block, an op between blocks may save a skip for backward. Tensors the model's code
+//! makes and blocks take (a gated skip, a mask or position table every block takes)
+//! are followed the same way.
 use crate::block_plan::PlannedLever;
-use crate::blocks::TopIo;
+use crate::blocks::Event;
+use memsave_sys::tensor::WeakStorage;
+use tch::Tensor;
+
+/// Where a top-level block's input came from: output `o` of top-level block `p`, or
+/// the model's own code (a tensor made between blocks, or before them: a gated skip,
+/// a mask or a position table every block takes, the batch itself), by the order in
+/// which blocks first took such tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    /// Output `o` (each storage once) of top-level block `p`.
+    Block(usize, usize),
+    /// The `e`-th tensor of the model's own that a block took.
+    Model(usize),
+}
+
+/// A point of backward at which a tensor given to blocks was seen alive: the loss's
+/// backward, or the start of block `i`'s own (its recomputation, or the first read of
+/// its saves).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum BackwardMark {
+    /// The loss's backward, before any block's.
+    Loss,
+    /// Block `i`'s own backward.
+    Own(usize),
+}
+
+/// One tensor given to blocks, as a profiled step saw it.
+#[derive(Debug)]
+pub(crate) struct Given {
+    /// Its storage, to know it again (and whether it is alive).
+    storage: WeakStorage,
+    /// Bytes of its storage, as far as the tensors seen reach into it.
+    pub(crate) bytes: i64,
+    /// The place (see [`Flow`]) of the last event of the forward at which it was
+    /// alive.
+    pub(crate) alive_until: usize,
+    /// The last point of backward at which it was alive.
+    pub(crate) alive_backward: Option<BackwardMark>,
+}
+
+/// What one top-level block took from the blocks before it (or from the model's
+/// code) and gave on, and which of those tensors its graph holds after its forward
+/// (for backward: a kept block's saves, a recomputed one's inputs, a store's
+/// pass-through), as counted by the references to each tensor and its storage before
+/// and after its forward.
+#[derive(Debug, Default)]
+pub(crate) struct TopIo {
+    /// Per tensor taken (each storage once): where from, and whether it holds it.
+    pub(crate) inputs: Vec<(Source, bool)>,
+    /// Per output (each storage once), and whether it holds it.
+    pub(crate) outputs: Vec<(Given, bool)>,
+}
+
+/// The tensors that cross top-level blocks in one profiled step. Places in the
+/// forward: the step's start 0, block `i`'s start `2i + 1` and end `2i + 2`.
+#[derive(Debug, Default)]
+pub(crate) struct Flow {
+    /// Per top-level block, in forward order.
+    pub(crate) io: Vec<TopIo>,
+    /// The model's own tensors the blocks took, by [`Source::Model`] index.
+    pub(crate) model: Vec<Given>,
+    position: usize,
+    after_forward: bool,
+}
+
+/// A top-level block's inputs, seen before its forward (see [`Flow::watch`]): per
+/// source, the inputs on its storage.
+pub(crate) struct Watch {
+    taken: Vec<(Source, Vec<Taken>)>,
+}
+
+/// One input: its place among the block's inputs, and the references to it and to
+/// its storage before the block's forward.
+type Taken = (usize, (u64, u64));
+
+impl Flow {
+    /// Before top-level block `i`'s forward: where each of its inputs came from, with
+    /// the references to each (a block may take a tensor and a view of it).
+    pub(crate) fn watch(&mut self, i: usize, inputs: &[&Tensor]) -> Option<Watch> {
+        if i != self.io.len() {
+            return None;
+        }
+        let mut taken: Vec<(Source, Vec<Taken>)> = Vec::new();
+        for (k, x) in inputs.iter().enumerate().filter(|(_, x)| x.defined()) {
+            let is = |g: &Given| g.storage.is_storage_of(x).unwrap_or(false);
+            // The latest block that gave this storage out (a later one may give on a
+            // view of an earlier one's output); else the model's, known or new.
+            let from = self.io.iter().enumerate().rev().find_map(|(p, io)| {
+                io.outputs
+                    .iter()
+                    .position(|(g, _)| is(g))
+                    .map(|o| Source::Block(p, o))
+            });
+            let from = match from.or_else(|| self.model.iter().position(is).map(Source::Model)) {
+                Some(from) => from,
+                None => {
+                    let Some(given) = given(x, self.position) else {
+                        continue;
+                    };
+                    self.model.push(given);
+                    Source::Model(self.model.len() - 1)
+                }
+            };
+            let Some(refs) = references(x) else {
+                continue;
+            };
+            if let Source::Model(e) = from {
+                let bytes = extent_bytes(x);
+                let g = &mut self.model[e];
+                g.bytes = g.bytes.max(bytes);
+            }
+            match taken.iter_mut().find(|(f, _)| *f == from) {
+                Some((_, on)) => on.push((k, refs)),
+                None => taken.push((from, vec![(k, refs)])),
+            }
+        }
+        Some(Watch { taken })
+    }
+
+    /// After the forward of the block [`watch`](Self::watch) saw: which of its inputs
+    /// and outputs its graph holds.
+    pub(crate) fn record(&mut self, watch: Watch, inputs: &[&Tensor], outputs: &[Tensor]) {
+        let inputs_held = watch
+            .taken
+            .iter()
+            .map(|(from, on)| {
+                // An output that is the input or a view of it is given on, not held;
+                // counted as held (the prediction errs high).
+                let held = on.iter().any(|&(k, (handles, storage))| {
+                    let x = inputs[k];
+                    let given_on = outputs.iter().any(|y| shares_storage(x, y));
+                    given_on || references(x).is_none_or(|(h, s)| h > handles || s > storage)
+                });
+                (*from, held)
+            })
+            .collect();
+        let mut io = TopIo {
+            inputs: inputs_held,
+            outputs: Vec::new(),
+        };
+        for y in outputs.iter().filter(|y| y.defined()) {
+            if io
+                .outputs
+                .iter()
+                .any(|(g, _)| g.storage.is_storage_of(y).unwrap_or(false))
+            {
+                continue;
+            }
+            let Some(mut given) = given(y, self.position) else {
+                continue;
+            };
+            let (held, bytes) = output_held(y, outputs);
+            given.bytes = bytes;
+            io.outputs.push((given, held));
+        }
+        self.io.push(io);
+    }
+
+    /// Notes which tensors given to blocks are still alive at `event`: in the forward
+    /// at each top-level block's start and end (its place set from the event,
+    /// whatever else runs in between), in backward at the loss's and each block's own
+    /// backward.
+    pub(crate) fn event(&mut self, event: Event) {
+        let at = match event {
+            Event::Start(i) if !self.after_forward => Some(2 * i + 1),
+            Event::End(i) if !self.after_forward => Some(2 * i + 2),
+            _ => None,
+        };
+        let mark = match event {
+            Event::ForwardEnd => Some(BackwardMark::Loss),
+            Event::Recompute(i) | Event::Unpack(i) if self.after_forward => {
+                Some(BackwardMark::Own(i))
+            }
+            _ => None,
+        };
+        self.after_forward |= event == Event::ForwardEnd;
+        if at.is_none() && mark.is_none() {
+            return;
+        }
+        if let Some(at) = at {
+            self.position = at;
+        }
+        let all = self
+            .io
+            .iter_mut()
+            .flat_map(|io| io.outputs.iter_mut().map(|(g, _)| g))
+            .chain(self.model.iter_mut());
+        for g in all {
+            if g.storage.is_alive().unwrap_or(true) {
+                if let Some(at) = at {
+                    g.alive_until = at;
+                }
+                if mark.is_some() {
+                    g.alive_backward = mark;
+                }
+            }
+        }
+    }
+
+    /// The tensor `source` names, if this step saw it.
+    fn given(&self, source: Source) -> Option<&Given> {
+        match source {
+            Source::Block(p, o) => self.io.get(p)?.outputs.get(o).map(|(g, _)| g),
+            Source::Model(e) => self.model.get(e),
+        }
+    }
+}
+
+/// `t` as a tensor given to blocks, first seen at place `at`; `None` without storage.
+fn given(t: &Tensor, at: usize) -> Option<Given> {
+    Some(Given {
+        storage: WeakStorage::new(t).ok()?,
+        bytes: extent_bytes(t),
+        alive_until: at,
+        alive_backward: None,
+    })
+}
+
+/// The references to a tensor and to its storage.
+fn references(t: &Tensor) -> Option<(u64, u64)> {
+    let handles = memsave_sys::tensor::use_count(t).ok()?;
+    let storage = memsave_sys::tensor::storage_use_count(t).ok()?;
+    Some((handles, storage))
+}
+
+/// Whether `a` and `b` are defined and use one storage.
+fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
+    a.defined()
+        && b.defined()
+        && WeakStorage::new(a)
+            .and_then(|w| w.is_storage_of(b))
+            .unwrap_or(false)
+}
+
+/// Whether `a` and `b` are the same tensor as far as their data goes: one storage,
+/// same place, shape and strides.
+fn same_view(a: &Tensor, b: &Tensor) -> bool {
+    shares_storage(a, b)
+        && a.data_ptr() == b.data_ptr()
+        && a.size() == b.size()
+        && a.stride() == b.stride()
+}
+
+/// Bytes from the start of `t`'s storage to the end of its last element: a storage's
+/// bytes, seen through one of its views.
+fn extent_bytes(t: &Tensor) -> i64 {
+    let last: i64 = t
+        .size()
+        .iter()
+        .zip(t.stride())
+        .map(|(&n, s)| (n - 1).max(0) * s.abs())
+        .sum();
+    let elements = if t.numel() == 0 {
+        0
+    } else {
+        t.storage_offset() + last + 1
+    };
+    elements * t.kind().elt_size_in_bytes() as i64
+}
+
+/// Whether the graph of the block that returned `outputs` holds `y` (one of them,
+/// the first on its storage) after its forward, and the bytes of `y`'s storage as
+/// the outputs see it. The references the outputs themselves make are expected: a
+/// handle per output that is `y`, a storage reference per distinct view of it, and
+/// one for the base those views keep alive through their view metadata (held by
+/// nothing else when its references are the views'). Any more: the graph holds it.
+fn output_held(y: &Tensor, outputs: &[Tensor]) -> (bool, i64) {
+    let same = outputs.iter().filter(|z| same_view(y, z)).count() as u64;
+    let mut views: Vec<&Tensor> = Vec::new();
+    for z in outputs.iter().filter(|z| shares_storage(y, z)) {
+        if !views.iter().any(|v| same_view(v, z)) {
+            views.push(z);
+        }
+    }
+    let is_view = |t: &Tensor| memsave_sys::tensor::is_view(t).unwrap_or(false);
+    let viewing: Vec<&&Tensor> = views.iter().filter(|v| is_view(v)).collect();
+    // The base: kept alive by the views alone unless something else holds it too
+    // (counted only where it is not itself an output).
+    let base_among_outputs = views.iter().any(|v| !is_view(v));
+    let base = u64::from(!viewing.is_empty() && !base_among_outputs);
+    let base_held = !base_among_outputs
+        && viewing.iter().any(|v| {
+            memsave_sys::tensor::base_use_count(v)
+                .ok()
+                .flatten()
+                .is_none_or(|n| n > viewing.len() as u64)
+        });
+    let held =
+        base_held || references(y).is_none_or(|(h, s)| h > same || s > views.len() as u64 + base);
+    let bytes = views.iter().map(|v| extent_bytes(v)).max().unwrap_or(0);
+    (held, bytes)
+}
 
 /// The levers under which one block's graph holds a crossing tensor, one bit each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -48,15 +344,16 @@ impl Holds {
     }
 }
 
-/// One tensor a top-level block gives on to later ones.
+/// One tensor that top-level blocks take from an earlier block or from the model's
+/// own code.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Crossing {
     /// Its bytes (a figure: interpolated with the batch size, agreed on by ranks).
     pub(crate) bytes: i64,
-    /// The block that made it, and the levers under which that block holds it.
-    pub(crate) producer: (usize, Holds),
-    /// Its place among that block's outputs (each storage once).
-    pub(crate) place: usize,
+    /// Where it came from.
+    pub(crate) source: Source,
+    /// For a block's output, the levers under which the block that made it holds it.
+    pub(crate) made: Holds,
     /// The blocks that take it, each with the levers under which it holds it.
     pub(crate) consumers: Vec<(usize, Holds)>,
     /// The last place in the forward (the step's start 0, block `i`'s start `2i + 1`
@@ -65,107 +362,127 @@ pub(crate) struct Crossing {
     /// after the block; a U-Net holds its skips to the end of the forward); `None`:
     /// not seen, held through the forward.
     pub(crate) user_until: Option<usize>,
+    /// The last point of backward at which something other than the blocks around
+    /// it still held it (an auxiliary loss on an encoder's output, an op between
+    /// blocks that saved it, the caller holding the batch), as seen in a profiled
+    /// step where no block held it.
+    pub(crate) model_backward: Option<BackwardMark>,
 }
 
 impl Crossing {
-    /// Every holder, with the last segment (by its place in the recomputed step) in
-    /// which it holds the tensor under `lever`: a taker through its own backward
-    /// segment, the maker until its own backward begins (that segment's recomputation
-    /// makes the output again, which the recomputed step's segment counts already).
+    /// Every block that may hold it, with the levers under which it does and whether
+    /// it made it.
     fn holders(&self) -> impl Iterator<Item = (usize, Holds, bool)> + '_ {
-        std::iter::once((self.producer.0, self.producer.1, true))
+        let made = match self.source {
+            Source::Block(p, _) => Some((p, self.made, true)),
+            Source::Model(_) => None,
+        };
+        made.into_iter()
             .chain(self.consumers.iter().map(|&(c, h)| (c, h, false)))
+    }
+
+    /// The first place of the forward at which it exists: after the block that made
+    /// it, or (made by the model's code, at a place not seen) after the block before
+    /// the first that takes it.
+    fn made_at(&self) -> usize {
+        match self.source {
+            Source::Block(p, _) => 2 * p + 2,
+            Source::Model(_) => 2 * self.consumers.iter().map(|c| c.0).min().unwrap_or(0),
+        }
     }
 }
 
-/// The crossing tensors of the kept step's blocks, with the levers under which each
-/// holds them per the kept and recomputed steps. Tensors no later block takes (the
-/// model's outputs) are left out: what holds them (the loss) is the same under every
-/// assignment.
-pub(crate) fn crossings(kept: &[TopIo], recomputed: &[TopIo]) -> Vec<Crossing> {
-    let mut out: Vec<((usize, usize), Crossing)> = Vec::new();
-    for (c, io) in kept.iter().enumerate() {
-        for &(p, o, held) in &io.inputs {
-            let Some(&(bytes, made_held)) = kept.get(p).and_then(|io| io.outputs.get(o)) else {
+/// The tensors the kept step's blocks took from one another or from the model's
+/// code, with the levers under which each block holds them per the kept and
+/// recomputed steps. Tensors no later block takes (the model's outputs) are left out:
+/// what holds them (the loss) is the same under every assignment.
+pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
+    let mut out: Vec<Crossing> = Vec::new();
+    for (c, io) in kept.io.iter().enumerate() {
+        for &(source, held) in &io.inputs {
+            let Some(given) = kept.given(source) else {
                 continue;
             };
             let mut holds = Holds::default();
             holds.set(PlannedLever::Keep, held);
-            let at = match out.iter().position(|(key, _)| *key == (p, o)) {
+            let at = match out.iter().position(|x| x.source == source) {
                 Some(at) => at,
                 None => {
                     let mut made = Holds::default();
-                    made.set(PlannedLever::Keep, made_held);
-                    out.push((
-                        (p, o),
-                        Crossing {
-                            bytes,
-                            producer: (p, made),
-                            place: o,
-                            consumers: Vec::new(),
-                            user_until: None,
-                        },
-                    ));
+                    if let Source::Block(p, o) = source {
+                        made.set(PlannedLever::Keep, kept.io[p].outputs[o].1);
+                    }
+                    out.push(Crossing {
+                        bytes: given.bytes,
+                        source,
+                        made,
+                        consumers: Vec::new(),
+                        user_until: None,
+                        model_backward: None,
+                    });
                     out.len() - 1
                 }
             };
-            out[at].1.consumers.push((c, holds));
+            out[at].consumers.push((c, holds));
         }
     }
-    let mut crossings: Vec<Crossing> = out.into_iter().map(|(_, c)| c).collect();
-    for c in &mut crossings {
-        let until = kept[c.producer.0].alive_until.get(c.place).copied();
-        observe_model(c, PlannedLever::Keep, until);
+    for c in &mut out {
+        observe_model(c, PlannedLever::Keep, kept);
     }
-    if !add_holds(&mut crossings, PlannedLever::Recompute, recomputed) {
-        crossings.clear();
+    if !add_holds(&mut out, PlannedLever::Recompute, recomputed) {
+        out.clear();
     }
-    crossings
+    out
 }
 
 /// Sets, from a profiled step with every block under `lever`, whether each block
 /// holds each crossing tensor under it; false (and nothing set) when that step's
 /// blocks did not pass the same tensors (then the crossing tensors are not known).
-pub(crate) fn add_holds(crossings: &mut [Crossing], lever: PlannedLever, run: &[TopIo]) -> bool {
+pub(crate) fn add_holds(crossings: &mut [Crossing], lever: PlannedLever, run: &Flow) -> bool {
     // Every crossing tensor found in the step before anything is set.
     let mut found = Vec::new();
     for c in crossings.iter() {
-        let (p, o) = (c.producer.0, c.place);
         let taken = c
             .consumers
             .iter()
             .map(|&(k, _)| {
-                let inputs = &run.get(k)?.inputs;
-                inputs
-                    .iter()
-                    .find(|&&(q, r, _)| (q, r) == (p, o))
-                    .map(|i| i.2)
+                let inputs = &run.io.get(k)?.inputs;
+                inputs.iter().find(|(s, _)| *s == c.source).map(|i| i.1)
             })
             .collect::<Option<Vec<bool>>>();
-        let made = run.get(p).and_then(|io| io.outputs.get(o)).map(|m| m.1);
+        let made = match c.source {
+            Source::Block(p, o) => run.io.get(p).and_then(|io| io.outputs.get(o)).map(|m| m.1),
+            Source::Model(e) => run.model.get(e).map(|_| false),
+        };
         match (made, taken) {
             (Some(made), Some(taken)) => found.push((made, taken)),
             _ => return false,
         }
     }
     for (c, (made, taken)) in crossings.iter_mut().zip(found) {
-        c.producer.1.set(lever, made);
+        c.made.set(lever, made);
         for ((_, holds), held) in c.consumers.iter_mut().zip(taken) {
             holds.set(lever, held);
         }
-        let until = run[c.producer.0].alive_until.get(c.place).copied();
-        observe_model(c, lever, until);
+        observe_model(c, lever, run);
     }
     true
 }
 
-/// Learns how long the model's own code holds `c` in the forward from a profiled
-/// step with every block under `lever`, in which it was alive until `until`: only
-/// where no block held it there.
-fn observe_model(c: &mut Crossing, lever: PlannedLever, until: Option<usize>) {
-    let held = c.holders().any(|(_, holds, _)| holds.under(lever));
-    if let (false, Some(until)) = (held, until) {
-        c.user_until = Some(c.user_until.map_or(until, |u| u.min(until)));
+/// Learns how long the model's own code holds `c`, in the forward and in backward,
+/// from a profiled step with every block under `lever`: only where no block held it
+/// there.
+fn observe_model(c: &mut Crossing, lever: PlannedLever, run: &Flow) {
+    if c.holders().any(|(_, holds, _)| holds.under(lever)) {
+        return;
+    }
+    let Some(given) = run.given(c.source) else {
+        return;
+    };
+    let until = given.alive_until;
+    c.user_until = Some(c.user_until.map_or(until, |u| u.min(until)));
+    if let Some(mark) = given.alive_backward {
+        c.model_backward.get_or_insert(mark);
     }
 }
 
@@ -173,13 +490,10 @@ fn observe_model(c: &mut Crossing, lever: PlannedLever, until: Option<usize>) {
 /// under the levers `lever_of` gives: once made, while the model's code holds it,
 /// its maker holds it, or a block that took it and has ended its forward does.
 fn alive_in_forward(c: &Crossing, at: usize, lever_of: &dyn Fn(usize) -> PlannedLever) -> bool {
-    let p = c.producer.0;
-    at >= 2 * p + 2
+    at >= c.made_at()
         && (c.user_until.is_none_or(|u| at <= u)
-            || c.producer.1.under(lever_of(p))
-            || c.consumers
-                .iter()
-                .any(|&(k, h)| at >= 2 * k + 2 && h.under(lever_of(k))))
+            || c.holders()
+                .any(|(b, holds, made)| (made || at >= 2 * b + 2) && holds.under(lever_of(b))))
 }
 
 /// At place `at` of the forward, the bytes of the crossing tensors alive under
@@ -221,6 +535,16 @@ pub(crate) fn alive_difference(
     }
     let last_segment = segments as i64 - 1;
     let last = |c: &Crossing, lever_of: &dyn Fn(usize) -> PlannedLever| -> i64 {
+        // What the model holds it through, whatever the levers.
+        let model = match c.model_backward {
+            Some(BackwardMark::Loss) => backward_from as i64,
+            Some(BackwardMark::Own(i)) => own
+                .get(i)
+                .copied()
+                .flatten()
+                .map_or(last_segment, |s| s as i64),
+            None => -1,
+        };
         c.holders()
             .filter(|&(b, holds, _)| holds.under(lever_of(b)))
             .map(|(b, _, made)| match own.get(b).copied().flatten() {
@@ -230,6 +554,7 @@ pub(crate) fn alive_difference(
             })
             .max()
             .unwrap_or(-1)
+            .max(model)
     };
     let recomputed = |_: usize| PlannedLever::Recompute;
     let assigned = |b: usize| levers.get(b).copied().unwrap_or(PlannedLever::Keep);
@@ -270,10 +595,11 @@ mod tests {
         taken.set(Recompute, true);
         let c = Crossing {
             bytes: 10,
-            producer: (0, made),
-            place: 0,
+            source: Source::Block(0, 0),
+            made,
             consumers: vec![(2, taken)],
             user_until: None,
+            model_backward: None,
         };
         (vec![c], vec![Some(7), Some(6), Some(5)])
     }
@@ -291,5 +617,16 @@ mod tests {
             at(&[Recompute, Recompute, Offload]),
             vec![0, 0, 0, 0, -10, -10, 0, 0]
         );
+    }
+
+    #[test]
+    fn what_the_model_holds_in_backward_holds_it_under_every_assignment() {
+        let (mut c, own) = skip();
+        // An op of the model's own, between blocks, saved it: alive until block 2's
+        // backward began (segment 5), whoever else lets it go.
+        c[0].model_backward = Some(BackwardMark::Own(2));
+        let at = |levers: &[PlannedLever]| alive_difference(&c, levers, &own, 4, 8);
+        assert_eq!(at(&[Recompute, Recompute, Offload]), vec![0; 8]);
+        assert_eq!(at(&[Keep, Keep, Offload]), vec![0, 0, 0, 0, 0, 0, 10, 0]);
     }
 }
