@@ -168,6 +168,11 @@ pub struct RanksFit {
     pub fit_time_s: f64,
 }
 
+/// A rank request written without `per_block` asks for the default.
+fn per_block_default() -> bool {
+    true
+}
+
 /// What the ranks of [`fit_model_on_ranks`] are asked (`request.json` next to the
 /// suite): the request and the optimizer, in plain values.
 #[derive(Debug, Serialize, Deserialize)]
@@ -177,6 +182,8 @@ struct RankRequest {
     global_batch: Option<i64>,
     margin: f64,
     exhaustive: bool,
+    #[serde(default = "per_block_default")]
+    per_block: bool,
     bf16: bool,
     compress: bool,
     int8_state: bool,
@@ -294,6 +301,7 @@ pub fn fit_model_on_ranks(
         global_batch: request.global_batch,
         margin: request.margin,
         exhaustive: request.exhaustive,
+        per_block: request.per_block,
         bf16: request.allow.bf16,
         compress: request.allow.compress,
         int8_state: request.allow.int8_state,
@@ -411,6 +419,7 @@ fn fit_this_rank(
     request.global_batch = asked.global_batch;
     request.margin = asked.margin;
     request.exhaustive = asked.exhaustive;
+    request.per_block = asked.per_block;
     request.allow = Allow {
         bf16: asked.bf16,
         compress: asked.compress,

@@ -249,6 +249,11 @@ struct FitArgs {
     /// Also run every candidate at its real size to check the choice (slow).
     #[arg(long)]
     exhaustive: bool,
+    /// For a model of blocks, give every block the same lever (all kept, recomputed
+    /// or offloaded together) instead of choosing each block's on its own: the
+    /// uniform choice, to compare with the per-block one.
+    #[arg(long)]
+    uniform: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -548,6 +553,7 @@ fn fit(args: FitArgs) -> Result<()> {
     request.global_batch = args.global_batch;
     request.margin = args.margin;
     request.exhaustive = args.exhaustive;
+    request.per_block = !args.uniform;
     request.allow = memsave_bench::FitLever::allow(&args.allow);
     let of = |kind| memsave_bench::OptimizerSpec {
         kind,

@@ -712,6 +712,7 @@ fn measure_case(
         Some(Search::Fit(spec)) => {
             let mut request = memsave_fit::FitRequest::new(spec.budget.bytes);
             request.allow = spec.allowed();
+            request.per_block = !spec.uniform;
             // `{with: [{fit: ..}, {optimizer: ..}]}`: the optimizer fit steps.
             request.optimizer = config.optimizer;
             let report = memsave_fit::fit(model, &request).map_err(|e| e.to_string())?;

@@ -226,6 +226,10 @@ pub struct FitRequest {
     /// state's precision and whether it steps in backward) instead of the workload's
     /// [`optimizer`](memsave_step::Workload::optimizer); `None`: the workload's.
     pub optimizer: Option<OptimizerSpec>,
+    /// For a model of blocks, choose each block's lever on its own (the default);
+    /// false: every block alike (kept, recomputed or offloaded all together), to
+    /// compare the per-block choice with the uniform one.
+    pub per_block: bool,
 }
 
 impl FitRequest {
@@ -240,6 +244,7 @@ impl FitRequest {
             exhaustive: false,
             process_group: None,
             optimizer: None,
+            per_block: true,
         }
     }
 

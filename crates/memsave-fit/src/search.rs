@@ -160,6 +160,7 @@ fn search_fit(
         tries: 0,
         fell_back: false,
     };
+    search.runs.per_block = request.per_block;
     // Per block, the planner may then compress what a block saves (lossy).
     search.runs.compress_blocks = request.allow.compress;
     let mut passes = Vec::new();

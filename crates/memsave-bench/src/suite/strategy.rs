@@ -218,6 +218,9 @@ pub struct FitSpec {
     pub budget: Size,
     /// Lossy levers allowed, in the order written (`allow: [bf16, compress]`).
     pub allow: Vec<FitLever>,
+    /// `uniform: true`: every block of a model of blocks under the same lever (see
+    /// `memsave_fit::FitRequest::per_block`), to compare with the per-block choice.
+    pub uniform: bool,
 }
 
 impl FitSpec {
@@ -340,6 +343,8 @@ struct FitArgs {
     budget: Size,
     #[serde(default)]
     allow: Vec<FitLever>,
+    #[serde(default)]
+    uniform: bool,
 }
 
 fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
@@ -349,6 +354,7 @@ fn fit_args<E: de::Error>(args: FitArgs) -> Result<FitSpec, E> {
     Ok(FitSpec {
         budget: args.budget,
         allow: args.allow,
+        uniform: args.uniform,
     })
 }
 
@@ -419,18 +425,17 @@ impl Technique {
             Technique::AutoBatch(AutoBatchSpec { budget: Some(b) }) => {
                 format!("auto_batch(policy=halving, budget={})", b.text)
             }
-            Technique::Fit(spec) if spec.allow.is_empty() => {
-                format!("fit(budget={})", spec.budget.text)
+            Technique::Fit(spec) => {
+                let mut name = format!("fit(budget={}", spec.budget.text);
+                if !spec.allow.is_empty() {
+                    let allow: Vec<&str> = spec.allow.iter().map(|l| l.as_str()).collect();
+                    name.push_str(&format!(", allow={}", allow.join("+")));
+                }
+                if spec.uniform {
+                    name.push_str(", uniform");
+                }
+                name + ")"
             }
-            Technique::Fit(spec) => format!(
-                "fit(budget={}, allow={})",
-                spec.budget.text,
-                spec.allow
-                    .iter()
-                    .map(|lever| lever.as_str())
-                    .collect::<Vec<_>>()
-                    .join("+")
-            ),
         }
     }
 

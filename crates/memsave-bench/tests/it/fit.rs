@@ -772,6 +772,33 @@ fn the_cli_counts_the_suite_s_sgd_momentum_before_building() {
 
 /// A suite's `fit: {allow: [...]}` and `memsave fit --allow` name the same typed
 /// levers, which turn into fit's `Allow` in one place.
+/// `uniform: true` is read, named in the strategy's name, and absent by default.
+#[test]
+fn a_suite_s_fit_may_ask_for_uniform_levers() {
+    use memsave_bench::Technique;
+    let suite = suite(
+        "  - fit: {budget: 1MiB, uniform: true}\n  - fit: {budget: 1MiB, allow: [bf16], uniform: true}\n  - fit: {budget: 1MiB}\n",
+    );
+    let names: Vec<&str> = suite.strategies.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "fit(budget=1MiB, uniform)",
+            "fit(budget=1MiB, allow=bf16, uniform)",
+            "fit(budget=1MiB)"
+        ]
+    );
+    let uniform: Vec<bool> = suite
+        .strategies
+        .iter()
+        .map(|s| match &s.techniques[0] {
+            Technique::Fit(spec) => spec.uniform,
+            t => panic!("a fit strategy: {t:?}"),
+        })
+        .collect();
+    assert_eq!(uniform, [true, true, false]);
+}
+
 #[test]
 fn the_suite_s_allow_and_the_cli_s_allow_are_the_same_levers() {
     use clap::ValueEnum;

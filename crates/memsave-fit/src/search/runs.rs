@@ -54,6 +54,8 @@ pub(super) struct Runs<'w> {
     /// The blocks' profiles measure compression too, so that the planner may
     /// compress a block's saves (lossy: only when allowed).
     pub(super) compress_blocks: bool,
+    /// Each block's lever chosen on its own ([`FitRequest::per_block`](crate::FitRequest::per_block)).
+    pub(super) per_block: bool,
 }
 
 impl<'w> Runs<'w> {
@@ -85,6 +87,7 @@ impl<'w> Runs<'w> {
             lossy_split: false,
             ranks,
             compress_blocks: false,
+            per_block: true,
         }
     }
 }
@@ -519,7 +522,28 @@ impl Runs<'_> {
         // Under ZeRO-3 a block's saves cannot go to a store (it would keep the
         // gathered weights): kept or recomputed only, as under the offload lever.
         let zero3 = base.data_parallel == Some(crate::ParallelMode::Zero3);
+        let per_block = self.per_block;
         let solve = |budget: u64| -> Option<Vec<PlannedLever>> {
+            if !per_block {
+                // Every block alike: the fastest uniform lever predicted within.
+                let mut levers = vec![PlannedLever::Recompute];
+                if !(base.offload || zero3) && profile.offload_seconds().is_some() {
+                    levers.push(PlannedLever::Offload);
+                }
+                if !(base.offload || zero3) && profile.measured_compression() {
+                    levers.push(PlannedLever::Compress);
+                }
+                let budget = i64::try_from(budget).unwrap_or(i64::MAX);
+                return levers
+                    .into_iter()
+                    .map(|l| vec![l; n])
+                    .filter(|plan| profile.predict_levers(plan) <= budget)
+                    .min_by(|a, b| {
+                        profile
+                            .added_seconds(a)
+                            .total_cmp(&profile.added_seconds(b))
+                    });
+            }
             if base.offload || zero3 {
                 let r = profile.solve(budget).ok()?;
                 Some(

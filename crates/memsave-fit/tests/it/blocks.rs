@@ -176,6 +176,37 @@ fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
     }
 }
 
+/// With `per_block` off, every blocks choice gives all blocks one lever (the uniform
+/// choice to compare with), and the choice still fits as predicted.
+#[test]
+#[serial]
+fn without_per_block_choices_every_block_has_the_same_lever() {
+    memsave_meter::install();
+    let mut model = Graph::new(3, 128, 96);
+    let budget = midpoint_budget(&mut model);
+    let mut request = FitRequest::new(budget);
+    request.per_block = false;
+    let report = fit(&mut model, &request).unwrap();
+    let text = report.to_text();
+    assert!(report.measured_peak_bytes <= budget, "{text}");
+    let mut blocks_choices = 0;
+    for c in report
+        .candidates
+        .iter()
+        .filter(|c| c.choice.blocks.is_some())
+    {
+        let levers = c.choice.block_levers().unwrap();
+        let first = &levers[0].1;
+        assert!(
+            levers.iter().all(|(_, l)| l.name() == first.name()),
+            "{levers:?}\n{text}"
+        );
+        assert!(!matches!(first, BlockLever::Keep), "{text}");
+        blocks_choices += 1;
+    }
+    assert!(blocks_choices > 0, "no blocks choice\n{text}");
+}
+
 /// A trainer built from the report of a model of blocks recomputes the chosen blocks
 /// of a new model built the same way, and each step stays within the budget.
 #[test]
