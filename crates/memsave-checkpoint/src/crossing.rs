@@ -1,6 +1,6 @@
 //! Tensors that cross top-level blocks (a U-Net's skips, an encoder's output read by
-//! every decoder block): how long each stays alive in backward under an assignment
-//! of levers.
+//! every decoder block, a chain's block outputs): how long each stays alive, in the
+//! forward and in backward, under an assignment of levers.
 //!
 //! Such a tensor lives while anything holds it. In backward that is the graphs of the
 //! blocks around it: the block that made it, when its saves include it (a `tanh`
@@ -11,8 +11,9 @@
 //! The profiled step with every block recomputed holds every such tensor until the
 //! last block that takes it is done; an assignment may let one go sooner (its takers
 //! offloaded, or kept without saving it) or later (its maker kept and saving it). The
-//! planner adds, per backward segment, the bytes of the crossing tensors alive under
-//! the assignment less those alive in the recomputed step.
+//! planner adds, per backward segment and at each block's start and end in the
+//! forward, the bytes of the crossing tensors alive under the assignment less those
+//! alive in the profiled step its figure comes from.
 //!
 //! Which block holds which tensor under which lever is measured in each profiled step
 //! ([`Flow`]), not assumed: a store that passes a tensor through holds it as a kept
@@ -21,6 +22,10 @@
 //! block, an op between blocks may save a skip for backward. Tensors the model's code
 //! makes and blocks take (a gated skip, a mask or position table every block takes)
 //! are followed the same way.
+//!
+//! Trap: holding is read from reference counts, so a block's function that keeps its
+//! input somewhere of its own (a cache in a captured struct) counts as holding it
+//! under every lever, and the prediction errs high by that tensor.
 use crate::block_plan::PlannedLever;
 use crate::blocks::Event;
 use memsave_sys::tensor::WeakStorage;
