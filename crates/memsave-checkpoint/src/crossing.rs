@@ -52,6 +52,8 @@ pub(crate) enum BackwardMark {
     Loss,
     /// Block `i`'s own backward.
     Own(usize),
+    /// The end of the step, after backward: held by its caller (the batch) or kept.
+    End,
 }
 
 /// One tensor given to blocks, as a profiled step saw it.
@@ -112,6 +114,13 @@ impl Flow {
         }
         let mut taken: Vec<(Source, Vec<Taken>)> = Vec::new();
         for (k, x) in inputs.iter().enumerate().filter(|(_, x)| x.defined()) {
+            // A parameter (or a view of one) lives through the step whatever the
+            // levers: not followed.
+            let parameter = x.requires_grad() && x.is_leaf()
+                || memsave_sys::tensor::is_view_of_grad_leaf(x).unwrap_or(false);
+            if parameter {
+                continue;
+            }
             let is = |g: &Given| g.storage.is_storage_of(x).unwrap_or(false);
             // The latest block that gave this storage out (a later one may give on a
             // view of an earlier one's output); else the model's, known or new.
@@ -201,6 +210,8 @@ impl Flow {
             Event::Recompute(i) | Event::Unpack(i) if self.after_forward => {
                 Some(BackwardMark::Own(i))
             }
+            // The profiler's last event, once backward is done.
+            Event::Begin if self.after_forward => Some(BackwardMark::End),
             _ => None,
         };
         self.after_forward |= event == Event::ForwardEnd;
@@ -372,6 +383,10 @@ pub(crate) struct Crossing {
     /// blocks that saved it, the caller holding the batch), as seen in a profiled
     /// step where no block held it.
     pub(crate) model_backward: Option<BackwardMark>,
+    /// Whether `model_backward` was seen in a step that marks each block's backward
+    /// (recomputed or stored blocks), rather than in the kept step, which marks only
+    /// the loss's backward and the end.
+    pub(crate) seen_per_block: bool,
 }
 
 impl Crossing {
@@ -424,6 +439,7 @@ pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
                         consumers: Vec::new(),
                         user_until: None,
                         model_backward: None,
+                        seen_per_block: false,
                     });
                     out.len() - 1
                 }
@@ -486,8 +502,19 @@ fn observe_model(c: &mut Crossing, lever: PlannedLever, run: &Flow) {
     };
     let until = given.alive_until;
     c.user_until = Some(c.user_until.map_or(until, |u| u.min(until)));
-    if let Some(mark) = given.alive_backward {
-        c.model_backward.get_or_insert(mark);
+    if lever == PlannedLever::Keep {
+        // Kept blocks mark no backward of their own: alive at the loss's backward
+        // and gone by the end, it may have lived to any point between; taken as the
+        // end (the prediction errs high), unless a step with marks saw it.
+        if !c.seen_per_block {
+            c.model_backward = given.alive_backward.map(|m| match m {
+                BackwardMark::Loss => BackwardMark::End,
+                m => m,
+            });
+        }
+    } else if !c.seen_per_block {
+        c.model_backward = given.alive_backward;
+        c.seen_per_block = true;
     }
 }
 
@@ -548,6 +575,7 @@ pub(crate) fn alive_difference(
                 .copied()
                 .flatten()
                 .map_or(last_segment, |s| s as i64),
+            Some(BackwardMark::End) => last_segment,
             None => -1,
         };
         c.holders()
@@ -605,6 +633,7 @@ mod tests {
             consumers: vec![(2, taken)],
             user_until: None,
             model_backward: None,
+            seen_per_block: false,
         };
         (vec![c], vec![Some(7), Some(6), Some(5)])
     }
@@ -633,5 +662,11 @@ mod tests {
         let at = |levers: &[PlannedLever]| alive_difference(&c, levers, &own, 4, 8);
         assert_eq!(at(&[Recompute, Recompute, Offload]), vec![0; 8]);
         assert_eq!(at(&[Keep, Keep, Offload]), vec![0, 0, 0, 0, 0, 0, 10, 0]);
+        // Held past the end of backward (the caller's batch): alive throughout under
+        // every assignment, as in the recomputed step.
+        c[0].model_backward = Some(BackwardMark::End);
+        let at = |levers: &[PlannedLever]| alive_difference(&c, levers, &own, 4, 8);
+        assert_eq!(at(&[Recompute, Recompute, Offload]), vec![0; 8]);
+        assert_eq!(at(&[Keep, Keep, Offload]), vec![0; 8]);
     }
 }

@@ -37,6 +37,10 @@ struct Graph {
     /// Each decoder block takes its skip times a gate, multiplied between blocks by
     /// the model's own code (which saves the skip for backward, whatever the levers).
     gates: Option<Vec<Tensor>>,
+    /// With `gates`: each decoder block takes its gate (a parameter) as an input and
+    /// multiplies inside; and every encoder block shifts its input before its linear
+    /// layer, so that no op of the first one saves the batch.
+    inside: bool,
 }
 
 /// `t` with a leading dimension of one dropped, as a view (see [`Graph::views`]).
@@ -73,6 +77,7 @@ impl Graph {
             chain: false,
             views: false,
             gates: None,
+            inside: false,
         }
     }
 
@@ -122,7 +127,7 @@ impl Graph {
             let enc = enc.clone();
             let (tanh, views) = (self.tanh, self.views);
             h = b.run(&format!("enc{l}"), &[&h], move |xs| {
-                let y = enc.forward(&unview(&xs[0])).gelu("none");
+                let y = enc.forward(&(unview(&xs[0]) + 0.5)).gelu("none");
                 let y = if tanh { y.tanh() } else { y.sin() };
                 vec![if views { y.unsqueeze(0) } else { y }]
             })?[0]
@@ -147,6 +152,14 @@ impl Graph {
                 continue;
             }
             let skip = &skips[if self.one_memory { last } else { l }];
+            if let (Some(gates), true) = (&self.gates, self.inside) {
+                h = b.run(&format!("dec{l}"), &[&h, skip, &gates[l]], move |xs| {
+                    let gated = unview(&xs[1]) * &xs[2];
+                    vec![dec.forward(&Tensor::cat(&[&xs[0], &gated], 1)).tanh()]
+                })?[0]
+                    .shallow_clone();
+                continue;
+            }
             let gated = self.gates.as_ref().map(|g| unview(skip) * &g[l]);
             let skip = gated.as_ref().unwrap_or(skip);
             h = if self.nested {
@@ -698,6 +711,13 @@ fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks
             },
         ),
         ("gated skips", Graph::gated(3, 96, 64)),
+        (
+            "gates inside",
+            Graph {
+                inside: true,
+                ..Graph::gated(3, 96, 64)
+            },
+        ),
     ];
     for (name, g) in &variants {
         let blocks = Blocks::new();
