@@ -328,7 +328,7 @@ impl BlocksProfile {
                 c.made,
                 &c.consumers,
                 c.user_until,
-                c.model_backward,
+                &c.model_backward,
             )
                 .hash(&mut h);
         }
@@ -972,13 +972,13 @@ fn same_crossings(a: &[Crossing], b: &[Crossing]) -> bool {
                 x.made,
                 &x.consumers,
                 x.user_until,
-                x.model_backward,
+                &x.model_backward,
             ) == (
                 y.source,
                 y.made,
                 &y.consumers,
                 y.user_until,
-                y.model_backward,
+                &y.model_backward,
             )
         })
 }

@@ -66,8 +66,8 @@ pub(crate) struct Given {
     /// The place (see [`Flow`]) of the last event of the forward at which it was
     /// alive.
     pub(crate) alive_until: usize,
-    /// The last point of backward at which it was alive.
-    pub(crate) alive_backward: Option<BackwardMark>,
+    /// The points of backward at which it was alive.
+    pub(crate) alive_backward: Vec<BackwardMark>,
 }
 
 /// What one top-level block took from the blocks before it (or from the model's
@@ -133,9 +133,10 @@ impl Flow {
             let from = match from.or_else(|| self.model.iter().position(is).map(Source::Model)) {
                 Some(from) => from,
                 None => {
-                    let Some(given) = given(x, self.position) else {
+                    let Some(mut given) = given(x, self.position) else {
                         continue;
                     };
+                    given.bytes = 0;
                     self.model.push(given);
                     Source::Model(self.model.len() - 1)
                 }
@@ -144,7 +145,9 @@ impl Flow {
                 continue;
             };
             if let Source::Model(e) = from {
-                let bytes = extent_bytes(x);
+                // Its own elements, not its storage's: a batch sliced from a dataset
+                // in memory is not the dataset.
+                let bytes = memsave_sys::tensor::nbytes(x) as i64;
                 let g = &mut self.model[e];
                 g.bytes = g.bytes.max(bytes);
             }
@@ -231,8 +234,8 @@ impl Flow {
                 if let Some(at) = at {
                     g.alive_until = at;
                 }
-                if mark.is_some() {
-                    g.alive_backward = mark;
+                if let Some(mark) = mark {
+                    g.alive_backward.push(mark);
                 }
             }
         }
@@ -253,7 +256,7 @@ fn given(t: &Tensor, at: usize) -> Option<Given> {
         storage: WeakStorage::new(t).ok()?,
         bytes: extent_bytes(t),
         alive_until: at,
-        alive_backward: None,
+        alive_backward: Vec::new(),
     })
 }
 
@@ -378,11 +381,11 @@ pub(crate) struct Crossing {
     /// after the block; a U-Net holds its skips to the end of the forward); `None`:
     /// not seen, held through the forward.
     pub(crate) user_until: Option<usize>,
-    /// The last point of backward at which something other than the blocks around
-    /// it still held it (an auxiliary loss on an encoder's output, an op between
-    /// blocks that saved it, the caller holding the batch), as seen in a profiled
-    /// step where no block held it.
-    pub(crate) model_backward: Option<BackwardMark>,
+    /// The points of backward at which something other than the blocks around it
+    /// still held it (an auxiliary loss on an encoder's output, an op between blocks
+    /// that saved it, the caller holding the batch), as seen in a profiled step where
+    /// no block held it; it is taken as alive up to the latest of them.
+    pub(crate) model_backward: Vec<BackwardMark>,
     /// Whether `model_backward` was seen in a step that marks each block's backward
     /// (recomputed or stored blocks), rather than in the kept step, which marks only
     /// the loss's backward and the end.
@@ -413,9 +416,10 @@ impl Crossing {
 }
 
 /// The tensors the kept step's blocks took from one another or from the model's
-/// code, with the levers under which each block holds them per the kept and
-/// recomputed steps. Tensors no later block takes (the model's outputs) are left out:
-/// what holds them (the loss) is the same under every assignment.
+/// code, and the outputs no later block takes that their block holds when kept,
+/// with the levers under which each block holds them per the kept and recomputed
+/// steps. Other outputs no later block takes are left out: what holds them (the
+/// loss) is the same under every assignment.
 pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
     let mut out: Vec<Crossing> = Vec::new();
     for (c, io) in kept.io.iter().enumerate() {
@@ -438,13 +442,35 @@ pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
                         made,
                         consumers: Vec::new(),
                         user_until: None,
-                        model_backward: None,
+                        model_backward: Vec::new(),
                         seen_per_block: false,
                     });
                     out.len() - 1
                 }
             };
             out[at].consumers.push((c, holds));
+        }
+    }
+    // A block's output that no later block takes but that the block itself holds
+    // when kept (a skip its `tanh` saves, gated by the model's code between blocks):
+    // kept, it lives until the block's own backward; recomputed, only as long as the
+    // model's code holds it.
+    for (p, io) in kept.io.iter().enumerate() {
+        for (o, (given, held)) in io.outputs.iter().enumerate() {
+            let source = Source::Block(p, o);
+            if *held && !out.iter().any(|x| x.source == source) {
+                let mut made = Holds::default();
+                made.set(PlannedLever::Keep, true);
+                out.push(Crossing {
+                    bytes: given.bytes,
+                    source,
+                    made,
+                    consumers: Vec::new(),
+                    user_until: None,
+                    model_backward: Vec::new(),
+                    seen_per_block: false,
+                });
+            }
         }
     }
     for c in &mut out {
@@ -473,7 +499,12 @@ pub(crate) fn add_holds(crossings: &mut [Crossing], lever: PlannedLever, run: &F
             .collect::<Option<Vec<bool>>>();
         let made = match c.source {
             Source::Block(p, o) => run.io.get(p).and_then(|io| io.outputs.get(o)).map(|m| m.1),
-            Source::Model(e) => run.model.get(e).map(|_| false),
+            // The same tensor of the model's: taken first by the same block, as large.
+            Source::Model(e) => run
+                .model
+                .get(e)
+                .filter(|g| g.bytes == c.bytes)
+                .map(|_| false),
         };
         match (made, taken) {
             (Some(made), Some(taken)) => found.push((made, taken)),
@@ -501,19 +532,20 @@ fn observe_model(c: &mut Crossing, lever: PlannedLever, run: &Flow) {
         return;
     };
     let until = given.alive_until;
-    c.user_until = Some(c.user_until.map_or(until, |u| u.min(until)));
+    c.user_until = Some(c.user_until.map_or(until, |u| u.max(until)));
     if lever == PlannedLever::Keep {
         // Kept blocks mark no backward of their own: alive at the loss's backward
         // and gone by the end, it may have lived to any point between; taken as the
         // end (the prediction errs high), unless a step with marks saw it.
         if !c.seen_per_block {
-            c.model_backward = given.alive_backward.map(|m| match m {
-                BackwardMark::Loss => BackwardMark::End,
-                m => m,
-            });
+            let mut marks = given.alive_backward.clone();
+            if marks.contains(&BackwardMark::Loss) {
+                marks.push(BackwardMark::End);
+            }
+            c.model_backward = marks;
         }
     } else if !c.seen_per_block {
-        c.model_backward = given.alive_backward;
+        c.model_backward = given.alive_backward.clone();
         c.seen_per_block = true;
     }
 }
@@ -568,16 +600,20 @@ pub(crate) fn alive_difference(
     let last_segment = segments as i64 - 1;
     let last = |c: &Crossing, lever_of: &dyn Fn(usize) -> PlannedLever| -> i64 {
         // What the model holds it through, whatever the levers.
-        let model = match c.model_backward {
-            Some(BackwardMark::Loss) => backward_from as i64,
-            Some(BackwardMark::Own(i)) => own
-                .get(i)
-                .copied()
-                .flatten()
-                .map_or(last_segment, |s| s as i64),
-            Some(BackwardMark::End) => last_segment,
-            None => -1,
-        };
+        let model = c
+            .model_backward
+            .iter()
+            .map(|mark| match *mark {
+                BackwardMark::Loss => backward_from as i64,
+                BackwardMark::Own(i) => own
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map_or(last_segment, |s| s as i64),
+                BackwardMark::End => last_segment,
+            })
+            .max()
+            .unwrap_or(-1);
         c.holders()
             .filter(|&(b, holds, _)| holds.under(lever_of(b)))
             .map(|(b, _, made)| match own.get(b).copied().flatten() {
@@ -632,7 +668,7 @@ mod tests {
             made,
             consumers: vec![(2, taken)],
             user_until: None,
-            model_backward: None,
+            model_backward: Vec::new(),
             seen_per_block: false,
         };
         (vec![c], vec![Some(7), Some(6), Some(5)])
@@ -658,13 +694,13 @@ mod tests {
         let (mut c, own) = skip();
         // An op of the model's own, between blocks, saved it: alive until block 2's
         // backward began (segment 5), whoever else lets it go.
-        c[0].model_backward = Some(BackwardMark::Own(2));
+        c[0].model_backward = vec![BackwardMark::Loss, BackwardMark::Own(2)];
         let at = |levers: &[PlannedLever]| alive_difference(&c, levers, &own, 4, 8);
         assert_eq!(at(&[Recompute, Recompute, Offload]), vec![0; 8]);
         assert_eq!(at(&[Keep, Keep, Offload]), vec![0, 0, 0, 0, 0, 0, 10, 0]);
         // Held past the end of backward (the caller's batch): alive throughout under
         // every assignment, as in the recomputed step.
-        c[0].model_backward = Some(BackwardMark::End);
+        c[0].model_backward = vec![BackwardMark::End];
         let at = |levers: &[PlannedLever]| alive_difference(&c, levers, &own, 4, 8);
         assert_eq!(at(&[Recompute, Recompute, Offload]), vec![0; 8]);
         assert_eq!(at(&[Keep, Keep, Offload]), vec![0; 8]);

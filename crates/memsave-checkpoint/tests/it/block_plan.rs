@@ -712,6 +712,13 @@ fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks
         ),
         ("gated skips", Graph::gated(3, 96, 64)),
         (
+            "tanh gated skips",
+            Graph {
+                tanh: true,
+                ..Graph::gated(3, 96, 64)
+            },
+        ),
+        (
             "gates inside",
             Graph {
                 inside: true,
