@@ -323,14 +323,7 @@ impl BlocksProfile {
         self.compressed.is_some().hash(&mut h);
         self.backward_from.hash(&mut h);
         for c in &self.crossings {
-            (
-                c.source,
-                c.made,
-                &c.consumers,
-                c.user_until,
-                &c.model_backward,
-            )
-                .hash(&mut h);
+            c.structure().hash(&mut h);
         }
         h.finish()
     }
@@ -453,7 +446,9 @@ impl BlocksProfile {
         let held = |alive: &mut dyn Iterator<Item = usize>| -> i64 {
             alive.map(|j| self.held(levers[j], j)).sum()
         };
-        let crossing = self.crossing_difference(levers);
+        // The levers as the profile counts them, once for every place below.
+        let counted = self.measured_levers(levers);
+        let crossing = self.crossing_difference(&counted);
         let mut peak = self
             .segments
             .iter()
@@ -465,7 +460,7 @@ impl BlocksProfile {
                     + self.forward_crossing(
                         s < self.backward_from,
                         2 * s,
-                        levers,
+                        &counted,
                         PlannedLever::Recompute,
                     );
                 // The profile's segment of a block's backward began with its
@@ -497,7 +492,7 @@ impl BlocksProfile {
                 (PlannedLever::Compress, Some(_)) => PlannedLever::Compress,
                 _ => PlannedLever::Keep,
             };
-            let before = before + self.forward_crossing(true, 2 * i + 1, levers, reference);
+            let before = before + self.forward_crossing(true, 2 * i + 1, &counted, reference);
             let at = match (lever, &self.compressed) {
                 (PlannedLever::Recompute | PlannedLever::Offload, _) => {
                     self.forward_recomputed[i] + before
@@ -773,15 +768,16 @@ impl BlocksProfile {
         vec![swapped, grown]
     }
 
-    /// Per segment, the bytes of the tensors crossing blocks alive under `levers` less
-    /// those alive in the recomputed step (see [`crossing`]).
+    /// Per segment, the bytes of the tensors crossing blocks alive under `levers` (as
+    /// [`measured_levers`](Self::measured_levers) counts them) less those alive in the
+    /// recomputed step (see [`crossing`]).
     fn crossing_difference(&self, levers: &[PlannedLever]) -> Vec<i64> {
         if self.crossings.is_empty() {
             return vec![0; self.segments.len()];
         }
         crossing::alive_difference(
             &self.crossings,
-            &self.measured_levers(levers),
+            levers,
             &self.own_segments(),
             self.backward_from,
             self.segments.len(),
@@ -803,7 +799,7 @@ impl BlocksProfile {
         recomputed: &[Option<i64>],
     ) -> Vec<i64> {
         let every = vec![lever; self.keys.len()];
-        let crossing = self.crossing_difference(&every);
+        let crossing = self.crossing_difference(&self.measured_levers(&every));
         let own = self.own_segments();
         (0..self.keys.len())
             .map(|i| match (stored.get(i), recomputed.get(i), own[i]) {
@@ -824,9 +820,11 @@ impl BlocksProfile {
     }
 
     /// Where `in_forward`, at place `at` of the forward (block `i`'s start `2i + 1`,
-    /// its end `2i + 2`), the bytes of the crossing tensors alive under `levers` less
-    /// those alive in the profiled step with every block under `reference`; 0 in
-    /// backward, and where the profile's forward was not one segment per block.
+    /// its end `2i + 2`), the bytes of the crossing tensors alive under `levers` (as
+    /// [`measured_levers`](Self::measured_levers) counts them) less those alive in the
+    /// profiled step with every block under `reference` (a lever the profile
+    /// measured); 0 in backward, and where the profile's forward was not one segment
+    /// per block.
     fn forward_crossing(
         &self,
         in_forward: bool,
@@ -837,13 +835,7 @@ impl BlocksProfile {
         if !in_forward || self.crossings.is_empty() || self.backward_from != self.keys.len() + 1 {
             return 0;
         }
-        let reference = self.measured_levers(&[reference])[0];
-        crossing::forward_difference(
-            &self.crossings,
-            at,
-            &self.measured_levers(levers),
-            reference,
-        )
+        crossing::forward_difference(&self.crossings, at, levers, reference)
     }
 
     /// `levers` as the profile counts them: compression, where not measured, as kept
@@ -965,22 +957,7 @@ impl BlocksProfile {
 
 /// Whether two profiles' crossing tensors are the same but for their bytes.
 fn same_crossings(a: &[Crossing], b: &[Crossing]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            (
-                x.source,
-                x.made,
-                &x.consumers,
-                x.user_until,
-                &x.model_backward,
-            ) == (
-                y.source,
-                y.made,
-                &y.consumers,
-                y.user_until,
-                &y.model_backward,
-            )
-        })
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.structure() == y.structure())
 }
 
 /// The levers of an assignment of kept and sent away: block `i` under `away[i]` where

@@ -133,10 +133,9 @@ impl Flow {
             let from = match from.or_else(|| self.model.iter().position(is).map(Source::Model)) {
                 Some(from) => from,
                 None => {
-                    let Some(mut given) = given(x, self.position) else {
+                    let Some(given) = given(x, self.position, 0) else {
                         continue;
                     };
-                    given.bytes = 0;
                     self.model.push(given);
                     Source::Model(self.model.len() - 1)
                 }
@@ -188,11 +187,10 @@ impl Flow {
             {
                 continue;
             }
-            let Some(mut given) = given(y, self.position) else {
+            let (held, bytes) = output_held(y, outputs);
+            let Some(given) = given(y, self.position, bytes) else {
                 continue;
             };
-            let (held, bytes) = output_held(y, outputs);
-            given.bytes = bytes;
             io.outputs.push((given, held));
         }
         self.io.push(io);
@@ -250,11 +248,12 @@ impl Flow {
     }
 }
 
-/// `t` as a tensor given to blocks, first seen at place `at`; `None` without storage.
-fn given(t: &Tensor, at: usize) -> Option<Given> {
+/// `t` as a tensor given to blocks, of `bytes`, first seen at place `at`; `None`
+/// without storage.
+fn given(t: &Tensor, at: usize, bytes: i64) -> Option<Given> {
     Some(Given {
         storage: WeakStorage::new(t).ok()?,
-        bytes: extent_bytes(t),
+        bytes,
         alive_until: at,
         alive_backward: Vec::new(),
     })
@@ -393,6 +392,43 @@ pub(crate) struct Crossing {
 }
 
 impl Crossing {
+    /// A tensor first seen in the kept step, of `bytes`, its maker holding it there
+    /// or not (`made_kept`); who else holds it is added as the steps are read.
+    fn first_seen(source: Source, bytes: i64, made_kept: bool) -> Crossing {
+        let mut made = Holds::default();
+        made.set(PlannedLever::Keep, made_kept);
+        Crossing {
+            bytes,
+            source,
+            made,
+            consumers: Vec::new(),
+            user_until: None,
+            model_backward: Vec::new(),
+            seen_per_block: false,
+        }
+    }
+
+    /// What two profiles (of two batch sizes, or of two ranks) must agree on for
+    /// this tensor: everything but its bytes.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn structure(
+        &self,
+    ) -> (
+        Source,
+        Holds,
+        &[(usize, Holds)],
+        Option<usize>,
+        &[BackwardMark],
+    ) {
+        (
+            self.source,
+            self.made,
+            &self.consumers,
+            self.user_until,
+            &self.model_backward,
+        )
+    }
+
     /// Every block that may hold it, with the levers under which it does and whether
     /// it made it.
     fn holders(&self) -> impl Iterator<Item = (usize, Holds, bool)> + '_ {
@@ -432,19 +468,11 @@ pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
             let at = match out.iter().position(|x| x.source == source) {
                 Some(at) => at,
                 None => {
-                    let mut made = Holds::default();
-                    if let Source::Block(p, o) = source {
-                        made.set(PlannedLever::Keep, kept.io[p].outputs[o].1);
-                    }
-                    out.push(Crossing {
-                        bytes: given.bytes,
-                        source,
-                        made,
-                        consumers: Vec::new(),
-                        user_until: None,
-                        model_backward: Vec::new(),
-                        seen_per_block: false,
-                    });
+                    let made_kept = match source {
+                        Source::Block(p, o) => kept.io[p].outputs[o].1,
+                        Source::Model(_) => false,
+                    };
+                    out.push(Crossing::first_seen(source, given.bytes, made_kept));
                     out.len() - 1
                 }
             };
@@ -459,17 +487,7 @@ pub(crate) fn crossings(kept: &Flow, recomputed: &Flow) -> Vec<Crossing> {
         for (o, (given, held)) in io.outputs.iter().enumerate() {
             let source = Source::Block(p, o);
             if *held && !out.iter().any(|x| x.source == source) {
-                let mut made = Holds::default();
-                made.set(PlannedLever::Keep, true);
-                out.push(Crossing {
-                    bytes: given.bytes,
-                    source,
-                    made,
-                    consumers: Vec::new(),
-                    user_until: None,
-                    model_backward: Vec::new(),
-                    seen_per_block: false,
-                });
+                out.push(Crossing::first_seen(source, given.bytes, true));
             }
         }
     }
@@ -657,19 +675,12 @@ mod tests {
     /// recomputed, not offloaded. Segments: three of the forward's, the loss's
     /// backward (4), then the blocks' own backward segments, 2 (5), 1 (6) and 0 (7).
     fn skip() -> (Vec<Crossing>, Vec<Option<usize>>) {
-        let mut made = Holds::default();
-        made.set(Keep, true);
         let mut taken = Holds::default();
         taken.set(Keep, true);
         taken.set(Recompute, true);
         let c = Crossing {
-            bytes: 10,
-            source: Source::Block(0, 0),
-            made,
             consumers: vec![(2, taken)],
-            user_until: None,
-            model_backward: Vec::new(),
-            seen_per_block: false,
+            ..Crossing::first_seen(Source::Block(0, 0), 10, true)
         };
         (vec![c], vec![Some(7), Some(6), Some(5)])
     }

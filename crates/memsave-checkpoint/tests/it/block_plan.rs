@@ -614,6 +614,32 @@ impl memsave_sys::hooks::RawHooks for HalfHooks {
     }
 }
 
+/// `g`'s blocks, profiled with offload (to [`VecHooks`]) and compression (to
+/// [`HalfHooks`]) measured, and the block lever of each planned one.
+fn profiled_with_every_lever(
+    g: &Graph,
+) -> (Blocks, BlocksProfile, impl Fn(PlannedLever) -> BlockLever) {
+    let blocks = Blocks::new();
+    let _ = blocks.forward(|b| g.loss(b)).unwrap().unwrap();
+    let offload = BlockLever::store("vector", true, std::sync::Arc::new(VecHooks));
+    let half = BlockLever::store("half", false, std::sync::Arc::new(HalfHooks));
+    let options = memsave_checkpoint::ProfileOptions::default()
+        .with_offload(offload.clone())
+        .with_compress(half.clone());
+    let profile = blocks
+        .profile_with(&g.vs.trainable_variables(), &options, || {
+            blocks.forward(|b| g.loss(b)).and_then(|r| r)
+        })
+        .unwrap();
+    let lever = move |l| match l {
+        PlannedLever::Keep => BlockLever::Keep,
+        PlannedLever::Recompute => BlockLever::Recompute,
+        PlannedLever::Offload => offload.clone(),
+        PlannedLever::Compress => half.clone(),
+    };
+    (blocks, profile, lever)
+}
+
 /// With offload and compression measured, assignments mixing all four levers are
 /// predicted within 5% of their measured peaks, a compressed block holds less than a
 /// kept one and more than a recomputed one, and solve_levers' choice at a budget
@@ -622,27 +648,9 @@ impl memsave_sys::hooks::RawHooks for HalfHooks {
 #[serial]
 fn compressed_blocks_are_predicted_and_mixed_with_the_other_levers() {
     use memsave_checkpoint::PlannedLever::{Compress, Keep, Offload, Recompute};
-    use memsave_checkpoint::ProfileOptions;
     let g = Graph::new(3, 96, 64);
-    let blocks = Blocks::new();
-    let _ = blocks.forward(|b| g.loss(b)).unwrap().unwrap();
-    let offload = BlockLever::store("vector", true, std::sync::Arc::new(VecHooks));
-    let half = BlockLever::store("half", false, std::sync::Arc::new(HalfHooks));
-    let options = ProfileOptions::default()
-        .with_offload(offload.clone())
-        .with_compress(half.clone());
-    let profile = blocks
-        .profile_with(&g.vs.trainable_variables(), &options, || {
-            blocks.forward(|b| g.loss(b)).and_then(|r| r)
-        })
-        .unwrap();
+    let (blocks, profile, lever) = profiled_with_every_lever(&g);
     assert!(profile.measured_compression());
-    let lever = |l| match l {
-        Keep => BlockLever::Keep,
-        Recompute => BlockLever::Recompute,
-        Offload => offload.clone(),
-        Compress => half.clone(),
-    };
     let seconds = profile.added_seconds(&[Compress; 7]);
     assert!(seconds.is_finite() && seconds >= 0.0, "{seconds}");
     assert_predicted_within_5_percent(
@@ -679,7 +687,6 @@ fn compressed_blocks_are_predicted_and_mixed_with_the_other_levers() {
 #[serial]
 fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks() {
     use memsave_checkpoint::PlannedLever::{Compress, Keep, Offload, Recompute};
-    use memsave_checkpoint::ProfileOptions;
     let variants = [
         ("skips", Graph::new(3, 96, 64)),
         (
@@ -729,24 +736,7 @@ fn assignments_of_every_lever_are_predicted_on_graphs_whose_tensors_cross_blocks
         ),
     ];
     for (name, g) in &variants {
-        let blocks = Blocks::new();
-        let _ = blocks.forward(|b| g.loss(b)).unwrap().unwrap();
-        let offload = BlockLever::store("vector", true, std::sync::Arc::new(VecHooks));
-        let half = BlockLever::store("half", false, std::sync::Arc::new(HalfHooks));
-        let options = ProfileOptions::default()
-            .with_offload(offload.clone())
-            .with_compress(half.clone());
-        let profile = blocks
-            .profile_with(&g.vs.trainable_variables(), &options, || {
-                blocks.forward(|b| g.loss(b)).and_then(|r| r)
-            })
-            .unwrap();
-        let lever = |l| match l {
-            Keep => BlockLever::Keep,
-            Recompute => BlockLever::Recompute,
-            Offload => offload.clone(),
-            Compress => half.clone(),
-        };
+        let (blocks, profile, lever) = profiled_with_every_lever(g);
         // A fixed sequence of assignments (a linear congruential generator), with
         // the four uniform ones first.
         let mut state: u64 = 0x2545_f491_4f6c_dd1d;
