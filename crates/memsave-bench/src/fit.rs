@@ -99,7 +99,7 @@ pub fn fit_model_with(
     optimizer: Option<OptimizerSpec>,
     progress: &mut dyn FnMut(&FitEvent),
 ) -> Result<FitReport, FitCaseError> {
-    let spec = checked_spec(suite, model, request, optimizer.as_ref())?;
+    let spec = checked_spec(suite, model, request, optimizer.as_ref(), 1)?;
     let device = resolve_device(suite.device)?;
     memsave_meter::install();
     if let Some(n) = suite.threads {
@@ -119,12 +119,13 @@ pub fn fit_model_with(
 }
 
 /// The suite's model `model`, checked against `request` before anything is built (see
-/// [`fit_model`]).
+/// [`fit_model`]), for a fit on `world_size` ranks (1: one process).
 fn checked_spec<'s>(
     suite: &'s Suite,
     model: &str,
     request: &FitRequest,
     optimizer: Option<&OptimizerSpec>,
+    world_size: usize,
 ) -> Result<&'s ModelSpec, FitCaseError> {
     let spec = suite
         .models
@@ -149,6 +150,7 @@ fn checked_spec<'s>(
         spec,
         request,
         suite.memory_limit.as_ref().map(|s| s.bytes),
+        world_size,
     )?;
     Ok(spec)
 }
@@ -281,7 +283,7 @@ pub fn fit_model_on_ranks(
     svg: bool,
     rank_program_path: Option<&Path>,
 ) -> Result<RanksFit, FitCaseError> {
-    let spec = checked_spec(suite, model, request, optimizer.as_ref())?;
+    let spec = checked_spec(suite, model, request, optimizer.as_ref(), world_size)?;
     let global = request
         .global_batch
         .or_else(|| spec.batch.first().copied())
@@ -497,6 +499,8 @@ pub struct LeastMemory {
     /// and a zoo model's target), and the global batch's when it is larger (new
     /// tensors).
     pub batch: Option<u64>,
+    /// The batch `fit` steps on: the global batch's bytes (it counts in the budget).
+    pub step_batch: Option<u64>,
 }
 
 impl LeastMemory {
@@ -520,6 +524,24 @@ impl LeastMemory {
             self.largest_gradient,
             self.optimizer_state,
             self.batch,
+        ]
+        .into_iter()
+        .try_fold(0u64, |sum, b| sum.checked_add(b?))
+    }
+
+    /// What the device holds at least at some moment of any step, all of it in the
+    /// budget (which is the whole device, see `memsave_fit`): the parameters, the
+    /// optimizer's state, the batch `fit` steps on and the largest gradient. On
+    /// `world_size` ranks, each rank's least: its share of all but the gradient (as
+    /// ZeRO-3 shards them).
+    pub fn in_budget(&self, world_size: usize) -> Option<u64> {
+        let n = world_size.max(1) as u64;
+        let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
+        [
+            share(self.parameters),
+            self.largest_gradient,
+            share(self.optimizer_state),
+            share(self.step_batch),
         ]
         .into_iter()
         .try_fold(0u64, |sum, b| sum.checked_add(b?))
@@ -596,12 +618,17 @@ pub fn least_memory(
         .batch_bytes()
         .zip(global_batch)
         .and_then(|(a, b)| a.checked_add(b));
+    let step_batch = match global_batch {
+        Some(0) => spec.batch_bytes(),
+        other => other,
+    };
     LeastMemory {
         parameters,
         largest_gradient: spec.largest_parameter().and_then(|n| n.checked_mul(F32)),
         optimizer_state,
         weights_copy,
         batch,
+        step_batch,
     }
 }
 
@@ -611,18 +638,10 @@ fn check_least(
     spec: &ModelSpec,
     request: &FitRequest,
     memory_limit: Option<u64>,
+    world_size: usize,
 ) -> Result<(), FitCaseError> {
     let name = &spec.name;
     let budget = Bytes(request.budget_bytes);
-    match least.largest_gradient {
-        Some(g) if g <= request.budget_bytes => {}
-        g => {
-            let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
-            return Err(FitCaseError::TooLarge(format!(
-                "no configuration fits {budget}: the largest parameter of model '{name}' has a gradient of {shown}, which every step holds whole at least once, whatever the levers; give a budget of at least {shown} (nothing was built)"
-            )));
-        }
-    }
     let hint = "reduce layers or hidden, or use a machine with more memory";
     if let Some(limit) = memory_limit {
         if least.tensors().is_none_or(|t| t > limit) {
@@ -646,6 +665,31 @@ fn check_least(
                 least.total().map_or("over 2^64 bytes".to_owned(), |t| Bytes(t).to_string()),
                 least.parts(true),
                 Bytes(available)
+            )));
+        }
+    }
+    match least.in_budget(world_size) {
+        Some(g) if g <= request.budget_bytes => {}
+        g => {
+            let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
+            let parts = LeastMemory {
+                weights_copy: Some(0),
+                batch: least.step_batch,
+                ..*least
+            }
+            .parts(false);
+            let int8 = if least.optimizer_state.unwrap_or(0) > 0 && !request.allow.int8_state {
+                "; --allow int8-state keeps the optimizer state in a quarter"
+            } else {
+                ""
+            };
+            let share = if world_size > 1 {
+                format!(" (each rank at least its share of all but the gradient, on {world_size} ranks)")
+            } else {
+                String::new()
+            };
+            return Err(FitCaseError::TooLarge(format!(
+                "no configuration fits {budget}: every step of model '{name}' holds at least {shown} on the device ({parts}: the largest parameter's gradient is whole at least once){share}, whatever the levers; give a budget of at least {shown}{int8} (nothing was built)"
             )));
         }
     }

@@ -218,10 +218,12 @@ struct FitArgs {
     /// The model to fit (a name from the suite).
     #[arg(long)]
     model: String,
-    /// The most bytes a step may allocate above what persists between steps (the
-    /// parameters, the input and the optimizer's state), e.g. 24MiB: its gradients,
-    /// activations and workspace; with --world-size, per rank, counting its parameters
-    /// and optimizer state too.
+    /// The most bytes the device holds at any moment of a step, e.g. 24MiB: the whole
+    /// device, counting the parameters, the optimizer's state, the input, the
+    /// gradients, activations and workspace (with --world-size, per rank). Not counted:
+    /// the copy of the weights fit keeps to put them back after each run. Note that
+    /// `bench`'s peak is above the parameters, the input and the optimizer's state:
+    /// add them to turn one into the other (the report's breakdown gives them).
     #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     budget: Bytes,
     /// Examples per optimizer step (default: the model's batch in the suite).
@@ -234,8 +236,8 @@ struct FitArgs {
     /// always considered).
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     allow: Vec<memsave_bench::FitLever>,
-    /// The optimizer stepped in every step (its state is not in the budget on one
-    /// process, only its work during the step; it allows the step in backward), with
+    /// The optimizer stepped in every step (its state counts in the budget; it allows
+    /// the step in backward), with
     /// its defaults. Default: the suite's first
     /// `optimizer:` technique with its lr, betas, eps, weight_decay and momentum (fit
     /// chooses its state's precision and where it steps), if any, else none.

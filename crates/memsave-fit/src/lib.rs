@@ -99,12 +99,25 @@
 //! backward to its start as the batch grows; the probes then step up towards the real
 //! size, until they line up or the real size itself is measured.
 //!
-//! The budget is for the step's peak above what persists from step to step: the
-//! parameters, the optimizer's state and the input batch. That is the definition of
-//! `memsave bench`'s `peak_bytes` (and of PyTorch's reference on the same suite),
-//! which measure after a warm-up step. Warning: the optimizer's state is not in the
-//! budget (AdamW's is twice the parameters): leave room for it (`memsave-optim`'s
-//! 8-bit state is a quarter of that).
+//! # What the budget counts
+//! The budget is the whole device: the most bytes it holds at any moment of the step,
+//! counting the parameters, the optimizer's state (made by a warm-up step before the
+//! measured ones: AdamW's is twice the parameters, `memsave-optim`'s 8-bit state a
+//! quarter of that), the input batch, the gradients and everything else the step
+//! allocates. Each report breaks the measured peak down ([`PeakBreakdown`]). Two things
+//! are not counted, because `fit` cannot change them: what the process held before
+//! `fit` other than the parameters (a dataset or another model on the device: leave
+//! room for it), and the copy of the weights `fit` keeps to put them back after each
+//! run. A step the [`Trainer`](FitReport::trainer) runs reports the same peak as
+//! [`StepMeasurement::device_peak_bytes`](memsave_step::StepMeasurement::device_peak_bytes)
+//! (absolute, like `max_memory_allocated`) when the process holds nothing else.
+//!
+//! Warning: `memsave bench`'s `peak_bytes` (like PyTorch's reference on a suite) is
+//! measured above what persists from step to step (the parameters, the optimizer's
+//! state, the input), for comparison with other tools; its `device_peak_bytes` is the
+//! figure this budget counts. To turn a budget for the former into one for `fit`, add
+//! the parameters, the optimizer's state and the input (a report's
+//! [`breakdown`](FitReport::breakdown) gives them).
 //!
 //! # On the ranks of a process group
 //! With [`FitRequest::on_ranks`], every rank of the group calls [`fit`] on the same
@@ -116,11 +129,9 @@
 //! ZeRO-3 with one micro-batch, gradients in files except under ZeRO-1; ZeRO-3 for a
 //! workload that does not say which parameters each layer uses) is left out with the
 //! reason as its candidate's note (the report's text lists them). The budget is per
-//! rank, and there it counts what the modes share differently: the peak is measured
-//! above what the rank held before less the parameters, so the rank's parameters (its
-//! shard of them and the layers' gathered weights under ZeRO-3), its optimizer state
-//! (its shard under ZeRO) and the step's peak count; the input and the copy of the
-//! weights `fit` keeps do not.
+//! rank, and counts as on one process what the rank's device holds: its parameters
+//! (its shard of them and the layers' gathered weights under ZeRO-3), its optimizer
+//! state (its shard under ZeRO), its input and the step's own.
 //!
 //! The ranks stay in lockstep: every figure the search decides on (each run's peak
 //! and time, each prediction, the layer profiles, and the clock every deadline reads)
@@ -198,17 +209,22 @@ use serde::Serialize;
 /// What to fit.
 #[derive(Debug, Clone)]
 pub struct FitRequest {
-    /// The most bytes the step may allocate above the parameters and the input.
+    /// The most bytes the device may hold at any moment of the step: the parameters,
+    /// the optimizer's state, the input, the gradients and everything else the step
+    /// allocates (see the [crate docs](crate#what-the-budget-counts)). On ranks, per
+    /// rank.
     pub budget_bytes: u64,
     /// Examples per optimizer step; `None`: the workload's
     /// [`global_batch`](memsave_step::Workload::global_batch).
     pub global_batch: Option<i64>,
     /// The lossy levers the caller accepts.
     pub allow: Allow,
-    /// Fraction of the budget kept free for prediction errors: a configuration is
-    /// chosen only if its predicted peak is within `budget · (1 − margin)`, or, on the
-    /// CPU when none is, predicted within the budget and measured within it at its
-    /// real size (the meter's peak is exact there).
+    /// Fraction kept free for prediction errors of what the step allocates above what
+    /// it keeps from step to step (the parameters and the optimizer's state, which are
+    /// measured, not predicted): a configuration is chosen only if its predicted peak
+    /// is within `budget − margin · (budget − kept)`, or, on the CPU when none is,
+    /// predicted within the budget and measured within it at its real size (the
+    /// meter's peak is exact there).
     pub margin: f64,
     /// Also run every candidate predicted within twice the budget at its real size
     /// (its peak checked against the budget) and report the
@@ -251,8 +267,8 @@ impl FitRequest {
     /// The same request, fitted on every rank of `group` (each rank calls [`fit`] with
     /// it, on the same model, at the same point: see the [crate docs](crate#on-the-ranks-of-a-process-group)).
     /// The data-parallel mode ([`ParallelMode`]: DDP, ZeRO-1, ZeRO-2, ZeRO-3) is then one
-    /// more lever, and the budget is per rank and counts what the modes share
-    /// differently: the parameters and the optimizer's state too.
+    /// more lever, and the budget is per rank: what each rank's device holds, its
+    /// share of the parameters and the optimizer's state included.
     pub fn on_ranks(mut self, group: &ProcessGroup) -> Self {
         self.process_group = Some(group.clone());
         self
@@ -299,7 +315,8 @@ impl Allow {
 pub struct Candidate {
     /// The configuration.
     pub choice: Choice,
-    /// Predicted peak above parameters and input, if it could be predicted.
+    /// Predicted peak of the whole step on the device (see the [crate docs](crate)),
+    /// if it could be predicted.
     pub predicted_peak_bytes: Option<u64>,
     /// Predicted step time, seconds.
     pub predicted_step_time_s: Option<f64>,
@@ -307,6 +324,9 @@ pub struct Candidate {
     pub predicted_fits: bool,
     /// Measured peak at the real size, if run.
     pub measured_peak_bytes: Option<u64>,
+    /// What the device held at its measured peak, by kind (on ranks, this rank's at
+    /// its own peak), if run.
+    pub measured_breakdown: Option<PeakBreakdown>,
     /// Measured step time at the real size, if run: the faster of two steps, or for
     /// the configurations compared in rounds (the close ones; with `exhaustive`, those
     /// within 1.3× of the fastest), the median over the rounds corrected for the
@@ -318,6 +338,36 @@ pub struct Candidate {
     /// Each rank's measured peak at the real size, by rank, if run (one entry on one
     /// process); [`measured_peak_bytes`](Self::measured_peak_bytes) is the largest.
     pub measured_peak_bytes_by_rank: Vec<u64>,
+    /// What its small runs kept on the device from step to step (the parameters and
+    /// the optimizer's state; on ranks the least over them): measured, not predicted,
+    /// so the margin spares it.
+    #[serde(skip)]
+    pub(crate) kept_bytes: u64,
+}
+
+/// What the device held at a step's peak, by kind; the four add up to the peak `fit`
+/// measures against the budget (see the [crate docs](crate)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PeakBreakdown {
+    /// The parameters (each storage once; on ranks under ZeRO-3, this rank's shard of
+    /// them: the gathered weights are the step's).
+    pub parameters: u64,
+    /// What else stayed on the device from the step before: the optimizer's state (on
+    /// ranks, this rank's part of it, and whatever the data-parallel mode keeps
+    /// between steps).
+    pub optimizer_state: u64,
+    /// The batch (what making it allocated).
+    pub input: u64,
+    /// What the step had allocated when it peaked: gradients, saved activations,
+    /// scratch (on ranks under ZeRO-3, the gathered weights).
+    pub step: u64,
+}
+
+impl PeakBreakdown {
+    /// The peak: the four together.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.optimizer_state + self.input + self.step
+    }
 }
 
 /// The answer of [`fit`].
@@ -350,6 +400,10 @@ pub struct FitReport {
     /// Its peak measured by the confirming step at its real size (on ranks, the
     /// largest over them).
     pub measured_peak_bytes: u64,
+    /// What the device held at this process's measured peak, by kind: parameters,
+    /// optimizer state, input, and what the step allocated (gradients, activations,
+    /// scratch). On ranks, this rank's.
+    pub breakdown: PeakBreakdown,
     /// Ranks the fit ran on (1: one process).
     pub world_size: usize,
     /// Its measured peak on each rank, by rank (one entry on one process).

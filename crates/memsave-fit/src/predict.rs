@@ -41,6 +41,9 @@ pub(crate) struct Affine {
     series: Option<(Series, Series)>,
     /// Where the second micro-batch begins in both series, when both agree.
     second: Option<usize>,
+    /// What the two probes kept on the device from step to step (the parameters and
+    /// the optimizer's state), the less of the two.
+    kept: u64,
 }
 
 impl Affine {
@@ -78,7 +81,14 @@ impl Affine {
             fails_from: None,
             series,
             second,
+            kept: kept(p1).min(kept(p2)),
         }
+    }
+
+    /// What the probes kept on the device from step to step: the parameters and the
+    /// optimizer's state (measured, the same at every size).
+    pub(crate) fn kept(&self) -> u64 {
+        self.kept
     }
 
     /// True when the peak is extrapolated moment by moment (the probes lined up).
@@ -163,6 +173,11 @@ impl Affine {
     }
 }
 
+/// What `p` kept on the device from step to step.
+fn kept(p: &Probe) -> u64 {
+    p.breakdown.parameters + p.breakdown.optimizer_state
+}
+
 /// The profile of the chain at micro-batch `size`, from profiles measured at `size1`
 /// and `size2` (bytes and times interpolated or extrapolated linearly, bytes rounded
 /// up and never negative).
@@ -210,6 +225,7 @@ mod tests {
     fn probe(peak_bytes: u64, time_s: f64) -> Probe {
         Probe {
             peak_bytes,
+            breakdown: crate::PeakBreakdown::default(),
             peak_bytes_by_rank: vec![peak_bytes],
             time_s,
             optimizer_time_s: 0.0,

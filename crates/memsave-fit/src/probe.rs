@@ -1,11 +1,10 @@
-//! Running one configuration for real on a batch of a given size: the peak above the
-//! parameters, input and optimizer's state (on ranks, above the input alone: the
-//! parameters and the state are what the data-parallel modes share differently), and
-//! the step time.
+//! Running one configuration for real on a batch of a given size: the peak of the whole
+//! step on the device (the parameters, the optimizer's state, the input, the gradients
+//! and everything else the step allocates; on ranks, this rank's), and the step time.
 use super::choice::Choice;
 use crate::lockstep::Ranks;
 use crate::state::Snapshot;
-use crate::{Candidate, FitError, ParallelMode};
+use crate::{Candidate, FitError, ParallelMode, PeakBreakdown};
 use memsave_checkpoint::Schedule;
 use memsave_meter::{Bytes, MemoryLimitGuard};
 use memsave_step::config::StepConfig;
@@ -22,10 +21,12 @@ use tch::{Device, Tensor};
 /// What running a configuration measured.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Probe {
-    /// Highest allocation over the runs minus the allocation before the first one
-    /// (parameters, input, and the optimizer's state after a warm-up step; on ranks,
-    /// the input alone), the largest over the ranks.
+    /// Highest allocation over the runs less what the process held outside the
+    /// training step (see [`Setup::new`]): the parameters, the optimizer's state, the
+    /// input and the step's own count; the largest over the ranks.
     pub peak_bytes: u64,
+    /// What the device held at the peak, by kind (this rank's, at its own peak).
+    pub breakdown: PeakBreakdown,
     /// Each rank's `peak_bytes`, by rank (one entry on one process).
     pub peak_bytes_by_rank: Vec<u64>,
     /// The fastest run's step time (on ranks, the slowest rank's), seconds.
@@ -49,15 +50,18 @@ impl Candidate {
             predicted_step_time_s: None,
             predicted_fits: false,
             measured_peak_bytes: None,
+            measured_breakdown: None,
             measured_step_time_s: None,
             note: None,
             measured_peak_bytes_by_rank: Vec::new(),
+            kept_bytes: 0,
         }
     }
 
     /// Takes `p`'s measurement at the real size as this candidate's.
     pub(crate) fn measured(&mut self, p: &Probe) {
         self.measured_peak_bytes = Some(p.peak_bytes);
+        self.measured_breakdown = Some(p.breakdown);
         self.measured_step_time_s = Some(p.time_s);
         self.measured_peak_bytes_by_rank = p.peak_bytes_by_rank.clone();
     }
@@ -65,6 +69,9 @@ impl Candidate {
     /// Raises this candidate's measured peaks to `p`'s where `p`'s are higher (a run
     /// again, whose time is kept elsewhere).
     pub(crate) fn measured_again(&mut self, p: &Probe) {
+        if self.measured_peak_bytes.is_some_and(|b| p.peak_bytes > b) {
+            self.measured_breakdown = Some(p.breakdown);
+        }
         self.measured_peak_bytes = self.measured_peak_bytes.map(|b| b.max(p.peak_bytes));
         for (b, &q) in self
             .measured_peak_bytes_by_rank
@@ -243,15 +250,76 @@ pub(crate) fn probe(
         setup.put_back(&*workload).map_err(|put| put.on(ranks))?;
         return Err(e);
     }
-    let base = match outside {
-        Some(outside) => outside,
-        None => memsave_meter::f_memory_allocated(setup.device).map_err(failed)?,
-    };
     let cap = machine_cap(setup.device).map_err(|e| e.on(ranks))?;
-    let outcome = measure(&mut setup, &*workload, runs, budget, record, base, ranks);
+    let outcome = measure(
+        &mut setup, &*workload, runs, budget, record, &outside, ranks,
+    );
     drop(cap);
     setup.put_back(&*workload).map_err(|e| e.on(ranks))?;
     outcome
+}
+
+/// What the process holds outside a probe's training step (see [`Setup::new`]), and
+/// the bytes of the parameters and of the batch, which count.
+struct Outside {
+    /// Allocated before the step's warm-up less the parameters and the batch: the peak
+    /// is measured above it.
+    bytes: u64,
+    /// The parameters' bytes (each storage once).
+    parameter_bytes: u64,
+    /// The batch's: the storages its tensors are in, each once.
+    input_bytes: u64,
+}
+
+impl Outside {
+    /// What the device held at a step's peak, by kind, from the step's measurement:
+    /// what it held when the step began is the parameters (on ranks under ZeRO-3, this
+    /// rank's shard of them, `shard_bytes`), the input and, the rest, the optimizer's
+    /// state; what the step allocated above that is its own.
+    fn breakdown(&self, m: &StepMeasurement, shard_bytes: Option<u64>) -> PeakBreakdown {
+        let began = m.start_bytes.saturating_sub(self.bytes);
+        let parameters = shard_bytes.unwrap_or(self.parameter_bytes).min(began);
+        let input = self.input_bytes.min(began - parameters);
+        PeakBreakdown {
+            parameters,
+            input,
+            optimizer_state: began - parameters - input,
+            step: m.peak_bytes,
+        }
+    }
+}
+
+/// Bytes of `tensors`, each storage once (tied weights are one parameter's bytes).
+fn distinct_bytes(tensors: &[Tensor]) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    tensors
+        .iter()
+        .filter(|t| t.defined() && seen.insert(t.data_ptr() as usize))
+        .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+        .sum()
+}
+
+/// Bytes of the storages `x`'s tensors are in, each once (a slice of a dataset counts
+/// the dataset: it is on the device for the step).
+fn batch_bytes(x: &Batch) -> Result<u64, memsave_sys::Error> {
+    use memsave_sys::tensor::{storage_nbytes, WeakStorage};
+    let mut seen: Vec<WeakStorage> = Vec::new();
+    let mut bytes = 0;
+    for t in std::iter::once(&x.input).chain(x.target.as_ref()) {
+        let size = if t.defined() { storage_nbytes(t)? } else { 0 };
+        if size == 0 {
+            continue;
+        }
+        let mut known = false;
+        for s in &seen {
+            known |= s.is_storage_of(t)?;
+        }
+        if !known {
+            bytes += size;
+            seen.push(WeakStorage::new(t)?);
+        }
+    }
+    Ok(bytes)
 }
 
 /// A probe's step, set up: its configuration and batch, and the parameters with their
@@ -281,8 +349,13 @@ impl Setup {
     /// Sets `choice`'s schedule on the layers and makes the batch of `batch` examples,
     /// the step configuration for `micro_batches`, and its optimizer (on ranks, as the
     /// choice's mode builds it, after setting the mode up), the parameters' gradients
-    /// freed. On ranks, also what the process holds outside training: allocated once
-    /// the batch and the copy of the weights are made, less the parameters' bytes.
+    /// freed. Also what the process holds outside the training step, which the peak is
+    /// measured above: allocated once the batch and the copy of the weights are made,
+    /// less the parameters' bytes and the batch's (the storages its tensors are in: a
+    /// batch sliced from a dataset on the device counts the dataset). The copy `fit`
+    /// keeps and whatever else the process held before `fit` are thus not counted; the
+    /// parameters, the batch, and everything from the warm-up on (the optimizer's
+    /// state, the gradients) are.
     fn new(
         workload: &mut dyn Workload,
         optimizer: Option<OptimizerSpec>,
@@ -290,7 +363,7 @@ impl Setup {
         batch: i64,
         micro_batches: usize,
         ranks: &Ranks,
-    ) -> Result<(Setup, Option<u64>), ProbeError> {
+    ) -> Result<(Setup, Outside), ProbeError> {
         let device = workload.device();
         let layers = workload.layers().len();
         let schedule = choice
@@ -308,6 +381,8 @@ impl Setup {
         let x = workload
             .batch(batch)
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
+        let input_bytes = batch_bytes(&x).map_err(failed)?;
+        let parameter_bytes = distinct_bytes(&params);
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
@@ -317,14 +392,15 @@ impl Setup {
         } else {
             None
         };
-        let (outside, data_parallel) = match (ranks.group(), choice.data_parallel) {
-            (None, None) => (None, None),
+        let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
+        let outside = Outside {
+            bytes: held.saturating_sub(parameter_bytes + input_bytes),
+            parameter_bytes,
+            input_bytes,
+        };
+        let data_parallel = match (ranks.group(), choice.data_parallel) {
+            (None, None) => None,
             (Some(group), Some(mode)) => {
-                let parameter_bytes: u64 = params
-                    .iter()
-                    .map(|p| p.numel() as u64 * p.kind().elt_size_in_bytes() as u64)
-                    .sum();
-                let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
                 let dp =
                     match DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)
                     {
@@ -339,7 +415,7 @@ impl Setup {
                             return Err(failed_putting_back(e, back));
                         }
                     };
-                (Some(held.saturating_sub(parameter_bytes)), Some(dp))
+                Some(dp)
             }
             (group, mode) => {
                 return Err(ProbeError::Failed(format!(
@@ -473,8 +549,8 @@ pub(crate) fn machine_cap(device: Device) -> Result<Option<MemoryLimitGuard>, Pr
     })
 }
 
-/// The runs of a set-up probe (see [`probe`]): the peak over them all above `base` (the
-/// allocation before the first), the fastest one's times, and the first one's
+/// The runs of a set-up probe (see [`probe`]): the peak over them all above what the
+/// process holds outside the step (`outside`), with its breakdown, the fastest one's times, and the first one's
 /// allocations when `record` asks. Each run's peak, times and the time the runs have
 /// taken are agreed over the ranks before the budget or the time is checked.
 fn measure(
@@ -483,10 +559,12 @@ fn measure(
     runs: usize,
     budget: Option<u64>,
     record: bool,
-    base: u64,
+    outside: &Outside,
     ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
+    let base = outside.bytes;
     let mut best: Option<Probe> = None;
+    let mut breakdown = PeakBreakdown::default();
     let mut by_rank = vec![0u64; ranks.world_size()];
     let mut series = None;
     let mut second = None;
@@ -510,6 +588,14 @@ fn measure(
                     second = *second_at;
                 }
                 let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
+                if peak > breakdown.total() {
+                    let shards = setup
+                        .data_parallel
+                        .as_ref()
+                        .and_then(DataParallelHandle::fsdp_stats)
+                        .map(|s| s.parameter_bytes);
+                    breakdown = outside.breakdown(m, shards);
+                }
                 (peak, m.time_s, *optimizer_time_s)
             }
             Err(_) => (0, 0.0, 0.0),
@@ -547,6 +633,7 @@ fn measure(
         if best.as_ref().is_none_or(|b| time_s < b.time_s) {
             best = Some(Probe {
                 peak_bytes: 0,
+                breakdown: PeakBreakdown::default(),
                 peak_bytes_by_rank: Vec::new(),
                 time_s,
                 optimizer_time_s,
@@ -558,6 +645,7 @@ fn measure(
     let best = best.ok_or_else(|| ProbeError::Failed("no run".into()))?;
     Ok(Probe {
         peak_bytes: by_rank.iter().copied().max().unwrap_or(0),
+        breakdown,
         peak_bytes_by_rank: by_rank,
         series,
         second_micro_batch: second,

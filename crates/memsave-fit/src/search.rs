@@ -120,7 +120,6 @@ fn search_fit(
 ) -> Result<FitReport, FitError> {
     memsave_meter::install();
     super::allocator::settle();
-    let target = (request.budget_bytes as f64 * (1.0 - request.margin)).floor() as u64;
     let share = global / ranks.world_size() as i64;
     let modes: &[ParallelMode] = if ranks.group().is_some() {
         &ParallelMode::ALL
@@ -144,14 +143,13 @@ fn search_fit(
             workload,
             optimizer,
             request.budget_bytes,
-            target,
+            request.margin,
             share,
             progress,
             ranks,
         ),
         request,
         global: share,
-        target,
         started,
         candidates: Vec::new(),
         cost_ratio: HashMap::new(),
@@ -207,8 +205,6 @@ struct Search<'w, 'q> {
     runs: Runs<'w>,
     request: &'q FitRequest,
     global: i64,
-    /// The budget less the margin: a configuration is chosen only predicted within it.
-    target: u64,
     /// When `fit` started: the race and the rounds may take a share of the time spent.
     started: Instant,
     /// Every configuration considered, in the order considered.
@@ -707,7 +703,6 @@ impl Search<'_, '_> {
             runs,
             request,
             global,
-            target,
             started,
             candidates,
             tries,
@@ -729,7 +724,6 @@ impl Search<'_, '_> {
         let mut why = why(
             c,
             &candidates,
-            target,
             request,
             global,
             world_size,
@@ -755,6 +749,7 @@ impl Search<'_, '_> {
             optimizer: runs.optimizer,
             predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
             measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
+            breakdown: c.measured_breakdown.unwrap_or_default(),
             world_size,
             measured_peak_bytes_by_rank: c.measured_peak_bytes_by_rank.clone(),
             predicted_step_time_s: c.predicted_step_time_s.unwrap_or(0.0),

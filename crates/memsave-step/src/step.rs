@@ -63,6 +63,17 @@ pub struct StepMeasurement {
     pub loss: Option<f64>,
 }
 
+impl StepMeasurement {
+    /// The most bytes the device held at any moment of the step: `start_bytes +
+    /// peak_bytes`, absolute like PyTorch's `max_memory_allocated` (the parameters, the
+    /// optimizer's state, the input and anything else the process holds count), as
+    /// `memsave-fit`'s budget counts it. Warning: `peak_bytes` alone leaves out what
+    /// the step began with.
+    pub fn device_peak_bytes(&self) -> u64 {
+        self.start_bytes + self.peak_bytes
+    }
+}
+
 /// A point of a step that [`f_step_observed`] tells its observer about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepEvent {

@@ -25,6 +25,13 @@ int ms_tensor_storage_use_count(const at::Tensor* t, int64_t* out) {
   })
 }
 
+int ms_tensor_storage_nbytes(const at::Tensor* t, int64_t* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = t->has_storage() ? static_cast<int64_t>(t->storage().nbytes()) : 0;
+  })
+}
+
 int ms_tensor_version(const at::Tensor* t, int64_t* out) {
   MS_TRY({
     TORCH_CHECK(t->defined(), "the tensor is undefined");

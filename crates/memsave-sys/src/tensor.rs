@@ -21,6 +21,16 @@ pub fn storage_use_count(t: &Tensor) -> Result<u64> {
     Ok(out.max(0) as u64)
 }
 
+/// Bytes of the tensor's storage (PyTorch's `t.untyped_storage().nbytes()`): all of
+/// it, whatever part the tensor views (a slice of a dataset counts the dataset); 0 for
+/// a tensor without storage.
+pub fn storage_nbytes(t: &Tensor) -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*.
+    check(unsafe { ffi::ms_tensor_storage_nbytes(t.as_ptr().cast(), &mut out) })?;
+    Ok(out.max(0) as u64)
+}
+
 /// The tensor's version counter: bumped by every in-place operation on it or its views.
 pub fn version(t: &Tensor) -> Result<u64> {
     let mut out = 0i64;
@@ -378,5 +388,21 @@ mod nbytes_tests {
         // One row's storage, a hundred rows seen.
         let row = Tensor::zeros([1, 4], (Kind::Float, Device::Cpu));
         assert_eq!(nbytes(&row.expand([100, 4], false)), 1600);
+    }
+}
+
+#[cfg(test)]
+mod storage_nbytes_tests {
+    use super::storage_nbytes;
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn a_slice_counts_its_whole_storage() {
+        let data = Tensor::zeros([10, 4], (Kind::Float, Device::Cpu));
+        assert_eq!(storage_nbytes(&data).unwrap(), 160);
+        assert_eq!(storage_nbytes(&data.narrow(0, 0, 2)).unwrap(), 160);
+        assert_eq!(storage_nbytes(&data.get(3)).unwrap(), 160);
+        let own = data.narrow(0, 0, 2).copy();
+        assert_eq!(storage_nbytes(&own).unwrap(), 32);
     }
 }

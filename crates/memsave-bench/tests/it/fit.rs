@@ -356,13 +356,14 @@ fn peaks_are_predicted_within_5_percent_where_small_runs_allocate_differently() 
     assert!(checked >= 4, "only {checked} configurations measured");
 }
 
-/// The optimizer's state persists from step to step, like the parameters: `fit`
-/// measures the peak above it, as the harness does after its warm-up, so the plain
-/// step's predicted peak is the harness's `peak_bytes` to the byte, and a budget
-/// between that peak and the peak plus the state is met by the plain step.
+/// `fit`'s budget is the whole device: the plain step's predicted peak is the harness's
+/// `peak_bytes` (above what persists from step to step, after its warm-up) plus the
+/// parameters, the optimizer's state and the input, to the byte; a budget with room
+/// for that and fit's margin of the step's own bytes is met by the plain step, and one
+/// without room for the state is not.
 #[test]
 #[serial]
-fn fit_measures_the_peak_above_the_optimizer_state_as_the_harness_does() {
+fn fit_counts_the_optimizer_state_and_the_parameters_the_harness_leaves_out() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = "suite: opt\nwarmup: 1\nrepeats: 1\nmodels:\n  - {name: mlp, kind: residual_mlp, layers: 3, hidden: 64, expansion: 2, batch: [8, 8]}\nstrategies:\n  - {name: adamw, with: [{optimizer: {kind: adamw}}]}\n";
     std::fs::write(dir.path().join("opt.yaml"), yaml).unwrap();
@@ -376,12 +377,15 @@ fn fit_measures_the_peak_above_the_optimizer_state_as_the_harness_does() {
     let peak = case.peak_bytes.unwrap();
     let state = case.optimizer_state_bytes.unwrap();
     assert!(state > 0);
-    // Room for the peak with fit's 5% margin, not for the state on top.
-    let budget = peak * 100 / 94;
-    assert!(
-        budget < peak + state,
-        "the state is too small for this test"
-    );
+    // 3 blocks of Linear(64, 128) and Linear(128, 64) with biases, f32.
+    let parameters = 3 * (64 * 128 + 128 + 128 * 64 + 64) * 4;
+    assert_eq!(state, 2 * parameters, "AdamW's two moments");
+    let input = Suite::from_yaml(yaml, "opt.yaml").unwrap().models[0]
+        .batch_bytes()
+        .unwrap();
+    let whole = peak + parameters + state + input;
+    // Room for the peak with fit's 5% margin of the step's own bytes.
+    let budget = whole + peak / 18;
     let json = fit_json(
         &[
             "opt.yaml",
@@ -398,10 +402,33 @@ fn fit_measures_the_peak_above_the_optimizer_state_as_the_harness_does() {
         .iter()
         .find(|c| c["choice"]["strategy"] == "baseline")
         .expect("the plain step is a candidate");
-    assert_eq!(plain["predicted_peak_bytes"].as_u64(), Some(peak));
+    assert_eq!(plain["predicted_peak_bytes"].as_u64(), Some(whole));
     assert_eq!(plain["predicted_fits"], true);
     assert!(json["measured_peak_bytes"].as_u64().unwrap() <= budget);
     assert_eq!(json["tries"], 1);
+    let breakdown = &json["breakdown"];
+    assert_eq!(
+        breakdown["parameters"].as_u64(),
+        Some(parameters),
+        "{breakdown}"
+    );
+    assert_eq!(
+        breakdown["optimizer_state"].as_u64(),
+        Some(state),
+        "{breakdown}"
+    );
+    // Without room for the state, the plain step does not fit.
+    let json = fit_json(
+        &[
+            "opt.yaml",
+            "--model",
+            "mlp",
+            "--budget",
+            &format!("{}B", whole - state / 2),
+        ],
+        dir.path(),
+    );
+    assert_ne!(json["choice"]["strategy"], "baseline", "{}", json["choice"]);
 }
 
 /// `memsave fit` on a suite of one model `m`, with `extra` suite lines.
@@ -471,21 +498,26 @@ fn the_issue_s_four_billion_parameters_are_refused_at_once_with_their_bytes() {
 
 #[test]
 #[serial]
-fn a_budget_below_the_largest_gradient_is_refused_before_building() {
-    // Each Linear(512, 512) weight's gradient is 512 × 512 × 4 bytes = 1 MiB.
+fn a_budget_below_the_parameters_and_the_largest_gradient_is_refused_before_building() {
+    // 4 × (512 × 512 + 512) f32 parameters: 4,202,496 bytes; each Linear(512, 512)
+    // weight's gradient is 512 × 512 × 4 bytes = 1 MiB; the input 8 × 512 × 4 bytes
+    // = 16 KiB: 5,267,456 bytes, 5.02 MiB, on the device in any step.
     let dir = tempfile::tempdir().unwrap();
     let out = fit_small(
         dir.path(),
         "kind: residual_linear, layers: 4, hidden: 512, batch: [8]",
         "",
-        &["--budget", "512KiB"],
+        &["--budget", "5MiB"],
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert_one_error_line(&err);
-    assert!(err.contains("no configuration fits 512.00 KiB"), "{err}");
-    assert!(err.contains("largest parameter"), "{err}");
-    assert!(err.contains("give a budget of at least 1.00 MiB"), "{err}");
+    assert!(err.contains("no configuration fits 5.00 MiB"), "{err}");
+    assert!(
+        err.contains("parameters 4.01 MiB, largest gradient 1.00 MiB, batch 16.00 KiB"),
+        "{err}"
+    );
+    assert!(err.contains("give a budget of at least 5.02 MiB"), "{err}");
     assert!(err.contains("nothing was built"), "{err}");
 }
 

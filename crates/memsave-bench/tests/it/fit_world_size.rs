@@ -167,8 +167,9 @@ fn a_rank_s_error_comes_back_naming_the_rank() {
         dir.path(),
         "{name: lin, kind: residual_linear, layers: 4, hidden: 32, batch: [8, 64]}",
     );
-    // Above the largest gradient (so refused by no check before the ranks start), far
-    // below the parameters, their gradients and the optimizer's state.
+    // Above each rank's least before the ranks start (its half of the parameters
+    // 8.25 KiB, of AdamW's state 16.5 KiB and of the batch 32 KiB, and the largest
+    // gradient 4 KiB: 60.75 KiB), below what any step of a rank holds.
     let out = memsave(
         &[
             "fit",
@@ -176,7 +177,7 @@ fn a_rank_s_error_comes_back_naming_the_rank() {
             "--model",
             "lin",
             "--budget",
-            "8KiB",
+            "61KiB",
             "--world-size",
             "2",
         ],
@@ -186,8 +187,8 @@ fn a_rank_s_error_comes_back_naming_the_rank() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
-        last.starts_with("error: rank 0: no configuration fits 8.00 KiB")
-            || last.starts_with("error: rank 1: no configuration fits 8.00 KiB"),
+        last.starts_with("error: rank 0: no configuration fits 61.00 KiB")
+            || last.starts_with("error: rank 1: no configuration fits 61.00 KiB"),
         "{stderr}"
     );
 }

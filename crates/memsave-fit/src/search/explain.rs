@@ -42,15 +42,14 @@ pub(super) struct Confirmed {
     pub(super) fell_back: bool,
 }
 
-/// Why `chosen` among `candidates`: the fastest predicted within `target` (the budget
-/// less the margin), or, when `raced` configurations (the choice included) ran at
+/// Why `chosen` among `candidates`: the fastest predicted within the budget less the
+/// margin (of what each allocates above what it keeps from step to step), or, when `raced` configurations (the choice included) ran at
 /// their real size, the fastest measured; with `fell_back`, found among those
 /// predicted within the budget itself, none within the margin having fitted; what faster one would need; and the split
 /// (over `world_size` ranks) that keeps the global batch.
 pub(super) fn why(
     chosen: &Candidate,
     candidates: &[Candidate],
-    target: u64,
     request: &FitRequest,
     global: i64,
     world_size: usize,
@@ -59,8 +58,7 @@ pub(super) fn why(
     let Confirmed { raced, fell_back } = confirmed;
     let fitting = candidates.iter().filter(|c| c.predicted_fits).count();
     let within = format!(
-        "within {} (the budget less a {:.0}% margin)",
-        Bytes(target),
+        "within the budget less a {:.0}% margin of what it allocates above the parameters and the optimizer's state",
         request.margin * 100.0
     );
     let measured = Bytes(chosen.measured_peak_bytes.unwrap_or(0));
@@ -157,6 +155,17 @@ impl FitReport {
         if let Some(blocks) = &self.choice.blocks {
             out.push_str(&format!("blocks: {blocks}\n"));
         }
+        let b = &self.breakdown;
+        if b.total() > 0 {
+            out.push_str(&format!(
+                "  at the peak{}: parameters {}, optimizer state {}, input {}, the step's own (gradients, activations, scratch) {}\n",
+                if self.world_size > 1 { " (this rank)" } else { "" },
+                Bytes(b.parameters),
+                Bytes(b.optimizer_state),
+                Bytes(b.input),
+                Bytes(b.step)
+            ));
+        }
         if self.world_size > 1 {
             let by_rank: Vec<String> = self
                 .measured_peak_bytes_by_rank
@@ -165,7 +174,7 @@ impl FitReport {
                 .map(|(rank, b)| format!("rank {rank} {}", Bytes(*b)))
                 .collect();
             out.push_str(&format!(
-                "on {} ranks, budget per rank (parameters, optimizer state and the step); measured peak per rank: {}\n",
+                "on {} ranks, budget per rank; measured peak per rank: {}\n",
                 self.world_size,
                 by_rank.join(", ")
             ));

@@ -12,11 +12,11 @@ use memsave_meter::Bytes;
 use memsave_step::workload::Workload;
 
 /// The least peak found and the configuration that reaches it, if any.
-type Least = Option<(u64, String)>;
+type Least = Option<(u64, String, u64)>;
 
 /// [`Least`] among the configurations that take lossy levers not allowed, with the
 /// names of those levers (see [`lossy_levers`]).
-type LossyLeast = Option<(u64, String, String)>;
+type LossyLeast = Option<(u64, String, u64, String)>;
 
 /// What one example per micro-batch does to BatchNorm here, for the hint.
 const ONE_EXAMPLE_SPOILS: &str = "one example per micro-batch turns running statistics NaN \
@@ -36,28 +36,28 @@ pub(super) fn error(
             world_size: runs.ranks.world_size(),
         });
     }
-    let need = |peak: u64| Bytes(budget_for(peak, request.margin));
+    let need = |peak: u64, kept: u64| Bytes(budget_for(peak, kept, request.margin));
     let mut hint = if one_example_spoils {
         ONE_EXAMPLE_SPOILS.to_owned()
     } else {
         String::new()
     };
-    if let (Some((lossy, how, names)), Some((lossless, _))) = (&best_lossy, &best_allowed) {
+    if let (Some((lossy, how, kept, names)), Some((lossless, ..))) = (&best_lossy, &best_allowed) {
         if lossy < lossless {
             hint.push_str(&format!(
                 "allowing {names} would need {} ({how}); ",
-                need(*lossy)
+                need(*lossy, *kept)
             ));
         }
     }
     Ok(match best_allowed {
-        Some((peak, how)) => FitError::Infeasible {
+        Some((peak, how, kept)) => FitError::Infeasible {
             budget_bytes: request.budget_bytes,
-            smallest_bytes: budget_for(peak, request.margin),
+            smallest_bytes: budget_for(peak, kept, request.margin),
             how: format!("{how}, predicted peak {}", Bytes(peak)),
             hint: format!(
                 "{hint}give a budget of at least {} (the peak and the margin)",
-                need(peak)
+                need(peak, kept)
             ),
         },
         None => FitError::Infeasible {
@@ -113,8 +113,14 @@ fn least_peaks(
                     .last()
                     .is_some_and(|&smallest| smallest >= examples)
             })
-            .filter_map(|c| Some((c.predicted_peak_bytes?, c.choice.strategy.clone())))
-            .min_by_key(|(p, _)| *p)
+            .filter_map(|c| {
+                Some((
+                    c.predicted_peak_bytes?,
+                    c.choice.strategy.clone(),
+                    c.kept_bytes,
+                ))
+            })
+            .min_by_key(|(p, ..)| *p)
     };
     let mut best_allowed: Least = predicted(1);
     // What the runs below found with the allowed levers, and whether one example per
@@ -165,7 +171,7 @@ fn least_peaks(
             // predicted from runs of one and two examples, and run only when that
             // beats the least peak: one that cannot would take its full memory.
             let cap = if whole {
-                best_allowed.as_ref().map(|(p, _)| *p)
+                best_allowed.as_ref().map(|(p, ..)| *p)
             } else {
                 None
             };
@@ -190,7 +196,7 @@ fn least_peaks(
                     true,
                     &runs.ranks,
                 ) {
-                    Ok(p) => p.peak_bytes,
+                    Ok(p) => p,
                     Err(ProbeError::OutOfMemory(_)) => continue,
                     // Not a configuration to suggest: it spoils the running statistics.
                     Err(ProbeError::Unusable(_)) => {
@@ -211,18 +217,20 @@ fn least_peaks(
                     Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
                     Err(ProbeError::Fatal(e)) => return Err(e),
                 };
-                let found = Some((peak, choice.strategy.clone()));
+                let kept = peak.breakdown.parameters + peak.breakdown.optimizer_state;
+                let peak = peak.peak_bytes;
+                let found = Some((peak, choice.strategy.clone(), kept));
                 let slots = if allowed(&levers, k) {
                     vec![&mut best_allowed, &mut probed_allowed]
                 } else {
-                    if best_lossy.as_ref().is_none_or(|(p, _)| peak < *p) {
+                    if best_lossy.as_ref().is_none_or(|(p, ..)| peak < *p) {
                         let names = lossy_levers(&levers, k, lossy_split, request.allow);
                         lossy_names = format!("lossy levers ({})", names.join(", "));
                     }
                     vec![&mut best_lossy]
                 };
                 for slot in slots {
-                    if slot.as_ref().is_none_or(|(p, _)| peak < *p) {
+                    if slot.as_ref().is_none_or(|(p, ..)| peak < *p) {
                         *slot = found.clone();
                     }
                 }
@@ -235,9 +243,9 @@ fn least_peaks(
         best_allowed = [probed_allowed, predicted(2)]
             .into_iter()
             .flatten()
-            .min_by_key(|(p, _)| *p);
+            .min_by_key(|(p, ..)| *p);
     }
-    let best_lossy = best_lossy.map(|(peak, how)| (peak, how, lossy_names));
+    let best_lossy = best_lossy.map(|(peak, how, kept)| (peak, how, kept, lossy_names));
     Ok((best_allowed, best_lossy, one_example_spoils))
 }
 
@@ -298,9 +306,12 @@ fn gradient_bytes(workload: &dyn Workload) -> u64 {
         .sum()
 }
 
-/// The budget to recommend for a configuration whose peak was `peak`: accepted with
-/// `margin`, with 2% more for what varies between runs (an offload store's writer
-/// thread frees memory at its own pace).
-fn budget_for(peak: u64, margin: f64) -> u64 {
-    (peak as f64 * 1.02 / (1.0 - margin)).ceil() as u64 + 1
+/// The budget to recommend for a configuration whose peak was `peak`, of which it
+/// keeps `kept` from step to step (which the margin spares: see `Runs::target`):
+/// accepted with `margin`, with 2% more for what varies between runs (an offload
+/// store's writer thread frees memory at its own pace).
+fn budget_for(peak: u64, kept: u64, margin: f64) -> u64 {
+    let peak = peak as f64 * 1.02;
+    let kept = (kept as f64).min(peak);
+    ((peak - margin * kept) / (1.0 - margin)).ceil() as u64 + 1
 }

@@ -269,6 +269,7 @@ pub(super) fn rounds(
                 Err(e) => {
                     c.measured_step_time_s = None;
                     c.measured_peak_bytes = None;
+                    c.measured_breakdown = None;
                     c.note = Some(format!("failed when run again: {}", e.message()));
                 }
             }
@@ -358,9 +359,11 @@ mod tests {
             predicted_step_time_s: Some(time),
             predicted_fits: true,
             measured_peak_bytes: None,
+            measured_breakdown: None,
             measured_step_time_s: None,
             note: None,
             measured_peak_bytes_by_rank: Vec::new(),
+            kept_bytes: 0,
         }
     }
 

@@ -32,7 +32,8 @@ pub(super) struct Runs<'w> {
     /// The optimizer every run steps (the request's, else the workload's).
     pub(super) optimizer: Option<OptimizerSpec>,
     budget: u64,
-    target: u64,
+    /// The request's margin (see [`Runs::target`]).
+    margin: f64,
     pub(super) global: i64,
     affines: HashMap<AffineKey, Option<Affine>>,
     profiles: Option<(ChainProfile, i64, ChainProfile, i64)>,
@@ -61,13 +62,13 @@ pub(super) struct Runs<'w> {
 impl<'w> Runs<'w> {
     /// Runs of `workload` stepping `optimizer` on `ranks` for a step of `global`
     /// examples (on ranks, each rank's share) whose peak must be within `budget` bytes,
-    /// predicted within `target` (the budget less the margin).
+    /// predicted within the budget less the `margin` (see [`Runs::target`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         workload: &'w mut dyn Workload,
         optimizer: Option<OptimizerSpec>,
         budget: u64,
-        target: u64,
+        margin: f64,
         global: i64,
         progress: &'w mut dyn FnMut(&FitEvent),
         ranks: Ranks,
@@ -76,7 +77,7 @@ impl<'w> Runs<'w> {
             workload,
             optimizer,
             budget,
-            target,
+            margin,
             global,
             affines: HashMap::new(),
             profiles: None,
@@ -314,14 +315,18 @@ impl Runs<'_> {
             (false, true) => a.peak_split(m, sizes.get(1).copied().unwrap_or(m)),
             (false, false) => a.peak(m),
         };
-        // Each rank predicts from its own runs' allocations: the largest counts.
-        let agreed = self
-            .ranks
-            .max(&[peak.map_or(-1.0, |p| p as f64), a.time(&sizes)])?;
+        // Each rank predicts from its own runs' allocations: the largest counts (and
+        // the least kept, which the margin spares).
+        let agreed = self.ranks.max(&[
+            peak.map_or(-1.0, |p| p as f64),
+            a.time(&sizes),
+            -(a.kept() as f64),
+        ])?;
         let peak = (agreed[0] >= 0.0).then_some(agreed[0] as u64);
         c.predicted_peak_bytes = peak;
         c.predicted_step_time_s = Some(agreed[1]);
-        c.predicted_fits = peak.is_some_and(|p| p <= self.target);
+        c.kept_bytes = (-agreed[2]).max(0.0) as u64;
+        c.predicted_fits = peak.is_some_and(|p| p <= self.target(c.kept_bytes));
         c.note = if over {
             Some(format!(
                 "over {}: a smaller micro-batch already was",
@@ -336,6 +341,14 @@ impl Runs<'_> {
             })
         };
         Ok(c)
+    }
+
+    /// The most a configuration that keeps `kept` bytes from step to step (the
+    /// parameters and the optimizer's state, measured) may be predicted to peak at: the
+    /// budget less the margin of the rest, which is what predictions can miss.
+    pub(super) fn target(&self, kept: u64) -> u64 {
+        let room = self.budget.saturating_sub(kept);
+        self.budget - (room as f64 * self.margin).ceil() as u64
     }
 
     /// The layer profile at micro-batch `m`, from two measured profiles.
@@ -384,11 +397,13 @@ impl Runs<'_> {
         let model_plain = predict(&profile, &plain).peak_bytes;
         // What the real step adds to the solver's model (accumulated gradients,
         // optimizer state...), taken from the plain configuration's prediction.
-        let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
+        let uniform = self.evaluate(base, m, k, None)?;
+        let extra = match uniform.predicted_peak_bytes {
             Some(real) => real.saturating_sub(model_plain),
             None => 0,
         };
-        let mut solver_budget = self.target.saturating_sub(extra);
+        let target = self.target(uniform.kept_bytes);
+        let mut solver_budget = target.saturating_sub(extra);
         let mut last = None;
         for _ in 0..3 {
             let schedule = match Solver::new(&profile).solve_budget(solver_budget) {
@@ -404,7 +419,7 @@ impl Runs<'_> {
             let fits = candidate.predicted_fits;
             let over = candidate
                 .predicted_peak_bytes
-                .map(|p| p.saturating_sub(self.target));
+                .map(|p| p.saturating_sub(target));
             last = Some(candidate);
             match over {
                 _ if fits => break,
@@ -512,10 +527,12 @@ impl Runs<'_> {
         // What the real step adds to the planner's model (gradients accumulated over
         // micro-batches, the optimizer's scratch...), or takes from it, from the plain
         // configuration's prediction; none known when one example of it does not fit.
-        let extra = match self.evaluate(base, m, k, None)?.predicted_peak_bytes {
+        let plain = self.evaluate(base, m, k, None)?;
+        let extra = match plain.predicted_peak_bytes {
             Some(real) => i64::try_from(real).unwrap_or(i64::MAX) - model_plain,
             None => 0,
         };
+        let target = self.target(plain.kept_bytes);
         // Under the offload lever every kept block's saves go to files already: the
         // others are recomputed (their inputs in files too); otherwise each block is
         // kept, recomputed or offloaded, whichever costs least.
@@ -561,8 +578,12 @@ impl Runs<'_> {
                 profile.solve_levers(budget).ok()
             }
         };
-        let target = i64::try_from(self.target).unwrap_or(i64::MAX);
-        let mut solver_budget = u64::try_from(target.saturating_sub(extra)).unwrap_or(0);
+        let mut solver_budget = u64::try_from(
+            i64::try_from(target)
+                .unwrap_or(i64::MAX)
+                .saturating_sub(extra),
+        )
+        .unwrap_or(0);
         let mut last = None;
         let mut tried = Vec::new();
         for _ in 0..3 {
@@ -583,7 +604,7 @@ impl Runs<'_> {
             let fits = candidate.predicted_fits;
             let over = candidate
                 .predicted_peak_bytes
-                .map(|p| p.saturating_sub(self.target));
+                .map(|p| p.saturating_sub(target));
             last = Some(candidate);
             match over {
                 _ if fits => break,

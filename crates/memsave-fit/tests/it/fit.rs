@@ -10,13 +10,30 @@ use memsave_step::{GradsAfter, OptimizerSpec, StepConfig, Workload};
 use serial_test::serial;
 use tch::{Device, Tensor};
 
-/// The peak of one plain step on the whole batch, measured by the meter.
-fn baseline_peak(model: &mut Mlp) -> u64 {
+/// One plain step on the whole batch, measured by the meter as `fit` counts it (the
+/// whole device): its peak, and what it began with (the parameters and the input).
+struct Plain {
+    peak: u64,
+    began: u64,
+}
+
+impl Plain {
+    /// A budget of what the step began with and `fraction` of what it allocated.
+    fn fraction(&self, fraction: f64) -> u64 {
+        self.began + ((self.peak - self.began) as f64 * fraction) as u64
+    }
+}
+
+fn baseline_peak(model: &mut Mlp) -> Plain {
     memsave_meter::install();
+    let outside = crate::device::outside(&*model);
     let x = model.batch(model.global_batch()).unwrap();
     let m = f_step(model, &x, &StepConfig::baseline(), Device::Cpu, false, None).unwrap();
     memsave_accum::free_grads(&model.parameters()).unwrap();
-    m.peak_bytes
+    Plain {
+        peak: crate::device::peak(&m, outside),
+        began: m.start_bytes - outside,
+    }
 }
 
 fn check_report(report: &memsave_fit::FitReport, budget: u64, global: i64) {
@@ -61,7 +78,7 @@ fn check_report(report: &memsave_fit::FitReport, budget: u64, global: i64) {
 #[serial]
 fn a_budget_above_the_plain_step_keeps_the_plain_step() {
     let mut model = Mlp::new(4, 32, 8, 16);
-    let peak = baseline_peak(&mut model);
+    let peak = baseline_peak(&mut model).peak;
     let report = fit(&mut model, &FitRequest::new(peak * 2)).unwrap();
     check_report(&report, peak * 2, 8);
     // Nothing but the split can change the plain step's peak; offload may be chosen
@@ -81,9 +98,10 @@ fn a_budget_above_the_plain_step_keeps_the_plain_step() {
 #[serial]
 fn budgets_below_the_plain_step_are_met_with_the_batch_kept() {
     let mut model = Mlp::new(6, 32, 16, 32);
-    let peak = baseline_peak(&mut model);
+    let plain = baseline_peak(&mut model);
     for fraction in [0.75, 0.5, 0.35] {
-        let budget = (peak as f64 * fraction) as u64;
+        // The parameters and the input, and a fraction of the rest.
+        let budget = plain.fraction(fraction);
         let report = fit(&mut model, &FitRequest::new(budget))
             .unwrap_or_else(|e| panic!("at {fraction} of the plain peak: {e}"));
         check_report(&report, budget, 16);
@@ -95,7 +113,7 @@ fn budgets_below_the_plain_step_are_met_with_the_batch_kept() {
 #[serial]
 fn an_infeasible_budget_names_the_smallest_that_works() {
     let mut model = Mlp::new(4, 32, 8, 16);
-    let peak = baseline_peak(&mut model);
+    let peak = baseline_peak(&mut model).peak;
     let err = fit(&mut model, &FitRequest::new(peak / 50)).unwrap_err();
     let FitError::Infeasible { smallest_bytes, .. } = err.clone() else {
         panic!("expected Infeasible, got {err}");
@@ -157,12 +175,27 @@ fn a_budget_below_the_gradients_is_met_with_gradients_in_files() {
     // Wide layers, few examples: the gradients are most of the step.
     let mut model = Mlp::new(3, 96, 4, 2);
     let grads = gradient_bytes(&model);
-    let budget = grads * 3 / 4;
-    let report = fit(&mut model, &FitRequest::new(budget))
-        .unwrap_or_else(|e| panic!("below the gradients' {grads} bytes: {e}"));
+    // The batch is a slice of the model's data: the data is on the device for the step.
+    let data = model.batch(4).unwrap().input;
+    let data = (data.numel() * 4) as u64;
+    // The parameters (as many bytes as the gradients), the data and three quarters of
+    // the gradients.
+    let budget = grads + data + grads * 3 / 4;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap_or_else(|e| {
+        panic!(
+            "below the parameters', data's and gradients' {} bytes: {e}",
+            2 * grads + data
+        )
+    });
     check_report(&report, budget, 4);
     assert!(report.choice.offload_grads, "{}", report.to_text());
-    assert!(report.measured_peak_bytes < grads);
+    assert!(report.measured_peak_bytes < 2 * grads + data);
+    assert_eq!(report.breakdown.parameters, grads, "{}", report.to_text());
+    assert_eq!(
+        report.breakdown.input, data,
+        "the data the batch is a slice of"
+    );
+    assert_eq!(report.breakdown.total(), report.measured_peak_bytes);
 }
 
 #[test]

@@ -7,6 +7,7 @@
 mod blocks;
 #[path = "../../../memsave-step/tests/it/common.rs"]
 mod common;
+mod device;
 mod fit;
 mod mutex;
 mod on_ranks;

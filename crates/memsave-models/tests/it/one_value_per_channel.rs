@@ -85,7 +85,8 @@ fn fit_runs_one_example_splits_but_never_offers_them() {
     drop(batch);
     // Splits allowed (the lossless levers besides), and every configuration predicted
     // to fit run at its real size: those with one example per micro-batch among them.
-    let mut request = FitRequest::new(plain * 6 / 10);
+    // The whole device: the parameters and the data, and 60% of the plain step's own.
+    let mut request = FitRequest::new(crate::counted_before_step(&model, BATCH) + plain * 6 / 10);
     request.allow = Allow {
         bf16: false,
         compress: false,

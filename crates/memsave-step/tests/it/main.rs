@@ -3,6 +3,7 @@
 //! process-wide.
 mod common;
 mod data_parallel;
+mod device_peak;
 mod errors;
 mod failed_step;
 mod fsdp;
