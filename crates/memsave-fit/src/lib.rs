@@ -46,7 +46,8 @@
 //! read back without prefetch): its memory is then the same from run to run.
 //!
 //! It chooses the fastest predicted configuration whose predicted peak is within the
-//! budget less a safety margin ([`FitRequest::margin`], 5% by default), runs one real
+//! budget less a safety margin ([`FitRequest::margin`], 5% by default, of what the
+//! step allocates above the parameters and the optimizer's state), runs one real
 //! step of it (its peak measured and checked against the budget) and reports the
 //! prediction, the
 //! measurement (on the CPU, when no configuration is predicted within the margin,
@@ -114,10 +115,9 @@
 //!
 //! Warning: `memsave bench`'s `peak_bytes` (like PyTorch's reference on a suite) is
 //! measured above what persists from step to step (the parameters, the optimizer's
-//! state, the input), for comparison with other tools; its `device_peak_bytes` is the
-//! figure this budget counts. To turn a budget for the former into one for `fit`, add
-//! the parameters, the optimizer's state and the input (a report's
-//! [`breakdown`](FitReport::breakdown) gives them).
+//! state, the input), for comparison with other tools. To turn such a figure into a
+//! budget for `fit`, add the parameters, the optimizer's state and the input (a
+//! report's [`breakdown`](FitReport::breakdown) gives them).
 //!
 //! # On the ranks of a process group
 //! With [`FitRequest::on_ranks`], every rank of the group calls [`fit`] on the same
@@ -345,6 +345,9 @@ pub struct Candidate {
     pub(crate) kept_bytes: u64,
 }
 
+/// What `fit`'s budget counts, as [`FitReport::budget_counts`] says it.
+pub const BUDGET_COUNTS: &str = "the most bytes the device holds at any moment of the step (per rank on ranks): the parameters, the optimizer's state, the input, the gradients and everything else the step allocates; not the copy of the weights fit keeps to put them back, nor what the process held besides the model";
+
 /// What the device held at a step's peak, by kind; the four add up to the peak `fit`
 /// measures against the budget (see the [crate docs](crate)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -377,6 +380,9 @@ pub struct FitReport {
     pub model: String,
     /// The budget asked for.
     pub budget_bytes: u64,
+    /// What the budget counts, in words (the JSON says it beside the figure):
+    /// [`BUDGET_COUNTS`].
+    pub budget_counts: &'static str,
     /// Examples per optimizer step, kept by every candidate.
     pub global_batch: i64,
     /// The margin applied to predictions.

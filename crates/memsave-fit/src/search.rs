@@ -741,6 +741,7 @@ impl Search<'_, '_> {
         FitReport {
             model: runs.workload.name().to_owned(),
             budget_bytes: request.budget_bytes,
+            budget_counts: crate::BUDGET_COUNTS,
             global_batch: global,
             margin: request.margin,
             allow: request.allow,

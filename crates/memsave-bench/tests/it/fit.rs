@@ -215,6 +215,17 @@ fn the_cli_writes_the_choice_and_its_measurement() {
     assert!(json["choice"]["micro_batches"].as_u64().unwrap() >= 1);
     assert!(json["front"].as_array().is_some_and(|f| !f.is_empty()));
     assert!(json["measured_peak_bytes"].as_u64().unwrap() <= 64 * 1024);
+    // The JSON says what the budget counts, and where the bytes were at the peak.
+    let counts = json["budget_counts"].as_str().unwrap();
+    for part in ["parameters", "optimizer's state", "input", "gradients"] {
+        assert!(counts.contains(part), "{part}: {counts}");
+    }
+    let parts: u64 = ["parameters", "optimizer_state", "input", "step"]
+        .iter()
+        .map(|k| json["breakdown"][k].as_u64().unwrap())
+        .sum();
+    assert_eq!(Some(parts), json["measured_peak_bytes"].as_u64());
+    assert!(json["breakdown"]["parameters"].as_u64().unwrap() > 0);
     let svg = std::fs::read_to_string(dir.path().join("fit.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("budget"));
 }
