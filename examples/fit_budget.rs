@@ -111,7 +111,7 @@ fn main() -> Result<()> {
     // device less what the process held besides the model's parameters.
     let (plain_peak, kept) = {
         let mut twin = Classifier::new(args.batch);
-        let outside = held_besides(&twin.parameters());
+        let outside = held_besides(&twin)?;
         let x = twin.batch(args.batch)?;
         let spec = twin.optimizer();
         let mut config = StepConfig::baseline();
@@ -132,7 +132,7 @@ fn main() -> Result<()> {
     );
 
     let mut model = Classifier::new(args.batch);
-    let outside = held_besides(&model.parameters());
+    let outside = held_besides(&model)?;
     let x = model.batch(args.batch)?;
     let first = loss(&model)?;
     let report = fit(&mut model, &FitRequest::new(budget))?;
@@ -168,14 +168,16 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// What the process holds besides `params` (here, the data the batches are sliced
-/// from): `fit`'s budget does not count it.
-fn held_besides(params: &[Tensor]) -> u64 {
-    let params: u64 = params
-        .iter()
-        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
-        .sum();
-    memsave::meter::memory_allocated(tch::Device::Cpu) - params
+/// What the process holds besides `model`'s parameters and the data its batches are
+/// sliced from (a batch counts the storage it is in; here its global batch is all of
+/// it): `fit`'s budget does not count it.
+fn held_besides(model: &dyn Workload) -> Result<u64> {
+    let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let data = model.batch(model.global_batch())?;
+    let counted = model.parameters().iter().map(bytes).sum::<u64>()
+        + bytes(&data.input)
+        + data.target.as_ref().map_or(0, bytes);
+    Ok(memsave::meter::memory_allocated(tch::Device::Cpu) - counted)
 }
 
 /// The loss of the whole batch, without gradients.

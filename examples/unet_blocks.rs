@@ -258,14 +258,16 @@ fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     v
 }
 
-/// What the process holds besides `params` (the other models, the data the batches are
-/// sliced from): `fit`'s budget does not count it.
-fn held_besides(params: &[Tensor]) -> u64 {
-    let params: u64 = params
-        .iter()
-        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
-        .sum();
-    memsave::meter::memory_allocated(Device::Cpu) - params
+/// What the process holds besides `model`'s parameters and the data its batches are
+/// sliced from (a batch counts the storage it is in; here its global batch is all of
+/// it): `fit`'s budget does not count it.
+fn held_besides(model: &dyn Workload) -> Result<u64> {
+    let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let data = model.batch(model.global_batch())?;
+    let counted = model.parameters().iter().map(bytes).sum::<u64>()
+        + bytes(&data.input)
+        + data.target.as_ref().map_or(0, bytes);
+    Ok(memsave::meter::memory_allocated(Device::Cpu) - counted)
 }
 
 fn main() -> Result<()> {
@@ -275,7 +277,7 @@ fn main() -> Result<()> {
     // The plain run: its highest peak on the device sets the budget (the whole device
     // less what the process holds besides the model's parameters, as fit counts it).
     let mut plain = UNet::new(&args);
-    let outside = held_besides(&plain.parameters());
+    let outside = held_besides(&plain)?;
     let batch = plain.batch(args.batch)?;
     let spec = plain.optimizer();
     let mut trainer = TrainerBuilder::new(StepConfig::baseline())
@@ -303,7 +305,7 @@ fn main() -> Result<()> {
     let report = fit(&mut model, &FitRequest::new(budget))?;
     println!("{}", report.to_text());
     let mut twin = UNet::new(&args);
-    let outside = held_besides(&twin.parameters());
+    let outside = held_besides(&twin)?;
     let mut trainer = report.trainer(&mut twin)?;
     let mut losses = Vec::new();
     for step in 0..args.steps {
