@@ -364,6 +364,26 @@ pub struct PeakBreakdown {
     /// What the step had allocated when it peaked: gradients, saved activations,
     /// scratch (on ranks under ZeRO-3, the gathered weights).
     pub step: u64,
+    /// The step's own bytes by role, from one more step recorded allocation by
+    /// allocation (`memsave-trace`) and read at its peak: on one process on the CPU,
+    /// for the report's choice; `None` elsewhere.
+    pub step_by_role: Option<StepRoles>,
+}
+
+/// What a step had allocated above the parameters, the optimizer's state and the input
+/// when it peaked, by role (`memsave-trace`'s categories); the four add up to that
+/// traced step's own bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StepRoles {
+    /// Parameters' gradients (accumulated, or about to be stepped in backward).
+    pub gradients: u64,
+    /// Tensors autograd saved for backward (in memory: an offloaded one is in its file).
+    pub saved_activations: u64,
+    /// What a block's recomputation allocated in backward and still held (for a model
+    /// of blocks; a chain's recomputed layers count as saved activations and other).
+    pub recomputed: u64,
+    /// Everything else: scratch, the loss, outputs not saved, stores' buffers.
+    pub other: u64,
 }
 
 impl PeakBreakdown {

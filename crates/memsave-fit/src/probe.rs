@@ -18,6 +18,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tch::{Device, Tensor};
 
+mod roles;
+pub(crate) use roles::step_roles_at_peak;
+
 /// What running a configuration measured.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Probe {
@@ -265,6 +268,9 @@ struct Outside {
     /// Allocated before the step's warm-up less the parameters and the batch: the peak
     /// is measured above it.
     bytes: u64,
+    /// The parameters' and the batch's bytes the meter does not see (CPU storages
+    /// allocated before `memsave_meter::install()`): added to what it measures.
+    unseen: u64,
     /// The parameters' bytes (each storage once).
     parameter_bytes: u64,
     /// The batch's: the storages its tensors are in, each once.
@@ -272,12 +278,17 @@ struct Outside {
 }
 
 impl Outside {
+    /// An allocation the meter reads (`memory_allocated`), as the budget counts it.
+    fn above(&self, allocated: u64) -> u64 {
+        (allocated + self.unseen).saturating_sub(self.bytes)
+    }
+
     /// What the device held at a step's peak, by kind, from the step's measurement:
     /// what it held when the step began is the parameters (on ranks under ZeRO-3, this
     /// rank's shard of them, `shard_bytes`), the input and, the rest, the optimizer's
     /// state; what the step allocated above that is its own.
     fn breakdown(&self, m: &StepMeasurement, shard_bytes: Option<u64>) -> PeakBreakdown {
-        let began = m.start_bytes.saturating_sub(self.bytes);
+        let began = self.above(m.start_bytes);
         let parameters = shard_bytes.unwrap_or(self.parameter_bytes).min(began);
         let input = self.input_bytes.min(began - parameters);
         PeakBreakdown {
@@ -285,26 +296,44 @@ impl Outside {
             input,
             optimizer_state: began - parameters - input,
             step: m.peak_bytes,
+            step_by_role: None,
         }
     }
 }
 
-/// Bytes of `tensors`, each storage once (tied weights are one parameter's bytes).
-fn distinct_bytes(tensors: &[Tensor]) -> u64 {
+/// Bytes of `tensors`, each storage once (tied weights are one parameter's bytes), and
+/// of those the meter does not see (see [`unseen`]).
+fn distinct_bytes(tensors: &[Tensor]) -> Result<(u64, u64), memsave_sys::Error> {
     let mut seen = std::collections::HashSet::new();
-    tensors
-        .iter()
-        .filter(|t| t.defined() && seen.insert(t.data_ptr() as usize))
-        .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
-        .sum()
+    let (mut bytes, mut hidden) = (0, 0);
+    for t in tensors {
+        if t.defined() && seen.insert(t.data_ptr() as usize) {
+            let b = t.numel() as u64 * t.kind().elt_size_in_bytes() as u64;
+            bytes += b;
+            if unseen(t)? {
+                hidden += b;
+            }
+        }
+    }
+    Ok((bytes, hidden))
+}
+
+/// Whether the meter does not see `t`'s storage: a CPU storage allocated before the
+/// counting allocator was installed (`memsave_meter::install()` after the model was
+/// built). Its bytes still count in the budget: they are added to what the meter reads.
+fn unseen(t: &Tensor) -> Result<bool, memsave_sys::Error> {
+    Ok(t.device() == Device::Cpu
+        && memsave_sys::alloc::counting_allocator_active()
+        && !memsave_sys::alloc::is_counted(t)?)
 }
 
 /// Bytes of the storages `x`'s tensors are in, each once (a slice of a dataset counts
-/// the dataset: it is on the device for the step).
-fn batch_bytes(x: &Batch) -> Result<u64, memsave_sys::Error> {
+/// the dataset: it is on the device for the step), and of those the meter does not
+/// see (see [`unseen`]).
+fn batch_bytes(x: &Batch) -> Result<(u64, u64), memsave_sys::Error> {
     use memsave_sys::tensor::{storage_nbytes, WeakStorage};
     let mut seen: Vec<WeakStorage> = Vec::new();
-    let mut bytes = 0;
+    let (mut bytes, mut hidden) = (0, 0);
     for t in std::iter::once(&x.input).chain(x.target.as_ref()) {
         let size = if t.defined() { storage_nbytes(t)? } else { 0 };
         if size == 0 {
@@ -316,10 +345,13 @@ fn batch_bytes(x: &Batch) -> Result<u64, memsave_sys::Error> {
         }
         if !known {
             bytes += size;
+            if unseen(t)? {
+                hidden += size;
+            }
             seen.push(WeakStorage::new(t)?);
         }
     }
-    Ok(bytes)
+    Ok((bytes, hidden))
 }
 
 /// A probe's step, set up: its configuration and batch, and the parameters with their
@@ -381,8 +413,8 @@ impl Setup {
         let x = workload
             .batch(batch)
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
-        let input_bytes = batch_bytes(&x).map_err(failed)?;
-        let parameter_bytes = distinct_bytes(&params);
+        let (input_bytes, unseen_input) = batch_bytes(&x).map_err(failed)?;
+        let (parameter_bytes, unseen_parameters) = distinct_bytes(&params).map_err(failed)?;
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
@@ -393,8 +425,10 @@ impl Setup {
             None
         };
         let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
+        let unseen = unseen_parameters + unseen_input;
         let outside = Outside {
-            bytes: held.saturating_sub(parameter_bytes + input_bytes),
+            bytes: held.saturating_sub(parameter_bytes + input_bytes - unseen),
+            unseen,
             parameter_bytes,
             input_bytes,
         };
@@ -562,7 +596,6 @@ fn measure(
     outside: &Outside,
     ranks: &Ranks,
 ) -> Result<Probe, ProbeError> {
-    let base = outside.bytes;
     let mut best: Option<Probe> = None;
     let mut breakdown = PeakBreakdown::default();
     let mut by_rank = vec![0u64; ranks.world_size()];
@@ -576,7 +609,7 @@ fn measure(
         }
         // Every rank's outcome (a spoiled run, out of memory, another failure) is agreed
         // with its figures below, so that every rank counts the configuration the same.
-        let done = run_once(setup, workload, record && run == 0, base);
+        let done = run_once(setup, workload, record && run == 0, outside);
         let (peak, time_s, optimizer_time_s) = match &done {
             Ok(Run {
                 step: m,
@@ -587,7 +620,7 @@ fn measure(
                     series = Some(events.clone());
                     second = *second_at;
                 }
-                let peak = (m.start_bytes + m.peak_bytes).saturating_sub(base);
+                let peak = outside.above(m.start_bytes + m.peak_bytes);
                 if peak > breakdown.total() {
                     let shards = setup
                         .data_parallel
@@ -750,7 +783,7 @@ fn run_once(
     setup: &mut Setup,
     workload: &dyn Workload,
     record: bool,
-    base: u64,
+    outside: &Outside,
 ) -> Result<Run, ProbeError> {
     let recording = record
         && setup.device == Device::Cpu
@@ -781,7 +814,7 @@ fn run_once(
             events
                 .iter()
                 .filter(|e| e.time_ns != 0)
-                .map(|e| e.allocated_after as i64 - base as i64)
+                .map(|e| e.allocated_after as i64 + outside.unseen as i64 - outside.bytes as i64)
                 .collect::<Vec<i64>>(),
         );
         (series, second)

@@ -709,6 +709,22 @@ impl Search<'_, '_> {
             fell_back,
             ..
         } = self;
+        // The step's own bytes at the peak, by role: one more step of the choice,
+        // traced (on one process on the CPU; a failure leaves them out).
+        let mut breakdown = candidates[chosen].measured_breakdown.unwrap_or_default();
+        if candidates[chosen].measured_peak_bytes.is_some() {
+            let choice = &candidates[chosen].choice;
+            breakdown.step_by_role = crate::probe::step_roles_at_peak(
+                runs.workload,
+                runs.optimizer,
+                choice,
+                runs.global,
+                choice.micro_batches,
+                &runs.ranks,
+            )
+            .ok()
+            .flatten();
+        }
         // Leave the workload on the chosen schedule.
         let schedule = candidates[chosen]
             .choice
@@ -750,7 +766,7 @@ impl Search<'_, '_> {
             optimizer: runs.optimizer,
             predicted_peak_bytes: c.predicted_peak_bytes.unwrap_or(0),
             measured_peak_bytes: c.measured_peak_bytes.unwrap_or(0),
-            breakdown: c.measured_breakdown.unwrap_or_default(),
+            breakdown,
             world_size,
             measured_peak_bytes_by_rank: c.measured_peak_bytes_by_rank.clone(),
             predicted_step_time_s: c.predicted_step_time_s.unwrap_or(0.0),

@@ -6,6 +6,7 @@
 // raw_deleter()): oneDNN and bf16 kernels check `get() == get_context()`.
 #include "common.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -162,6 +163,19 @@ int ms_cpu_install_counting_allocator() {
 
 int ms_cpu_counting_allocator_active(bool* out) {
   MS_TRY({ *out = dynamic_cast<CountingAllocator*>(c10::GetCPUAllocator()) != nullptr; })
+}
+
+int ms_cpu_storage_counted(const at::Tensor* t, bool* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = false;
+    if (t->has_storage() && t->device().is_cpu()) {
+      const void* data = t->storage().data();
+      auto& c = counters();
+      std::lock_guard<std::mutex> guard(c.mu);
+      *out = c.live.find(const_cast<void*>(data)) != c.live.end();
+    }
+  })
 }
 
 int ms_cpu_allocated(int64_t* out) {

@@ -21,6 +21,18 @@ pub fn counting_allocator_active() -> bool {
     check(unsafe { ffi::ms_cpu_counting_allocator_active(&mut active) }).is_ok() && active
 }
 
+/// Whether `t`'s storage is one the counting allocator counts: a CPU storage allocated
+/// after [`install_counting_allocator`] (one allocated before, by the allocator then in
+/// place, is invisible to [`allocated`] for its whole life). `false` for a tensor
+/// without storage or off the CPU.
+pub fn is_counted(t: &tch::Tensor) -> Result<bool> {
+    let mut out = false;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*; `out`
+    // is a valid, writable bool for the duration of the call.
+    check(unsafe { ffi::ms_cpu_storage_counted(t.as_ptr().cast(), &mut out) })?;
+    Ok(out)
+}
+
 /// Bytes currently held by counted CPU storages.
 pub fn allocated() -> u64 {
     // SAFETY: `out` is a valid, writable i64 for the duration of the call.

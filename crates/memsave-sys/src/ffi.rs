@@ -56,6 +56,7 @@ extern "C" {
 
     pub fn ms_cpu_install_counting_allocator() -> c_int;
     pub fn ms_cpu_counting_allocator_active(out: *mut bool) -> c_int;
+    pub fn ms_cpu_storage_counted(t: *const CTensor, out: *mut bool) -> c_int;
     pub fn ms_cpu_allocated(out: *mut i64) -> c_int;
     pub fn ms_cpu_peak(out: *mut i64) -> c_int;
     pub fn ms_cpu_reset_peak() -> c_int;

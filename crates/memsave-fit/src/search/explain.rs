@@ -165,6 +165,15 @@ impl FitReport {
                 Bytes(b.input),
                 Bytes(b.step)
             ));
+            if let Some(r) = &b.step_by_role {
+                out.push_str(&format!(
+                    "  the step's own, by role (a traced step): gradients {}, saved activations {}, recomputed {}, other {}\n",
+                    Bytes(r.gradients),
+                    Bytes(r.saved_activations),
+                    Bytes(r.recomputed),
+                    Bytes(r.other)
+                ));
+            }
         }
         if self.world_size > 1 {
             let by_rank: Vec<String> = self

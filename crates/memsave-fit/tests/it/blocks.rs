@@ -142,7 +142,7 @@ fn peak(model: &mut Graph, plan: PlanChoice) -> u64 {
     let m = f_step(model, &x, &config, Device::Cpu, false, None).unwrap();
     memsave_accum::free_grads(&model.parameters()).unwrap();
     model.blocks.set_every(BlockLever::Keep);
-    crate::device::peak(&m, outside)
+    crate::device::peak(&m, &outside)
 }
 
 #[test]
@@ -233,7 +233,7 @@ fn a_trainer_from_the_report_follows_the_chosen_blocks() {
     let batch = trainer.model().batch(96).unwrap();
     for step in 0..2 {
         let m = trainer.step(&batch).unwrap();
-        let peak = crate::device::peak(&m, outside);
+        let peak = crate::device::peak(&m, &outside);
         assert!(peak <= budget, "step {step}: {peak}\n{text}");
     }
     for (key, lever) in chosen {
@@ -263,7 +263,7 @@ fn in_backward_peak(lever: BlockLever) -> u64 {
     let batch = trainer.model().batch(32).unwrap();
     trainer.step(&batch).unwrap();
     let m = trainer.step(&batch).unwrap();
-    crate::device::peak(&m, outside)
+    crate::device::peak(&m, &outside)
 }
 
 /// With an optimizer and a budget below its gradients, the steps that fit free each

@@ -46,7 +46,7 @@ fn trainer_matches_by_hand(
                 Some(&mut optimizer),
             )
             .unwrap();
-            plain = crate::device::peak(&m, outside);
+            plain = crate::device::peak(&m, &outside);
         }
         plain
     };
@@ -107,7 +107,7 @@ fn trainer_matches_by_hand(
     for _ in 0..3 {
         let m = trainer.step(&x).unwrap();
         trainer_peaks.push(m.peak_bytes);
-        device_peaks.push(crate::device::peak(&m, outside));
+        device_peaks.push(crate::device::peak(&m, &outside));
     }
     assert_eq!(trainer.steps(), 3);
     let state = trainer.optimizer_state_bytes();
@@ -224,7 +224,7 @@ fn the_request_s_optimizer_is_stepped_instead_of_the_workload_s() {
     let batch = model.batch(model.global_batch()).unwrap();
     let mut trainer = report.trainer(&mut model).unwrap();
     for _ in 0..2 {
-        let peak = crate::device::peak(&trainer.step(&batch).unwrap(), outside);
+        let peak = crate::device::peak(&trainer.step(&batch).unwrap(), &outside);
         assert!(
             peak <= request.budget_bytes,
             "{peak} > {}",

@@ -1,0 +1,177 @@
+//! Whose bytes a step's peak holds: one more step of a configuration at its real size,
+//! recorded allocation by allocation (`memsave-trace`), read at its peak. The
+//! measured breakdown ([`PeakBreakdown`](crate::PeakBreakdown)) says how much the
+//! parameters, the optimizer's state and the input take and how much the step
+//! allocates above them; this says what the step's own bytes are: gradients, saved
+//! activations, what recomputation allocates, and the rest.
+use super::{step_caught, ProbeError, Setup};
+use crate::choice::Choice;
+use crate::lockstep::Ranks;
+use crate::StepRoles;
+use memsave_optim::Observer;
+use memsave_step::step::{StepEvent, StepObserver};
+use memsave_step::workload::Workload;
+use memsave_step::OptimizerSpec;
+use memsave_trace::{Category, Phase, Recorder, Session};
+use std::sync::Arc;
+use tch::{Device, Tensor};
+
+/// The step's own bytes at the peak of one traced step of `choice` on `batch` examples
+/// in `micro_batches`, by role, or `None` where no trace is made: on ranks, or off the
+/// CPU (the recorder reads the counting allocator's events). The weights, buffers and
+/// optimizer are put back as after any probe.
+pub(crate) fn step_roles_at_peak(
+    workload: &mut dyn Workload,
+    optimizer: Option<OptimizerSpec>,
+    choice: &Choice,
+    batch: i64,
+    micro_batches: usize,
+    ranks: &Ranks,
+) -> Result<Option<StepRoles>, ProbeError> {
+    if ranks.group().is_some() || workload.device() != Device::Cpu {
+        return Ok(None);
+    }
+    let (mut setup, outside) =
+        Setup::new(workload, optimizer, choice, batch, micro_batches, ranks)?;
+    let warmed = setup.warm_up(&*workload, micro_batches);
+    let traced = warmed.and_then(|()| traced(&mut setup, &*workload));
+    setup.put_back(&*workload)?;
+    let Some(at_peak) = traced? else {
+        return Ok(None);
+    };
+    // Before the step: the parameters, the input and the optimizer's state (each its
+    // role), and what the process held outside the step (the recorder's `other`).
+    let before =
+        at_peak[Category::Parameter] + at_peak[Category::OptimizerState] + at_peak[Category::Input];
+    let own = at_peak.total().saturating_sub(before + outside.bytes);
+    let gradients = at_peak[Category::Gradient];
+    let saved_activations = at_peak[Category::SavedActivation];
+    let recomputed = at_peak[Category::Recompute];
+    Ok(Some(StepRoles {
+        gradients,
+        saved_activations,
+        recomputed,
+        other: own.saturating_sub(gradients + saved_activations + recomputed),
+    }))
+}
+
+/// One step of the set-up probe under the recorder: the bytes by role right after the
+/// event that reached its peak; `None` when the step recorded nothing.
+fn traced(
+    setup: &mut Setup,
+    workload: &dyn Workload,
+) -> Result<Option<memsave_trace::CategoryBytes>, ProbeError> {
+    let inputs: Vec<Tensor> = std::iter::once(&setup.x.input)
+        .chain(setup.x.target.as_ref())
+        .map(Tensor::shallow_clone)
+        .collect();
+    let state = setup
+        .optimizer
+        .as_ref()
+        .map(|o| o.state_tensors())
+        .unwrap_or_default();
+    let params: Vec<Tensor> = setup.params.iter().map(Tensor::shallow_clone).collect();
+    let config = setup.config.clone();
+    let device = setup.device;
+    let (step, trace) = Recorder::new(device)
+        .parameters(&params)
+        .inputs(&inputs)
+        .optimizer_state(&state)
+        // Gradients in files take each parameter's one post-accumulate-grad hook.
+        .gradient_hooks(config.offload_grads.is_none())
+        .record(|session| {
+            if let Some(optimizer) = setup.optimizer.as_mut() {
+                optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
+            }
+            if let Some(blocks) = workload.blocks() {
+                blocks.set_observer(Some(recomputations(session)));
+            }
+            let phases = Phases {
+                session,
+                params: &params,
+            };
+            let step = step_caught(
+                workload,
+                &setup.x,
+                &config,
+                device,
+                setup.optimizer.as_mut(),
+                None,
+                &phases,
+                false,
+            );
+            if let Some(optimizer) = setup.optimizer.as_mut() {
+                optimizer.set_observer(None);
+            }
+            if let Some(blocks) = workload.blocks() {
+                blocks.set_observer(None);
+            }
+            session.phase(Phase::Other);
+            step
+        })
+        .map_err(|e| ProbeError::Failed(format!("tracing the step: {e}")))?;
+    step?;
+    Ok(trace.peak_event().map(|i| trace.bytes_at(i + 1)))
+}
+
+/// Tells the recording session when a block's recomputation runs (a block run inside
+/// a recomputation is part of that one), so that what it allocates is filed under it.
+fn recomputations(session: &Session) -> memsave_checkpoint::BlockObserver {
+    let session = session.clone();
+    // Per block started and not yet ended, innermost last: whether it opened a
+    // recomputation.
+    let running = std::sync::Mutex::new(Vec::<bool>::new());
+    Arc::new(move |notice| {
+        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
+        match notice {
+            memsave_checkpoint::BlockNotice::Start { key, recompute } => {
+                let opens = *recompute && !running.iter().any(|&r| r);
+                if opens {
+                    session.recomputation_start(format!("block {key}"));
+                }
+                running.push(opens);
+            }
+            memsave_checkpoint::BlockNotice::End { .. } => {
+                if running.pop() == Some(true) {
+                    session.recomputation_end();
+                }
+            }
+        }
+    })
+}
+
+/// Tells the recording session the step's phases, and the gradients the optimizer
+/// steps from.
+struct Phases<'a> {
+    session: &'a Session,
+    params: &'a [Tensor],
+}
+
+impl StepObserver for Phases<'_> {
+    fn step_event(&self, event: StepEvent) {
+        match event {
+            StepEvent::Forward => self.session.phase(Phase::Forward),
+            StepEvent::ForwardDone => {}
+            StepEvent::Backward => self.session.phase(Phase::Backward),
+            StepEvent::Optimizer => {
+                let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+                self.session.gradients(&grads);
+                self.session.phase(Phase::Optimizer);
+            }
+        }
+    }
+}
+
+/// Tells the recording session the optimizer's gradients and state as it works with
+/// them (state made or fetched for one update, gradients a step in backward frees).
+struct Roles(Session);
+
+impl Observer for Roles {
+    fn gradient(&self, _index: usize, grad: &Tensor) {
+        self.0.gradients(std::slice::from_ref(grad));
+    }
+
+    fn state(&self, _index: usize, tensors: &[Tensor]) {
+        self.0.optimizer_state(tensors);
+    }
+}
