@@ -672,9 +672,14 @@ fn check_least(
         Some(g) if g <= request.budget_bytes => {}
         g => {
             let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
+            // Each rank's share of all but the gradient, as `in_budget` counts them.
+            let n = world_size.max(1) as u64;
+            let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
             let parts = LeastMemory {
+                parameters: share(least.parameters),
+                optimizer_state: share(least.optimizer_state),
                 weights_copy: Some(0),
-                batch: least.step_batch,
+                batch: share(least.step_batch),
                 ..*least
             }
             .parts(false);
@@ -684,7 +689,7 @@ fn check_least(
                 ""
             };
             let share = if world_size > 1 {
-                format!(" (each rank at least its share of all but the gradient, on {world_size} ranks)")
+                format!(" (each rank's share of all but the gradient, on {world_size} ranks)")
             } else {
                 String::new()
             };

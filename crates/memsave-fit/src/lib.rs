@@ -104,14 +104,20 @@
 //! The budget is the whole device: the most bytes it holds at any moment of the step,
 //! counting the parameters, the optimizer's state (made by a warm-up step before the
 //! measured ones: AdamW's is twice the parameters, `memsave-optim`'s 8-bit state a
-//! quarter of that), the input batch, the gradients and everything else the step
-//! allocates. Each report breaks the measured peak down ([`PeakBreakdown`]). Two things
-//! are not counted, because `fit` cannot change them: what the process held before
-//! `fit` other than the parameters (a dataset or another model on the device: leave
-//! room for it), and the copy of the weights `fit` keeps to put them back after each
-//! run. A step the [`Trainer`](FitReport::trainer) runs reports the same peak as
+//! quarter of that), the input batch (the storages its tensors are in: a batch sliced
+//! from a dataset on the device counts the dataset, once), the gradients and
+//! everything else the step allocates. Each report breaks the measured peak down
+//! ([`PeakBreakdown`]). Two things are not counted, because `fit` cannot change them:
+//! what the process held before `fit` other than the parameters and the batch's
+//! storages (another model, tensors of your own: leave room for them), and the copy of
+//! the weights `fit` keeps to put them back after each run. Parameters and data made
+//! before `memsave_meter::install()`, which the meter never sees, are counted all the
+//! same. A step the [`Trainer`](FitReport::trainer) runs reports
 //! [`StepMeasurement::device_peak_bytes`](memsave_step::StepMeasurement::device_peak_bytes)
-//! (absolute, like `max_memory_allocated`) when the process holds nothing else.
+//! (absolute, like `max_memory_allocated`): on the CPU, when the process holds nothing
+//! else, the peak `fit` measured, to the byte (on CUDA the caching allocator rounds
+//! each block up, to 512 bytes, which the parameters' and the batch's own bytes do not
+//! show: a few bytes per tensor more).
 //!
 //! Warning: `memsave bench`'s `peak_bytes` (like PyTorch's reference on a suite) is
 //! measured above what persists from step to step (the parameters, the optimizer's
@@ -346,7 +352,7 @@ pub struct Candidate {
 }
 
 /// What `fit`'s budget counts, as [`FitReport::budget_counts`] says it.
-pub const BUDGET_COUNTS: &str = "the most bytes the device holds at any moment of the step (per rank on ranks): the parameters, the optimizer's state, the input, the gradients and everything else the step allocates; not the copy of the weights fit keeps to put them back, nor what the process held besides the model";
+pub const BUDGET_COUNTS: &str = "the most bytes the device holds at any moment of the step (per rank on ranks): the parameters, the optimizer's state, the input (the storages the batch is in), the gradients and everything else the step allocates; not the copy of the weights fit keeps to put them back, nor what else the process held before fit";
 
 /// What the device held at a step's peak, by kind; the four add up to the peak `fit`
 /// measures against the budget (see the [crate docs](crate)).
@@ -359,7 +365,8 @@ pub struct PeakBreakdown {
     /// ranks, this rank's part of it, and whatever the data-parallel mode keeps
     /// between steps).
     pub optimizer_state: u64,
-    /// The batch (what making it allocated).
+    /// The batch: the storages its tensors are in, each once (a slice of a dataset on
+    /// the device counts the dataset; a storage that is a parameter's counts there).
     pub input: u64,
     /// What the step had allocated when it peaked: gradients, saved activations,
     /// scratch (on ranks under ZeRO-3, the gathered weights).

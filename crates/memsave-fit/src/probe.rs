@@ -224,8 +224,9 @@ const LONG_RUNS_S: f64 = 0.5;
 ///
 /// On ranks (`ranks` has a group; the choice has its data-parallel mode), every rank
 /// runs it on its own `batch` examples with the mode's data parallel set up for the
-/// probe, the peak is measured above what the rank held before it less the parameters
-/// (so the parameters, the optimizer's state and whatever the mode keeps count), and
+/// probe, the peak is measured as on one process (see [`Setup::new`]: the rank's
+/// parameters or its shard of them, its optimizer state, its input and whatever the
+/// mode keeps count), and
 /// each run's peak and times are agreed over the ranks before anything is decided on
 /// them (see [`crate::lockstep`]), and so is how each step ended (the warm-up's and
 /// each run's): a step out of memory (or failed, or spoiled) on one rank ends the
@@ -301,21 +302,64 @@ impl Outside {
     }
 }
 
-/// Bytes of `tensors`, each storage once (tied weights are one parameter's bytes), and
-/// of those the meter does not see (see [`unseen`]).
-fn distinct_bytes(tensors: &[Tensor]) -> Result<(u64, u64), memsave_sys::Error> {
+/// What the budget counts of a probe's step before it begins besides what the meter
+/// reads after it: the parameters' and the batch's storages on `device`, each once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counted {
+    /// The parameters' storages (tied weights, views of one buffer: once).
+    parameter_bytes: u64,
+    /// The batch's storages that are not a parameter's (a slice of a dataset on the
+    /// device counts the dataset; input and target sharing a storage count it once).
+    input_bytes: u64,
+    /// Of those, what the meter sees now (it reads them in what the process holds).
+    read: u64,
+    /// Of those, what the meter does not see (see [`unseen`]) and the step still holds:
+    /// the parameters' are left out where `sharded` (ZeRO-3 frees their storage and
+    /// keeps shards the meter sees).
+    unseen: u64,
+}
+
+/// [`Counted`] for `params` and the batch `x` of a step on `device`.
+fn counted(
+    params: &[Tensor],
+    x: &Batch,
+    device: Device,
+    sharded: bool,
+) -> Result<Counted, memsave_sys::Error> {
+    use memsave_sys::tensor::{storage_data_ptr, storage_nbytes};
     let mut seen = std::collections::HashSet::new();
-    let (mut bytes, mut hidden) = (0, 0);
-    for t in tensors {
-        if t.defined() && seen.insert(t.data_ptr() as usize) {
-            let b = t.numel() as u64 * t.kind().elt_size_in_bytes() as u64;
-            bytes += b;
-            if unseen(t)? {
-                hidden += b;
-            }
+    let mut c = Counted {
+        parameter_bytes: 0,
+        input_bytes: 0,
+        read: 0,
+        unseen: 0,
+    };
+    let batch = std::iter::once(&x.input).chain(x.target.as_ref());
+    for (t, is_param) in params
+        .iter()
+        .map(|p| (p, true))
+        .chain(batch.map(|t| (t, false)))
+    {
+        if !t.defined() || t.device() != device {
+            continue;
+        }
+        let key = storage_data_ptr(t)?;
+        if key == 0 || !seen.insert(key) {
+            continue;
+        }
+        let bytes = storage_nbytes(t)?;
+        if is_param {
+            c.parameter_bytes += bytes;
+        } else {
+            c.input_bytes += bytes;
+        }
+        if !unseen(t)? {
+            c.read += bytes;
+        } else if !(is_param && sharded) {
+            c.unseen += bytes;
         }
     }
-    Ok((bytes, hidden))
+    Ok(c)
 }
 
 /// Whether the meter does not see `t`'s storage: a CPU storage allocated before the
@@ -325,33 +369,6 @@ fn unseen(t: &Tensor) -> Result<bool, memsave_sys::Error> {
     Ok(t.device() == Device::Cpu
         && memsave_sys::alloc::counting_allocator_active()
         && !memsave_sys::alloc::is_counted(t)?)
-}
-
-/// Bytes of the storages `x`'s tensors are in, each once (a slice of a dataset counts
-/// the dataset: it is on the device for the step), and of those the meter does not
-/// see (see [`unseen`]).
-fn batch_bytes(x: &Batch) -> Result<(u64, u64), memsave_sys::Error> {
-    use memsave_sys::tensor::{storage_nbytes, WeakStorage};
-    let mut seen: Vec<WeakStorage> = Vec::new();
-    let (mut bytes, mut hidden) = (0, 0);
-    for t in std::iter::once(&x.input).chain(x.target.as_ref()) {
-        let size = if t.defined() { storage_nbytes(t)? } else { 0 };
-        if size == 0 {
-            continue;
-        }
-        let mut known = false;
-        for s in &seen {
-            known |= s.is_storage_of(t)?;
-        }
-        if !known {
-            bytes += size;
-            if unseen(t)? {
-                hidden += size;
-            }
-            seen.push(WeakStorage::new(t)?);
-        }
-    }
-    Ok((bytes, hidden))
 }
 
 /// A probe's step, set up: its configuration and batch, and the parameters with their
@@ -413,11 +430,15 @@ impl Setup {
         let x = workload
             .batch(batch)
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
-        let (input_bytes, unseen_input) = batch_bytes(&x).map_err(failed)?;
-        let (parameter_bytes, unseen_parameters) = distinct_bytes(&params).map_err(failed)?;
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
+        let Counted {
+            parameter_bytes,
+            input_bytes,
+            read,
+            unseen,
+        } = counted(&params, &x, device, shards).map_err(failed)?;
         let buffers = Snapshot::of(workload.buffers()).map_err(failed)?;
         let weights = if config.optimizer.is_some() || shards {
             Some(SavedWeights::save(&params).map_err(failed)?)
@@ -425,9 +446,8 @@ impl Setup {
             None
         };
         let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
-        let unseen = unseen_parameters + unseen_input;
         let outside = Outside {
-            bytes: held.saturating_sub(parameter_bytes + input_bytes - unseen),
+            bytes: held.saturating_sub(read),
             unseen,
             parameter_bytes,
             input_bytes,
@@ -490,11 +510,10 @@ impl Setup {
         }
     }
 
-    /// With an optimizer, a warm-up step of one example per micro-batch (outside the
-    /// budget) that allocates its state; then the gradients freed. The optimizer's state
-    /// persists from step to step, like the parameters: it is there before the step,
-    /// and the peak is measured above it, as `memsave bench` measures it after its
-    /// warm-up.
+    /// With an optimizer, a warm-up step of one example per micro-batch that allocates
+    /// its state; then the gradients freed. The optimizer's state persists from step to
+    /// step, like the parameters: it is there before the measured steps begin, and
+    /// counts in their peaks (the budget is the whole device).
     fn warm_up(&mut self, workload: &dyn Workload, micro_batches: usize) -> Result<(), ProbeError> {
         if let Some(optimizer) = self.optimizer.as_mut() {
             let size = micro_batches.max(1) as i64;
@@ -903,5 +922,48 @@ pub(crate) fn set_block_levers(
     match workload.blocks() {
         Some(blocks) => blocks.set_levers(choice.block_levers().unwrap_or_default()),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod counted_tests {
+    use super::{counted, Counted};
+    use memsave_step::workload::Batch;
+    use tch::{Device, Kind, Tensor};
+
+    fn zeros(n: i64) -> Tensor {
+        Tensor::zeros([n], (Kind::Float, Device::Cpu))
+    }
+
+    /// Each storage once, by what it is: tied and view parameters once at their
+    /// storage's bytes, a batch sliced from one dataset (input and target) once, a
+    /// batch that is a parameter's storage as the parameter.
+    #[test]
+    fn each_storage_counts_once_at_its_bytes() {
+        let weight = zeros(100);
+        let bias = zeros(10);
+        // The same weight twice (tied) and a view of it: 400 + 40 bytes.
+        let params = [
+            weight.shallow_clone(),
+            bias.shallow_clone(),
+            weight.narrow(0, 0, 5),
+        ];
+        let data = zeros(64);
+        let x = Batch {
+            input: data.narrow(0, 0, 8),
+            target: Some(data.narrow(0, 8, 8)),
+        };
+        let c = counted(&params, &x, Device::Cpu, false).unwrap();
+        assert_eq!((c.parameter_bytes, c.input_bytes), (440, 256));
+        // A batch that is a parameter's storage adds nothing.
+        let aliasing = Batch {
+            input: weight.narrow(0, 10, 4),
+            target: Some(zeros(3)),
+        };
+        let c = counted(&params, &aliasing, Device::Cpu, false).unwrap();
+        assert_eq!((c.parameter_bytes, c.input_bytes), (440, 12));
+        // Whatever the meter sees or not, read and unseen split the whole.
+        let Counted { read, unseen, .. } = c;
+        assert_eq!(read + unseen, 452);
     }
 }

@@ -32,6 +32,13 @@ int ms_tensor_storage_nbytes(const at::Tensor* t, int64_t* out) {
   })
 }
 
+int ms_tensor_storage_data_ptr(const at::Tensor* t, uintptr_t* out) {
+  MS_TRY({
+    TORCH_CHECK(t->defined(), "the tensor is undefined");
+    *out = t->has_storage() ? reinterpret_cast<uintptr_t>(t->storage().data()) : 0;
+  })
+}
+
 int ms_tensor_version(const at::Tensor* t, int64_t* out) {
   MS_TRY({
     TORCH_CHECK(t->defined(), "the tensor is undefined");

@@ -82,6 +82,7 @@ extern "C" {
     pub fn ms_tensor_use_count(t: *const CTensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_storage_use_count(t: *const CTensor, out: *mut i64) -> c_int;
     pub fn ms_tensor_storage_nbytes(t: *const CTensor, out: *mut i64) -> c_int;
+    pub fn ms_tensor_storage_data_ptr(t: *const CTensor, out: *mut usize) -> c_int;
     pub fn ms_tensor_version(t: *const CTensor, out: *mut i64) -> c_int;
     pub fn ms_grad_enabled(out: *mut c_int) -> c_int;
     pub fn ms_tensor_is_view(t: *const CTensor, out: *mut bool) -> c_int;

@@ -31,6 +31,18 @@ pub fn storage_nbytes(t: &Tensor) -> Result<u64> {
     Ok(out.max(0) as u64)
 }
 
+/// The address of the start of the tensor's storage (PyTorch's
+/// `t.untyped_storage().data_ptr()`): the same for every view of one storage, so a key
+/// to count each storage once while the tensors are alive; 0 for a tensor without
+/// storage or with an empty one.
+pub fn storage_data_ptr(t: &Tensor) -> Result<usize> {
+    let mut out = 0usize;
+    // SAFETY: `t` is a live tch tensor, so its pointer is a valid at::Tensor*; `out`
+    // is a valid, writable usize for the duration of the call.
+    check(unsafe { ffi::ms_tensor_storage_data_ptr(t.as_ptr().cast(), &mut out) })?;
+    Ok(out)
+}
+
 /// The tensor's version counter: bumped by every in-place operation on it or its views.
 pub fn version(t: &Tensor) -> Result<u64> {
     let mut out = 0i64;
@@ -404,5 +416,10 @@ mod storage_nbytes_tests {
         assert_eq!(storage_nbytes(&data.get(3)).unwrap(), 160);
         let own = data.narrow(0, 0, 2).copy();
         assert_eq!(storage_nbytes(&own).unwrap(), 32);
+        use super::storage_data_ptr;
+        let base = storage_data_ptr(&data).unwrap();
+        assert_ne!(base, 0);
+        assert_eq!(storage_data_ptr(&data.narrow(0, 3, 2)).unwrap(), base);
+        assert_ne!(storage_data_ptr(&own).unwrap(), base);
     }
 }

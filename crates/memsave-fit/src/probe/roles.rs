@@ -7,7 +7,7 @@
 use super::{step_caught, ProbeError, Setup};
 use crate::choice::Choice;
 use crate::lockstep::Ranks;
-use crate::StepRoles;
+use crate::{FitError, StepRoles};
 use memsave_optim::Observer;
 use memsave_step::step::{StepEvent, StepObserver};
 use memsave_step::workload::Workload;
@@ -17,9 +17,11 @@ use std::sync::Arc;
 use tch::{Device, Tensor};
 
 /// The step's own bytes at the peak of one traced step of `choice` on `batch` examples
-/// in `micro_batches`, by role, or `None` where no trace is made: on ranks, or off the
-/// CPU (the recorder reads the counting allocator's events). The weights, buffers and
-/// optimizer are put back as after any probe.
+/// in `micro_batches`, by role, or `None` where no trace is made: on ranks, off the CPU
+/// (the recorder reads the counting allocator's events), or when setting up, stepping
+/// or tracing failed (the figures are left out, the fit stands). The weights, buffers
+/// and optimizer are put back as after any probe: the one error is that they could
+/// not be.
 pub(crate) fn step_roles_at_peak(
     workload: &mut dyn Workload,
     optimizer: Option<OptimizerSpec>,
@@ -27,16 +29,28 @@ pub(crate) fn step_roles_at_peak(
     batch: i64,
     micro_batches: usize,
     ranks: &Ranks,
-) -> Result<Option<StepRoles>, ProbeError> {
+) -> Result<Option<StepRoles>, FitError> {
     if ranks.group().is_some() || workload.device() != Device::Cpu {
         return Ok(None);
     }
+    let lost = |e: ProbeError| {
+        FitError::Step(format!(
+            "putting the weights back after a traced step of the choice: {}",
+            e.message()
+        ))
+    };
+    // A setup that fails partway puts the weights back itself, and says so when it
+    // could not.
     let (mut setup, outside) =
-        Setup::new(workload, optimizer, choice, batch, micro_batches, ranks)?;
+        match Setup::new(workload, optimizer, choice, batch, micro_batches, ranks) {
+            Ok(s) => s,
+            Err(e) if e.message().contains("could not be put back") => return Err(lost(e)),
+            Err(_) => return Ok(None),
+        };
     let warmed = setup.warm_up(&*workload, micro_batches);
     let traced = warmed.and_then(|()| traced(&mut setup, &*workload));
-    setup.put_back(&*workload)?;
-    let Some(at_peak) = traced? else {
+    setup.put_back(&*workload).map_err(lost)?;
+    let Ok(Some(at_peak)) = traced else {
         return Ok(None);
     };
     // Before the step: the parameters, the input and the optimizer's state (each its

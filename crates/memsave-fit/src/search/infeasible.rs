@@ -217,7 +217,10 @@ fn least_peaks(
                     Err(ProbeError::Failed(e)) => return Err(FitError::Step(e)),
                     Err(ProbeError::Fatal(e)) => return Err(e),
                 };
-                let kept = peak.breakdown.parameters + peak.breakdown.optimizer_state;
+                // What it keeps from step to step, the least over the ranks (as
+                // `Runs::evaluate` agrees it): the peak is agreed already.
+                let kept = (peak.breakdown.parameters + peak.breakdown.optimizer_state) as f64;
+                let kept = (-runs.ranks.max(&[-kept])?[0]).max(0.0) as u64;
                 let peak = peak.peak_bytes;
                 let found = Some((peak, choice.strategy.clone(), kept));
                 let slots = if allowed(&levers, k) {
@@ -313,5 +316,6 @@ fn gradient_bytes(workload: &dyn Workload) -> u64 {
 fn budget_for(peak: u64, kept: u64, margin: f64) -> u64 {
     let peak = peak as f64 * 1.02;
     let kept = (kept as f64).min(peak);
-    ((peak - margin * kept) / (1.0 - margin)).ceil() as u64 + 1
+    // Past 2^64 bytes the cast saturates, and so does the byte added.
+    (((peak - margin * kept) / (1.0 - margin)).ceil() as u64).saturating_add(1)
 }
