@@ -474,6 +474,11 @@ impl Blocks {
         self.lock().observer = observer;
     }
 
+    /// The observer set now, if any: to put it back after setting another for a while.
+    pub fn observer(&self) -> Option<BlockObserver> {
+        self.lock().observer.clone()
+    }
+
     /// What each store of [`BlockLever::RecomputeStoringInputs`] took from the blocks'
     /// forwards so far, one entry per store in the order first used: as
     /// [`CheckpointedSequential::lever_stats`](crate::CheckpointedSequential::lever_stats)

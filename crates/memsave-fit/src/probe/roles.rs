@@ -97,6 +97,8 @@ fn traced(
             if let Some(optimizer) = setup.optimizer.as_mut() {
                 optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
             }
+            // The caller's own block observer, if any, is put back after the step.
+            let theirs = workload.blocks().and_then(|b| b.observer());
             if let Some(blocks) = workload.blocks() {
                 blocks.set_observer(Some(recomputations(session)));
             }
@@ -118,7 +120,7 @@ fn traced(
                 optimizer.set_observer(None);
             }
             if let Some(blocks) = workload.blocks() {
-                blocks.set_observer(None);
+                blocks.set_observer(theirs);
             }
             session.phase(Phase::Other);
             step

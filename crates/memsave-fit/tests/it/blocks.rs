@@ -151,8 +151,18 @@ fn fit_recomputes_some_blocks_of_a_graph_and_fits_as_predicted() {
     memsave_meter::install();
     let mut model = Graph::new(3, 128, 96);
     let budget = midpoint_budget(&mut model);
+    // The caller's block observer is theirs again after fit (whose traced step of the
+    // choice sets one of its own for a while).
+    let ours: memsave_checkpoint::BlockObserver = std::sync::Arc::new(|_| {});
+    model.blocks.set_observer(Some(ours.clone()));
     let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
     let text = report.to_text();
+    let after = model.blocks.observer().expect("the caller's observer");
+    assert!(
+        std::sync::Arc::ptr_eq(&after, &ours),
+        "another observer was left"
+    );
+    assert!(report.breakdown.step_by_role.is_some(), "{text}");
     assert!(report.measured_peak_bytes <= budget, "{text}");
     let error = report.predicted_peak_bytes as f64 / report.measured_peak_bytes as f64 - 1.0;
     assert!(error.abs() <= 0.05, "{error:+.3}\n{text}");
