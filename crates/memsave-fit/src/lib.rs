@@ -382,7 +382,9 @@ pub struct PeakBreakdown {
 /// traced step's own bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct StepRoles {
-    /// Parameters' gradients (accumulated, or about to be stepped in backward).
+    /// Parameters' gradients (accumulated, or about to be stepped in backward). With
+    /// gradients in files, one on its way to its file counts as `other` (the recorder's
+    /// gradient hooks are the store's then).
     pub gradients: u64,
     /// Tensors autograd saved for backward (in memory: an offloaded one is in its file).
     pub saved_activations: u64,
