@@ -209,6 +209,11 @@ pub struct CaseResult {
     /// listed below the table.
     #[serde(default)]
     pub choice: Option<String>,
+    /// The peak `fit` measured for its choice, on the whole device as its budget counts
+    /// it (the parameters, the optimizer's state and the input included, unlike
+    /// `peak_bytes`), listed with the choice.
+    #[serde(default)]
+    pub fit_device_peak_bytes: Option<u64>,
     /// How many rounds `step_time_s` was timed in: in each round every strategy of the
     /// model that was measured ran one timed step, in suite order, the order reversed
     /// every other round, so that a machine whose speed drifts over seconds slows all
@@ -249,6 +254,7 @@ impl CaseResult {
             global_batch: None,
             tries: None,
             choice: None,
+            fit_device_peak_bytes: None,
             rounds: None,
         }
     }
@@ -484,7 +490,17 @@ impl Report {
         }
         for case in &self.cases {
             if let Some(choice) = &case.choice {
-                let _ = writeln!(out, "{} / {}: chose {choice}", case.model, case.strategy);
+                let measured = case.fit_device_peak_bytes.map_or(String::new(), |b| {
+                    format!(
+                        ", measured by fit at {} on the device (its budget is the whole device; the table's peak is above the parameters, the optimizer's state and the input)",
+                        Bytes(b)
+                    )
+                });
+                let _ = writeln!(
+                    out,
+                    "{} / {}: chose {choice}{measured}",
+                    case.model, case.strategy
+                );
             }
         }
         for case in self.cases.iter().filter(|c| c.error.is_some()) {

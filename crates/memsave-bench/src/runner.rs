@@ -702,6 +702,7 @@ fn measure_case(
     let config = &mut config;
     let mut tries = None;
     let mut choice = None;
+    let mut fit_device_peak_bytes = None;
     let mut x = x.shallow_clone();
     let search = strategy.techniques.iter().find_map(|t| match t {
         Technique::AutoBatch(spec) => Some(Search::Halving(spec.clone())),
@@ -720,6 +721,7 @@ fn measure_case(
             *config = report.choice.step_config(report.optimizer);
             tries = Some(report.tries);
             choice = Some(report.choice.strategy.clone());
+            fit_device_peak_bytes = Some(report.measured_peak_bytes);
         }
         Some(Search::Halving(spec)) => {
             apply_plan(model, &x, config, device).map_err(|e| e.to_string())?;
@@ -822,6 +824,7 @@ fn measure_case(
         global_batch: Some(x.len()),
         tries,
         choice,
+        fit_device_peak_bytes,
         rounds: None,
     };
     if optimizer.is_some() {

@@ -22,8 +22,16 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
     let base = run_suite(&suite("  - baseline\n"), &RunOptions::default()).unwrap();
     let peak = base.cases[0].peak_bytes.unwrap();
     let budget = peak * 45 / 100;
+    // auto_batch's budget is a capacity above what the process holds (the parameters
+    // and the batch); fit's is the whole device: the same device is that and those.
+    let least = memsave_bench::least_memory(
+        &suite("  - baseline\n").models[0],
+        &memsave_fit::FitRequest::new(1),
+        None,
+    );
+    let device = budget + least.parameters.unwrap() + least.step_batch.unwrap();
     let strategies = format!(
-        "  - baseline\n  - auto_batch: {{policy: halving, budget: {budget}B}}\n  - fit: {{budget: {budget}B}}\n"
+        "  - baseline\n  - auto_batch: {{policy: halving, budget: {budget}B}}\n  - fit: {{budget: {device}B}}\n"
     );
     let report = run_suite(&suite(&strategies), &RunOptions::default()).unwrap();
     let [plain, halving, fit] = &report.cases[..] else {
@@ -57,6 +65,10 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
         "{} > {budget}",
         fit.peak_bytes.unwrap()
     );
+    let on_device = fit.fit_device_peak_bytes.unwrap();
+    assert!(on_device <= device, "{on_device} > {device}");
+    // The parameters and the batch are in fit's figure (not in the table's).
+    assert!(on_device > device - budget, "{on_device}");
     // Lossless levers only: the gradients of the whole batch, up to the order of the
     // micro-batches' sums.
     assert!(fit.grad_rel_l2.unwrap() < 1e-5, "{:?}", fit.grad_rel_l2);
@@ -64,7 +76,10 @@ fn halving_shrinks_the_batch_and_fit_keeps_it_within_the_same_budget() {
     assert!(table.contains("16 (1 try)"), "{table}");
     let chosen = fit.choice.as_deref().unwrap();
     assert!(
-        table.contains(&format!("mlp / fit(budget={budget}B): chose {chosen}")),
+        table.contains(&format!(
+            "mlp / fit(budget={device}B): chose {chosen}, measured by fit at {} on the device",
+            memsave_meter::Bytes(on_device)
+        )),
         "{table}"
     );
 }
