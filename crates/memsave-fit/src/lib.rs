@@ -115,7 +115,8 @@
 //! same. A step the [`Trainer`](FitReport::trainer) runs reports
 //! [`StepMeasurement::device_peak_bytes`](memsave_step::StepMeasurement::device_peak_bytes)
 //! (absolute, like `max_memory_allocated`): on the CPU, when the process holds nothing
-//! else, the peak `fit` measured, to the byte (on CUDA the caching allocator rounds
+//! but the model and its data, made after `install()`, the peak `fit` measured, to
+//! the byte (on CUDA the caching allocator rounds
 //! each block up, to 512 bytes, which the parameters' and the batch's own bytes do not
 //! show: a few bytes per tensor more).
 //!
