@@ -99,6 +99,60 @@ fn a_run_that_fails_as_a_whole_exits_1_and_keeps_old_results() {
     }
 }
 
+/// `memsave fit` on CUDA counts the whole device as on the CPU: its measured peak is
+/// within the budget and breaks down into the parameters, the input and the rest, at
+/// sizes that are multiples of the caching allocator's 512-byte blocks.
+#[test]
+#[ignore = "needs CUDA"]
+fn fit_on_cuda_counts_the_whole_device() {
+    let (l, b, h) = (2u64, 4u64, 128u64);
+    let params = l * (h * h + h) * 4;
+    let yaml = format!(
+        "suite: cuda
+device: cuda
+models:
+  - {{name: m, kind: residual_linear, layers: {l}, hidden: {h}, batch: [{b}]}}
+strategies:
+  - baseline
+"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("cuda.yaml"), yaml).unwrap();
+    let out = memsave(
+        &[
+            "fit",
+            "cuda.yaml",
+            "--model",
+            "m",
+            "--budget",
+            "64MiB",
+            "--json",
+            "fit.json",
+        ],
+        dir.path(),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fit.json")).unwrap())
+            .unwrap();
+    let measured = json["measured_peak_bytes"].as_u64().unwrap();
+    assert!(measured <= 64 << 20, "{measured}");
+    let breakdown = &json["breakdown"];
+    assert_eq!(
+        breakdown["parameters"].as_u64(),
+        Some(params),
+        "{breakdown}"
+    );
+    assert_eq!(breakdown["input"].as_u64(), Some(b * h * 4), "{breakdown}");
+    let parts: u64 = ["parameters", "optimizer_state", "input", "step"]
+        .iter()
+        .map(|k| breakdown[k].as_u64().unwrap())
+        .sum();
+    assert_eq!(parts, measured, "{breakdown}");
+    // The traced split by role is the CPU's only.
+    assert!(breakdown["step_by_role"].is_null(), "{breakdown}");
+}
+
 #[test]
 #[ignore = "needs CUDA"]
 fn a_tiny_suite_runs_on_cuda() {
