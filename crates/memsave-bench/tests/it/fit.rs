@@ -897,3 +897,20 @@ fn the_suite_s_allow_and_the_cli_s_allow_are_the_same_levers() {
         assert_eq!(lever.as_str(), suite_name);
     }
 }
+
+/// `memsave fit --help` says what the budget counts.
+#[test]
+#[parallel]
+fn fit_s_help_says_the_budget_is_the_whole_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = memsave(&["fit", "--help"], dir.path());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    for part in [
+        "the whole device",
+        "the parameters, the optimizer's state, the input",
+        "per rank",
+    ] {
+        assert!(help.contains(part), "{part}: {help}");
+    }
+}

@@ -222,3 +222,42 @@ fn a_batch_that_does_not_divide_among_the_ranks_is_refused_before_they_start() {
     );
     assert!(!stderr.contains("[rank"), "no rank started: {stderr}");
 }
+
+/// A budget below what each rank holds at least is refused before any rank starts,
+/// naming each rank's share: half of the parameters (8.25 KiB), of AdamW's state
+/// (16.50 KiB) and of the batch (32.00 KiB), and the largest gradient whole (4.00 KiB):
+/// 60.75 KiB.
+#[test]
+#[serial]
+fn a_budget_below_each_rank_s_least_is_refused_before_the_ranks_start() {
+    let dir = tempfile::tempdir().unwrap();
+    write_suite(
+        dir.path(),
+        "{name: lin, kind: residual_linear, layers: 4, hidden: 32, batch: [8, 64]}",
+    );
+    let out = memsave(
+        &[
+            "fit",
+            "suite.yaml",
+            "--model",
+            "lin",
+            "--budget",
+            "60KiB",
+            "--world-size",
+            "2",
+        ],
+        dir.path(),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("[rank"), "no rank started: {stderr}");
+    for part in [
+        "no configuration fits 60.00 KiB",
+        "holds at least 60.75 KiB on the device",
+        "parameters 8.25 KiB, optimizer state 16.50 KiB, largest gradient 4.00 KiB, batch 32.00 KiB",
+        "each rank's share of all but the gradient, on 2 ranks",
+        "give a budget of at least 60.75 KiB",
+    ] {
+        assert!(stderr.contains(part), "{part}: {stderr}");
+    }
+}
