@@ -148,12 +148,13 @@ impl Workload for PatternedResNet {
 /// process holds besides the model's parameters: the other model, the data) and what
 /// the step began with (the parameters and the input).
 fn train(trainer: &mut Trainer<'_, PatternedResNet>, steps: usize) -> Result<Vec<(f64, u64, u64)>> {
-    // What the process holds besides the model's parameters and the data its batches
+    // What the process holds besides the model's parameters, buffers and the data its batches
     // are sliced from (a batch counts the storage it is in): the budget does not count it.
     let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let model = trainer.model();
     let data = model.batch(model.global_batch())?;
     let counted = model.parameters().iter().map(bytes).sum::<u64>()
+        + model.buffers().iter().map(bytes).sum::<u64>()
         + bytes(&data.input)
         + data.target.as_ref().map_or(0, bytes);
     let outside = memsave::meter::memory_allocated(tch::Device::Cpu) - counted;

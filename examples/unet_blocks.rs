@@ -258,13 +258,14 @@ fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     v
 }
 
-/// What the process holds besides `model`'s parameters and the data its batches are
-/// sliced from (a batch counts the storage it is in; here its global batch is all of
+/// What the process holds besides `model`'s parameters, buffers and the data its
+/// batches are sliced from (a batch counts the storage it is in; here its global batch is all of
 /// it): `fit`'s budget does not count it.
 fn held_besides(model: &dyn Workload) -> Result<u64> {
     let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let data = model.batch(model.global_batch())?;
     let counted = model.parameters().iter().map(bytes).sum::<u64>()
+        + model.buffers().iter().map(bytes).sum::<u64>()
         + bytes(&data.input)
         + data.target.as_ref().map_or(0, bytes);
     Ok(memsave::meter::memory_allocated(Device::Cpu) - counted)

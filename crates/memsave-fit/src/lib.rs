@@ -102,7 +102,8 @@
 //!
 //! # What the budget counts
 //! The budget is the whole device: the most bytes it holds at any moment of the step,
-//! counting the parameters, the optimizer's state (made by a warm-up step before the
+//! counting the parameters (and the model's buffers, such as BatchNorm's running
+//! statistics), the optimizer's state (made by a warm-up step before the
 //! measured ones: AdamW's is twice the parameters, `memsave-optim`'s 8-bit state a
 //! quarter of that), the input batch (the storages its tensors are in: a batch sliced
 //! from a dataset on the device counts the dataset, once), the gradients and
@@ -353,14 +354,15 @@ pub struct Candidate {
 }
 
 /// What `fit`'s budget counts, as [`FitReport::budget_counts`] says it.
-pub const BUDGET_COUNTS: &str = "the most bytes the device holds at any moment of the step (per rank on ranks): the parameters, the optimizer's state, the input (the storages the batch is in), the gradients and everything else the step allocates; not the copy of the weights fit keeps to put them back, nor what else the process held before fit";
+pub const BUDGET_COUNTS: &str = "the most bytes the device holds at any moment of the step (per rank on ranks): the parameters (and the model's buffers), the optimizer's state, the input (the storages the batch is in), the gradients and everything else the step allocates; not the copy of the weights fit keeps to put them back, nor what else the process held before fit";
 
 /// What the device held at a step's peak, by kind; the four add up to the peak `fit`
 /// measures against the budget (see the [crate docs](crate)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PeakBreakdown {
-    /// The parameters (each storage once; on ranks under ZeRO-3, this rank's shard of
-    /// them: the gathered weights are the step's).
+    /// The parameters and the model's buffers (BatchNorm's running statistics), each
+    /// storage once (on ranks under ZeRO-3, this rank's shard of the parameters: the
+    /// gathered weights are the step's).
     pub parameters: u64,
     /// What else stayed on the device from the step before: the optimizer's state (on
     /// ranks, this rank's part of it, and whatever the data-parallel mode keeps

@@ -266,14 +266,16 @@ pub(crate) fn probe(
 /// What the process holds outside a probe's training step (see [`Setup::new`]), and
 /// the bytes of the parameters and of the batch, which count.
 struct Outside {
-    /// Allocated before the step's warm-up less the parameters and the batch: the peak
-    /// is measured above it.
+    /// Allocated before the step's warm-up less what the meter reads of the model's and
+    /// the batch's storages ([`Counted::read`]): the peak is measured above it.
     bytes: u64,
-    /// The parameters' and the batch's bytes the meter does not see (CPU storages
-    /// allocated before `memsave_meter::install()`): added to what it measures.
+    /// The model's and the batch's bytes the meter does not see and the step holds
+    /// ([`Counted::unseen`]): added to what it measures.
     unseen: u64,
-    /// The parameters' bytes (each storage once).
+    /// The parameters' and buffers' bytes (each storage once).
     parameter_bytes: u64,
+    /// Of those, the buffers'.
+    buffer_bytes: u64,
     /// The batch's: the storages its tensors are in, each once.
     input_bytes: u64,
 }
@@ -290,7 +292,10 @@ impl Outside {
     /// state; what the step allocated above that is its own.
     fn breakdown(&self, m: &StepMeasurement, shard_bytes: Option<u64>) -> PeakBreakdown {
         let began = self.above(m.start_bytes);
-        let parameters = shard_bytes.unwrap_or(self.parameter_bytes).min(began);
+        // Under ZeRO-3 the parameters are this rank's shards; the buffers stay whole.
+        let parameters = shard_bytes
+            .map_or(self.parameter_bytes, |s| s + self.buffer_bytes)
+            .min(began);
         let input = self.input_bytes.min(began - parameters);
         PeakBreakdown {
             parameters,
@@ -303,12 +308,15 @@ impl Outside {
 }
 
 /// What the budget counts of a probe's step before it begins besides what the meter
-/// reads after it: the parameters' and the batch's storages on `device`, each once.
+/// reads after it: the model's and the batch's storages on `device`, each once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Counted {
-    /// The parameters' storages (tied weights, views of one buffer: once).
+    /// The parameters' and the buffers' storages (tied weights, views of one buffer:
+    /// once; BatchNorm's running statistics count here).
     parameter_bytes: u64,
-    /// The batch's storages that are not a parameter's (a slice of a dataset on the
+    /// Of those, the buffers' (not the parameters' already).
+    buffer_bytes: u64,
+    /// The batch's storages that are not the model's (a slice of a dataset on the
     /// device counts the dataset; input and target sharing a storage count it once).
     input_bytes: u64,
     /// Of those, what the meter sees now (it reads them in what the process holds).
@@ -319,43 +327,61 @@ struct Counted {
     unseen: u64,
 }
 
-/// [`Counted`] for `params` and the batch `x` of a step on `device`.
+/// What a tensor [`counted`] takes is to the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Parameter,
+    Buffer,
+    Input,
+}
+
+/// [`Counted`] for a step on `device` of a model with `params` and `buffers` on the
+/// batch `x`, with `is_unseen` saying which storages the meter does not see ([`unseen`]
+/// outside tests). A storage of no bytes counts nothing, and does not hide another on
+/// the same address.
 fn counted(
     params: &[Tensor],
+    buffers: &[Tensor],
     x: &Batch,
     device: Device,
     sharded: bool,
+    is_unseen: impl Fn(&Tensor) -> Result<bool, memsave_sys::Error>,
 ) -> Result<Counted, memsave_sys::Error> {
     use memsave_sys::tensor::{storage_data_ptr, storage_nbytes};
     let mut seen = std::collections::HashSet::new();
     let mut c = Counted {
         parameter_bytes: 0,
+        buffer_bytes: 0,
         input_bytes: 0,
         read: 0,
         unseen: 0,
     };
-    let batch = std::iter::once(&x.input).chain(x.target.as_ref());
-    for (t, is_param) in params
+    let model = params
         .iter()
-        .map(|p| (p, true))
-        .chain(batch.map(|t| (t, false)))
-    {
+        .map(|p| (p, Role::Parameter))
+        .chain(buffers.iter().map(|b| (b, Role::Buffer)));
+    let batch = std::iter::once(&x.input)
+        .chain(x.target.as_ref())
+        .map(|t| (t, Role::Input));
+    for (t, role) in model.chain(batch) {
         if !t.defined() || t.device() != device {
             continue;
         }
-        let key = storage_data_ptr(t)?;
-        if key == 0 || !seen.insert(key) {
+        let bytes = storage_nbytes(t)?;
+        if bytes == 0 || !seen.insert(storage_data_ptr(t)?) {
             continue;
         }
-        let bytes = storage_nbytes(t)?;
-        if is_param {
-            c.parameter_bytes += bytes;
-        } else {
-            c.input_bytes += bytes;
+        match role {
+            Role::Parameter => c.parameter_bytes += bytes,
+            Role::Buffer => {
+                c.parameter_bytes += bytes;
+                c.buffer_bytes += bytes;
+            }
+            Role::Input => c.input_bytes += bytes,
         }
-        if !unseen(t)? {
+        if !is_unseen(t)? {
             c.read += bytes;
-        } else if !(is_param && sharded) {
+        } else if !(role == Role::Parameter && sharded) {
             c.unseen += bytes;
         }
     }
@@ -365,6 +391,8 @@ fn counted(
 /// Whether the meter does not see `t`'s storage: a CPU storage allocated before the
 /// counting allocator was installed (`memsave_meter::install()` after the model was
 /// built). Its bytes still count in the budget: they are added to what the meter reads.
+/// Trap: on CUDA every storage is taken as seen; one that did not come from the caching
+/// allocator (DLPack, `from_blob`) is then missing from the peak.
 fn unseen(t: &Tensor) -> Result<bool, memsave_sys::Error> {
     Ok(t.device() == Device::Cpu
         && memsave_sys::alloc::counting_allocator_active()
@@ -435,10 +463,11 @@ impl Setup {
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
         let Counted {
             parameter_bytes,
+            buffer_bytes,
             input_bytes,
             read,
             unseen,
-        } = counted(&params, &x, device, shards).map_err(failed)?;
+        } = counted(&params, &workload.buffers(), &x, device, shards, unseen).map_err(failed)?;
         let buffers = Snapshot::of(workload.buffers()).map_err(failed)?;
         let weights = if config.optimizer.is_some() || shards {
             Some(SavedWeights::save(&params).map_err(failed)?)
@@ -450,6 +479,7 @@ impl Setup {
             bytes: held.saturating_sub(read),
             unseen,
             parameter_bytes,
+            buffer_bytes,
             input_bytes,
         };
         let data_parallel = match (ranks.group(), choice.data_parallel) {
@@ -935,9 +965,13 @@ mod counted_tests {
         Tensor::zeros([n], (Kind::Float, Device::Cpu))
     }
 
+    fn none_unseen(_: &Tensor) -> Result<bool, memsave_sys::Error> {
+        Ok(false)
+    }
+
     /// Each storage once, by what it is: tied and view parameters once at their
-    /// storage's bytes, a batch sliced from one dataset (input and target) once, a
-    /// batch that is a parameter's storage as the parameter.
+    /// storage's bytes, buffers with them, a batch sliced from one dataset (input and
+    /// target) once, a batch that is a parameter's storage as the parameter.
     #[test]
     fn each_storage_counts_once_at_its_bytes() {
         let weight = zeros(100);
@@ -948,22 +982,62 @@ mod counted_tests {
             bias.shallow_clone(),
             weight.narrow(0, 0, 5),
         ];
+        let running_mean = zeros(4);
         let data = zeros(64);
         let x = Batch {
             input: data.narrow(0, 0, 8),
             target: Some(data.narrow(0, 8, 8)),
         };
-        let c = counted(&params, &x, Device::Cpu, false).unwrap();
+        let c = counted(&params, &[], &x, Device::Cpu, false, none_unseen).unwrap();
         assert_eq!((c.parameter_bytes, c.input_bytes), (440, 256));
+        let c = counted(
+            &params,
+            &[running_mean],
+            &x,
+            Device::Cpu,
+            false,
+            none_unseen,
+        )
+        .unwrap();
+        assert_eq!((c.parameter_bytes, c.input_bytes, c.read), (456, 256, 712));
         // A batch that is a parameter's storage adds nothing.
         let aliasing = Batch {
             input: weight.narrow(0, 10, 4),
             target: Some(zeros(3)),
         };
-        let c = counted(&params, &aliasing, Device::Cpu, false).unwrap();
+        let c = counted(&params, &[], &aliasing, Device::Cpu, false, none_unseen).unwrap();
         assert_eq!((c.parameter_bytes, c.input_bytes), (440, 12));
-        // Whatever the meter sees or not, read and unseen split the whole.
-        let Counted { read, unseen, .. } = c;
-        assert_eq!(read + unseen, 452);
+        // An empty tensor counts nothing.
+        let empty = Batch::input(zeros(0));
+        let c = counted(&params, &[], &empty, Device::Cpu, false, none_unseen).unwrap();
+        assert_eq!(c.input_bytes, 0);
+    }
+
+    /// What the meter does not see is added, not read; under ZeRO-3 (`sharded`) an
+    /// unseen parameter is neither (sharding frees it), while an unseen buffer or
+    /// batch still is.
+    #[test]
+    fn unseen_storages_are_added_and_sharded_parameters_are_not() {
+        let weight = zeros(100);
+        let seen_weight = zeros(10);
+        let buffer = zeros(4);
+        let x = Batch::input(zeros(8));
+        let hidden = [weight.data_ptr(), buffer.data_ptr(), x.input.data_ptr()];
+        let is_unseen = |t: &Tensor| Ok(hidden.contains(&t.data_ptr()));
+        let params = [weight.shallow_clone(), seen_weight.shallow_clone()];
+        let buffers = [buffer.shallow_clone()];
+        let whole = counted(&params, &buffers, &x, Device::Cpu, false, is_unseen).unwrap();
+        assert_eq!(
+            whole,
+            Counted {
+                parameter_bytes: 456,
+                buffer_bytes: 16,
+                input_bytes: 32,
+                read: 40,
+                unseen: 400 + 16 + 32,
+            }
+        );
+        let sharded = counted(&params, &buffers, &x, Device::Cpu, true, is_unseen).unwrap();
+        assert_eq!((sharded.read, sharded.unseen), (40, 16 + 32));
     }
 }

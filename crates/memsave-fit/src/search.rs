@@ -196,7 +196,7 @@ fn search_fit(
     if request.exhaustive {
         (chosen, fastest_measured) = search.exhaustive(chosen)?;
     }
-    search.report(chosen, coupling, raced, fastest_measured)
+    Ok(search.report(chosen, coupling, raced, fastest_measured))
 }
 
 /// The search's state: the runs of the workload and every configuration considered
@@ -691,16 +691,14 @@ impl Search<'_, '_> {
         Ok(())
     }
 
-    /// The report of `chosen`, the workload left on its schedule; an error only when
-    /// the weights could not be put back after the traced step (see
-    /// [`step_roles_at_peak`](crate::probe::step_roles_at_peak)).
+    /// The report of `chosen`, the workload left on its schedule.
     fn report(
         self,
         chosen: usize,
         coupling: Option<Coupling>,
         raced: Raced,
         fastest_measured: Option<Candidate>,
-    ) -> Result<FitReport, FitError> {
+    ) -> FitReport {
         let Search {
             runs,
             request,
@@ -723,7 +721,7 @@ impl Search<'_, '_> {
                 runs.global,
                 choice.micro_batches,
                 &runs.ranks,
-            )?;
+            );
         }
         // Leave the workload on the chosen schedule.
         let schedule = candidates[chosen]
@@ -754,7 +752,7 @@ impl Search<'_, '_> {
                 coupling.sentence(request.allow.micro_batches)
             ));
         }
-        Ok(FitReport {
+        FitReport {
             model: runs.workload.name().to_owned(),
             budget_bytes: request.budget_bytes,
             budget_counts: crate::BUDGET_COUNTS,
@@ -779,7 +777,7 @@ impl Search<'_, '_> {
             candidates,
             fastest_measured,
             fit_time_s: started.elapsed().as_secs_f64(),
-        })
+        }
     }
 }
 

@@ -127,7 +127,8 @@ impl FitReport {
     /// micro-batches is a count: a larger batch makes larger micro-batches), and for the
     /// model `fit` ran on or one built the same way. The budget counts the whole device
     /// (see the [crate docs](crate#what-the-budget-counts)) but not what the process
-    /// holds besides the model (a dataset, other models): a step's
+    /// holds besides the model and the storages its batches are in (other models,
+    /// tensors of your own): a step's
     /// [`device_peak_bytes`](memsave_step::StepMeasurement::device_peak_bytes) is
     /// within the budget plus that. Without `memsave_meter::install()` the step
     /// measurements are not exact.

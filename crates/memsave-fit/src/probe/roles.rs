@@ -7,7 +7,7 @@
 use super::{step_caught, ProbeError, Setup};
 use crate::choice::Choice;
 use crate::lockstep::Ranks;
-use crate::{FitError, StepRoles};
+use crate::StepRoles;
 use memsave_optim::Observer;
 use memsave_step::step::{StepEvent, StepObserver};
 use memsave_step::workload::Workload;
@@ -18,10 +18,10 @@ use tch::{Device, Tensor};
 
 /// The step's own bytes at the peak of one traced step of `choice` on `batch` examples
 /// in `micro_batches`, by role, or `None` where no trace is made: on ranks, off the CPU
-/// (the recorder reads the counting allocator's events), or when setting up, stepping
-/// or tracing failed (the figures are left out, the fit stands). The weights, buffers
-/// and optimizer are put back as after any probe: the one error is that they could
-/// not be.
+/// (the recorder reads the counting allocator's events), or when setting up, stepping,
+/// tracing or putting the weights back failed: the figures are left out and the fit
+/// stands, since [`fit_with`](crate::fit_with) puts the model's state back as it found
+/// it whatever ran (and fails if it cannot).
 pub(crate) fn step_roles_at_peak(
     workload: &mut dyn Workload,
     optimizer: Option<OptimizerSpec>,
@@ -29,30 +29,16 @@ pub(crate) fn step_roles_at_peak(
     batch: i64,
     micro_batches: usize,
     ranks: &Ranks,
-) -> Result<Option<StepRoles>, FitError> {
+) -> Option<StepRoles> {
     if ranks.group().is_some() || workload.device() != Device::Cpu {
-        return Ok(None);
+        return None;
     }
-    let lost = |e: ProbeError| {
-        FitError::Step(format!(
-            "putting the weights back after a traced step of the choice: {}",
-            e.message()
-        ))
-    };
-    // A setup that fails partway puts the weights back itself, and says so when it
-    // could not.
     let (mut setup, outside) =
-        match Setup::new(workload, optimizer, choice, batch, micro_batches, ranks) {
-            Ok(s) => s,
-            Err(e) if e.message().contains("could not be put back") => return Err(lost(e)),
-            Err(_) => return Ok(None),
-        };
+        Setup::new(workload, optimizer, choice, batch, micro_batches, ranks).ok()?;
     let warmed = setup.warm_up(&*workload, micro_batches);
     let traced = warmed.and_then(|()| traced(&mut setup, &*workload));
-    setup.put_back(&*workload).map_err(lost)?;
-    let Ok(Some(at_peak)) = traced else {
-        return Ok(None);
-    };
+    let back = setup.put_back(&*workload);
+    let at_peak = back.and(traced).ok()??;
     // Before the step: the parameters, the input and the optimizer's state (each its
     // role), and what the process held outside the step (the recorder's `other`).
     let before =
@@ -61,12 +47,12 @@ pub(crate) fn step_roles_at_peak(
     let gradients = at_peak[Category::Gradient];
     let saved_activations = at_peak[Category::SavedActivation];
     let recomputed = at_peak[Category::Recompute];
-    Ok(Some(StepRoles {
+    Some(StepRoles {
         gradients,
         saved_activations,
         recomputed,
         other: own.saturating_sub(gradients + saved_activations + recomputed),
-    }))
+    })
 }
 
 /// One step of the set-up probe under the recorder: the bytes by role right after the

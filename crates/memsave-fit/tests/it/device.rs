@@ -15,11 +15,12 @@ pub struct Outside {
 }
 
 /// What a step of `workload` does not count: allocated now, less the bytes of its
-/// parameters and of the data its batches are sliced from (for the models of these
+/// parameters, its buffers and the data its batches are sliced from (for the models of these
 /// tests, its global batch is all of it: a batch counts the storage it is in).
 pub fn outside(workload: &dyn Workload) -> Outside {
     let data = workload.batch(workload.global_batch()).unwrap();
     let mut tensors = workload.parameters();
+    tensors.extend(workload.buffers());
     tensors.push(data.input);
     let (mut counted, mut unseen) = (0, 0);
     for t in &tensors {

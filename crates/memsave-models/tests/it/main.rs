@@ -15,7 +15,7 @@ mod transformers;
 mod vision;
 
 /// What `fit`'s budget (the whole device) counts of `model` before its step: its
-/// parameters and the data its batches of `batch` examples are sliced from (for the
+/// parameters, its buffers and the data its batches of `batch` examples are sliced from (for the
 /// workloads of these tests, such a batch is all of it; a batch counts the storage it
 /// is in), with no optimizer state. A budget of this and a fraction of a plain step's
 /// `peak_bytes` asks `fit` for that fraction of what the step allocates.
@@ -23,6 +23,7 @@ pub fn counted_before_step(model: &dyn memsave_step::Workload, batch: i64) -> u6
     let bytes = |t: &tch::Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let x = model.batch(batch).unwrap();
     model.parameters().iter().map(bytes).sum::<u64>()
+        + model.buffers().iter().map(bytes).sum::<u64>()
         + bytes(&x.input)
         + x.target.as_ref().map_or(0, bytes)
 }
