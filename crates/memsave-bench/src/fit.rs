@@ -492,6 +492,10 @@ pub struct LeastMemory {
     /// `int8_state` allowed (the int8 codes' scales, 4 bytes per 256 values, are left
     /// out: this is a least).
     pub optimizer_state: Option<u64>,
+    /// The largest parameter's optimizer state, at the same precision: what the device
+    /// holds of the state at least on one process, where `fit` may keep the state in
+    /// files and read each parameter's back for its update.
+    pub largest_state: Option<u64>,
     /// The copy of the weights `fit` keeps in host memory to put them back after each
     /// run of a step that updates them (with an optimizer).
     pub weights_copy: Option<u64>,
@@ -531,16 +535,22 @@ impl LeastMemory {
 
     /// What the device holds at least at some moment of any step, all of it in the
     /// budget (which is the whole device, see `memsave_fit`): the parameters, the
-    /// optimizer's state, the batch `fit` steps on and the largest gradient. On
-    /// `world_size` ranks, each rank's least: its share of all but the gradient (as
-    /// ZeRO-3 shards them).
+    /// optimizer's state (on one process, the largest parameter's: the rest may wait in
+    /// files), the batch `fit` steps on and the largest gradient. On `world_size`
+    /// ranks, each rank's least: its share of all but the gradient (as ZeRO-3 shards
+    /// them).
     pub fn in_budget(&self, world_size: usize) -> Option<u64> {
         let n = world_size.max(1) as u64;
         let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
+        let state = if n == 1 {
+            self.largest_state
+        } else {
+            share(self.optimizer_state)
+        };
         [
             share(self.parameters),
             self.largest_gradient,
-            share(self.optimizer_state),
+            state,
             share(self.step_batch),
         ]
         .into_iter()
@@ -584,7 +594,8 @@ pub fn least_memory(
     const F32: u64 = 4;
     let count = spec.parameter_count();
     let parameters = count.and_then(|n| n.checked_mul(F32));
-    let optimizer_state = match optimizer {
+    // Bytes of state per parameter value.
+    let state_per_value = match optimizer {
         None => Some(0),
         Some(o) => {
             let buffers = match o.kind {
@@ -601,9 +612,12 @@ pub fn least_memory(
                     StatePrecision::Int8 => 1,
                 }
             };
-            count.and_then(|n| n.checked_mul(buffers * per_value))
+            Some(buffers * per_value)
         }
     };
+    let optimizer_state = state_per_value.and_then(|v| count.and_then(|n| n.checked_mul(v)));
+    let largest_state =
+        state_per_value.and_then(|v| spec.largest_parameter().and_then(|n| n.checked_mul(v)));
     let weights_copy = match optimizer {
         Some(_) => parameters,
         None => Some(0),
@@ -626,6 +640,7 @@ pub fn least_memory(
         parameters,
         largest_gradient: spec.largest_parameter().and_then(|n| n.checked_mul(F32)),
         optimizer_state,
+        largest_state,
         weights_copy,
         batch,
         step_batch,
@@ -677,7 +692,11 @@ fn check_least(
             let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
             let parts = LeastMemory {
                 parameters: share(least.parameters),
-                optimizer_state: share(least.optimizer_state),
+                optimizer_state: if n == 1 {
+                    least.largest_state
+                } else {
+                    share(least.optimizer_state)
+                },
                 weights_copy: Some(0),
                 batch: share(least.step_batch),
                 ..*least
@@ -690,6 +709,9 @@ fn check_least(
             };
             let share = if world_size > 1 {
                 format!(" (each rank's share of all but the gradient, on {world_size} ranks)")
+            } else if least.largest_state.unwrap_or(0) > 0 {
+                " (of the optimizer's state, the largest parameter's: the rest may wait in files)"
+                    .to_owned()
             } else {
                 String::new()
             };

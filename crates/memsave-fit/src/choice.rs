@@ -3,7 +3,7 @@
 use crate::ParallelMode;
 use memsave_checkpoint::{Block, BlockKey, BlockLever, Plan, PlannedLever, Schedule};
 use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
-use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePrecision};
+use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePlacement, StatePrecision};
 use serde::Serialize;
 use tch::Kind;
 
@@ -39,6 +39,12 @@ pub struct Choice {
     pub compress_int8: bool,
     /// Optimizer state in 8 bits (lossy; only when allowed).
     pub int8_state: bool,
+    /// Optimizer state kept in files between steps (`placement: disk`, lossless): each
+    /// parameter's state is read back for its update and written after it, so the
+    /// device holds one parameter's at a time. Considered when nothing fits with the
+    /// state on the device (the budget is the whole device: AdamW's state is twice the
+    /// parameters).
+    pub state_in_files: bool,
     /// With more than one micro-batch: how the step couples the samples of a batch,
     /// which makes the split lossy. Either the op that does (a batch-norm-family op in
     /// training mode, as `memsave_sys::ops::sample_coupling_op` names it: each
@@ -75,6 +81,7 @@ impl Choice {
             autocast_bf16: false,
             compress_int8: false,
             int8_state: false,
+            state_in_files: false,
             sample_coupling_op: None,
             blocks: None,
             schedule: None,
@@ -266,6 +273,9 @@ impl Choice {
         if self.int8_state {
             parts.push("optimizer(state=int8)".to_owned());
         }
+        if self.state_in_files {
+            parts.push("optimizer(placement=disk)".to_owned());
+        }
         self.strategy = if parts.is_empty() {
             "baseline".to_owned()
         } else {
@@ -310,6 +320,9 @@ impl Choice {
             o.in_backward = self.in_backward;
             if self.int8_state {
                 o.state = StatePrecision::Int8;
+            }
+            if self.state_in_files {
+                o.placement = StatePlacement::Disk;
             }
             o
         });

@@ -27,6 +27,12 @@
 //!   whole gradient during the last micro-batch's backward), since a step after
 //!   backward needs them all back at once. They cost a write and a read of every
 //!   gradient per micro-batch, and reach budgets below the gradients' own size;
+//! - **optimizer state in files** (`placement: disk`, lossless; on one process, for an
+//!   optimizer that keeps state: AdamW, SGD with momentum), only when nothing fits
+//!   with it on the device (a third pass, over the lever sets of the two before):
+//!   each parameter's state is read back for its update and written after it, so the
+//!   device holds one parameter's at a time instead of AdamW's twice the parameters;
+//!   every file is checked when read back (`memsave-optim`'s `Placement::Disk`);
 //! - only when allowed ([`Allow`]), the lossy ones: bf16 autocast, int8 compression of
 //!   saved activations (for a model of blocks, also per block, mixed with the other
 //!   levers by the blocks planner), 8-bit optimizer state.

@@ -21,7 +21,9 @@ mod tuning;
 
 pub use self::explain::table;
 
-use self::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, splits, Levers};
+use self::candidates::{
+    div_ceil, grad_lever_sets, in_modes, lever_sets, splits, state_lever_sets, Levers,
+};
 use self::explain::{front, why, Confirmed};
 use self::race::{
     close_to_fastest, ends_before, fastest_of, fastest_of_run, racers, rounds,
@@ -165,6 +167,7 @@ fn search_fit(
     for sets in [
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
+        state_lever_sets(request, optimizer, !modes.is_empty()),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
@@ -179,7 +182,8 @@ fn search_fit(
         if chosen.is_some() || lever_sets.is_empty() {
             break;
         }
-        search.predict_pass(pass > 0, lever_sets)?;
+        let gradients_in_files = pass > 0 && lever_sets[0].offload_grads;
+        search.predict_pass(gradients_in_files, lever_sets)?;
         chosen = search.confirm()?;
     }
     if chosen.is_none() && search.runs.workload.device() == tch::Device::Cpu {

@@ -17,6 +17,8 @@ pub(super) struct Levers {
     pub(super) bf16: bool,
     pub(super) compress: bool,
     pub(super) int8_state: bool,
+    /// The optimizer's state in files between steps.
+    pub(super) state_in_files: bool,
 }
 
 impl Levers {
@@ -30,6 +32,7 @@ impl Levers {
             c.autocast_bf16 = self.bf16;
             c.compress_int8 = self.compress;
             c.int8_state = self.int8_state;
+            c.state_in_files = self.state_in_files;
         })
     }
 
@@ -97,6 +100,39 @@ pub(super) fn grad_lever_sets(request: &FitRequest, has_optimizer: bool) -> Vec<
             ..l
         };
         if (l.in_backward || !has_optimizer) && !sets.contains(&l) {
+            sets.push(l);
+        }
+    }
+    sets
+}
+
+/// The lever sets with the optimizer's state in files between steps: those of the two
+/// passes before, each with it, for an optimizer that keeps state (AdamW; SGD with
+/// momentum) on one process (on ranks, ZeRO shards the state instead). Considered only
+/// when nothing fits with the state on the device: every update then reads and writes
+/// its parameter's state.
+pub(super) fn state_lever_sets(
+    request: &FitRequest,
+    optimizer: Option<OptimizerSpec>,
+    on_ranks: bool,
+) -> Vec<Levers> {
+    let keeps_state = optimizer.is_some_and(|o| match o.kind {
+        memsave_step::levers::OptimizerKind::Adamw => true,
+        memsave_step::levers::OptimizerKind::Sgd => o.momentum.is_some_and(|m| m != 0.0),
+    });
+    if on_ranks || !keeps_state {
+        return Vec::new();
+    }
+    let mut sets: Vec<Levers> = Vec::new();
+    for l in lever_sets(request, true)
+        .into_iter()
+        .chain(grad_lever_sets(request, true))
+    {
+        let l = Levers {
+            state_in_files: true,
+            ..l
+        };
+        if !sets.contains(&l) {
             sets.push(l);
         }
     }
@@ -186,14 +222,15 @@ pub(super) fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
 /// affine model, a family in the race).
 pub(super) fn lever_key(c: &Choice) -> String {
     format!(
-        "{}{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}{}",
         c.data_parallel.map_or("", ParallelMode::name),
         u8::from(c.offload),
         u8::from(c.offload_grads),
         u8::from(c.in_backward),
         u8::from(c.autocast_bf16),
         u8::from(c.compress_int8),
-        u8::from(c.int8_state)
+        u8::from(c.int8_state),
+        u8::from(c.state_in_files)
     )
 }
 

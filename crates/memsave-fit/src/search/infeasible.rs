@@ -1,7 +1,9 @@
 //! The error for a budget nothing fits: the smallest budget that would do, what reaches
 //! it, and what allowing the lossy levers would reach. It runs the configurations with
 //! the least memory once, without the budget, to learn their peaks.
-use super::candidates::{div_ceil, grad_lever_sets, in_modes, lever_sets, split_sizes, Levers};
+use super::candidates::{
+    div_ceil, grad_lever_sets, in_modes, lever_sets, split_sizes, state_lever_sets, Levers,
+};
 use super::runs::Runs;
 use crate::choice::Choice;
 use crate::predict::Affine;
@@ -133,6 +135,7 @@ fn least_peaks(
     let sets = lever_sets(&everything, has_optimizer)
         .into_iter()
         .chain(grad_lever_sets(&everything, has_optimizer))
+        .chain(state_lever_sets(&everything, optimizer, !modes.is_empty()))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);

@@ -239,3 +239,67 @@ fn the_request_s_optimizer_is_stepped_instead_of_the_workload_s() {
         "the weights did not move"
     );
 }
+
+/// With room for the parameters, the data and the gradients but not for AdamW's two
+/// moments (twice the parameters), only a configuration that keeps the state in files
+/// fits: `fit` finds it as predicted on its first try, and a trainer built from its
+/// report trains, step after step, to the weights plain AdamW reaches, bitwise.
+#[test]
+#[serial]
+fn without_room_for_adamw_s_state_fit_keeps_it_in_files_and_trains_as_plain_adamw() {
+    memsave_meter::install();
+    let make = || adamw(Mlp::new(3, 96, 4, 2));
+    let mut model = make();
+    let parameters: u64 = model
+        .parameters()
+        .iter()
+        .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    // The parameters, the gradients (as many bytes), the data the batch is sliced
+    // from (4 × 2 × 96 f32: 3 KiB): less than the parameters and AdamW's state alone.
+    let budget = 2 * parameters + 3072;
+    assert!(budget < 3 * parameters);
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap_or_else(|e| panic!("{e}"));
+    let text = report.to_text();
+    assert!(report.choice.state_in_files, "{text}");
+    assert!(report.choice.is_lossless(), "{text}");
+    assert!(report.measured_peak_bytes <= budget, "{text}");
+    let error = report.predicted_peak_bytes as f64 / report.measured_peak_bytes as f64 - 1.0;
+    assert!(error.abs() <= 0.05, "{error:+.3}\n{text}");
+    assert_eq!(report.tries, 1, "{text}");
+    // The state at the peak is at most what one parameter's update reads back.
+    let largest = model.parameters().iter().map(|p| p.numel()).max().unwrap() as u64 * 4;
+    assert!(report.breakdown.optimizer_state <= 2 * largest, "{text}");
+
+    let x = model.batch(model.global_batch()).unwrap();
+    let outside = crate::device::outside(&model);
+    let mut trainer = report.trainer(&mut model).unwrap();
+    for step in 0..5 {
+        let peak = crate::device::peak(&trainer.step(&x).unwrap(), &outside);
+        assert!(peak <= budget, "step {step}: {peak} > {budget}\n{text}");
+    }
+    drop(trainer);
+
+    let plain = make();
+    let xp = plain.batch(plain.global_batch()).unwrap();
+    let mut config = StepConfig::baseline();
+    config.optimizer = plain.optimizer();
+    let params = plain.parameters();
+    let mut optimizer = CaseOptimizer::build(&config.optimizer.unwrap(), &params).unwrap();
+    for _ in 0..5 {
+        f_step_with(
+            &plain,
+            &xp,
+            &config,
+            Device::Cpu,
+            false,
+            None,
+            Some(&mut optimizer),
+        )
+        .unwrap();
+    }
+    assert!(
+        host(&model.parameters()) == host(&params),
+        "the weights differ from plain AdamW's after 5 steps\n{text}"
+    );
+}
