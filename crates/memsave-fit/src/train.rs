@@ -7,7 +7,7 @@ impl Choice {
     /// A [`TrainerBuilder`] for this configuration: its [`StepConfig`] with `optimizer`
     /// changed by the choice's optimizer levers ([`step_config`](Self::step_config):
     /// micro-batches, offloaded activations, gradients in files, the step in backward,
-    /// and the allowed lossy levers), and its checkpoint
+    /// the optimizer's state in files, and the allowed lossy levers), and its checkpoint
     /// [`schedule`](Self::schedule) (recompute nothing when it has none), which
     /// [`build`](TrainerBuilder::build) sets on the model's layers, and for a model of
     /// blocks its [`block_levers`](Self::block_levers).
@@ -21,7 +21,8 @@ impl Choice {
     /// choice's peak was measured with it, and
     /// `in_backward` or 8-bit state only mean something with one. Replacing it or the
     /// levers afterwards (e.g. [`TrainerBuilder::optimizer`], which would drop the
-    /// choice's `in_backward`) leaves the budget unchecked. Offloaded activations are
+    /// choice's `in_backward` and its state's placement in files) leaves the budget
+    /// unchecked. Offloaded activations are
     /// written synchronously, as `fit` measured them, so that the peak stays the
     /// measured one. A choice made on ranks (with a
     /// [`data_parallel`](Self::data_parallel) mode) trains on them: use

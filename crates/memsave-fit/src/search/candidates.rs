@@ -116,9 +116,13 @@ pub(super) fn state_lever_sets(
     optimizer: Option<OptimizerSpec>,
     on_ranks: bool,
 ) -> Vec<Levers> {
-    let keeps_state = optimizer.is_some_and(|o| match o.kind {
-        memsave_step::levers::OptimizerKind::Adamw => true,
-        memsave_step::levers::OptimizerKind::Sgd => o.momentum.is_some_and(|m| m != 0.0),
+    // An optimizer placed off the device already keeps it there in every pass.
+    let keeps_state = optimizer.is_some_and(|o| {
+        o.placement == memsave_step::levers::StatePlacement::Device
+            && match o.kind {
+                memsave_step::levers::OptimizerKind::Adamw => true,
+                memsave_step::levers::OptimizerKind::Sgd => o.momentum.is_some_and(|m| m != 0.0),
+            }
     });
     if on_ranks || !keeps_state {
         return Vec::new();
@@ -245,6 +249,34 @@ pub(super) fn family(c: &Choice) -> (String, Option<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memsave_step::levers::{OptimizerKind, StatePlacement};
+
+    /// The state in files: every set of the two passes before with it, for an optimizer
+    /// with state on one process; none on ranks, without state, or already off the
+    /// device.
+    #[test]
+    fn the_state_in_files_comes_for_optimizers_that_keep_state_on_one_process() {
+        let request = FitRequest::new(1 << 20);
+        let adamw = OptimizerSpec::default();
+        let sets = state_lever_sets(&request, Some(adamw), false);
+        let before = lever_sets(&request, true).len() + grad_lever_sets(&request, true).len();
+        assert_eq!(sets.len(), before, "{sets:?}");
+        assert!(sets.iter().all(|l| l.state_in_files));
+        assert!(state_lever_sets(&request, Some(adamw), true).is_empty());
+        assert!(state_lever_sets(&request, None, false).is_empty());
+        let sgd = |momentum| OptimizerSpec {
+            kind: OptimizerKind::Sgd,
+            momentum,
+            ..OptimizerSpec::default()
+        };
+        assert!(state_lever_sets(&request, Some(sgd(None)), false).is_empty());
+        assert!(!state_lever_sets(&request, Some(sgd(Some(0.9))), false).is_empty());
+        let on_disk = OptimizerSpec {
+            placement: StatePlacement::Disk,
+            ..adamw
+        };
+        assert!(state_lever_sets(&request, Some(on_disk), false).is_empty());
+    }
 
     #[test]
     fn gradients_in_files_come_with_the_step_in_backward_when_there_is_an_optimizer() {
