@@ -540,21 +540,28 @@ impl LeastMemory {
     /// ranks, each rank's least: its share of all but the gradient (as ZeRO-3 shards
     /// them).
     pub fn in_budget(&self, world_size: usize) -> Option<u64> {
+        self.on_one_device(world_size).tensors()
+    }
+
+    /// What one device holds at least (see [`in_budget`](Self::in_budget)), as its
+    /// own least: each rank's share of the parameters, the state and the batch `fit`
+    /// steps on (on one process, the largest parameter's state), the largest gradient
+    /// whole, no copy of the weights.
+    fn on_one_device(&self, world_size: usize) -> LeastMemory {
         let n = world_size.max(1) as u64;
         let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
-        let state = if n == 1 {
-            self.largest_state
-        } else {
-            share(self.optimizer_state)
-        };
-        [
-            share(self.parameters),
-            self.largest_gradient,
-            state,
-            share(self.step_batch),
-        ]
-        .into_iter()
-        .try_fold(0u64, |sum, b| sum.checked_add(b?))
+        LeastMemory {
+            parameters: share(self.parameters),
+            optimizer_state: if n == 1 {
+                self.largest_state
+            } else {
+                share(self.optimizer_state)
+            },
+            weights_copy: Some(0),
+            batch: share(self.step_batch),
+            step_batch: share(self.step_batch),
+            ..*self
+        }
     }
 
     /// The parts of [`total`](Self::total) (with `host_copy`) or of
@@ -687,21 +694,7 @@ fn check_least(
         Some(g) if g <= request.budget_bytes => {}
         g => {
             let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
-            // Each rank's share of all but the gradient, as `in_budget` counts them.
-            let n = world_size.max(1) as u64;
-            let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
-            let parts = LeastMemory {
-                parameters: share(least.parameters),
-                optimizer_state: if n == 1 {
-                    least.largest_state
-                } else {
-                    share(least.optimizer_state)
-                },
-                weights_copy: Some(0),
-                batch: share(least.step_batch),
-                ..*least
-            }
-            .parts(false);
+            let parts = least.on_one_device(world_size).parts(false);
             let int8 = if least.optimizer_state.unwrap_or(0) > 0 && !request.allow.int8_state {
                 "; --allow int8-state keeps the optimizer state in a quarter"
             } else {
