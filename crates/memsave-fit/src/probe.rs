@@ -264,26 +264,28 @@ pub(crate) fn probe(
 }
 
 /// What the process holds outside a probe's training step (see [`Setup::new`]), and
-/// the bytes of the parameters and of the batch, which count.
+/// what the budget counts of the model and the batch before it.
 struct Outside {
     /// Allocated before the step's warm-up less what the meter reads of the model's and
     /// the batch's storages ([`Counted::read`]): the peak is measured above it.
     bytes: u64,
-    /// The model's and the batch's bytes the meter does not see and the step holds
-    /// ([`Counted::unseen`]): added to what it measures.
-    unseen: u64,
-    /// The parameters' and buffers' bytes (each storage once).
-    parameter_bytes: u64,
-    /// Of those, the buffers'.
-    buffer_bytes: u64,
-    /// The batch's: the storages its tensors are in, each once.
-    input_bytes: u64,
+    /// The model's and the batch's storages: the [`Counted::unseen`] ones are added to
+    /// what the meter measures.
+    counted: Counted,
 }
 
 impl Outside {
-    /// An allocation the meter reads (`memory_allocated`), as the budget counts it.
+    /// An allocation the meter reads (`memory_allocated`), as the budget counts it:
+    /// [`relative`](Self::relative), never below zero.
     fn above(&self, allocated: u64) -> u64 {
-        (allocated + self.unseen).saturating_sub(self.bytes)
+        self.relative(allocated).max(0) as u64
+    }
+
+    /// An allocation the meter reads, less what the process holds outside the step,
+    /// plus what the meter does not see; below zero when the process freed some of
+    /// what it held outside (a point of a recorded series).
+    fn relative(&self, allocated: u64) -> i64 {
+        allocated as i64 + self.counted.unseen as i64 - self.bytes as i64
     }
 
     /// What the device held at a step's peak, by kind, from the step's measurement:
@@ -294,9 +296,11 @@ impl Outside {
         let began = self.above(m.start_bytes);
         // Under ZeRO-3 the parameters are this rank's shards; the buffers stay whole.
         let parameters = shard_bytes
-            .map_or(self.parameter_bytes, |s| s + self.buffer_bytes)
+            .map_or(self.counted.parameter_bytes, |s| {
+                s + self.counted.buffer_bytes
+            })
             .min(began);
-        let input = self.input_bytes.min(began - parameters);
+        let input = self.counted.input_bytes.min(began - parameters);
         PeakBreakdown {
             parameters,
             input,
@@ -461,14 +465,10 @@ impl Setup {
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
         let shards = choice.data_parallel == Some(ParallelMode::Zero3);
-        let Counted {
-            parameter_bytes,
-            buffer_bytes,
-            input_bytes,
-            read,
-            unseen,
-        } = counted(&params, &workload.buffers(), &x, device, shards, unseen).map_err(failed)?;
-        let buffers = Snapshot::of(workload.buffers()).map_err(failed)?;
+        let model_buffers = workload.buffers();
+        let counted =
+            counted(&params, &model_buffers, &x, device, shards, unseen).map_err(failed)?;
+        let buffers = Snapshot::of(model_buffers).map_err(failed)?;
         let weights = if config.optimizer.is_some() || shards {
             Some(SavedWeights::save(&params).map_err(failed)?)
         } else {
@@ -476,11 +476,8 @@ impl Setup {
         };
         let held = memsave_meter::f_memory_allocated(device).map_err(failed)?;
         let outside = Outside {
-            bytes: held.saturating_sub(read),
-            unseen,
-            parameter_bytes,
-            buffer_bytes,
-            input_bytes,
+            bytes: held.saturating_sub(counted.read),
+            counted,
         };
         let data_parallel = match (ranks.group(), choice.data_parallel) {
             (None, None) => None,
@@ -863,7 +860,7 @@ fn run_once(
             events
                 .iter()
                 .filter(|e| e.time_ns != 0)
-                .map(|e| e.allocated_after as i64 + outside.unseen as i64 - outside.bytes as i64)
+                .map(|e| outside.relative(e.allocated_after))
                 .collect::<Vec<i64>>(),
         );
         (series, second)
