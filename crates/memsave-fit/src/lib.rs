@@ -409,6 +409,12 @@ impl PeakBreakdown {
     pub fn total(&self) -> u64 {
         self.parameters + self.optimizer_state + self.input + self.step
     }
+
+    /// What stays on the device from step to step and is measured, not predicted: the
+    /// parameters and the optimizer's state (the margin spares it).
+    pub fn kept(&self) -> u64 {
+        self.parameters + self.optimizer_state
+    }
 }
 
 /// The answer of [`fit`].

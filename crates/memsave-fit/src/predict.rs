@@ -81,7 +81,7 @@ impl Affine {
             fails_from: None,
             series,
             second,
-            kept: kept(p1).min(kept(p2)),
+            kept: p1.breakdown.kept().min(p2.breakdown.kept()),
         }
     }
 
@@ -171,11 +171,6 @@ impl Affine {
             .sum::<f64>()
             + self.optimizer_time_s
     }
-}
-
-/// What `p` kept on the device from step to step.
-fn kept(p: &Probe) -> u64 {
-    p.breakdown.parameters + p.breakdown.optimizer_state
 }
 
 /// The profile of the chain at micro-batch `size`, from profiles measured at `size1`

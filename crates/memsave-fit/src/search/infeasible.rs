@@ -222,7 +222,7 @@ fn least_peaks(
                 };
                 // What it keeps from step to step, the least over the ranks (as
                 // `Runs::evaluate` agrees it): the peak is agreed already.
-                let kept = (peak.breakdown.parameters + peak.breakdown.optimizer_state) as f64;
+                let kept = peak.breakdown.kept() as f64;
                 let kept = (-runs.ranks.max(&[-kept])?[0]).max(0.0) as u64;
                 let peak = peak.peak_bytes;
                 let found = Some((peak, choice.strategy.clone(), kept));
