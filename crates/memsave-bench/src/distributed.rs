@@ -54,7 +54,7 @@ use crate::models::Model;
 use crate::report::{CaseResult, Status, StepTime};
 use crate::strategies::{resolve, StepConfig, Unavailable};
 use crate::suite::{ModelSpec, StrategySpec, Suite, Technique, ZeroSpec};
-use crate::trace::{Phases, Roles};
+use crate::trace::Phases;
 use memsave_amp::GradScaler;
 use memsave_dist::{init_process_group, DistError, InitOptions, LaunchConfig, ProcessGroup};
 use memsave_step::step::{StepMeasurement, StepObserver, StepRun, Unobserved};
@@ -62,6 +62,7 @@ use memsave_step::{
     Batch, CaseOptimizer, DataParallel, DataParallelHandle, DdpConfig, FsdpConfig, StepError,
     Workload, ZeroStage,
 };
+use memsave_trace::OptimizerRoles;
 use memsave_trace::{Phase, Recorder};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
@@ -633,7 +634,7 @@ fn trace_rank(
                     backward.clone(),
                 )));
             if let Some(o) = case.optimizer.as_mut() {
-                o.set_observer(Some(Arc::new(Roles(session.clone()))));
+                o.set_observer(Some(Arc::new(OptimizerRoles(session.clone()))));
             }
             let phases = Phases {
                 session,

@@ -16,10 +16,9 @@ use crate::step::{f_step_observed, f_step_with, StepEvent, StepMeasurement, Step
 use crate::strategies::{resolve, Unavailable};
 use crate::suite::{DeviceChoice, Suite};
 use memsave_amp::GradScaler;
-use memsave_optim::Observer;
 use memsave_step::plan::apply_plan;
 use memsave_step::Workload;
-use memsave_trace::{Phase, Recorder, Session, Trace};
+use memsave_trace::{OptimizerRoles, Phase, Recorder, Session, Trace};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::{Device, Tensor};
@@ -112,36 +111,6 @@ pub(crate) fn block_observer(session: &Session, backward: Arc<AtomicBool>) -> Bl
     })
 }
 
-/// Marks the session with each named block's run (`block enc1#0`), and files what a
-/// recomputation allocates under its block: the per-block view of a model of
-/// [`memsave_checkpoint::Blocks`], whose chain is one layer. A block run inside a
-/// recomputation (nested in a recomputed block) is part of that one.
-pub(crate) fn named_block_observer(session: &Session) -> memsave_checkpoint::BlockObserver {
-    let session = session.clone();
-    // Per block started and not yet ended, innermost last: whether it opened a
-    // recomputation.
-    let running: Mutex<Vec<bool>> = Mutex::new(Vec::new());
-    Arc::new(move |notice| {
-        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
-        match notice {
-            memsave_checkpoint::BlockNotice::Start { key, recompute } => {
-                let label = format!("block {key}");
-                session.mark(label.clone());
-                let opens = *recompute && !running.iter().any(|&r| r);
-                if opens {
-                    session.recomputation_start(label);
-                }
-                running.push(opens);
-            }
-            memsave_checkpoint::BlockNotice::End { .. } => {
-                if running.pop() == Some(true) {
-                    session.recomputation_end();
-                }
-            }
-        }
-    })
-}
-
 impl StepObserver for Phases<'_> {
     fn step_event(&self, event: StepEvent) {
         let s = self.session;
@@ -161,21 +130,6 @@ impl StepObserver for Phases<'_> {
                 s.mark("optimizer");
             }
         }
-    }
-}
-
-/// Tells a recording session the optimizer's gradients and state as the optimizer
-/// works with them (state created in the first update or fetched from disk for one
-/// update, gradients freed by a step in backward, a ZeRO shard's gradient).
-pub(crate) struct Roles(pub Session);
-
-impl Observer for Roles {
-    fn gradient(&self, _index: usize, grad: &Tensor) {
-        self.0.gradients(std::slice::from_ref(grad));
-    }
-
-    fn state(&self, _index: usize, tensors: &[Tensor]) {
-        self.0.optimizer_state(tensors);
     }
 }
 
@@ -282,10 +236,10 @@ pub fn trace_case(
                 .set_block_observer(Some(block_observer(session, backward.clone())));
             // A model of named blocks: each block's run is marked by its key.
             if let Some(blocks) = Workload::blocks(&model) {
-                blocks.set_observer(Some(named_block_observer(session)));
+                blocks.set_observer(Some(memsave_trace::block_runs(session)));
             }
             if let Some(optimizer) = optimizer.as_mut() {
-                optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
+                optimizer.set_observer(Some(Arc::new(OptimizerRoles(session.clone()))));
             }
             let step = f_step_observed(
                 &model,

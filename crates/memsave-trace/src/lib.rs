@@ -70,6 +70,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod bridge;
 mod category;
 mod error;
 mod html;
@@ -80,6 +81,7 @@ mod snapshot;
 mod summary;
 mod trace;
 
+pub use bridge::{block_runs, OptimizerRoles};
 pub use category::{Category, CategoryBytes, Phase};
 pub use error::TraceError;
 pub use leak::{detect_leak, LeakError, LeakTrace, LeftBehind};

@@ -8,11 +8,10 @@ use super::{step_caught, ProbeError, Setup};
 use crate::choice::Choice;
 use crate::lockstep::Ranks;
 use crate::StepRoles;
-use memsave_optim::Observer;
 use memsave_step::step::{StepEvent, StepObserver};
 use memsave_step::workload::Workload;
 use memsave_step::OptimizerSpec;
-use memsave_trace::{Category, Phase, Recorder, Session};
+use memsave_trace::{block_runs, Category, OptimizerRoles, Phase, Recorder, Session};
 use std::sync::Arc;
 use tch::{Device, Tensor};
 
@@ -81,12 +80,12 @@ fn traced(
         .gradient_hooks(config.offload_grads.is_none())
         .record(|session| {
             if let Some(optimizer) = setup.optimizer.as_mut() {
-                optimizer.set_observer(Some(Arc::new(Roles(session.clone()))));
+                optimizer.set_observer(Some(Arc::new(OptimizerRoles(session.clone()))));
             }
             // The caller's own block observer, if any, is put back after the step.
             let theirs = workload.blocks().and_then(|b| b.observer());
             if let Some(blocks) = workload.blocks() {
-                blocks.set_observer(Some(recomputations(session)));
+                blocks.set_observer(Some(block_runs(session)));
             }
             let phases = Phases {
                 session,
@@ -116,32 +115,6 @@ fn traced(
     Ok(trace.peak_event().map(|i| trace.bytes_at(i + 1)))
 }
 
-/// Tells the recording session when a block's recomputation runs (a block run inside
-/// a recomputation is part of that one), so that what it allocates is filed under it.
-fn recomputations(session: &Session) -> memsave_checkpoint::BlockObserver {
-    let session = session.clone();
-    // Per block started and not yet ended, innermost last: whether it opened a
-    // recomputation.
-    let running = std::sync::Mutex::new(Vec::<bool>::new());
-    Arc::new(move |notice| {
-        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
-        match notice {
-            memsave_checkpoint::BlockNotice::Start { key, recompute } => {
-                let opens = *recompute && !running.iter().any(|&r| r);
-                if opens {
-                    session.recomputation_start(format!("block {key}"));
-                }
-                running.push(opens);
-            }
-            memsave_checkpoint::BlockNotice::End { .. } => {
-                if running.pop() == Some(true) {
-                    session.recomputation_end();
-                }
-            }
-        }
-    })
-}
-
 /// Tells the recording session the step's phases, and the gradients the optimizer
 /// steps from.
 struct Phases<'a> {
@@ -161,19 +134,5 @@ impl StepObserver for Phases<'_> {
                 self.session.phase(Phase::Optimizer);
             }
         }
-    }
-}
-
-/// Tells the recording session the optimizer's gradients and state as it works with
-/// them (state made or fetched for one update, gradients a step in backward frees).
-struct Roles(Session);
-
-impl Observer for Roles {
-    fn gradient(&self, _index: usize, grad: &Tensor) {
-        self.0.gradients(std::slice::from_ref(grad));
-    }
-
-    fn state(&self, _index: usize, tensors: &[Tensor]) {
-        self.0.optimizer_state(tensors);
     }
 }
