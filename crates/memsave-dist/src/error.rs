@@ -46,6 +46,17 @@ pub enum DistError {
         /// libtorch's error.
         source: tch::TchError,
     },
+    /// A parameter shard file of an [`crate::Fsdp`] with shards in files could not be
+    /// written or read, or was changed, truncated or removed after it was written.
+    #[error("rank {rank}: parameter shard file {}: {reason}", path.display())]
+    ShardFile {
+        /// This rank.
+        rank: usize,
+        /// The file (or its directory).
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// The sharded optimizer failed.
     #[error("rank {rank}: optimizer: {source}")]
     Optim {

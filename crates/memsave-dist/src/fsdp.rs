@@ -14,6 +14,8 @@ use tch::{Device, Kind, Tensor};
 use crate::check::same_shapes_everywhere;
 use crate::error::{DistError, Result};
 use crate::group::{ProcessGroup, Work};
+use crate::shard_files::ShardFiles;
+use std::path::Path;
 
 /// Options of [`Fsdp`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +35,12 @@ pub struct FsdpConfig {
     /// `reshard_after_forward` (otherwise backward gathers nothing). `false` gathers
     /// each unit when backward asks for it, one at a time.
     pub backward_prefetch: bool,
+    /// Keep this rank's shards in files instead of memory (default `false`): ZeRO-3's
+    /// parameter offload (DeepSpeed's ZeRO-Infinity, FSDP2's `CPUOffloadPolicy`), and on
+    /// one process (a group of one) parameters off the device. [`Fsdp::new`] makes a
+    /// temporary directory for them; [`Fsdp::new_in_dir`] takes one. See [`Fsdp`]'s
+    /// "Shards in files".
+    pub shards_in_files: bool,
 }
 
 impl Default for FsdpConfig {
@@ -40,6 +48,7 @@ impl Default for FsdpConfig {
         Self {
             reshard_after_forward: true,
             backward_prefetch: true,
+            shards_in_files: false,
         }
     }
 }
@@ -62,6 +71,9 @@ pub struct FsdpStats {
     pub gathers: u64,
     /// Units whose gradients were reduce-scattered so far.
     pub reductions: u64,
+    /// Bytes of this rank's shards kept in files ([`FsdpConfig::shards_in_files`]; 0
+    /// otherwise, when they are in `parameter_bytes`).
+    pub file_bytes: u64,
 }
 
 /// Fully sharded data parallel training over a process group: the units' parameters
@@ -196,6 +208,33 @@ pub struct FsdpStats {
 /// carries one post-accumulate-grad hook, so it cannot also be given to data parallel
 /// or ZeRO-2.
 ///
+/// **Shards in files** ([`FsdpConfig::shards_in_files`], or [`Fsdp::new_in_dir`]):
+/// this rank keeps no shard in memory, only one file per unit, so that the parameters
+/// are off the device (ZeRO-Infinity's parameter offload; on one process, a group of
+/// one, the whole model's weights). A unit's gather reads its shard from the file (on
+/// one rank the shard is the unit's weights, read straight into the gathered buffer; on
+/// several, read, then all-gathered); backward reads it again when it needs the
+/// weights (no prefetch: the read is synchronous, so a read ahead would hold a second
+/// unit for nothing). **The optimizer must step in backward**
+/// ([`Fsdp::step_in_backward`]): when a unit's gradients land, its shard is read, the
+/// optimizer's tensors ([`Fsdp::parameters`], which read NaN between steps) are
+/// pointed at it and stepped, and the stepped shard is written to a new file; an
+/// optimizer stepped after backward would find NaN placeholders. So a rank holds, at
+/// most, one unit's gathered weights, one unit's full gradients and, while it steps,
+/// its shard (and the optimizer's state of it, which may be in files too:
+/// `memsave_optim::Placement::Disk`). [`Fsdp::f_finish_backward`] commits the step:
+/// the manifest (`weights.manifest`) is replaced by an atomic rename to name the
+/// step's files, and the files it replaced are removed. Every read checks the file's
+/// length and CRC-32: a missing, truncated or changed file fails the step with
+/// [`DistError::ShardFile`] naming it, as does a write that fails (a full disk); the
+/// manifest still names the files of the last step that finished, which
+/// [`Fsdp::read_parameter_files`] loads (on one process). Traps: a step that failed
+/// half way has stepped some units (their weights, in the step's files, and their
+/// optimizer state) and not others: the next step goes on from there, as an
+/// optimizer in backward does after an error; reload the last finished step to start
+/// over. Files are written without `fsync`: the manifest survives the process ending at
+/// any point, not the machine going down (use [`Fsdp::save_sharded`] for that).
+///
 /// **Dropping it** removes the hooks that reduce the gradients, and the weights live
 /// only in the shards, 1/N on each rank: call [`Fsdp::f_restore_full_parameters`] first
 /// (a collective) to put the full weights back into the module's parameters, which
@@ -274,6 +313,11 @@ pub(crate) struct Shared {
     prefetch: Option<Prefetch>,
     /// Set by [`Fsdp::step_in_backward`].
     step: Option<ShardStep>,
+    /// The shards' files, with [`FsdpConfig::shards_in_files`].
+    files: Option<ShardFiles>,
+    /// With shards in files, what [`Fsdp::parameters`] points the pieces at until the
+    /// optimizer is built.
+    staging: Option<Tensor>,
 }
 
 /// One unit's parameters and shard.
@@ -326,6 +370,12 @@ struct Prefetch {
     work: Work,
 }
 
+/// A tensor of `shape` whose every value is `placeholder`'s one NaN (no storage of
+/// its own).
+fn nan_view(placeholder: &Tensor, shape: &[i64]) -> tch::Result<Tensor> {
+    placeholder.f_reshape([0i64; 0])?.f_expand(shape, false)
+}
+
 fn tensor_err(rank: usize, context: &'static str) -> impl Fn(tch::TchError) -> DistError + Copy {
     move |source| DistError::Tensor {
         rank,
@@ -339,8 +389,48 @@ fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 }
 
 impl Fsdp {
-    /// No units yet: register them with [`Fsdp::fully_shard`].
+    /// No units yet: register them with [`Fsdp::fully_shard`]. With
+    /// [`FsdpConfig::shards_in_files`], the shards go to a temporary directory made
+    /// now (removed with the `Fsdp`); an error names the directory that could not be
+    /// made.
     pub fn new(group: &ProcessGroup, config: FsdpConfig) -> Result<Self> {
+        Self::with_files(group, config, None)
+    }
+
+    /// [`Fsdp::new`] with this rank's shards in files in `dir` (created if missing;
+    /// [`FsdpConfig::shards_in_files`] is implied), which stay after the `Fsdp` is
+    /// dropped: the weights of the last step that finished, loadable with
+    /// [`Fsdp::read_parameter_files`] on one process. Give each rank, and each
+    /// `Fsdp`, its own directory. A directory that does not take files is refused now,
+    /// naming it.
+    pub fn new_in_dir(group: &ProcessGroup, config: FsdpConfig, dir: &Path) -> Result<Self> {
+        let config = FsdpConfig {
+            shards_in_files: true,
+            ..config
+        };
+        Self::with_files(group, config, Some(dir))
+    }
+
+    /// The parameters a one-process `Fsdp` with shards in files last committed to
+    /// `dir` (see [`Fsdp::new_in_dir`]): those of the last step whose backward
+    /// finished, in the order the units and their parameters were given, each file's
+    /// length and CRC-32 checked. Needs no `Fsdp`: after a failed step, or in another
+    /// process after this one ended.
+    ///
+    /// # Errors
+    /// [`DistError::ShardFile`] naming the manifest or the shard file that is missing,
+    /// changed or truncated, or a directory of one rank of several (each holds a slice
+    /// of every parameter).
+    pub fn read_parameter_files(dir: &Path) -> Result<Vec<Tensor>> {
+        crate::shard_files::read_manifest(dir)
+    }
+
+    fn with_files(group: &ProcessGroup, config: FsdpConfig, dir: Option<&Path>) -> Result<Self> {
+        let files = if config.shards_in_files {
+            Some(ShardFiles::create(dir, group.rank(), group.world_size())?)
+        } else {
+            None
+        };
         let err = tensor_err(group.rank(), "the freed-parameter placeholder");
         let placeholder = Tensor::f_full([1], f64::NAN, (Kind::Float, Device::Cpu)).map_err(err)?;
         Ok(Self {
@@ -361,6 +451,8 @@ impl Fsdp {
                 forward_order: Vec::new(),
                 prefetch: None,
                 step: None,
+                files,
+                staging: None,
             })),
             group: group.clone(),
         })
@@ -480,6 +572,28 @@ impl Fsdp {
             offset = end;
         }
         let mut state = self.state();
+        let (shard, pieces) = match state.files.as_mut() {
+            None => (shard, pieces),
+            Some(files) => {
+                // The shard goes to its file; the shard and the optimizer's pieces keep
+                // their shapes and read NaN until a step points them at its values.
+                files.add_unit(&shard, params.iter().map(Tensor::size).collect())?;
+                let nan = |len: i64| nan_view(&state.placeholder, &[len]).map_err(err);
+                let pieces = pieces
+                    .into_iter()
+                    .map(|piece| {
+                        let own = Tensor::f_empty([piece.len], (Kind::Float, Device::Cpu))
+                            .map_err(err)?
+                            .set_requires_grad(true);
+                        own.shallow_clone()
+                            .f_set_data(&nan(piece.len)?)
+                            .map_err(err)?;
+                        Ok(Piece { view: own, ..piece })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (nan(shard_len)?, pieces)
+            }
+        };
         state.units.push(Unit {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             numel,
@@ -557,8 +671,20 @@ impl Fsdp {
     /// parameters, flattened). After backward their `.grad` holds their averaged
     /// gradients; a parameter that got a gradient on no rank keeps none, so that the
     /// optimizer skips it (its values, state and step count), as on one process.
+    ///
+    /// With shards in files they hold no values between steps; so that an optimizer can
+    /// be built over them (each a contiguous tensor of its own), this call points them
+    /// at slices of one NaN buffer (as long as the largest of them, plus one value
+    /// each), which [`Fsdp::step_in_backward`] or the next forward frees (once an
+    /// optimizer steps in backward, they are returned as they are).
     pub fn parameters(&self) -> Vec<Tensor> {
-        self.state()
+        let mut state = self.state();
+        if state.files.is_some() && state.step.is_none() {
+            // Without the buffer (out of memory) they stay NaN views, which an optimizer
+            // refuses with its own message.
+            let _ = state.stage_pieces();
+        }
+        state
             .units
             .iter()
             .flat_map(|u| u.pieces.iter().map(|p| p.view.shallow_clone()))
@@ -610,7 +736,11 @@ impl Fsdp {
     ) -> Result<T> {
         // A forward with grad before this one but outside it (a validation loss) held
         // its units' weights in its own graph, not in this step's: allowed.
-        self.state().held_after_forward.clear();
+        {
+            let mut state = self.state();
+            state.held_after_forward.clear();
+            state.unstage_pieces()?;
+        }
         let hooks = Arc::new(GatheredSaves {
             shared: Arc::clone(&self.shared),
             others,
@@ -638,6 +768,9 @@ impl Fsdp {
         for unit in 0..state.units.len() {
             state.free(unit)?;
             state.units[unit].needs_weights = false;
+        }
+        if let Some(files) = state.files.as_mut() {
+            files.commit()?;
         }
         if !state.held_after_forward.is_empty() {
             let held = std::mem::take(&mut state.held_after_forward);
@@ -688,6 +821,7 @@ impl Fsdp {
                 ),
             });
         }
+        self.state().unstage_pieces()?;
         let optimizer = Arc::new(Mutex::new(optimizer));
         let stepped = Arc::clone(&optimizer);
         self.state().step = Some(Box::new(move |index| {
@@ -709,10 +843,10 @@ impl Fsdp {
         let err = tensor_err(rank, "gathering the full parameters");
         let _no_grad = tch::no_grad_guard();
         let mut out = Vec::new();
-        for unit in &state.units {
+        for (index, unit) in state.units.iter().enumerate() {
             let flat = match &unit.gathered {
                 Some(flat) => flat.shallow_clone(),
-                None => state.all_gather(unit)?,
+                None => state.all_gather(index)?,
             };
             let mut offset = 0;
             for p in &unit.params {
@@ -755,7 +889,7 @@ impl Fsdp {
         let err = tensor_err(rank, "restoring the full parameters");
         let _no_grad = tch::no_grad_guard();
         for unit in 0..state.units.len() {
-            let flat = state.all_gather(&state.units[unit])?;
+            let flat = state.all_gather(unit)?;
             let mut offset = 0;
             let copies = state.units[unit]
                 .params
@@ -794,8 +928,14 @@ impl Fsdp {
         let state = self.state();
         let shard_values: i64 = state.units.iter().map(|u| u.shard_len).sum();
         let n = self.group.world_size() as i64;
+        let file_bytes = state.files.as_ref().map_or(0, ShardFiles::bytes);
         FsdpStats {
-            parameter_bytes: 4 * shard_values as u64 + 4,
+            parameter_bytes: if state.files.is_some() {
+                4
+            } else {
+                4 * shard_values as u64 + 4
+            },
+            file_bytes,
             padding_values: (shard_values as u64)
                 - (state.units.iter().map(|u| u.numel).sum::<i64>() as u64).div_ceil(n as u64),
             gathered_bytes: state.gathered_bytes,
@@ -803,6 +943,12 @@ impl Fsdp {
             gathers: state.gathers,
             reductions: state.reductions,
         }
+    }
+
+    /// The directory of this rank's shard files ([`FsdpConfig::shards_in_files`]),
+    /// `None` when the shards are in memory.
+    pub fn shard_dir(&self) -> Option<std::path::PathBuf> {
+        self.state().files.as_ref().map(|f| f.dir().to_owned())
     }
 
     /// Starts [`FsdpStats::gathered_peak_bytes`] again from the bytes gathered now.
@@ -817,14 +963,51 @@ impl Shared {
         self.group.rank()
     }
 
-    /// All-gathers `unit`'s shards into a new flat buffer.
-    fn all_gather(&self, unit: &Unit) -> Result<Tensor> {
+    /// All-gathers `unit`'s shards into a new flat buffer. With shards in files, this
+    /// rank's shard is read from its file first; on one rank it is the buffer.
+    fn all_gather(&self, unit: usize) -> Result<Tensor> {
         let err = tensor_err(self.rank(), "gathering a unit");
         let n = self.group.world_size() as i64;
-        let flat =
-            Tensor::f_empty([unit.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
-        self.group.all_gather(&flat, &unit.shard.detach())?;
+        let u = &self.units[unit];
+        let shard = match &self.files {
+            Some(files) => {
+                let shard = files.read(unit)?;
+                if n == 1 {
+                    return Ok(shard);
+                }
+                shard
+            }
+            None => u.shard.detach(),
+        };
+        let flat = Tensor::f_empty([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
+        self.group.all_gather(&flat, &shard)?;
         Ok(flat)
+    }
+
+    /// This rank's shard of `unit` (a copy read from its file with shards in files, the
+    /// shard itself otherwise), for sharded checkpoints.
+    pub(crate) fn shard_values(&self, unit: usize) -> Result<Tensor> {
+        match &self.files {
+            Some(files) => files.read(unit),
+            None => Ok(self.units[unit].shard.detach()),
+        }
+    }
+
+    /// Replaces this rank's shard of `unit` by `values` (its length), between steps.
+    pub(crate) fn set_shard(&mut self, unit: usize, values: &Tensor) -> Result<()> {
+        let err = tensor_err(self.rank(), "loading a unit's shard");
+        let _no_grad = tch::no_grad_guard();
+        match self.files.as_mut() {
+            Some(files) => files.replace(unit, values),
+            None => {
+                self.units[unit]
+                    .shard
+                    .shallow_clone()
+                    .f_copy_(values)
+                    .map_err(err)?;
+                Ok(())
+            }
+        }
     }
 
     /// Gathers `unit`'s weights and points its parameters at them, unless gathered: from
@@ -859,7 +1042,7 @@ impl Shared {
 
     /// A new buffer with `unit`'s gathered weights, counted as gathered.
     fn allocate_and_gather(&mut self, unit: usize) -> Result<Tensor> {
-        let flat = self.all_gather(&self.units[unit])?;
+        let flat = self.all_gather(unit)?;
         self.count_gathered(&flat);
         Ok(flat)
     }
@@ -874,8 +1057,11 @@ impl Shared {
     /// just before it in the forward, when prefetching is on, none is in flight, and
     /// that unit will be gathered in backward and is not gathered now.
     fn start_prefetch(&mut self, current: usize) -> Result<()> {
+        // With shards in files a unit is read when backward needs it: a read ahead would
+        // hold a second unit without overlapping anything (the read is synchronous).
         if !(self.config.backward_prefetch && self.config.reshard_after_forward)
             || self.prefetch.is_some()
+            || self.files.is_some()
         {
             return Ok(());
         }
@@ -948,9 +1134,8 @@ impl Shared {
     /// Points `unit`'s parameters at the placeholder and drops its gathered buffer.
     fn free(&mut self, unit: usize) -> Result<()> {
         let err = tensor_err(self.rank(), "freeing a unit's weights");
-        let scalar = self.placeholder.f_reshape([0i64; 0]).map_err(err)?;
         for p in &self.units[unit].params {
-            let nans = scalar.f_expand(p.size(), false).map_err(err)?;
+            let nans = nan_view(&self.placeholder, &p.size()).map_err(err)?;
             p.shallow_clone().f_set_data(&nans).map_err(err)?;
         }
         self.units[unit].restored = false;
@@ -1051,9 +1236,14 @@ impl Shared {
                 }
                 offset += k;
             }
-            let mine = Tensor::f_empty([chunk], (Kind::Float, Device::Cpu)).map_err(err)?;
-            self.group.reduce_scatter(&mine, &flat)?;
-            drop(flat);
+            let mine = if n == 1 && self.files.is_some() {
+                // One rank's sum is its own chunk: no collective, no second buffer.
+                flat
+            } else {
+                let mine = Tensor::f_empty([chunk], (Kind::Float, Device::Cpu)).map_err(err)?;
+                self.group.reduce_scatter(&mine, &flat)?;
+                mine
+            };
             let used = mine
                 .f_narrow(0, len, flags)
                 .and_then(|f| Vec::<f32>::try_from(&f))
@@ -1087,13 +1277,94 @@ impl Shared {
         u.owed = false;
         self.reductions += 1;
         self.free(unit)?;
-        if let Some(step) = self.step.as_mut() {
-            for index in stepped {
-                step(index)?;
+        if self.step.is_some() {
+            // With shards in files the pieces get this unit's values for the step, and
+            // the stepped values go to the unit's file for this step.
+            let loaded = match (&self.files, stepped.is_empty()) {
+                (Some(_), false) => Some(self.load_pieces(unit)?),
+                _ => None,
+            };
+            let mut stepping = Ok(());
+            if let Some(step) = self.step.as_mut() {
+                for &index in &stepped {
+                    stepping = step(index);
+                    if stepping.is_err() {
+                        break;
+                    }
+                }
             }
+            if let Some(shard) = loaded {
+                let written = match (&stepping, self.files.as_mut()) {
+                    (Ok(()), Some(files)) => files.write_pending(unit, &shard),
+                    _ => Ok(()),
+                };
+                self.unload_pieces(unit)?;
+                written?;
+            }
+            stepping?;
             for piece in &self.units[unit].pieces {
                 memsave_sys::tensor::set_grad_none(&piece.view)?;
             }
+        }
+        Ok(())
+    }
+
+    /// With shards in files: reads `unit`'s shard and points its pieces (the
+    /// optimizer's tensors) at their parts of it, which it returns.
+    fn load_pieces(&self, unit: usize) -> Result<Tensor> {
+        let err = tensor_err(self.rank(), "reading a unit's shard for its step");
+        let Some(files) = &self.files else {
+            return Ok(self.units[unit].shard.shallow_clone());
+        };
+        let shard = files.read(unit)?;
+        let _no_grad = tch::no_grad_guard();
+        for piece in &self.units[unit].pieces {
+            let part = shard.f_narrow(0, piece.at, piece.len).map_err(err)?;
+            piece.view.shallow_clone().f_set_data(&part).map_err(err)?;
+        }
+        Ok(shard)
+    }
+
+    /// With shards in files: points every piece at its own slice of one new NaN buffer
+    /// (see [`Fsdp::parameters`]), unless done already.
+    fn stage_pieces(&mut self) -> Result<()> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let err = tensor_err(self.rank(), "staging the parameter shards");
+        let pieces = self.units.iter().flat_map(|u| &u.pieces);
+        let longest = pieces.clone().map(|p| p.len).max().unwrap_or(0);
+        let count = pieces.clone().count() as i64;
+        let staging =
+            Tensor::f_full([longest + count], f64::NAN, (Kind::Float, Device::Cpu)).map_err(err)?;
+        let _no_grad = tch::no_grad_guard();
+        for (k, piece) in pieces.enumerate() {
+            let part = staging.f_narrow(0, k as i64, piece.len).map_err(err)?;
+            piece.view.shallow_clone().f_set_data(&part).map_err(err)?;
+        }
+        self.staging = Some(staging);
+        Ok(())
+    }
+
+    /// Points the pieces back at NaN views and frees [`Shared::stage_pieces`]' buffer.
+    fn unstage_pieces(&mut self) -> Result<()> {
+        if self.staging.is_none() {
+            return Ok(());
+        }
+        for unit in 0..self.units.len() {
+            self.unload_pieces(unit)?;
+        }
+        self.staging = None;
+        Ok(())
+    }
+
+    /// With shards in files: points `unit`'s pieces back at NaN.
+    fn unload_pieces(&self, unit: usize) -> Result<()> {
+        let err = tensor_err(self.rank(), "freeing a unit's shard after its step");
+        let _no_grad = tch::no_grad_guard();
+        for piece in &self.units[unit].pieces {
+            let nans = nan_view(&self.placeholder, &[piece.len]).map_err(err)?;
+            piece.view.shallow_clone().f_set_data(&nans).map_err(err)?;
         }
         Ok(())
     }
@@ -1161,7 +1432,18 @@ impl Drop for Fsdp {
         }
         // Not silent: the trained weights of these units are gone from this process.
         // (While unwinding, the panic is the news.)
-        if lost > 0 && !state.discarded && !std::thread::panicking() {
+        let kept = state
+            .files
+            .as_ref()
+            .filter(|f| !f.is_temporary())
+            .map(|f| f.dir().display().to_string());
+        let quiet = state.discarded || std::thread::panicking();
+        if let (Some(dir), true) = (kept, lost > 0 && !quiet) {
+            eprintln!(
+                "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters: its parameters read NaN; the weights of its last finished step stay in {dir}'s files (Fsdp::read_parameter_files)",
+                self.group.rank(),
+            );
+        } else if lost > 0 && !state.discarded && !std::thread::panicking() {
             eprintln!(
                 "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters (Trainer::restore_full_parameters): {lost} of {} units' weights are lost and their parameters read NaN; restore them before dropping to keep the trained weights",
                 self.group.rank(),

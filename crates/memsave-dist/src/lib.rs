@@ -48,6 +48,7 @@ mod fsdp;
 mod group;
 pub mod launch;
 mod ready;
+mod shard_files;
 mod sharded_checkpoint;
 mod zero;
 

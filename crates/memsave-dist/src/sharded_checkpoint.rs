@@ -442,10 +442,11 @@ impl Fsdp {
             context: "writing a checkpoint",
             source,
         };
-        let shards = state
-            .units
-            .iter()
-            .map(|u| Vec::<f32>::try_from(&u.shard.detach()).map_err(err))
+        let shards = (0..state.units.len())
+            .map(|unit| {
+                let values = state.shard_values(unit)?;
+                Vec::<f32>::try_from(&values).map_err(err)
+            })
             .collect::<Result<Vec<_>>>()?;
         drop(state);
         let rng = memsave_sys::rng::cpu_state()?;
@@ -586,8 +587,8 @@ impl Fsdp {
         let mut state = self.state();
         state.drop_gradients_and_weights()?;
         let _no_grad = tch::no_grad_guard();
-        for (unit, src) in state.units.iter().zip(&shards) {
-            unit.shard.shallow_clone().f_copy_(src).map_err(err)?;
+        for (unit, src) in shards.iter().enumerate() {
+            state.set_shard(unit, src)?;
         }
         memsave_sys::rng::set_cpu_state(&rng)?;
         Ok(file.step)

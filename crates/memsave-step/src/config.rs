@@ -85,6 +85,33 @@ pub struct StepConfig {
     /// in the default offload directory), if any: the optimizer in backward steps each
     /// whole gradient during the last micro-batch's backward.
     pub offload_grads: Option<GradsAfter>,
+    /// The parameters off the device between their uses, if any (see
+    /// [`ParamsOffload`]).
+    pub offload_params: Option<ParamsOffload>,
+}
+
+/// Where the parameters live between their uses, off the device: each unit (a layer of
+/// the workload's `CheckpointedSequential`, or a top-level block of a model of blocks)
+/// keeps its weights there, and they are brought in for its forward, its
+/// recomputation and its backward, then freed, so that the device holds about one
+/// unit's weights besides the working set (DeepSpeed's ZeRO-Infinity, FSDP2's
+/// `CPUOffloadPolicy`). On one process it runs as ZeRO-3 over a group of one whose
+/// shards are in files (`memsave_dist::FsdpConfig::shards_in_files`); under
+/// [`DataParallel::Fsdp`](crate::DataParallel::Fsdp) each rank's shards go to files.
+///
+/// The optimizer must step in backward ([`OptimizerSpec::in_backward`](crate::OptimizerSpec::in_backward)):
+/// each unit's weights are read, stepped and written as its gradients land, and with
+/// it the step cannot accumulate over micro-batches. The weights are bitwise those of
+/// the same step with the parameters on the device. Between steps the workload's
+/// parameters read NaN; read the weights with
+/// [`Trainer::restore_full_parameters`](crate::Trainer::restore_full_parameters) (or
+/// the handle's `Fsdp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamsOffload {
+    /// In files of a temporary directory made for the trainer (`offload_params: {to:
+    /// disk}` in a suite). Each file is checked (length and CRC-32) when it is read:
+    /// a damaged one fails the step, naming it.
+    Disk,
 }
 
 /// What becomes of offloaded gradients that no optimizer in backward consumed, once
@@ -111,6 +138,7 @@ impl StepConfig {
             optimizer: None,
             saved: None,
             offload_grads: None,
+            offload_params: None,
         }
     }
 }

@@ -28,7 +28,7 @@ pub mod step;
 mod trainer;
 pub mod workload;
 
-pub use config::{GradsAfter, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
+pub use config::{GradsAfter, ParamsOffload, PlanChoice, ResidualUpdate, SavedTensors, StepConfig};
 pub use error::StepError;
 pub use lr_scheduler::{CosineDecay, LRScheduler, LinearWarmup};
 pub use trainer::{Trainer, TrainerBuilder};

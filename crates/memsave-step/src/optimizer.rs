@@ -415,6 +415,11 @@ impl CaseOptimizer {
     /// soon as its unit's gradients are reduce-scattered into it, and
     /// [`step`](Self::step) does nothing.
     pub fn build_over_shards(spec: &OptimizerSpec, fsdp: &Fsdp) -> Result<Self, StepError> {
+        if !spec.in_backward && fsdp.shard_dir().is_some() {
+            return Err(StepError::invalid(
+                crate::parallel::OFFLOAD_PARAMS_AFTER_BACKWARD,
+            ));
+        }
         let shards = fsdp.parameters();
         if !spec.in_backward {
             return Self::build(spec, &shards);

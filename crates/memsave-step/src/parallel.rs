@@ -96,6 +96,12 @@ impl DataParallel {
     pub fn check(&self, config: &StepConfig) -> Result<(), StepError> {
         let in_backward = config.optimizer.is_some_and(|o| o.in_backward);
         let scales = config.scaler.as_ref().is_some_and(|c| c.enabled);
+        if config.offload_params.is_some() {
+            if !matches!(self, DataParallel::Fsdp(_)) {
+                return Err(StepError::invalid(OFFLOAD_PARAMS_DATA_PARALLEL));
+            }
+            check_offload_params(config)?;
+        }
         match self {
             DataParallel::Ddp(_) => {
                 if in_backward {
@@ -135,6 +141,38 @@ impl DataParallel {
     }
 }
 
+/// Why `config`'s `offload_params` cannot run, decided from the configuration alone
+/// (on one process as under ZeRO-3): an optimizer stepped after backward (the weights
+/// are in files between their uses, so each unit must step as its gradients land),
+/// with accumulation over micro-batches, `offload_grads` (it takes the hook that
+/// steps each unit), or a `GradScaler`.
+pub(crate) fn check_offload_params(config: &StepConfig) -> Result<(), StepError> {
+    if config.offload_params.is_none() {
+        return Ok(());
+    }
+    if let Some(o) = &config.optimizer {
+        if !o.in_backward {
+            return Err(StepError::invalid(OFFLOAD_PARAMS_AFTER_BACKWARD));
+        }
+        if config.micro_batches.is_some_and(|m| m > 1) {
+            return Err(StepError::invalid(OFFLOAD_PARAMS_ACCUMULATION));
+        }
+    }
+    if config.offload_grads.is_some() {
+        return Err(StepError::invalid(OFFLOAD_PARAMS_OFFLOAD_GRADS));
+    }
+    if config.scaler.as_ref().is_some_and(|c| c.enabled) {
+        return Err(StepError::invalid(OFFLOAD_PARAMS_SCALER));
+    }
+    Ok(())
+}
+
+const OFFLOAD_PARAMS_DATA_PARALLEL: &str = "offload_params runs on one process or with zero: 3 (each rank's shards in files); data parallel and zero: 1 or 2 keep every parameter on every rank: use zero: 3";
+pub(crate) const OFFLOAD_PARAMS_AFTER_BACKWARD: &str = "offload_params keeps the weights in files between their uses, so the optimizer must step each unit as its gradients land: add in_backward: true to the optimizer";
+const OFFLOAD_PARAMS_ACCUMULATION: &str = "offload_params steps each unit in backward, at every micro-batch's backward, so it cannot accumulate over micro-batches; drop accumulate (or offload_params)";
+const OFFLOAD_PARAMS_OFFLOAD_GRADS: &str = "offload_grads cannot run with offload_params: each unit's gradients already step its weights in files as they land; drop offload_grads";
+const OFFLOAD_PARAMS_SCALER: &str = "grad_scaler cannot run with offload_params: each unit steps in backward, before any unscale or inf/NaN check; drop grad_scaler";
+
 /// `zero: 3` as the harness's suites spell it, for messages.
 const ZERO3: &str = "zero: 3";
 const IN_BACKWARD_FSDP_ACCUMULATION: &str = "optimizer in_backward cannot accumulate over micro-batches with zero: 3: each shard steps as soon as its unit's gradients are reduce-scattered, at every micro-batch's backward; drop accumulate, or step after backward (drop in_backward)";
@@ -171,6 +209,9 @@ pub struct DataParallelHandle {
     mode: DataParallel,
     ddp: Option<DistributedDataParallel>,
     fsdp: Option<Fsdp>,
+    /// [`offload_params`](Self::offload_params)'s group of one: its rendezvous file's
+    /// directory (after `fsdp`, so dropped after it).
+    _rendezvous: Option<tempfile::TempDir>,
 }
 
 impl DataParallelHandle {
@@ -201,6 +242,7 @@ impl DataParallelHandle {
             mode,
             ddp,
             fsdp: None,
+            _rendezvous: None,
         })
     }
 
@@ -303,7 +345,45 @@ impl DataParallelHandle {
             mode,
             ddp: None,
             fsdp: Some(fsdp),
+            _rendezvous: None,
         })
+    }
+
+    /// The parameters of `model` off the device on one process
+    /// ([`ParamsOffload`](crate::ParamsOffload)): ZeRO-3 over a group of one (its
+    /// rendezvous file in a temporary directory of its own) with `config`'s options
+    /// and the shards in files of a temporary directory, one unit per layer or
+    /// top-level block as [`for_workload`](Self::for_workload) makes them. Build the
+    /// optimizer with [`optimizer`](Self::optimizer) (it must step in backward).
+    ///
+    /// # Errors
+    /// As [`for_workload`](Self::for_workload); a temporary directory that cannot be
+    /// made or written, naming it.
+    pub fn offload_params(model: &dyn Workload, config: FsdpConfig) -> Result<Self, StepError> {
+        let zero = |e| StepError::lever("offload_params", e);
+        let dir = tempfile::Builder::new()
+            .prefix("memsave-rendezvous-")
+            .tempdir()
+            .map_err(|e| {
+                StepError::invalid(format!(
+                    "offload_params: cannot make a directory in {}: {e}",
+                    std::env::temp_dir().display()
+                ))
+            })?;
+        let group = ProcessGroup::new_file(
+            &dir.path().join("store"),
+            0,
+            1,
+            &memsave_dist::InitOptions::default(),
+        )
+        .map_err(zero)?;
+        let config = FsdpConfig {
+            shards_in_files: true,
+            ..config
+        };
+        let mut handle = Self::for_workload(&group, DataParallel::Fsdp(config), model)?;
+        handle._rendezvous = Some(dir);
+        Ok(handle)
     }
 
     /// The optimizer `spec` asks for over `params`, as this mode runs it: whole under

@@ -396,6 +396,14 @@ impl<'a> StepRun<'a> {
         if config.offload_grads.is_some() && (config.scaler.is_some() || self.scaler.is_some()) {
             return Err(StepError::invalid("offload_grads cannot be combined with a gradient scaler: unscaling needs every gradient at once"));
         }
+        crate::parallel::check_offload_params(config)?;
+        let in_files = self
+            .data_parallel
+            .and_then(DataParallelHandle::fsdp)
+            .is_some_and(|f| f.shard_dir().is_some());
+        if config.offload_params.is_some() && !in_files {
+            return Err(StepError::invalid("offload_params needs the parameters in files before the step: run it through a Trainer, or set it up with DataParallelHandle::offload_params and pass it to the step"));
+        }
         match self.data_parallel {
             Some(dp) => dp.check_step(config, optimizer, scales),
             None => Ok(()),

@@ -10,6 +10,7 @@ use crate::step::{StepMeasurement, StepRun};
 use crate::workload::{Batch, Workload};
 use memsave_amp::{GradScaler, GradScalerConfig};
 use memsave_checkpoint::{BlockKey, BlockLever, Schedule};
+use memsave_dist::FsdpConfig;
 use memsave_dist::ProcessGroup;
 
 /// Builds a [`Trainer`]: the configuration's levers (a [`StepConfig`]), and optionally
@@ -147,6 +148,7 @@ impl TrainerBuilder {
     pub fn build<W: Workload>(self, model: &mut W) -> Result<Trainer<'_, W>, StepError> {
         let config = self.config;
         validate(&config)?;
+        crate::parallel::check_offload_params(&config)?;
         if let Some((_, mode)) = &self.data_parallel {
             mode.check(&config)?;
         }
@@ -156,7 +158,8 @@ impl TrainerBuilder {
             .map_or(1, |(group, _)| group.world_size());
         set_plan(model, &config, self.schedule, world_size)?;
         if let Some(levers) = self.block_levers {
-            let sharded = matches!(self.data_parallel, Some((_, DataParallel::Fsdp(_))));
+            let sharded = matches!(self.data_parallel, Some((_, DataParallel::Fsdp(_))))
+                || config.offload_params.is_some();
             let store = levers
                 .iter()
                 .find(|(_, lever)| matches!(lever, BlockLever::Store { .. }));
@@ -178,10 +181,26 @@ impl TrainerBuilder {
                 .set_levers(levers)
                 .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
         }
-        let data_parallel = self
-            .data_parallel
-            .map(|(group, mode)| DataParallelHandle::for_workload(&group, mode, &*model))
-            .transpose()?;
+        let data_parallel = match (self.data_parallel, config.offload_params) {
+            (None, Some(_)) => Some(DataParallelHandle::offload_params(
+                &*model,
+                FsdpConfig::default(),
+            )?),
+            (Some((group, DataParallel::Fsdp(fsdp))), Some(_)) => {
+                let files = FsdpConfig {
+                    shards_in_files: true,
+                    ..fsdp
+                };
+                Some(DataParallelHandle::for_workload(
+                    &group,
+                    DataParallel::Fsdp(files),
+                    &*model,
+                )?)
+            }
+            (data_parallel, _) => data_parallel
+                .map(|(group, mode)| DataParallelHandle::for_workload(&group, mode, &*model))
+                .transpose()?,
+        };
         let params = model.parameters();
         let optimizer = match (&config.optimizer, &data_parallel) {
             (Some(spec), Some(dp)) => Some(dp.optimizer(spec, &params)?),

@@ -245,6 +245,7 @@ fn train_rank(group: &ProcessGroup, setup: Setup, out: &Path) {
     let config = FsdpConfig {
         reshard_after_forward: setup.reshard_after_forward,
         backward_prefetch: setup.backward_prefetch,
+        ..Default::default()
     };
     let mut fsdp = Fsdp::new(group, config).expect("fsdp");
     let units = sharded(&mut fsdp, layers);

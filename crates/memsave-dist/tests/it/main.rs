@@ -10,6 +10,7 @@ mod errors;
 mod fsdp;
 mod fsdp_checkpoint;
 mod fsdp_errors;
+mod fsdp_files;
 mod fsdp_launch;
 mod fsdp_optim;
 mod launch;

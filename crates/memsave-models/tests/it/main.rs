@@ -8,6 +8,7 @@ mod fit_running_stats;
 mod fit_zoo;
 mod graphs;
 mod layer_units;
+mod offload_params_zoo;
 mod one_value_per_channel;
 mod resnet18_training;
 mod running_stats;

@@ -1,0 +1,219 @@
+//! ZeRO-3 with the shards in files (`FsdpConfig::shards_in_files`, `Fsdp::new_in_dir`)
+//! on one process: the parameters off the device. The 8 linear layers of `fsdp.rs`
+//! train 20 AdamW steps stepped in backward and must end bitwise equal to plain AdamW
+//! on one process; damaged files and failed writes fail the step naming the file and
+//! leave the last finished step's weights loadable.
+use crate::fsdp::{flat, layer_forward, layers_of, sharded, CONFIG, DIMS};
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use memsave_dist::{DistError, Fsdp, FsdpConfig, FsdpUnit, InitOptions, ProcessGroup};
+use memsave_meter::{max_memory_allocated, memory_allocated, reset_peak_memory_stats};
+use memsave_optim::AdamW;
+use serial_test::{parallel, serial};
+use tch::{Device, Kind, Tensor};
+
+const STEPS: usize = 20;
+const BATCH: i64 = 24;
+
+fn data() -> (Tensor, Tensor) {
+    tch::manual_seed(2);
+    let x = Tensor::randn([BATCH, DIMS[0]], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([BATCH, DIMS[8]], (Kind::Float, Device::Cpu));
+    (x, y)
+}
+
+/// The weights after each of `steps` steps of plain AdamW (after backward) on one
+/// process, in the order the units take them.
+fn reference(steps: usize) -> Vec<Vec<f32>> {
+    let (_vs, layers) = layers_of(&DIMS, 1);
+    let (x, y) = data();
+    let ordered: Vec<Tensor> = layers
+        .iter()
+        .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+        .collect();
+    let mut opt = AdamW::new(&ordered, CONFIG).expect("optimizer");
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        opt.zero_grad(true);
+        let mut h = x.shallow_clone();
+        for (i, lin) in layers.iter().enumerate() {
+            h = layer_forward(lin, i, &h);
+        }
+        h.mse_loss(&y, tch::Reduction::Mean).backward();
+        opt.f_step().expect("step");
+        out.push(flat(&ordered));
+    }
+    out
+}
+
+/// The layers sharded into files in `dir`, with AdamW stepped in backward.
+fn setup(group: &ProcessGroup, dir: &Path) -> (Fsdp, Vec<Arc<Mutex<FsdpUnit>>>) {
+    let (_vs, layers) = layers_of(&DIMS, 1);
+    let mut fsdp = Fsdp::new_in_dir(group, FsdpConfig::default(), dir).expect("fsdp");
+    let units = sharded(&mut fsdp, layers);
+    let opt = AdamW::new(&fsdp.parameters(), CONFIG).expect("optimizer");
+    fsdp.step_in_backward(opt).expect("step_in_backward");
+    (fsdp, units)
+}
+
+/// One step: the forward inside `Fsdp::forward`, backward (which steps), and the end of
+/// backward (which commits the step's files).
+fn step(fsdp: &Fsdp, units: &[Arc<Mutex<FsdpUnit>>], x: &Tensor, y: &Tensor) -> Result<(), String> {
+    let loss = fsdp
+        .forward(|| {
+            let mut h = x.shallow_clone();
+            for unit in units {
+                h = unit.lock().unwrap().f_forward_t(&h, true)?;
+            }
+            Ok::<_, DistError>(h.mse_loss(y, tch::Reduction::Mean))
+        })
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    loss.f_backward().map_err(|e| e.to_string())?;
+    fsdp.f_finish_backward().map_err(|e| e.to_string())
+}
+
+fn group(dir: &Path) -> ProcessGroup {
+    ProcessGroup::new_file(&dir.join("store"), 0, 1, &InitOptions::default())
+        .expect("a group of one")
+}
+
+/// Values of each unit (weight and bias), from the widths.
+fn unit_values() -> Vec<u64> {
+    (0..DIMS.len() - 1)
+        .map(|i| (DIMS[i] * DIMS[i + 1] + DIMS[i + 1]) as u64)
+        .collect()
+}
+
+#[test]
+#[serial]
+fn one_process_with_shards_in_files_trains_bitwise_like_plain_adamw() {
+    memsave_meter::install();
+    let expected = reference(STEPS);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    let dir = tmp.path().join("weights");
+    let (x, y) = data();
+    let (fsdp, units) = setup(&group, &dir);
+    let values = unit_values();
+    let largest = 4 * values.iter().copied().max().unwrap();
+    // Between steps this process holds no weight (only the 4-byte NaN) and, after the
+    // first step, AdamW's two moments of every value.
+    let before = memory_allocated(Device::Cpu);
+    let state = 2 * 4 * values.iter().sum::<u64>();
+    for (i, want) in expected.iter().enumerate() {
+        reset_peak_memory_stats(Device::Cpu);
+        fsdp.reset_gathered_peak();
+        step(&fsdp, &units, &x, &y).unwrap_or_else(|e| panic!("step {i}: {e}"));
+        let held = before + state;
+        assert_eq!(
+            memory_allocated(Device::Cpu),
+            held,
+            "step {i} left bytes behind"
+        );
+        let stats = fsdp.stats();
+        assert_eq!(stats.parameter_bytes, 4);
+        assert_eq!(stats.file_bytes, 4 * values.iter().sum::<u64>());
+        // One unit's weights at a time: read for its forward, freed after it, read
+        // again by backward and freed when its gradients have stepped it.
+        assert_eq!(stats.gathered_peak_bytes, largest, "step {i}");
+        assert!(max_memory_allocated(Device::Cpu) > held);
+        let committed = Fsdp::read_parameter_files(&dir).expect("the step's weights");
+        assert_eq!(&flat(&committed), want, "step {i}: weights in the files");
+    }
+    let full = fsdp.f_full_parameters().expect("full parameters");
+    assert_eq!(&flat(&full), expected.last().unwrap());
+    fsdp.discard();
+}
+
+#[test]
+#[serial]
+fn a_damaged_shard_file_fails_the_step_naming_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    let dir = tmp.path().join("weights");
+    let (x, y) = data();
+    let (fsdp, units) = setup(&group, &dir);
+    step(&fsdp, &units, &x, &y).expect("a first step");
+    let manifest = std::fs::read_to_string(dir.join("weights.manifest")).expect("manifest");
+    let name = |unit: usize| {
+        manifest
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("unit {unit} file "))
+                    .and_then(|r| r.split(' ').next())
+            })
+            .expect("the unit's file")
+            .to_owned()
+    };
+    // Changed, truncated, removed: each fails the next step naming the file.
+    let damage: [(&str, fn(&Path)); 3] = [
+        ("changed", |p| {
+            let mut b = std::fs::read(p).unwrap();
+            b[5] ^= 0x40;
+            std::fs::write(p, b).unwrap();
+        }),
+        ("truncated", |p| {
+            let b = std::fs::read(p).unwrap();
+            std::fs::write(p, &b[..b.len() - 4]).unwrap();
+        }),
+        ("removed", |p| std::fs::remove_file(p).unwrap()),
+    ];
+    for (unit, (what, f)) in damage.into_iter().enumerate() {
+        let path = dir.join(name(unit + 2));
+        let good = std::fs::read(&path).unwrap();
+        f(&path);
+        let e = step(&fsdp, &units, &x, &y).expect_err(what);
+        assert!(e.contains(&path.display().to_string()), "{what}: {e}");
+        let e = Fsdp::read_parameter_files(&dir)
+            .expect_err(what)
+            .to_string();
+        assert!(e.contains(&path.display().to_string()), "{what}: {e}");
+        // Put back, the next step runs.
+        std::fs::write(&path, good).unwrap();
+    }
+    fsdp.discard();
+}
+
+#[test]
+#[serial]
+fn a_write_that_fails_half_way_leaves_the_last_finished_step_loadable() {
+    let expected = reference(2);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    let dir = tmp.path().join("weights");
+    let (x, y) = data();
+    let (fsdp, units) = setup(&group, &dir);
+    step(&fsdp, &units, &x, &y).expect("step 1");
+    step(&fsdp, &units, &x, &y).expect("step 2");
+    // Step 3 writes each unit's stepped shard as unit-U.3.f32; unit 4's cannot be
+    // written (a directory has its name; a full disk fails the same write), after
+    // units 7 to 5 were stepped.
+    let blocked = dir.join("unit-4.3.f32");
+    std::fs::create_dir(&blocked).unwrap();
+    let e = step(&fsdp, &units, &x, &y).expect_err("a write failed");
+    assert!(e.contains(&blocked.display().to_string()), "{e}");
+    let loaded = Fsdp::read_parameter_files(&dir).expect("the last finished step");
+    assert_eq!(flat(&loaded), expected[1], "the weights of step 2");
+    // Once the disk takes files again, the next step runs.
+    std::fs::remove_dir(&blocked).unwrap();
+    step(&fsdp, &units, &x, &y).expect("the next step");
+    assert!(Fsdp::read_parameter_files(&dir).is_ok());
+    fsdp.discard();
+}
+
+#[test]
+#[parallel]
+fn a_directory_that_takes_no_files_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    // A file where the directory should be: no file can be made in it, as root too.
+    let dir = tmp.path().join("not-a-dir");
+    std::fs::write(&dir, b"x").unwrap();
+    let e = Fsdp::new_in_dir(&group, FsdpConfig::default(), &dir.join("weights"))
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("not-a-dir"), "{e}");
+}

@@ -1,0 +1,184 @@
+//! Issue #36 ("The whole device"): the parameters off the device on one process
+//! (`StepConfig::offload_params`). The zoo's ViT and LLaMA (chains of layers) and its
+//! U-Net (blocks, BatchNorm, concatenated skips) train 20 AdamW steps with each
+//! unit's weights in files, stepped in backward; the weights (and the running
+//! statistics) must be bitwise those of plain AdamW stepped after backward with the
+//! parameters on the device, while between steps the device holds none of them and
+//! during a step one unit's at a time.
+use memsave_models::{Architecture, LlamaConfig, UNetConfig, VitConfig, ZooWorkload};
+use memsave_step::{
+    OptimizerKind, OptimizerSpec, ParamsOffload, StepConfig, Trainer, TrainerBuilder, Workload,
+};
+use tch::{Device, Tensor};
+
+const STEPS: usize = 20;
+
+fn adamw(in_backward: bool) -> OptimizerSpec {
+    OptimizerSpec {
+        kind: OptimizerKind::Adamw,
+        in_backward,
+        lr: Some(1e-3),
+        ..OptimizerSpec::default()
+    }
+}
+
+fn values(ts: &[Tensor]) -> Vec<Vec<u8>> {
+    ts.iter()
+        .map(|t| {
+            let t = t.detach().contiguous();
+            let n = t.numel() * t.kind().elt_size_in_bytes();
+            let mut out = vec![0u8; n];
+            t.copy_data_u8(&mut out, t.numel());
+            out
+        })
+        .collect()
+}
+
+/// 20 steps of `config` on a fresh `arch` (seeded alike); returns the parameters'
+/// and buffers' bytes after them, and the trainer's figures when it offloads.
+fn train(arch: &Architecture, batch: i64, config: StepConfig) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    tch::manual_seed(0);
+    let mut model = ZooWorkload::new("zoo", arch, batch, Device::Cpu).unwrap();
+    let x = model.batch(batch).unwrap();
+    let offloads = config.offload_params.is_some();
+    // The largest unit: the one every gather of a step is at most.
+    let largest = match model.layer_parameters().unwrap() {
+        Some(units) => units
+            .iter()
+            .map(|u| u.iter().map(|p| 4 * p.numel() as u64).sum::<u64>())
+            .max()
+            .unwrap(),
+        None => u64::MAX,
+    };
+    let param_bytes: u64 = model
+        .parameters()
+        .iter()
+        .map(|p| 4 * p.numel() as u64)
+        .sum();
+    let mut trainer: Trainer<'_, ZooWorkload> =
+        TrainerBuilder::new(config).build(&mut model).unwrap();
+    for i in 0..STEPS {
+        trainer.step(&x).unwrap_or_else(|e| panic!("step {i}: {e}"));
+        if offloads {
+            let stats = trainer
+                .data_parallel()
+                .and_then(|d| d.fsdp_stats())
+                .expect("offload_params runs ZeRO-3 on a group of one");
+            assert_eq!(stats.parameter_bytes, 4, "only the NaN placeholder");
+            assert_eq!(stats.file_bytes, param_bytes, "every weight in a file");
+            assert!(stats.gathered_peak_bytes <= largest, "step {i}: {stats:?}");
+        }
+    }
+    trainer.restore_full_parameters().unwrap();
+    drop(trainer);
+    (values(&model.parameters()), values(&model.buffers()))
+}
+
+fn check(name: &str, arch: Architecture, batch: i64) {
+    memsave_meter::install();
+    let plain = StepConfig {
+        optimizer: Some(adamw(false)),
+        ..StepConfig::baseline()
+    };
+    let offloaded = StepConfig {
+        optimizer: Some(adamw(true)),
+        offload_params: Some(ParamsOffload::Disk),
+        ..StepConfig::baseline()
+    };
+    let (p0, b0) = train(&arch, batch, plain);
+    let (p1, b1) = train(&arch, batch, offloaded);
+    assert_eq!(p0.len(), p1.len());
+    for (i, (a, b)) in p0.iter().zip(&p1).enumerate() {
+        assert!(a == b, "{name}: parameter {i} differs after {STEPS} steps");
+    }
+    assert_eq!(b0, b1, "{name}: buffers (running statistics) differ");
+}
+
+#[test]
+#[serial_test::serial]
+fn vit_with_parameters_in_files_trains_bitwise_like_plain_adamw() {
+    let arch = Architecture::Vit(VitConfig {
+        image: [3, 32, 32],
+        patch: 8,
+        dim: 32,
+        layers: 2,
+        heads: 4,
+        mlp: 64,
+        classes: 10,
+    });
+    check("vit", arch, 4);
+}
+
+#[test]
+#[serial_test::serial]
+fn llama_with_parameters_in_files_trains_bitwise_like_plain_adamw() {
+    let arch = Architecture::Llama(LlamaConfig {
+        vocab: 256,
+        dim: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        hidden: None,
+        seq: 16,
+        ..LlamaConfig::default()
+    });
+    check("llama", arch, 4);
+}
+
+#[test]
+#[serial_test::serial]
+fn unet_with_parameters_in_files_trains_bitwise_like_plain_adamw() {
+    let arch = Architecture::UNet(UNetConfig {
+        image: [3, 16, 16],
+        classes: 3,
+        base: 4,
+        levels: 2,
+    });
+    check("unet", arch, 2);
+}
+
+#[test]
+#[serial_test::serial]
+fn offload_params_refuses_an_optimizer_after_backward_and_accumulation() {
+    let arch = Architecture::Vit(VitConfig {
+        image: [3, 16, 16],
+        patch: 8,
+        dim: 16,
+        layers: 1,
+        heads: 2,
+        mlp: 32,
+        classes: 4,
+    });
+    let mut model = ZooWorkload::new("vit", &arch, 2, Device::Cpu).unwrap();
+    let cases = [
+        (
+            StepConfig {
+                optimizer: Some(adamw(false)),
+                offload_params: Some(ParamsOffload::Disk),
+                ..StepConfig::baseline()
+            },
+            "add in_backward: true",
+        ),
+        (
+            StepConfig {
+                optimizer: Some(adamw(true)),
+                offload_params: Some(ParamsOffload::Disk),
+                micro_batches: Some(2),
+                ..StepConfig::baseline()
+            },
+            "cannot accumulate over micro-batches",
+        ),
+    ];
+    for (config, says) in cases {
+        let e = TrainerBuilder::new(config)
+            .build(&mut model)
+            .expect_err("refused")
+            .to_string();
+        assert!(e.contains("offload_params") && e.contains(says), "{e}");
+    }
+    // Refused before anything was sharded: the parameters are the model's own.
+    assert!(model
+        .parameters()
+        .iter()
+        .all(|p| p.isfinite().all().int64_value(&[]) == 1));
+}
