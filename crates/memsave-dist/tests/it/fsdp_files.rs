@@ -149,7 +149,8 @@ fn a_damaged_shard_file_fails_the_step_naming_it() {
             .to_owned()
     };
     // Changed, truncated, removed: each fails the next step naming the file.
-    let damage: [(&str, fn(&Path)); 3] = [
+    type Damage = fn(&Path);
+    let damage: [(&str, Damage); 3] = [
         ("changed", |p| {
             let mut b = std::fs::read(p).unwrap();
             b[5] ^= 0x40;
