@@ -505,6 +505,10 @@ pub struct LeastMemory {
     pub batch: Option<u64>,
     /// The batch `fit` steps on: the global batch's bytes (it counts in the budget).
     pub step_batch: Option<u64>,
+    /// On one process with an optimizer, the parameters may wait in files too
+    /// (`offload_params`, each unit's weights read while it runs): the device then
+    /// holds at least the largest parameter, not all of them.
+    pub parameters_may_leave: bool,
 }
 
 impl LeastMemory {
@@ -551,7 +555,12 @@ impl LeastMemory {
         let n = world_size.max(1) as u64;
         let share = |b: Option<u64>| b.map(|b| b.div_ceil(n));
         LeastMemory {
-            parameters: share(self.parameters),
+            parameters: if n == 1 && self.parameters_may_leave {
+                self.largest_gradient
+            } else {
+                share(self.parameters)
+            },
+            parameters_may_leave: n == 1 && self.parameters_may_leave,
             optimizer_state: if n == 1 {
                 self.largest_state
             } else {
@@ -568,8 +577,18 @@ impl LeastMemory {
     /// [`tensors`](Self::tensors), for a message: each one not zero, by name.
     fn parts(&self, host_copy: bool) -> String {
         let mut parts = Vec::new();
+        // On one device whose parameters may wait in files, `parameters` is the
+        // largest one's (see `on_one_device`).
+        let one_in_files = self.parameters_may_leave && self.parameters == self.largest_gradient;
         for (what, bytes) in [
-            ("parameters", self.parameters),
+            (
+                if one_in_files {
+                    "largest parameter"
+                } else {
+                    "parameters"
+                },
+                self.parameters,
+            ),
             ("optimizer state", self.optimizer_state),
             (
                 "a copy of the weights",
@@ -651,6 +670,7 @@ pub fn least_memory(
         weights_copy,
         batch,
         step_batch,
+        parameters_may_leave: optimizer.is_some(),
     }
 }
 
@@ -694,7 +714,8 @@ fn check_least(
         Some(g) if g <= request.budget_bytes => {}
         g => {
             let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
-            let parts = least.on_one_device(world_size).parts(false);
+            let one = least.on_one_device(world_size);
+            let parts = one.parts(false);
             let int8 = if least.optimizer_state.unwrap_or(0) > 0 && !request.allow.int8_state {
                 "; --allow int8-state keeps the optimizer state in a quarter"
             } else {
@@ -702,6 +723,9 @@ fn check_least(
             };
             let share = if world_size > 1 {
                 format!(" (each rank's share of all but the gradient, on {world_size} ranks)")
+            } else if least.parameters_may_leave {
+                " (of the parameters and the optimizer's state, the largest parameter's: the rest may wait in files)"
+                    .to_owned()
             } else if least.largest_state.unwrap_or(0) > 0 {
                 " (of the optimizer's state, the largest parameter's: the rest may wait in files)"
                     .to_owned()

@@ -232,8 +232,17 @@ pub struct FsdpStats {
 /// half way has stepped some units (their weights, in the step's files, and their
 /// optimizer state) and not others: the next step goes on from there, as an
 /// optimizer in backward does after an error; reload the last finished step to start
-/// over. Files are written without `fsync`: the manifest survives the process ending at
-/// any point, not the machine going down (use [`Fsdp::save_sharded`] for that).
+/// over. Files are written without `fsync` (each under a temporary name renamed once
+/// whole): the manifest survives the process ending at any point, not the machine going
+/// down (use [`Fsdp::save_sharded`] for that). A directory that already holds a
+/// manifest is refused (it holds another run's weights). On several ranks, a damaged
+/// file fails its own rank's step, and the other ranks wait in their next collective
+/// until the group's timeout, as with any step that fails on one rank; each rank's
+/// manifest names its own slices.
+///
+/// **Accumulation** with shards in files: [`Fsdp::set_accumulate`] keeps each unit's
+/// gradients in a file of its own between micro-batches, and the last micro-batch's
+/// backward steps the unit.
 ///
 /// **Dropping it** removes the hooks that reduce the gradients, and the weights live
 /// only in the shards, 1/N on each rank: call [`Fsdp::f_restore_full_parameters`] first
@@ -318,6 +327,12 @@ pub(crate) struct Shared {
     /// With shards in files, what [`Fsdp::parameters`] points the pieces at until the
     /// optimizer is built.
     staging: Option<Tensor>,
+    /// With shards in files, set by [`Fsdp::set_accumulate`]: a unit's gradients go
+    /// to its gradient file instead of its step.
+    accumulating: bool,
+    /// The staging buffer was freed (by the optimizer's registration or a forward):
+    /// [`Fsdp::parameters`] does not make it again.
+    unstaged: bool,
 }
 
 /// One unit's parameters and shard.
@@ -368,6 +383,43 @@ struct Prefetch {
     unit: usize,
     flat: Tensor,
     work: Work,
+}
+
+/// The gradients of a unit's last micro-batch (`grads`, with this backward's
+/// used-flags `used`) and the sum the micro-batches before it left in the unit's
+/// gradient file (`stored`, with theirs): per parameter, the sum where both have a
+/// gradient (`stored + new`, the order autograd accumulates `.grad` in), else the one
+/// that does.
+fn combine(
+    unit: &Unit,
+    stored: Tensor,
+    stored_used: &[f32],
+    grads: Option<Tensor>,
+    used: &[f32],
+) -> tch::Result<(Option<Tensor>, Vec<f32>)> {
+    let both: Vec<f32> = stored_used
+        .iter()
+        .zip(used)
+        .map(|(&a, &b)| if a != 0.0 || b != 0.0 { 1.0 } else { 0.0 })
+        .collect();
+    let Some(grads) = grads else {
+        return Ok((Some(stored), both));
+    };
+    for piece in &unit.pieces {
+        let (old, new) = (stored_used[piece.param] != 0.0, used[piece.param] != 0.0);
+        let mut dst = stored.f_narrow(0, piece.at, piece.len)?;
+        let src = grads.f_narrow(0, piece.at, piece.len)?;
+        match (old, new) {
+            (true, true) => {
+                let _ = dst.f_add_(&src)?;
+            }
+            (false, true) => {
+                dst.f_copy_(&src)?;
+            }
+            _ => {}
+        }
+    }
+    Ok((Some(stored), both))
 }
 
 /// A tensor of `shape` whose every value is `placeholder`'s one NaN (no storage of
@@ -453,6 +505,8 @@ impl Fsdp {
                 step: None,
                 files,
                 staging: None,
+                accumulating: false,
+                unstaged: false,
             })),
             group: group.clone(),
         })
@@ -675,11 +729,12 @@ impl Fsdp {
     /// With shards in files they hold no values between steps; so that an optimizer can
     /// be built over them (each a contiguous tensor of its own), this call points them
     /// at slices of one NaN buffer (as long as the largest of them, plus one value
-    /// each), which [`Fsdp::step_in_backward`] or the next forward frees (once an
-    /// optimizer steps in backward, they are returned as they are).
+    /// each), which [`Fsdp::step_in_backward`] or the first forward frees; from then
+    /// on they are returned as they are (all views of one NaN): build the optimizer
+    /// before the first step.
     pub fn parameters(&self) -> Vec<Tensor> {
         let mut state = self.state();
-        if state.files.is_some() && state.step.is_none() {
+        if state.files.is_some() && state.step.is_none() && !state.unstaged {
             // Without the buffer (out of memory) they stay NaN views, which an optimizer
             // refuses with its own message.
             let _ = state.stage_pieces();
@@ -760,8 +815,10 @@ impl Fsdp {
     pub fn f_finish_backward(&self) -> Result<()> {
         let mut state = self.state();
         state.drop_prefetch()?;
+        state.accumulating = false;
         for unit in 0..state.units.len() {
-            if state.units[unit].owed {
+            let stored = state.files.as_ref().is_some_and(|f| f.has_gradient(unit));
+            if state.units[unit].owed || stored {
                 state.reduce(unit)?;
             }
         }
@@ -831,6 +888,21 @@ impl Fsdp {
                 .map_err(|source| DistError::Optim { rank, source })
         }));
         Ok(optimizer)
+    }
+
+    /// With shards in files, accumulation over micro-batches with the step in backward:
+    /// while `on`, each unit's reduced gradients are added to a gradient file of its
+    /// own (the sum of the micro-batches so far, checked like the shards) instead of
+    /// stepping it, so that the device holds one unit's gradients at a time; turn it
+    /// off before the last micro-batch's backward, whose gradients are added to the
+    /// sum (the stored sum plus the new ones, the order autograd accumulates `.grad`
+    /// in, so the step is bitwise the one after accumulating in memory) and step each
+    /// unit. [`Fsdp::f_finish_backward`] turns it off and steps the units whose sum the
+    /// last backward did not reach. Without shards in files it changes nothing (the
+    /// shards' `.grad` accumulate, and the optimizer steps after backward).
+    pub fn set_accumulate(&self, on: bool) {
+        let mut state = self.state();
+        state.accumulating = on && state.files.is_some();
     }
 
     /// Every unit's full parameters, in the order they were given to
@@ -993,18 +1065,21 @@ impl Shared {
         }
     }
 
-    /// Replaces this rank's shard of `unit` by `values` (its length), between steps.
-    pub(crate) fn set_shard(&mut self, unit: usize, values: &Tensor) -> Result<()> {
+    /// Replaces this rank's shard of every unit by `shards` (one per unit, of its
+    /// length), between steps; with shards in files, all committed at once.
+    pub(crate) fn set_shards(&mut self, shards: &[Tensor]) -> Result<()> {
         let err = tensor_err(self.rank(), "loading a unit's shard");
         let _no_grad = tch::no_grad_guard();
         match self.files.as_mut() {
-            Some(files) => files.replace(unit, values),
+            Some(files) => files.replace_all(shards),
             None => {
-                self.units[unit]
-                    .shard
-                    .shallow_clone()
-                    .f_copy_(values)
-                    .map_err(err)?;
+                for (unit, values) in shards.iter().enumerate() {
+                    self.units[unit]
+                        .shard
+                        .shallow_clone()
+                        .f_copy_(values)
+                        .map_err(err)?;
+                }
                 Ok(())
             }
         }
@@ -1203,7 +1278,7 @@ impl Shared {
             .map(|u| u.pieces.len())
             .sum::<usize>();
         let mut stepped = Vec::new();
-        {
+        let (grads, used) = {
             let u = &self.units[unit];
             let (len, flags) = (u.shard_len, u.params.len() as i64);
             let chunk = len + flags;
@@ -1248,28 +1323,52 @@ impl Shared {
                 .f_narrow(0, len, flags)
                 .and_then(|f| Vec::<f32>::try_from(&f))
                 .map_err(err)?;
-            if u.pieces.iter().any(|p| used[p.param] != 0.0) {
-                // The averaged values, in a tensor of their own (without the flags):
-                // what the shards' gradients are views of.
+            // The averaged values, in a tensor of their own (without the flags): what
+            // the shards' gradients are views of.
+            let grads = if u.pieces.iter().any(|p| used[p.param] != 0.0) {
                 let grads = mine
                     .f_narrow(0, 0, len)
                     .and_then(|g| g.f_div_scalar(n as f64))
                     .map_err(err)?;
-                drop(mine);
-                for (k, piece) in u.pieces.iter().enumerate() {
-                    if used[piece.param] == 0.0 {
-                        continue;
-                    }
-                    let src = grads.f_narrow(0, piece.at, piece.len).map_err(err)?;
-                    let g = piece.view.grad();
-                    if g.defined() {
-                        let mut g = g;
-                        let _ = g.f_add_(&src).map_err(err)?;
-                    } else {
-                        memsave_sys::tensor::set_grad(&piece.view, &src)?;
-                    }
-                    stepped.push(first + k);
+                Some(grads)
+            } else {
+                None
+            };
+            drop(mine);
+            (grads, used)
+        };
+        let (grads, used) = match self.files.as_mut() {
+            // With shards in files, a micro-batch before the last adds its gradients
+            // to the unit's gradient file; the last one takes the sum back.
+            Some(files) if self.accumulating => {
+                if let Some(g) = &grads {
+                    files.add_gradient(unit, g, &used)?;
                 }
+                (None, used)
+            }
+            Some(files) => match files.take_gradient(unit)? {
+                Some((stored, stored_used)) => {
+                    combine(&self.units[unit], stored, &stored_used, grads, &used).map_err(err)?
+                }
+                None => (grads, used),
+            },
+            None => (grads, used),
+        };
+        if let Some(grads) = grads {
+            let u = &self.units[unit];
+            for (k, piece) in u.pieces.iter().enumerate() {
+                if used[piece.param] == 0.0 {
+                    continue;
+                }
+                let src = grads.f_narrow(0, piece.at, piece.len).map_err(err)?;
+                let g = piece.view.grad();
+                if g.defined() {
+                    let mut g = g;
+                    let _ = g.f_add_(&src).map_err(err)?;
+                } else {
+                    memsave_sys::tensor::set_grad(&piece.view, &src)?;
+                }
+                stepped.push(first + k);
             }
         }
         let u = &mut self.units[unit];
@@ -1294,14 +1393,17 @@ impl Shared {
                 }
             }
             if let Some(shard) = loaded {
-                let written = match (&stepping, self.files.as_mut()) {
-                    (Ok(()), Some(files)) => files.write_pending(unit, &shard),
-                    _ => Ok(()),
+                // Written even after an optimizer error: the parameters it stepped
+                // keep their new values, as their state keeps its (as in memory).
+                let written = match self.files.as_mut() {
+                    Some(files) => files.write_pending(unit, &shard),
+                    None => Ok(()),
                 };
-                self.unload_pieces(unit)?;
-                written?;
+                let unloaded = self.unload_pieces(unit);
+                stepping.and(written).and(unloaded)?;
+            } else {
+                stepping?;
             }
-            stepping?;
             for piece in &self.units[unit].pieces {
                 memsave_sys::tensor::set_grad_none(&piece.view)?;
             }
@@ -1318,9 +1420,14 @@ impl Shared {
         };
         let shard = files.read(unit)?;
         let _no_grad = tch::no_grad_guard();
-        for piece in &self.units[unit].pieces {
-            let part = shard.f_narrow(0, piece.at, piece.len).map_err(err)?;
-            piece.view.shallow_clone().f_set_data(&part).map_err(err)?;
+        let pointed = self.units[unit].pieces.iter().try_for_each(|piece| {
+            let part = shard.f_narrow(0, piece.at, piece.len)?;
+            piece.view.shallow_clone().f_set_data(&part)
+        });
+        if let Err(e) = pointed {
+            // None of them keeps pointing at the shard.
+            let _ = self.unload_pieces(unit);
+            return Err(err(e));
         }
         Ok(shard)
     }
@@ -1348,6 +1455,7 @@ impl Shared {
 
     /// Points the pieces back at NaN views and frees [`Shared::stage_pieces`]' buffer.
     fn unstage_pieces(&mut self) -> Result<()> {
+        self.unstaged = true;
         if self.staging.is_none() {
             return Ok(());
         }
@@ -1373,6 +1481,10 @@ impl Shared {
     /// forgets the current backward's progress (before loading a checkpoint).
     pub(crate) fn drop_gradients_and_weights(&mut self) -> Result<()> {
         self.drop_prefetch()?;
+        self.accumulating = false;
+        if let Some(files) = self.files.as_mut() {
+            files.drop_gradients();
+        }
         for unit in 0..self.units.len() {
             let u = &mut self.units[unit];
             for p in &u.params {
@@ -1439,9 +1551,15 @@ impl Drop for Fsdp {
             .map(|f| f.dir().display().to_string());
         let quiet = state.discarded || std::thread::panicking();
         if let (Some(dir), true) = (kept, lost > 0 && !quiet) {
+            let load = if self.group.world_size() == 1 {
+                " (Fsdp::read_parameter_files)"
+            } else {
+                ", this rank's slice of them"
+            };
             eprintln!(
-                "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters: its parameters read NaN; the weights of its last finished step stay in {dir}'s files (Fsdp::read_parameter_files)",
+                "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters: {lost} of {} units' parameters read NaN; the weights of its last finished step stay in {dir}'s files{load}",
                 self.group.rank(),
+                state.units.len()
             );
         } else if lost > 0 && !state.discarded && !std::thread::panicking() {
             eprintln!(

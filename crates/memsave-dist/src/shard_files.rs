@@ -44,6 +44,9 @@ struct UnitFiles {
     committed: FileRef,
     /// A newer file written by the step under way, not yet in the manifest.
     pending: Option<FileRef>,
+    /// The sum of the gradients of the step's micro-batches so far, and which
+    /// parameters some micro-batch gave one (see [`ShardFiles::add_gradient`]).
+    gradient: Option<(FileRef, Vec<f32>)>,
 }
 
 /// A rank's shard files (see the module docs).
@@ -89,6 +92,14 @@ impl ShardFiles {
                 (temp.path().to_owned(), Some(temp))
             }
         };
+        let manifest = dir.join(MANIFEST);
+        if manifest.exists() {
+            return Err(DistError::ShardFile {
+                rank,
+                path: manifest,
+                reason: "is there already: the directory holds the weights of another Fsdp (read them with Fsdp::read_parameter_files); give each Fsdp an empty directory of its own".into(),
+            });
+        }
         let probe = dir.join(".probe");
         fs::write(&probe, b"probe")
             .and_then(|()| fs::remove_file(&probe))
@@ -128,6 +139,7 @@ impl ShardFiles {
             shapes,
             committed: FileRef { name, crc },
             pending: None,
+            gradient: None,
         });
         self.write_manifest()
     }
@@ -150,11 +162,75 @@ impl ShardFiles {
         Ok(())
     }
 
-    /// Replaces `unit`'s shard between steps (loading a checkpoint): written and
-    /// committed at once.
-    pub(crate) fn replace(&mut self, unit: usize, shard: &Tensor) -> Result<()> {
-        self.write_pending(unit, shard)?;
+    /// Adds a micro-batch's gradients of `unit` (its shard's length, `used` its flags
+    /// per parameter) to the sum in the unit's gradient file: the file's values plus
+    /// these, in that order (autograd's accumulation of `.grad`); the first micro-batch
+    /// writes them as they are.
+    pub(crate) fn add_gradient(&mut self, unit: usize, grads: &Tensor, used: &[f32]) -> Result<()> {
+        let name = format!("unit-{unit}.grad.f32");
+        let (sum, flags) = match self.units[unit].gradient.take() {
+            None => (grads.shallow_clone(), used.to_vec()),
+            Some((file, flags)) => {
+                let path = self.dir.join(&file.name);
+                let stored = read_checked(&path, self.units[unit].values, file.crc, self.rank)?;
+                let (sum, flags) = add_used(&stored, &flags, grads, used)
+                    .map_err(|e| io_error(self.rank, &path, "add to", e))?;
+                (sum, flags)
+            }
+        };
+        let crc = self.write(&name, &sum)?;
+        self.units[unit].gradient = Some((FileRef { name, crc }, flags));
+        Ok(())
+    }
+
+    /// The sum [`add_gradient`](Self::add_gradient) kept for `unit`, read back (and
+    /// its file removed), with its flags; `None` when there is none.
+    pub(crate) fn take_gradient(&mut self, unit: usize) -> Result<Option<(Tensor, Vec<f32>)>> {
+        let Some((file, flags)) = self.units[unit].gradient.take() else {
+            return Ok(None);
+        };
+        let path = self.dir.join(&file.name);
+        let sum = read_checked(&path, self.units[unit].values, file.crc, self.rank)?;
+        let _ = fs::remove_file(&path);
+        Ok(Some((sum, flags)))
+    }
+
+    /// Whether `unit` has a sum of gradients waiting.
+    pub(crate) fn has_gradient(&self, unit: usize) -> bool {
+        self.units[unit].gradient.is_some()
+    }
+
+    /// Forgets every sum of gradients and removes their files.
+    pub(crate) fn drop_gradients(&mut self) {
+        for u in &mut self.units {
+            if let Some((file, _)) = u.gradient.take() {
+                let _ = fs::remove_file(self.dir.join(&file.name));
+            }
+        }
+    }
+
+    /// Replaces every unit's shard between steps (loading a checkpoint): files of a
+    /// failed step are dropped first, every shard is written, then all are committed
+    /// at once; a write that fails commits none of them.
+    pub(crate) fn replace_all(&mut self, shards: &[Tensor]) -> Result<()> {
+        self.discard_pending();
+        for (unit, shard) in shards.iter().enumerate() {
+            if let Err(e) = self.write_pending(unit, shard) {
+                self.discard_pending();
+                return Err(e);
+            }
+        }
         self.commit()
+    }
+
+    /// Removes the files of a step that did not finish, so that the next reads come
+    /// from the manifest's.
+    fn discard_pending(&mut self) {
+        for u in &mut self.units {
+            if let Some(file) = u.pending.take() {
+                let _ = fs::remove_file(self.dir.join(&file.name));
+            }
+        }
     }
 
     /// Makes the step's files the manifest's (an atomic rename), then removes the files
@@ -193,9 +269,19 @@ impl ShardFiles {
         Ok(())
     }
 
+    /// Writes `shard` as `name` through a temporary name renamed over it once whole:
+    /// a write that fails (a full disk) leaves a file of that name as it was.
     fn write(&self, name: &str, shard: &Tensor) -> Result<u32> {
         let path = self.dir.join(name);
-        write_tensor(&path, shard).map_err(|e| io_error(self.rank, &path, "write", e))
+        let partial = self.dir.join(format!("{name}.partial"));
+        let written = write_tensor(&partial, shard).and_then(|crc| {
+            fs::rename(&partial, &path)?;
+            Ok(crc)
+        });
+        written.map_err(|e| {
+            let _ = fs::remove_file(&partial);
+            io_error(self.rank, &path, "write", e)
+        })
     }
 
     fn write_manifest(&self) -> Result<()> {
@@ -223,6 +309,25 @@ impl ShardFiles {
             .and_then(|()| fs::rename(&tmp, &path))
             .map_err(|e| io_error(self.rank, &path, "write", e))
     }
+}
+
+/// `stored + grads` (in place in `stored`, a tensor of its own read from its file),
+/// with the flags of either. A parameter without a gradient holds zeros on its side,
+/// so the sum is the side that has one (but for the sign of a zero gradient).
+fn add_used(
+    stored: &Tensor,
+    stored_used: &[f32],
+    grads: &Tensor,
+    used: &[f32],
+) -> tch::Result<(Tensor, Vec<f32>)> {
+    let flags = stored_used
+        .iter()
+        .zip(used)
+        .map(|(&a, &b)| if a != 0.0 || b != 0.0 { 1.0 } else { 0.0 })
+        .collect();
+    let mut sum = stored.shallow_clone();
+    let _ = sum.f_add_(grads)?;
+    Ok((sum, flags))
 }
 
 /// Writes the bytes of `t` (contiguous f32) to `path` a chunk at a time; returns their
@@ -325,30 +430,42 @@ pub(crate) fn read_manifest(dir: &Path) -> Result<Vec<Tensor>> {
             return Err(bad(format!("has a line that does not parse: {line:?}")));
         };
         let values: i64 = values
-            .parse()
-            .map_err(|_| bad(format!("values {values:?} is not a number")))?;
+            .parse::<i64>()
+            .ok()
+            .filter(|v| (0..=i64::MAX / 4).contains(v))
+            .ok_or_else(|| bad(format!("values {values:?} is not a count of values")))?;
         let crc =
             u32::from_str_radix(crc, 16).map_err(|_| bad(format!("crc {crc:?} is not hex")))?;
-        let flat = read_checked(&dir.join(name), values, crc, 0)?;
-        let mut offset = 0;
+        // The shapes first: a manifest that does not add up is refused before its
+        // files are read.
+        let mut parsed = Vec::new();
+        let mut offset = 0i64;
         for shape in shapes.split(',').filter(|s| !s.is_empty()) {
             let dims = shape
                 .strip_prefix('s')
                 .ok_or_else(|| bad(format!("shape {shape:?} does not parse")))?;
-            let shape: Vec<i64> = dims
+            let dims: Vec<i64> = dims
                 .split('x')
                 .filter(|d| !d.is_empty())
                 .map(str::parse)
                 .collect::<std::result::Result<_, _>>()
                 .map_err(|_| bad(format!("shape {shape:?} does not parse")))?;
-            let k: i64 = shape.iter().product();
+            let k = dims
+                .iter()
+                .try_fold(1i64, |a, &d| if d < 0 { None } else { a.checked_mul(d) })
+                .filter(|&k| k <= values - offset)
+                .ok_or_else(|| bad(format!("shape {shape:?} does not fit its file")))?;
+            parsed.push((dims, offset, k));
+            offset += k;
+        }
+        let flat = read_checked(&dir.join(name), values, crc, 0)?;
+        for (dims, at, k) in parsed {
             let t = flat
-                .f_narrow(0, offset, k)
-                .and_then(|t| t.f_reshape(shape.as_slice()))
+                .f_narrow(0, at, k)
+                .and_then(|t| t.f_reshape(dims.as_slice()))
                 .and_then(|t| t.f_contiguous())
                 .map_err(|e| bad(format!("its shapes do not fit its file: {e}")))?;
             out.push(t);
-            offset += k;
         }
     }
     Ok(out)

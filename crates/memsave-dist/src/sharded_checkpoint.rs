@@ -587,9 +587,7 @@ impl Fsdp {
         let mut state = self.state();
         state.drop_gradients_and_weights()?;
         let _no_grad = tch::no_grad_guard();
-        for (unit, src) in shards.iter().enumerate() {
-            state.set_shard(unit, src)?;
-        }
+        state.set_shards(&shards)?;
         memsave_sys::rng::set_cpu_state(&rng)?;
         Ok(file.step)
     }

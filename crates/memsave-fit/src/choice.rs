@@ -2,7 +2,7 @@
 //! are pulled, and the step configuration it runs as.
 use crate::ParallelMode;
 use memsave_checkpoint::{Block, BlockKey, BlockLever, Plan, PlannedLever, Schedule};
-use memsave_step::config::{GradsAfter, PlanChoice, SavedTensors, StepConfig};
+use memsave_step::config::{GradsAfter, ParamsOffload, PlanChoice, SavedTensors, StepConfig};
 use memsave_step::levers::{CompressDtype, OptimizerSpec, StatePlacement, StatePrecision};
 use serde::Serialize;
 use tch::Kind;
@@ -45,6 +45,15 @@ pub struct Choice {
     /// state on the device (the budget is the whole device: AdamW's state is twice the
     /// parameters).
     pub state_in_files: bool,
+    /// The parameters in files between their uses (`offload_params: {to: disk}`,
+    /// lossless; `memsave_step::ParamsOffload::Disk`): each unit's weights (a layer, or
+    /// a top-level block) are read for its forward, its recomputation and its
+    /// backward, and stepped in backward (so with [`in_backward`](Self::in_backward);
+    /// with micro-batches each unit's gradients wait in a file until the last one), so
+    /// the device holds about one unit's weights. Considered
+    /// on one process, with an optimizer, when nothing fits with the parameters on the
+    /// device.
+    pub params_in_files: bool,
     /// With more than one micro-batch: how the step couples the samples of a batch,
     /// which makes the split lossy. Either the op that does (a batch-norm-family op in
     /// training mode, as `memsave_sys::ops::sample_coupling_op` names it: each
@@ -82,6 +91,7 @@ impl Choice {
             compress_int8: false,
             int8_state: false,
             state_in_files: false,
+            params_in_files: false,
             sample_coupling_op: None,
             blocks: None,
             schedule: None,
@@ -261,6 +271,9 @@ impl Choice {
         if self.offload_grads {
             parts.push("offload_grads(to=disk)".to_owned());
         }
+        if self.params_in_files {
+            parts.push("offload_params(to=disk)".to_owned());
+        }
         if self.compress_int8 {
             parts.push("compress(dtype=int8)".to_owned());
         }
@@ -316,6 +329,7 @@ impl Choice {
             config.saved = Some(SavedTensors::Compress(CompressDtype::Int8));
         }
         config.offload_grads = self.offload_grads.then_some(GradsAfter::Dropped);
+        config.offload_params = self.params_in_files.then_some(ParamsOffload::Disk);
         config.optimizer = optimizer.map(|mut o| {
             o.in_backward = self.in_backward;
             if self.int8_state {

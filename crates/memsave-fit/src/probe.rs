@@ -11,7 +11,7 @@ use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
 use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::workload::{Batch, Workload};
-use memsave_step::{DataParallelHandle, OptimizerSpec, StepError};
+use memsave_step::{DataParallel, DataParallelHandle, FsdpConfig, OptimizerSpec, StepError};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
@@ -464,7 +464,7 @@ impl Setup {
             .map_err(|e| ProbeError::Failed(format!("making a batch of {batch}: {e}")))?;
         // ZeRO-3 leaves the parameters without storage of their own: their values are
         // put back from this copy too.
-        let shards = choice.data_parallel == Some(ParallelMode::Zero3);
+        let shards = choice.data_parallel == Some(ParallelMode::Zero3) || choice.params_in_files;
         let model_buffers = workload.buffers();
         let counted =
             counted(&params, &model_buffers, &x, device, shards, unseen).map_err(failed)?;
@@ -480,7 +480,32 @@ impl Setup {
             counted,
         };
         let data_parallel = match (ranks.group(), choice.data_parallel) {
-            (None, None) => None,
+            (None, None) if !choice.params_in_files => None,
+            (group, mode) if choice.params_in_files && group.is_none() == mode.is_none() => {
+                let set_up = match (group, mode) {
+                    (Some(group), Some(mode)) => {
+                        let fsdp = match mode.data_parallel() {
+                            DataParallel::Fsdp(c) => DataParallel::Fsdp(FsdpConfig {
+                                shards_in_files: true,
+                                ..c
+                            }),
+                            other => other,
+                        };
+                        DataParallelHandle::for_workload(group, fsdp, &*workload)
+                    }
+                    _ => DataParallelHandle::offload_params(&*workload, FsdpConfig::default()),
+                };
+                match set_up {
+                    Ok(dp) => Some(dp),
+                    Err(e) => {
+                        let back = unshard(&*workload, &params).and_then(|()| match weights {
+                            Some(w) => w.restore().map_err(failed),
+                            None => Ok(()),
+                        });
+                        return Err(failed_putting_back(e, back));
+                    }
+                }
+            }
             (Some(group), Some(mode)) => {
                 let dp =
                     match DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)

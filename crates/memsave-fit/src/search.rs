@@ -22,7 +22,8 @@ mod tuning;
 pub use self::explain::table;
 
 use self::candidates::{
-    div_ceil, grad_lever_sets, in_modes, lever_sets, splits, state_lever_sets, Levers,
+    div_ceil, grad_lever_sets, in_modes, lever_sets, params_lever_sets, splits, state_lever_sets,
+    Levers,
 };
 use self::explain::{front, why, Confirmed};
 use self::race::{
@@ -168,6 +169,7 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
         state_lever_sets(request, optimizer, !modes.is_empty()),
+        params_lever_sets(optimizer, !modes.is_empty()),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
@@ -285,7 +287,9 @@ impl Search<'_, '_> {
         });
         // The step in backward frees each gradient as soon as it is complete, which
         // accumulation over micro-batches needs kept, unless it is kept in files.
-        let usable = |l: &&Levers| k == 1 || !l.in_backward || l.offload_grads;
+        // (With the parameters in files, each unit's gradients wait in a file of its
+        // own until the last micro-batch.)
+        let usable = |l: &&Levers| k == 1 || !l.in_backward || l.offload_grads || l.params_in_files;
         let base = lever_sets[0];
         let plain = self.evaluate_plain(base, k, m)?;
         let plain_fits = plain.predicted_fits;

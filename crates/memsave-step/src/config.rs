@@ -100,9 +100,11 @@ pub struct StepConfig {
 /// [`DataParallel::Fsdp`](crate::DataParallel::Fsdp) each rank's shards go to files.
 ///
 /// The optimizer must step in backward ([`OptimizerSpec::in_backward`](crate::OptimizerSpec::in_backward)):
-/// each unit's weights are read, stepped and written as its gradients land, and with
-/// it the step cannot accumulate over micro-batches. The weights are bitwise those of
-/// the same step with the parameters on the device. Between steps the workload's
+/// each unit's weights are read, stepped and written as its gradients land. With
+/// micro-batches, each unit's gradients are summed in a file of its own until the last
+/// micro-batch's backward steps it. The weights are bitwise those of the same step
+/// (the same micro-batches) with the parameters on the device and the optimizer
+/// stepped after backward. Between steps the workload's
 /// parameters read NaN; read the weights with
 /// [`Trainer::restore_full_parameters`](crate::Trainer::restore_full_parameters) (or
 /// the handle's `Fsdp`).

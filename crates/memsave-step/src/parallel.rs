@@ -126,7 +126,10 @@ impl DataParallel {
                 }
             }
             DataParallel::Fsdp(_) => {
-                if in_backward && config.micro_batches.is_some_and(|m| m > 1) {
+                // With the shards in files, each unit's gradients wait in a file until
+                // the last micro-batch, which steps it.
+                let in_files = config.offload_params.is_some();
+                if in_backward && !in_files && config.micro_batches.is_some_and(|m| m > 1) {
                     return Err(StepError::invalid(IN_BACKWARD_FSDP_ACCUMULATION));
                 }
                 if scales {
@@ -144,19 +147,15 @@ impl DataParallel {
 /// Why `config`'s `offload_params` cannot run, decided from the configuration alone
 /// (on one process as under ZeRO-3): an optimizer stepped after backward (the weights
 /// are in files between their uses, so each unit must step as its gradients land),
-/// with accumulation over micro-batches, `offload_grads` (it takes the hook that
-/// steps each unit), or a `GradScaler`.
+/// `offload_grads` (it takes the hook that steps each unit), or a `GradScaler`.
+/// Accumulation over micro-batches runs: each unit's gradients wait in a file of its
+/// own until the last micro-batch's backward steps it.
 pub(crate) fn check_offload_params(config: &StepConfig) -> Result<(), StepError> {
     if config.offload_params.is_none() {
         return Ok(());
     }
-    if let Some(o) = &config.optimizer {
-        if !o.in_backward {
-            return Err(StepError::invalid(OFFLOAD_PARAMS_AFTER_BACKWARD));
-        }
-        if config.micro_batches.is_some_and(|m| m > 1) {
-            return Err(StepError::invalid(OFFLOAD_PARAMS_ACCUMULATION));
-        }
+    if config.optimizer.is_some_and(|o| !o.in_backward) {
+        return Err(StepError::invalid(OFFLOAD_PARAMS_AFTER_BACKWARD));
     }
     if config.offload_grads.is_some() {
         return Err(StepError::invalid(OFFLOAD_PARAMS_OFFLOAD_GRADS));
@@ -169,7 +168,6 @@ pub(crate) fn check_offload_params(config: &StepConfig) -> Result<(), StepError>
 
 const OFFLOAD_PARAMS_DATA_PARALLEL: &str = "offload_params runs on one process or with zero: 3 (each rank's shards in files); data parallel and zero: 1 or 2 keep every parameter on every rank: use zero: 3";
 pub(crate) const OFFLOAD_PARAMS_AFTER_BACKWARD: &str = "offload_params keeps the weights in files between their uses, so the optimizer must step each unit as its gradients land: add in_backward: true to the optimizer";
-const OFFLOAD_PARAMS_ACCUMULATION: &str = "offload_params steps each unit in backward, at every micro-batch's backward, so it cannot accumulate over micro-batches; drop accumulate (or offload_params)";
 const OFFLOAD_PARAMS_OFFLOAD_GRADS: &str = "offload_grads cannot run with offload_params: each unit's gradients already step its weights in files as they land; drop offload_grads";
 const OFFLOAD_PARAMS_SCALER: &str = "grad_scaler cannot run with offload_params: each unit steps in backward, before any unscale or inf/NaN check; drop grad_scaler";
 
@@ -535,6 +533,11 @@ impl DataParallelHandle {
     pub(crate) fn set_grad_sync(&self, on: bool) {
         if let Some(ddp) = &self.ddp {
             ddp.set_require_backward_grad_sync(on);
+        }
+        // With the shards in files (offload_params), a micro-batch before the last
+        // adds its gradients to each unit's gradient file; the last one steps.
+        if let Some(fsdp) = &self.fsdp {
+            fsdp.set_accumulate(!on);
         }
     }
 

@@ -198,11 +198,59 @@ fn a_write_that_fails_half_way_leaves_the_last_finished_step_loadable() {
     assert!(e.contains(&blocked.display().to_string()), "{e}");
     let loaded = Fsdp::read_parameter_files(&dir).expect("the last finished step");
     assert_eq!(flat(&loaded), expected[1], "the weights of step 2");
-    // Once the disk takes files again, the next step runs.
+    // The next step writes unit 7's shard again under the same name; that write fails
+    // too (its temporary name is taken), and the file the failed step wrote stays
+    // whole.
     std::fs::remove_dir(&blocked).unwrap();
+    let partial = dir.join("unit-7.3.f32.partial");
+    std::fs::create_dir(&partial).unwrap();
+    let e = step(&fsdp, &units, &x, &y).expect_err("a rewrite failed");
+    assert!(e.contains("unit-7.3.f32"), "{e}");
+    // Once the disk takes files again, the next step runs.
+    std::fs::remove_dir(&partial).unwrap();
     step(&fsdp, &units, &x, &y).expect("the next step");
     assert!(Fsdp::read_parameter_files(&dir).is_ok());
     fsdp.discard();
+}
+
+#[test]
+#[serial]
+fn a_directory_holding_another_run_s_weights_is_refused_and_kept() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    let dir = tmp.path().join("weights");
+    let (x, y) = data();
+    let (fsdp, units) = setup(&group, &dir);
+    step(&fsdp, &units, &x, &y).expect("a step");
+    let before = flat(&Fsdp::read_parameter_files(&dir).unwrap());
+    let e = Fsdp::new_in_dir(&group, FsdpConfig::default(), &dir)
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains("weights.manifest") && e.contains("another Fsdp"),
+        "{e}"
+    );
+    assert_eq!(flat(&Fsdp::read_parameter_files(&dir).unwrap()), before);
+    fsdp.discard();
+}
+
+#[test]
+#[parallel]
+fn a_damaged_manifest_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let manifest = tmp.path().join("weights.manifest");
+    for text in [
+        "not a manifest\n",
+        "memsave fsdp shard files 1\nrank 0 world 1\nunit 0 file u values -1 crc 0 shapes s2x2\n",
+        "memsave fsdp shard files 1\nrank 0 world 1\nunit 0 file u values 4 crc 0 shapes s9223372036854775807x4\n",
+        "memsave fsdp shard files 1\nrank 1 world 2\n",
+    ] {
+        std::fs::write(&manifest, text).unwrap();
+        let e = Fsdp::read_parameter_files(tmp.path())
+            .expect_err(text)
+            .to_string();
+        assert!(e.contains("weights.manifest"), "{text:?}: {e}");
+    }
 }
 
 #[test]

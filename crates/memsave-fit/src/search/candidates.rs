@@ -19,6 +19,8 @@ pub(super) struct Levers {
     pub(super) int8_state: bool,
     /// The optimizer's state in files between steps.
     pub(super) state_in_files: bool,
+    /// The parameters in files between their uses.
+    pub(super) params_in_files: bool,
 }
 
 impl Levers {
@@ -33,6 +35,7 @@ impl Levers {
             c.compress_int8 = self.compress;
             c.int8_state = self.int8_state;
             c.state_in_files = self.state_in_files;
+            c.params_in_files = self.params_in_files;
         })
     }
 
@@ -117,13 +120,7 @@ pub(super) fn state_lever_sets(
     on_ranks: bool,
 ) -> Vec<Levers> {
     // An optimizer placed off the device already keeps it there in every pass.
-    let keeps_state = optimizer.is_some_and(|o| {
-        o.placement == memsave_step::levers::StatePlacement::Device
-            && match o.kind {
-                memsave_step::levers::OptimizerKind::Adamw => true,
-                memsave_step::levers::OptimizerKind::Sgd => o.momentum.is_some_and(|m| m != 0.0),
-            }
-    });
+    let keeps_state = optimizer.as_ref().is_some_and(keeps_state);
     if on_ranks || !keeps_state {
         return Vec::new();
     }
@@ -141,6 +138,50 @@ pub(super) fn state_lever_sets(
         }
     }
     sets
+}
+
+/// The lever sets with the parameters in files between their uses, on one process with
+/// an optimizer (it steps each unit in backward, so `in_backward`; with micro-batches
+/// each unit's gradients wait in a file): plain and with the saved activations
+/// offloaded, each with the
+/// optimizer's state on the device and, for an optimizer that keeps state, in files.
+/// Considered only when nothing fits with the parameters on the device: every unit's
+/// weights are read from its file for its forward and its backward, and written when
+/// it steps.
+pub(super) fn params_lever_sets(optimizer: Option<OptimizerSpec>, on_ranks: bool) -> Vec<Levers> {
+    let Some(spec) = optimizer else {
+        return Vec::new();
+    };
+    if on_ranks {
+        return Vec::new();
+    }
+    let keeps_state = keeps_state(&spec);
+    let mut sets = Vec::new();
+    for offload in [false, true] {
+        for state_in_files in [false, true] {
+            if state_in_files && !keeps_state {
+                continue;
+            }
+            sets.push(Levers {
+                offload,
+                in_backward: true,
+                state_in_files,
+                params_in_files: true,
+                ..Levers::default()
+            });
+        }
+    }
+    sets
+}
+
+/// Whether `spec` keeps state on the device that files could take (AdamW; SGD with
+/// momentum; not an optimizer placed off the device already).
+fn keeps_state(spec: &OptimizerSpec) -> bool {
+    spec.placement == memsave_step::levers::StatePlacement::Device
+        && match spec.kind {
+            memsave_step::levers::OptimizerKind::Adamw => true,
+            memsave_step::levers::OptimizerKind::Sgd => spec.momentum.is_some_and(|m| m != 0.0),
+        }
 }
 
 /// Each of `sets` in each of `modes` (`sets` as they are when `modes` is empty: one
@@ -226,7 +267,7 @@ pub(super) fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
 /// affine model, a family in the race).
 pub(super) fn lever_key(c: &Choice) -> String {
     format!(
-        "{}{}{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}{}{}",
         c.data_parallel.map_or("", ParallelMode::name),
         u8::from(c.offload),
         u8::from(c.offload_grads),
@@ -234,7 +275,8 @@ pub(super) fn lever_key(c: &Choice) -> String {
         u8::from(c.autocast_bf16),
         u8::from(c.compress_int8),
         u8::from(c.int8_state),
-        u8::from(c.state_in_files)
+        u8::from(c.state_in_files),
+        u8::from(c.params_in_files)
     )
 }
 

@@ -2,7 +2,8 @@
 //! it, and what allowing the lossy levers would reach. It runs the configurations with
 //! the least memory once, without the budget, to learn their peaks.
 use super::candidates::{
-    div_ceil, grad_lever_sets, in_modes, lever_sets, split_sizes, state_lever_sets, Levers,
+    div_ceil, grad_lever_sets, in_modes, lever_sets, params_lever_sets, split_sizes,
+    state_lever_sets, Levers,
 };
 use super::runs::Runs;
 use crate::choice::Choice;
@@ -136,6 +137,7 @@ fn least_peaks(
         .into_iter()
         .chain(grad_lever_sets(&everything, has_optimizer))
         .chain(state_lever_sets(&everything, optimizer, !modes.is_empty()))
+        .chain(params_lever_sets(optimizer, !modes.is_empty()))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);
@@ -146,7 +148,10 @@ fn least_peaks(
     let splits_allowed = !lossy_split || request.allow.micro_batches;
     // The optimizer step in backward frees the gradients accumulation needs, unless
     // they are in files: the whole batch at once only.
-    let shapes = |l: &Levers| match (l.in_backward && !l.offload_grads, splits_allowed) {
+    let shapes = |l: &Levers| match (
+        l.in_backward && !l.offload_grads && !l.params_in_files,
+        splits_allowed,
+    ) {
         (true, _) => vec![true],
         (false, true) => vec![false],
         (false, false) => vec![true, false],

@@ -386,8 +386,9 @@ impl Runs<'_> {
             return self.recompute_blocks(base, m, k);
         }
         let mut profile = self.profile(m)?;
-        if base.offload_grads {
-            // The gradients do not stay: the solver's model must not keep them.
+        if base.offload_grads || base.params_in_files {
+            // The gradients do not stay (in files, or each unit's stepped and freed as
+            // it lands): the solver's model must not keep them.
             for e in &mut profile.elements {
                 e.param_grad_bytes = 0;
             }
@@ -536,9 +537,10 @@ impl Runs<'_> {
         // Under the offload lever every kept block's saves go to files already: the
         // others are recomputed (their inputs in files too); otherwise each block is
         // kept, recomputed or offloaded, whichever costs least.
-        // Under ZeRO-3 a block's saves cannot go to a store (it would keep the
-        // gathered weights): kept or recomputed only, as under the offload lever.
-        let zero3 = base.data_parallel == Some(crate::ParallelMode::Zero3);
+        // Under ZeRO-3 (and with the parameters in files, ZeRO-3 on one process) a
+        // block's saves cannot go to a store (it would keep the gathered weights):
+        // kept or recomputed only, as under the offload lever.
+        let zero3 = base.data_parallel == Some(crate::ParallelMode::Zero3) || base.params_in_files;
         let per_block = self.per_block;
         let solve = |budget: u64| -> Option<Vec<PlannedLever>> {
             if !per_block {
