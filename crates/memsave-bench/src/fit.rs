@@ -509,6 +509,10 @@ pub struct LeastMemory {
     /// (`offload_params`, each unit's weights read while it runs): the device then
     /// holds at least the largest parameter, not all of them.
     pub parameters_may_leave: bool,
+    /// The optimizer's state of one chunk of the largest parameter: with the
+    /// parameters in files the optimizer steps chunks of at most
+    /// `memsave_dist::SHARD_FILE_CHUNK_VALUES` values, each with its own state.
+    pub chunk_state: Option<u64>,
 }
 
 impl LeastMemory {
@@ -561,7 +565,9 @@ impl LeastMemory {
                 share(self.parameters)
             },
             parameters_may_leave: n == 1 && self.parameters_may_leave,
-            optimizer_state: if n == 1 {
+            optimizer_state: if n == 1 && self.parameters_may_leave {
+                self.chunk_state
+            } else if n == 1 {
                 self.largest_state
             } else {
                 share(self.optimizer_state)
@@ -644,6 +650,9 @@ pub fn least_memory(
     let optimizer_state = state_per_value.and_then(|v| count.and_then(|n| n.checked_mul(v)));
     let largest_state =
         state_per_value.and_then(|v| spec.largest_parameter().and_then(|n| n.checked_mul(v)));
+    let chunk = memsave_dist::SHARD_FILE_CHUNK_VALUES as u64;
+    let chunk_state = state_per_value
+        .and_then(|v| spec.largest_parameter().and_then(|n| n.min(chunk).checked_mul(v)));
     let weights_copy = match optimizer {
         Some(_) => parameters,
         None => Some(0),
@@ -671,6 +680,7 @@ pub fn least_memory(
         batch,
         step_batch,
         parameters_may_leave: optimizer.is_some(),
+        chunk_state,
     }
 }
 
@@ -724,7 +734,7 @@ fn check_least(
             let share = if world_size > 1 {
                 format!(" (each rank's share of all but the gradient, on {world_size} ranks)")
             } else if least.parameters_may_leave {
-                " (of the parameters and the optimizer's state, the largest parameter's: the rest may wait in files)"
+                " (of the parameters, the largest; of the optimizer's state, one chunk's: the rest may wait in files)"
                     .to_owned()
             } else if least.largest_state.unwrap_or(0) > 0 {
                 " (of the optimizer's state, the largest parameter's: the rest may wait in files)"

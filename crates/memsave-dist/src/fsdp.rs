@@ -422,6 +422,13 @@ fn combine(
     Ok((Some(stored), both))
 }
 
+/// With shards in files ([`FsdpConfig::shards_in_files`]), the most values of one of
+/// the optimizer's tensors ([`Fsdp::parameters`]: a chunk of a parameter's part of the
+/// shard): 256 KiB of f32, so that an update reads, and holds, that much of each state
+/// buffer (the state may wait in files too), however large the parameter.
+pub const SHARD_FILE_CHUNK_VALUES: i64 = 1 << 16;
+const PIECE_VALUES: i64 = SHARD_FILE_CHUNK_VALUES;
+
 /// A tensor of `shape` whose every value is `placeholder`'s one NaN (no storage of
 /// its own).
 fn nan_view(placeholder: &Tensor, shape: &[i64]) -> tch::Result<Tensor> {
@@ -633,16 +640,27 @@ impl Fsdp {
                 // their shapes and read NaN until a step points them at its values.
                 files.add_unit(&shard, params.iter().map(Tensor::size).collect())?;
                 let nan = |len: i64| nan_view(&state.placeholder, &[len]).map_err(err);
-                let pieces = pieces
-                    .into_iter()
-                    .map(|piece| {
-                        let own = Tensor::f_empty([piece.len], (Kind::Float, Device::Cpu))
+                // Each piece cut into chunks of at most `PIECE_VALUES`: the optimizer
+                // steps (and keeps the state of) one chunk at a time, so that a large
+                // parameter's update never holds its whole state (elementwise rules
+                // step a chunk as they step the whole).
+                let chunks = pieces.into_iter().flat_map(|piece| {
+                    (0..piece.len)
+                        .step_by(PIECE_VALUES as usize)
+                        .map(move |start| (piece.param, piece.at + start, PIECE_VALUES.min(piece.len - start)))
+                });
+                let pieces = chunks
+                    .map(|(param, at, len)| {
+                        let own = Tensor::f_empty([len], (Kind::Float, Device::Cpu))
                             .map_err(err)?
                             .set_requires_grad(true);
-                        own.shallow_clone()
-                            .f_set_data(&nan(piece.len)?)
-                            .map_err(err)?;
-                        Ok(Piece { view: own, ..piece })
+                        own.shallow_clone().f_set_data(&nan(len)?).map_err(err)?;
+                        Ok(Piece {
+                            param,
+                            at,
+                            len,
+                            view: own,
+                        })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 (nan(shard_len)?, pieces)
@@ -722,7 +740,8 @@ impl Fsdp {
     /// it that lies there; the unit's padding goes with its last parameter), units in
     /// the order of [`Fsdp::fully_shard`] and parameters in the order given, so that
     /// together they are this rank's slice of every unit, in order (FSDP2's sharded
-    /// parameters, flattened). After backward their `.grad` holds their averaged
+    /// parameters, flattened; with shards in files, each cut into chunks of at most
+    /// [`SHARD_FILE_CHUNK_VALUES`]). After backward their `.grad` holds their averaged
     /// gradients; a parameter that got a gradient on no rank keeps none, so that the
     /// optimizer skips it (its values, state and step count), as on one process.
     ///
@@ -1278,6 +1297,11 @@ impl Shared {
             .map(|u| u.pieces.len())
             .sum::<usize>();
         let mut stepped = Vec::new();
+        if self.files.is_some() {
+            // The gradients are computed: the weights can go before the gradients are
+            // gathered into one buffer (a unit's bytes fewer at this moment).
+            self.free(unit)?;
+        }
         let (grads, used) = {
             let u = &self.units[unit];
             let (len, flags) = (u.shard_len, u.params.len() as i64);
@@ -1326,10 +1350,15 @@ impl Shared {
             // The averaged values, in a tensor of their own (without the flags): what
             // the shards' gradients are views of.
             let grads = if u.pieces.iter().any(|p| used[p.param] != 0.0) {
-                let grads = mine
-                    .f_narrow(0, 0, len)
-                    .and_then(|g| g.f_div_scalar(n as f64))
-                    .map_err(err)?;
+                // On one rank with shards in files the sum is the average: a view,
+                // not a copy.
+                let grads = if n == 1 && self.files.is_some() {
+                    mine.f_narrow(0, 0, len)
+                } else {
+                    mine.f_narrow(0, 0, len)
+                        .and_then(|g| g.f_div_scalar(n as f64))
+                }
+                .map_err(err)?;
                 Some(grads)
             } else {
                 None

@@ -54,7 +54,7 @@ mod zero;
 
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
-pub use fsdp::{Fsdp, FsdpConfig, FsdpStats, FsdpUnit, FsdpUnits};
+pub use fsdp::{Fsdp, FsdpConfig, FsdpStats, FsdpUnit, FsdpUnits, SHARD_FILE_CHUNK_VALUES};
 pub use group::{init_process_group, Backend, InitOptions, ProcessGroup, Work};
 pub use launch::{
     free_port, launch, LaunchConfig, MAX_NPROC_PER_NODE, OUTPUT_DRAIN, RANK_THREADS_VAR,

@@ -121,8 +121,10 @@ fn vit_with_parameters_in_files_trains_bitwise_like_plain_adamw() {
 #[test]
 #[serial_test::serial]
 fn llama_with_parameters_in_files_trains_bitwise_like_plain_adamw() {
+    // 1,100 x 64 = 70,400 values in the embedding and in the head: more than one
+    // optimizer chunk (64 Ki values) each.
     let arch = Architecture::Llama(LlamaConfig {
-        vocab: 256,
+        vocab: 1100,
         dim: 64,
         layers: 2,
         heads: 4,
