@@ -144,6 +144,36 @@ impl DataParallel {
     }
 }
 
+/// The units ZeRO-3 and [`ParamsOffload`](crate::ParamsOffload) make of `model`
+/// (see [`DataParallelHandle::for_workload`]), by name (`layer 3`, `block enc2`) with
+/// the bytes of their parameters, in order; layers without parameters make none. A
+/// model of blocks runs one forward of `model.batch(1)` in evaluation mode to find
+/// them. For messages: with the parameters in files the device holds the unit that
+/// runs, so the largest unit is what it holds at least.
+///
+/// # Errors
+/// As [`DataParallelHandle::for_workload`] refuses a workload.
+pub fn units_of(model: &dyn Workload) -> Result<Vec<(String, u64)>, StepError> {
+    let bytes = |ps: &[Tensor]| -> u64 {
+        ps.iter()
+            .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    };
+    Ok(match model.blocks() {
+        Some(blocks) => find_block_units(model, blocks)?
+            .into_iter()
+            .filter(|(_, ps)| !ps.is_empty())
+            .map(|(name, ps)| (format!("block {name}"), bytes(&ps)))
+            .collect(),
+        None => layer_units(model)?
+            .iter()
+            .enumerate()
+            .filter(|(_, ps)| !ps.is_empty())
+            .map(|(i, ps)| (format!("layer {i}"), bytes(ps)))
+            .collect(),
+    })
+}
+
 /// Why `config`'s `offload_params` cannot run, decided from the configuration alone
 /// (on one process as under ZeRO-3): an optimizer stepped after backward (the weights
 /// are in files between their uses, so each unit must step as its gradients land),

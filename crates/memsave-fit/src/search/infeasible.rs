@@ -53,6 +53,22 @@ pub(super) fn error(
             ));
         }
     }
+    if best_allowed
+        .as_ref()
+        .is_some_and(|(_, how, _)| how.contains("offload_params"))
+    {
+        // The least keeps the parameters in files: name the unit that sets its floor.
+        let largest = memsave_step::parallel::units_of(&*runs.workload)
+            .ok()
+            // The first of the largest (max_by_key keeps the last).
+            .and_then(|units| units.into_iter().rev().max_by_key(|(_, b)| *b));
+        if let Some((unit, bytes)) = largest {
+            hint.push_str(&format!(
+                "with the parameters in files the device still holds one unit's weights while it runs, and its gradients in its backward: the largest, {unit}, takes {} of weights and as much of gradients, besides the input and the activations; ",
+                Bytes(bytes)
+            ));
+        }
+    }
     Ok(match best_allowed {
         Some((peak, how, kept)) => FitError::Infeasible {
             budget_bytes: request.budget_bytes,

@@ -135,3 +135,30 @@ fn llama_at_half_its_parameters_fits_with_the_parameters_in_files() {
     });
     at_half_the_parameters("llama", &arch, 4);
 }
+
+/// Below what one unit takes, the error names the largest unit and its bytes: a ViT
+/// block of width 64 and MLP 256 holds two layer norms (2 x 2 x 64), the attention's
+/// input and output projections (64 x 192 + 192, 64 x 64 + 64) and the MLP's
+/// (64 x 256 + 256, 256 x 64 + 64): 49,984 values, 199,936 bytes (195.25 KiB).
+#[test]
+#[serial_test::serial]
+fn below_one_unit_the_error_names_the_largest_unit_and_its_bytes() {
+    memsave_meter::install();
+    let arch = Architecture::Vit(VitConfig {
+        image: [3, 16, 16],
+        patch: 4,
+        dim: 64,
+        layers: 2,
+        heads: 4,
+        mlp: 256,
+        classes: 10,
+    });
+    let mut model = ZooWorkload::new("vit", &arch, 2, Device::Cpu).unwrap();
+    let mut request = FitRequest::new(150 * 1024);
+    request.optimizer = Some(OptimizerSpec::default());
+    let e = fit(&mut model, &request).expect_err("nothing fits").to_string();
+    assert!(
+        e.contains("the largest, layer 1, takes 195.25 KiB of weights"),
+        "{e}"
+    );
+}
