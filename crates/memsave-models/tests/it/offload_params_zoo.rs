@@ -204,3 +204,64 @@ fn offload_params_refuses_an_optimizer_after_backward_and_a_scaler() {
         .iter()
         .all(|p| p.isfinite().all().int64_value(&[]) == 1));
 }
+
+/// With each other lossless lever (every layer recomputed, saved activations in
+/// files, the optimizer's state in files, micro-batches, and all of them at once), the
+/// parameters in files change nothing: 20 steps give the weights of the same levers
+/// with the parameters on the device (the optimizer stepped after backward).
+#[test]
+#[serial_test::serial]
+fn with_every_other_lossless_lever_the_weights_are_bitwise_the_same() {
+    use memsave_checkpoint::Plan;
+    use memsave_step::{OffloadSpec, PlanChoice, SavedTensors, StatePlacement};
+    memsave_meter::install();
+    let arch = Architecture::Llama(LlamaConfig {
+        vocab: 256,
+        dim: 32,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        hidden: None,
+        seq: 8,
+        ..LlamaConfig::default()
+    });
+    let recompute = |c: &mut StepConfig| c.plan = PlanChoice::Fixed(Plan::EveryLayer);
+    let offload = |c: &mut StepConfig| {
+        c.saved = Some(SavedTensors::Offload(OffloadSpec::Disk {
+            dir: None,
+            max_in_flight: None,
+        }))
+    };
+    let state = |c: &mut StepConfig| {
+        if let Some(o) = c.optimizer.as_mut() {
+            o.placement = StatePlacement::Disk;
+        }
+    };
+    let split = |c: &mut StepConfig| c.micro_batches = Some(2);
+    type Lever = fn(&mut StepConfig);
+    let levers: [(&str, Vec<Lever>); 5] = [
+        ("recompute", vec![recompute]),
+        ("offload", vec![offload]),
+        ("state in files", vec![state]),
+        ("micro-batches", vec![split]),
+        ("all", vec![recompute, offload, state, split]),
+    ];
+    for (name, with) in levers {
+        let config = |in_backward: bool, params: bool| {
+            let mut c = StepConfig {
+                optimizer: Some(adamw(in_backward)),
+                offload_params: params.then_some(ParamsOffload::Disk),
+                ..StepConfig::baseline()
+            };
+            for lever in &with {
+                lever(&mut c);
+            }
+            c
+        };
+        let (p0, _) = train(&arch, 4, config(false, false));
+        let (p1, _) = train(&arch, 4, config(true, true));
+        for (i, (a, b)) in p0.iter().zip(&p1).enumerate() {
+            assert!(a == b, "{name}: parameter {i} differs after {STEPS} steps");
+        }
+    }
+}
