@@ -679,7 +679,7 @@ pub fn least_memory(
         weights_copy,
         batch,
         step_batch,
-        parameters_may_leave: optimizer.is_some(),
+        parameters_may_leave: optimizer.is_some() && request.offload_params,
         chunk_state,
     }
 }

@@ -256,6 +256,11 @@ struct FitArgs {
     /// uniform choice, to compare with the per-block one.
     #[arg(long)]
     uniform: bool,
+    /// Keep the parameters on the device. Without it, on one process with an
+    /// optimizer, when nothing fits with them there, fit may keep each unit's weights
+    /// in files between its uses (offload_params(to=disk), lossless).
+    #[arg(long)]
+    no_offload_params: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -556,6 +561,7 @@ fn fit(args: FitArgs) -> Result<()> {
     request.margin = args.margin;
     request.exhaustive = args.exhaustive;
     request.per_block = !args.uniform;
+    request.offload_params = !args.no_offload_params;
     request.allow = memsave_bench::FitLever::allow(&args.allow);
     let of = |kind| memsave_bench::OptimizerSpec {
         kind,

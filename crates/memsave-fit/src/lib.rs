@@ -260,6 +260,12 @@ pub struct FitRequest {
     /// false: every block alike (kept, recomputed or offloaded all together), to
     /// compare the per-block choice with the uniform one.
     pub per_block: bool,
+    /// On one process with an optimizer, when nothing fits with the parameters on the
+    /// device, may keep them in files between their uses (`offload_params(to=disk)`,
+    /// lossless: each unit's weights read while it runs, stepped in backward; the
+    /// default). False keeps them on the device: to compare, or where the disk traffic
+    /// of every weight at every step is not wanted.
+    pub offload_params: bool,
 }
 
 impl FitRequest {
@@ -275,6 +281,7 @@ impl FitRequest {
             process_group: None,
             optimizer: None,
             per_block: true,
+            offload_params: true,
         }
     }
 

@@ -169,7 +169,7 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
         state_lever_sets(request, optimizer, !modes.is_empty()),
-        params_lever_sets(optimizer, !modes.is_empty()),
+        params_lever_sets(optimizer, !modes.is_empty() || !request.offload_params),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {

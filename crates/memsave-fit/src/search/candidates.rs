@@ -147,12 +147,16 @@ pub(super) fn state_lever_sets(
 /// optimizer's state on the device and, for an optimizer that keeps state, in files.
 /// Considered only when nothing fits with the parameters on the device: every unit's
 /// weights are read from its file for its forward and its backward, and written when
-/// it steps.
-pub(super) fn params_lever_sets(optimizer: Option<OptimizerSpec>, on_ranks: bool) -> Vec<Levers> {
+/// it steps. None on ranks, or where the request keeps the parameters on the device
+/// (`on_ranks_or_kept`).
+pub(super) fn params_lever_sets(
+    optimizer: Option<OptimizerSpec>,
+    on_ranks_or_kept: bool,
+) -> Vec<Levers> {
     let Some(spec) = optimizer else {
         return Vec::new();
     };
-    if on_ranks {
+    if on_ranks_or_kept {
         return Vec::new();
     }
     let keeps_state = keeps_state(&spec);

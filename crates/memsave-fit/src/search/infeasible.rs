@@ -153,7 +153,10 @@ fn least_peaks(
         .into_iter()
         .chain(grad_lever_sets(&everything, has_optimizer))
         .chain(state_lever_sets(&everything, optimizer, !modes.is_empty()))
-        .chain(params_lever_sets(optimizer, !modes.is_empty()))
+        .chain(params_lever_sets(
+            optimizer,
+            !modes.is_empty() || !request.offload_params,
+        ))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);
