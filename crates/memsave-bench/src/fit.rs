@@ -723,7 +723,9 @@ fn check_least(
     match least.in_budget(world_size) {
         Some(g) if g <= request.budget_bytes => {}
         g => {
-            let shown = g.map_or("over 2^64 bytes".to_owned(), |g| Bytes(g).to_string());
+            let shown = g.map_or("over 2^64 bytes".to_owned(), |g| {
+                memsave_meter::BytesAtLeast(g).to_string()
+            });
             let one = least.on_one_device(world_size);
             let parts = one.parts(false);
             let int8 = if least.optimizer_state.unwrap_or(0) > 0 && !request.allow.int8_state {

@@ -24,6 +24,30 @@ impl fmt::Display for Bytes {
     }
 }
 
+/// A byte count shown as [`Bytes`] shows it, but rounded up in its last digit, so that
+/// the text parsed back is never less than the count: for "give a budget of at least
+/// ...", which a user copies into the next command (`2.00 MiB` for 2 MiB and 64 bytes
+/// would be refused again; this shows `2.01 MiB`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BytesAtLeast(pub u64);
+
+impl fmt::Display for BytesAtLeast {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 < 1024 {
+            return write!(f, "{} B", self.0);
+        }
+        let mut unit = 0;
+        let mut scale = 1u64;
+        while self.0 / scale >= 1024 && unit + 1 < UNITS.len() {
+            scale *= 1024;
+            unit += 1;
+        }
+        // Hundredths of the unit, rounded up, in integers (no float rounding).
+        let hundredths = (self.0 as u128 * 100).div_ceil(scale as u128);
+        write!(f, "{}.{:02} {}", hundredths / 100, hundredths % 100, UNITS[unit])
+    }
+}
+
 /// `Bytes(n).to_string()`: a byte count with binary units, e.g. `97.66 MiB`.
 pub fn format_bytes(bytes: u64) -> String {
     Bytes(bytes).to_string()
@@ -136,6 +160,21 @@ mod tests {
         assert_eq!(Bytes(1024).to_string(), "1.00 KiB");
         assert_eq!(Bytes(102_400_000).to_string(), "97.66 MiB");
         assert_eq!(format_bytes(8 << 30), "8.00 GiB");
+    }
+
+    #[test]
+    fn at_least_rounds_up_so_that_the_text_is_never_less() {
+        // 2 MiB and 64 bytes: Bytes shows 2.00 MiB, which parses back to less.
+        let n = (2 << 20) + 64;
+        assert_eq!(Bytes(n).to_string(), "2.00 MiB");
+        assert_eq!(BytesAtLeast(n).to_string(), "2.01 MiB");
+        assert_eq!(BytesAtLeast(2 << 20).to_string(), "2.00 MiB");
+        assert_eq!(BytesAtLeast(1023).to_string(), "1023 B");
+        assert_eq!(BytesAtLeast(1025).to_string(), "1.01 KiB");
+        for n in [1024, 1025, 5_000_000, (3 << 30) + 1, u64::MAX / 2] {
+            let back: Bytes = BytesAtLeast(n).to_string().replace(' ', "").parse().unwrap();
+            assert!(back.0 >= n, "{n}: {}", BytesAtLeast(n));
+        }
     }
 
     #[test]

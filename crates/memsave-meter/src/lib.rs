@@ -49,7 +49,7 @@ mod scope;
 mod stats;
 mod summary;
 
-pub use bytes::{format_bytes, Bytes, ParseBytesError};
+pub use bytes::{format_bytes, Bytes, BytesAtLeast, ParseBytesError};
 pub use c_allocator::settle_c_allocator;
 pub use leak::{detect_leak, f_detect_leak, LeakReport};
 pub use limit::MemoryLimitGuard;

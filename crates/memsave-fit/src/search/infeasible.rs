@@ -11,7 +11,7 @@ use crate::predict::Affine;
 use crate::probe::{probe, ProbeError};
 use crate::{Allow, Candidate, FitError, FitRequest, ParallelMode};
 use memsave_checkpoint::Solver;
-use memsave_meter::Bytes;
+use memsave_meter::{Bytes, BytesAtLeast};
 use memsave_step::workload::Workload;
 
 /// The least peak found and the configuration that reaches it, if any.
@@ -39,7 +39,7 @@ pub(super) fn error(
             world_size: runs.ranks.world_size(),
         });
     }
-    let need = |peak: u64, kept: u64| Bytes(budget_for(peak, kept, request.margin));
+    let need = |peak: u64, kept: u64| BytesAtLeast(budget_for(peak, kept, request.margin));
     let mut hint = if one_example_spoils {
         ONE_EXAMPLE_SPOILS.to_owned()
     } else {
