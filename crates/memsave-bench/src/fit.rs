@@ -651,8 +651,10 @@ pub fn least_memory(
     let largest_state =
         state_per_value.and_then(|v| spec.largest_parameter().and_then(|n| n.checked_mul(v)));
     let chunk = memsave_dist::SHARD_FILE_CHUNK_VALUES as u64;
-    let chunk_state = state_per_value
-        .and_then(|v| spec.largest_parameter().and_then(|n| n.min(chunk).checked_mul(v)));
+    let chunk_state = state_per_value.and_then(|v| {
+        spec.largest_parameter()
+            .and_then(|n| n.min(chunk).checked_mul(v))
+    });
     let weights_copy = match optimizer {
         Some(_) => parameters,
         None => Some(0),

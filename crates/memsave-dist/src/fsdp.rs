@@ -647,7 +647,13 @@ impl Fsdp {
                 let chunks = pieces.into_iter().flat_map(|piece| {
                     (0..piece.len)
                         .step_by(PIECE_VALUES as usize)
-                        .map(move |start| (piece.param, piece.at + start, PIECE_VALUES.min(piece.len - start)))
+                        .map(move |start| {
+                            (
+                                piece.param,
+                                piece.at + start,
+                                PIECE_VALUES.min(piece.len - start),
+                            )
+                        })
                 });
                 let pieces = chunks
                     .map(|(param, at, len)| {

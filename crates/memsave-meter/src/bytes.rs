@@ -44,7 +44,13 @@ impl fmt::Display for BytesAtLeast {
         }
         // Hundredths of the unit, rounded up, in integers (no float rounding).
         let hundredths = (self.0 as u128 * 100).div_ceil(scale as u128);
-        write!(f, "{}.{:02} {}", hundredths / 100, hundredths % 100, UNITS[unit])
+        write!(
+            f,
+            "{}.{:02} {}",
+            hundredths / 100,
+            hundredths % 100,
+            UNITS[unit]
+        )
     }
 }
 
@@ -172,7 +178,11 @@ mod tests {
         assert_eq!(BytesAtLeast(1023).to_string(), "1023 B");
         assert_eq!(BytesAtLeast(1025).to_string(), "1.01 KiB");
         for n in [1024, 1025, 5_000_000, (3 << 30) + 1, u64::MAX / 2] {
-            let back: Bytes = BytesAtLeast(n).to_string().replace(' ', "").parse().unwrap();
+            let back: Bytes = BytesAtLeast(n)
+                .to_string()
+                .replace(' ', "")
+                .parse()
+                .unwrap();
             assert!(back.0 >= n, "{n}: {}", BytesAtLeast(n));
         }
     }

@@ -266,3 +266,95 @@ fn a_directory_that_takes_no_files_is_refused_naming_it() {
         .to_string();
     assert!(e.contains("not-a-dir"), "{e}");
 }
+
+/// One rank's share of 10 steps with AdamW stepped in backward, its shards in files
+/// (`files`) or in memory, with 2 micro-batches (summed in files, or in the shards'
+/// `.grad` with the optimizer after backward); writes the full weights.
+fn train_share(group: &ProcessGroup, files: bool, out: &Path) {
+    let (rank, n) = (group.rank() as i64, group.world_size() as i64);
+    let (x, y) = data();
+    let local = BATCH / n;
+    let (x, y) = (
+        x.narrow(0, rank * local, local),
+        y.narrow(0, rank * local, local),
+    );
+    let (_vs, layers) = layers_of(&DIMS, 1);
+    let dir = out.join(format!("shards-rank{rank}"));
+    let mut fsdp = if files {
+        Fsdp::new_in_dir(group, FsdpConfig::default(), &dir).expect("fsdp in files")
+    } else {
+        Fsdp::new(group, FsdpConfig::default()).expect("fsdp")
+    };
+    let units = sharded(&mut fsdp, layers);
+    let opt = AdamW::new(&fsdp.parameters(), CONFIG).expect("optimizer");
+    let (mut after, _hooked) = if files {
+        (
+            None,
+            Some(fsdp.step_in_backward(opt).expect("step_in_backward")),
+        )
+    } else {
+        (Some(opt), None)
+    };
+    let half = local / 2;
+    for _ in 0..10 {
+        for m in 0..2 {
+            fsdp.set_accumulate(m == 0);
+            let (xm, ym) = (x.narrow(0, m * half, half), y.narrow(0, m * half, half));
+            let loss = fsdp
+                .forward(|| {
+                    let mut h = xm.shallow_clone();
+                    for unit in &units {
+                        h = unit.lock().unwrap().f_forward_t(&h, true).expect("unit");
+                    }
+                    h.mse_loss(&ym, tch::Reduction::Mean) * 0.5
+                })
+                .expect("forward");
+            loss.backward();
+        }
+        fsdp.f_finish_backward().expect("finish_backward");
+        if let Some(opt) = after.as_mut() {
+            opt.f_step().expect("step");
+            opt.zero_grad(true);
+        }
+    }
+    let full = fsdp.f_full_parameters().expect("full parameters");
+    let bytes: Vec<u8> = flat(&full).iter().flat_map(|v| v.to_le_bytes()).collect();
+    let tag = if files { "files" } else { "memory" };
+    std::fs::write(out.join(format!("{tag}-rank{rank}.params")), bytes).expect("write");
+    fsdp.discard();
+}
+
+#[test]
+#[ignore = "a rank of fsdp_files::on_two_ranks_shards_in_files_train_bitwise_like_shards_in_memory: started by the launcher"]
+fn fsdp_files_worker() {
+    let out = crate::common::out_dir();
+    let options = InitOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let group = memsave_dist::init_process_group(&options).expect("join the group");
+    for files in [false, true] {
+        train_share(&group, files, &out);
+    }
+}
+
+#[test]
+#[serial]
+fn on_two_ranks_shards_in_files_train_bitwise_like_shards_in_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    crate::common::run_ranks("fsdp_files::fsdp_files_worker", 2, dir.path())
+        .expect("every rank succeeds");
+    let read = |name: &str| std::fs::read(dir.path().join(name)).expect(name);
+    let memory = read("memory-rank0.params");
+    assert_eq!(read("memory-rank1.params"), memory, "the ranks agree");
+    assert_eq!(
+        read("files-rank0.params"),
+        memory,
+        "rank 0, shards in files"
+    );
+    assert_eq!(
+        read("files-rank1.params"),
+        memory,
+        "rank 1, shards in files"
+    );
+}

@@ -77,9 +77,14 @@ fn at_half_the_parameters(name: &str, arch: &Architecture, batch: i64) {
     let micro_batches = choice.micro_batches;
     let mut trainer = report.trainer(&mut model).unwrap();
     for i in 0..STEPS {
-        let m = trainer.step(&x).unwrap_or_else(|e| panic!("{name}: step {i}: {e}"));
+        let m = trainer
+            .step(&x)
+            .unwrap_or_else(|e| panic!("{name}: step {i}: {e}"));
         let device = m.device_peak_bytes() - held_besides;
-        assert!(device <= budget, "{name}: step {i} held {device} B, budget {budget} B");
+        assert!(
+            device <= budget,
+            "{name}: step {i} held {device} B, budget {budget} B"
+        );
     }
     trainer.restore_full_parameters().unwrap();
     drop(trainer);
@@ -101,7 +106,10 @@ fn at_half_the_parameters(name: &str, arch: &Architecture, batch: i64) {
     let expected = bytes(&plain_model.parameters());
     assert_eq!(offloaded.len(), expected.len());
     for (i, (a, b)) in offloaded.iter().zip(&expected).enumerate() {
-        assert!(a == b, "{name}: parameter {i} differs after {STEPS} steps\n{text}");
+        assert!(
+            a == b,
+            "{name}: parameter {i} differs after {STEPS} steps\n{text}"
+        );
     }
 }
 
@@ -156,7 +164,9 @@ fn below_one_unit_the_error_names_the_largest_unit_and_its_bytes() {
     let mut model = ZooWorkload::new("vit", &arch, 2, Device::Cpu).unwrap();
     let mut request = FitRequest::new(150 * 1024);
     request.optimizer = Some(OptimizerSpec::default());
-    let e = fit(&mut model, &request).expect_err("nothing fits").to_string();
+    let e = fit(&mut model, &request)
+        .expect_err("nothing fits")
+        .to_string();
     assert!(
         e.contains("the largest, layer 1, takes 195.25 KiB of weights"),
         "{e}"
