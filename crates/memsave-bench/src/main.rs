@@ -223,7 +223,9 @@ struct FitArgs {
     /// gradients, activations and workspace (with --world-size, per rank). Not counted:
     /// the copy of the weights fit keeps to put them back after each run. Note that
     /// `bench`'s peak is above the parameters, the input and the optimizer's state:
-    /// add them to turn one into the other (the report's breakdown gives them).
+    /// add them to turn one into the other (the report's breakdown gives them). With an
+    /// optimizer on one process, the state and then the parameters themselves may wait
+    /// in files (see --no-offload-params), so a budget below them can fit.
     #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     budget: Bytes,
     /// Examples per optimizer step (default: the model's batch in the suite).

@@ -33,6 +33,18 @@
 //!   each parameter's state is read back for its update and written after it, so the
 //!   device holds one parameter's at a time instead of AdamW's twice the parameters;
 //!   every file is checked when read back (`memsave-optim`'s `Placement::Disk`);
+//! - **parameters in files** (`offload_params(to=disk)`, lossless; on one process, with
+//!   an optimizer, unless [`FitRequest::offload_params`] is off), only when nothing
+//!   fits with them on the device (a fourth pass, with and without offloaded
+//!   activations and the state in files): the step runs as ZeRO-3 over a group of one
+//!   whose shards are in files (`memsave_step::ParamsOffload`), each unit (a layer, or
+//!   a top-level block) read for its forward, its recomputation and its backward, and
+//!   stepped in backward as its gradients land, in chunks of at most
+//!   `memsave_dist::SHARD_FILE_CHUNK_VALUES` values; with micro-batches, each unit's
+//!   gradients are summed in a file until the last one. The device then holds about
+//!   one unit's weights and gradients besides the activations, so budgets below the
+//!   parameters' own bytes are reached; a budget nothing fits names the largest unit
+//!   and its bytes;
 //! - only when allowed ([`Allow`]), the lossy ones: bf16 autocast, int8 compression of
 //!   saved activations (for a model of blocks, also per block, mixed with the other
 //!   levers by the blocks planner), 8-bit optimizer state.
@@ -503,6 +515,10 @@ pub enum FitEvent {
         micro_batch: i64,
         /// The second pass, with the gradients in files (nothing fit without).
         gradients_in_files: bool,
+        /// The third pass, with the optimizer's state in files (nothing fit without).
+        state_in_files: bool,
+        /// The fourth pass, with the parameters in files (nothing fit without).
+        parameters_in_files: bool,
     },
     /// Within a split: predicting one configuration from its small runs.
     Probing {
@@ -563,11 +579,17 @@ impl std::fmt::Display for FitEvent {
                 micro_batches,
                 micro_batch,
                 gradients_in_files,
+                state_in_files,
+                parameters_in_files,
             } => write!(
                 f,
                 "predicting {micro_batches} micro-batch{} of {micro_batch} from small runs{}",
                 if *micro_batches == 1 { "" } else { "es" },
-                if *gradients_in_files {
+                if *parameters_in_files {
+                    " (parameters in files)"
+                } else if *state_in_files {
+                    " (optimizer state in files)"
+                } else if *gradients_in_files {
                     " (gradients in files)"
                 } else {
                     ""

@@ -284,6 +284,8 @@ impl Search<'_, '_> {
             micro_batches: k,
             micro_batch: m,
             gradients_in_files,
+            state_in_files: lever_sets[0].state_in_files,
+            parameters_in_files: lever_sets[0].params_in_files,
         });
         // The step in backward frees each gradient as soon as it is complete, which
         // accumulation over micro-batches needs kept, unless it is kept in files.

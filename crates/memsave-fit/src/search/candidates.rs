@@ -324,6 +324,40 @@ mod tests {
         assert!(state_lever_sets(&request, Some(on_disk), false).is_empty());
     }
 
+    /// The parameters in files: with an optimizer on one process, always stepped in
+    /// backward, with and without offloaded activations, the state on the device and
+    /// (for an optimizer that keeps state) in files; none without an optimizer, on
+    /// ranks, or when the request keeps them on the device.
+    #[test]
+    fn the_parameters_in_files_come_with_an_optimizer_on_one_process() {
+        let adamw = OptimizerSpec::default();
+        let sets = params_lever_sets(Some(adamw), false);
+        assert_eq!(sets.len(), 4, "{sets:?}");
+        assert!(sets.iter().all(|l| l.params_in_files && l.in_backward));
+        assert_eq!(sets.iter().filter(|l| l.state_in_files).count(), 2);
+        assert_eq!(sets.iter().filter(|l| l.offload).count(), 2);
+        assert!(params_lever_sets(Some(adamw), true).is_empty());
+        assert!(params_lever_sets(None, false).is_empty());
+        let sgd = OptimizerSpec {
+            kind: OptimizerKind::Sgd,
+            ..OptimizerSpec::default()
+        };
+        let sets = params_lever_sets(Some(sgd), false);
+        assert_eq!(sets.len(), 2, "no state to keep in files: {sets:?}");
+        assert!(sets.iter().all(|l| !l.state_in_files));
+        let choice = sets[0].apply(Choice::new(8, 1));
+        assert!(choice.params_in_files && choice.is_lossless());
+        assert_eq!(
+            choice.strategy,
+            "offload_params(to=disk)+optimizer(in_backward=true)"
+        );
+        let config = choice.step_config(Some(sgd));
+        assert_eq!(
+            config.offload_params,
+            Some(memsave_step::ParamsOffload::Disk)
+        );
+    }
+
     #[test]
     fn gradients_in_files_come_with_the_step_in_backward_when_there_is_an_optimizer() {
         let request = FitRequest::new(1 << 20);
