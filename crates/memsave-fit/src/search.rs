@@ -169,7 +169,7 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
         state_lever_sets(request, optimizer, !modes.is_empty()),
-        params_lever_sets(optimizer, !modes.is_empty() || !request.offload_params),
+        params_lever_sets(optimizer, !params_may_leave(request, &*search.runs.workload, modes)),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
@@ -203,6 +203,17 @@ fn search_fit(
         (chosen, fastest_measured) = search.exhaustive(chosen)?;
     }
     Ok(search.report(chosen, coupling, raced, fastest_measured))
+}
+
+/// Whether the parameters may wait in files: on one process (ZeRO-3 on ranks shards
+/// them instead), on the CPU (the shards in files are f32 CPU tensors; host memory on
+/// CUDA is not done), unless the request keeps them on the device.
+pub(super) fn params_may_leave(
+    request: &FitRequest,
+    workload: &dyn memsave_step::workload::Workload,
+    modes: &[ParallelMode],
+) -> bool {
+    modes.is_empty() && request.offload_params && workload.device() == tch::Device::Cpu
 }
 
 /// The search's state: the runs of the workload and every configuration considered

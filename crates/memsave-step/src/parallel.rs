@@ -386,8 +386,15 @@ impl DataParallelHandle {
     ///
     /// # Errors
     /// As [`for_workload`](Self::for_workload); a temporary directory that cannot be
-    /// made or written, naming it.
+    /// made or written, naming it; a model that is not on the CPU.
     pub fn offload_params(model: &dyn Workload, config: FsdpConfig) -> Result<Self, StepError> {
+        if model.device() != tch::Device::Cpu {
+            return Err(StepError::invalid(format!(
+                "offload_params keeps the parameters of a CPU model in files; '{}' is on {:?}, where keeping them in host memory is not done yet: drop offload_params",
+                model.name(),
+                model.device()
+            )));
+        }
         let zero = |e| StepError::lever("offload_params", e);
         let dir = tempfile::Builder::new()
             .prefix("memsave-rendezvous-")

@@ -147,16 +147,16 @@ pub(super) fn state_lever_sets(
 /// optimizer's state on the device and, for an optimizer that keeps state, in files.
 /// Considered only when nothing fits with the parameters on the device: every unit's
 /// weights are read from its file for its forward and its backward, and written when
-/// it steps. None on ranks, or where the request keeps the parameters on the device
-/// (`on_ranks_or_kept`).
+/// it steps. None where they may not leave the device (`kept`: on ranks, off the CPU,
+/// or the request keeps them; see `params_may_leave`).
 pub(super) fn params_lever_sets(
     optimizer: Option<OptimizerSpec>,
-    on_ranks_or_kept: bool,
+    kept: bool,
 ) -> Vec<Levers> {
     let Some(spec) = optimizer else {
         return Vec::new();
     };
-    if on_ranks_or_kept {
+    if kept {
         return Vec::new();
     }
     let keeps_state = keeps_state(&spec);

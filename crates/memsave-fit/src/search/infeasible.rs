@@ -155,7 +155,7 @@ fn least_peaks(
         .chain(state_lever_sets(&everything, optimizer, !modes.is_empty()))
         .chain(params_lever_sets(
             optimizer,
-            !modes.is_empty() || !request.offload_params,
+            !super::params_may_leave(request, &*runs.workload, modes),
         ))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
