@@ -2,10 +2,11 @@
 # The README's whole-device table (issue #36): per zoo model, with AdamW, the smallest
 # whole-device budget (parameters, optimizer state, input, gradients and everything the
 # step allocates) each mode reaches, and the step time there:
-#   - plain: the plain step (`memsave fit` with room to spare chooses it);
-#   - checkpoint every layer: `memsave bench`'s `checkpoint: {every_layer: true}` with
-#     AdamW, its peak above the step's start plus the parameters, AdamW's state and the
-#     input (what `fit`'s budget counts besides, see the guide);
+#   - plain, and checkpoint every layer: `memsave bench`'s plain step and
+#     `checkpoint: {every_layer: true}`, each with AdamW stepped after backward, their
+#     peak above the step's start plus the parameters, AdamW's state and the input
+#     (what `fit`'s budget counts besides, see the guide; the parameters and the input
+#     from the breakdown of `memsave fit` with room to spare);
 #   - fit, parameters on the device: the least `memsave fit --no-offload-params` finds
 #     (its "give a budget of at least"), then fit run at that budget;
 #   - fit, parameters in files: the same without `--no-offload-params`.
@@ -41,6 +42,7 @@ for m in "${models[@]}"; do
       echo "models:"
       grep -E "^  - \{name: $m," suites/zoo.yaml
       echo "strategies:"
+      echo "  - {name: adamw, with: [{optimizer: {kind: adamw}}]}"
       echo "  - {name: checkpoint+adamw, with: [{checkpoint: {every_layer: true}}, {optimizer: {kind: adamw}}]}"
     } > "$out/$m.yaml"
     "$bin" bench "$out/$m.yaml" --json "$out/$m-checkpoint.json" >/dev/null 2>&1
@@ -72,15 +74,16 @@ def fit_cell(path):
 print("| model | parameters | plain | checkpoint every layer | fit, parameters on the device | fit, parameters in files |")
 print("|---|---|---|---|---|---|")
 for m in models:
-    plain = json.load(open(f"{out}/{m}-plain.json"))
-    assert plain["choice"]["strategy"] == "baseline", plain["choice"]["strategy"]
-    params, inp = plain["breakdown"]["parameters"], plain["breakdown"]["input"]
-    case = json.load(open(f"{out}/{m}-checkpoint.json"))["cases"][0]
-    if case["status"] == "ok":
+    roomy = json.load(open(f"{out}/{m}-plain.json"))
+    assert not roomy["choice"]["params_in_files"], roomy["choice"]["strategy"]
+    params, inp = roomy["breakdown"]["parameters"], roomy["breakdown"]["input"]
+    def bench_cell(case):
+        if case["status"] != "ok":
+            return f"{case['status']}: {case['error']}"
         whole = case["peak_bytes"] + params + case["optimizer_state_bytes"] + inp
-        ckpt = f"{mib(whole)}, {case['step_time_s']['median']:.3f} s"
-    else:
-        ckpt = f"{case['status']}: {case['error']}"
-    print(f"| {m} | {mib(params)} | {mib(plain['measured_peak_bytes'])}, {plain['measured_step_time_s']:.3f} s "
-          f"| {ckpt} | {fit_cell(f'{out}/{m}-on-device.json')} | {fit_cell(f'{out}/{m}-in-files.json')} |")
+        return f"{mib(whole)}, {case['step_time_s']['median']:.3f} s"
+    plain, ckpt = json.load(open(f"{out}/{m}-checkpoint.json"))["cases"][:2]
+    assert (plain["strategy"], ckpt["strategy"]) == ("adamw", "checkpoint+adamw")
+    print(f"| {m} | {mib(params)} | {bench_cell(plain)} | {bench_cell(ckpt)} "
+          f"| {fit_cell(f'{out}/{m}-on-device.json')} | {fit_cell(f'{out}/{m}-in-files.json')} |")
 PY

@@ -876,7 +876,8 @@ impl Fsdp {
     ///
     /// `optimizer` must hold exactly [`Fsdp::parameters`], in that order (an `Err`
     /// otherwise, before anything changes). Traps: every backward steps, so this does
-    /// not combine with gradient accumulation over micro-batches; global gradient-norm
+    /// not combine with gradient accumulation over micro-batches (except with shards in
+    /// files, whose sums wait in files: [`Fsdp::set_accumulate`]); global gradient-norm
     /// clipping is not applied (as with `f_step_param`); units whose reduction waits
     /// for [`Fsdp::f_finish_backward`] (some parameter got no gradient) step there. An
     /// optimizer error fails the backward, naming this rank. Registering again replaces
@@ -925,9 +926,38 @@ impl Fsdp {
     /// unit. [`Fsdp::f_finish_backward`] turns it off and steps the units whose sum the
     /// last backward did not reach. Without shards in files it changes nothing (the
     /// shards' `.grad` accumulate, and the optimizer steps after backward).
-    pub fn set_accumulate(&self, on: bool) {
+    ///
+    /// Call it before each micro-batch's backward: a unit left partly reduced by the
+    /// micro-batch before (a parameter it did not use) is added to its file then, so
+    /// that the sums run in autograd's order ((q1 + q2) + q3). An `Err` (a file that
+    /// cannot be read or written) fails the step.
+    pub fn set_accumulate(&self, on: bool) -> Result<()> {
         let mut state = self.state();
-        state.accumulating = on && state.files.is_some();
+        if state.files.is_none() {
+            return Ok(());
+        }
+        if state.accumulating {
+            for unit in 0..state.units.len() {
+                if state.units[unit].owed {
+                    state.reduce(unit)?;
+                }
+            }
+        }
+        state.accumulating = on;
+        Ok(())
+    }
+
+    /// Forgets what a step that failed half way left behind, before the next one: the
+    /// units' gradients (in memory and, with shards in files, the sums waiting in
+    /// files), what backward had reduced, any gathered weights, and accumulation (off).
+    /// Nothing of a finished step is touched: its weights, its optimizer state. The
+    /// step engine (`memsave-step`) calls it at the start of every step. Communicates
+    /// nothing.
+    pub fn f_discard_unfinished_step(&self) -> Result<()> {
+        let mut state = self.state();
+        state.drop_gradients_and_weights()?;
+        state.forward_unit = None;
+        Ok(())
     }
 
     /// Every unit's full parameters, in the order they were given to
@@ -1376,8 +1406,20 @@ impl Shared {
             // With shards in files, a micro-batch before the last adds its gradients
             // to the unit's gradient file; the last one takes the sum back.
             Some(files) if self.accumulating => {
-                if let Some(g) = &grads {
-                    files.add_gradient(unit, g, &used)?;
+                if let Some(g) = grads {
+                    // The micro-batches' sum so far plus these: per parameter, the sum
+                    // where both have a gradient (the stored one first, as autograd
+                    // adds into `.grad`), else the one that has.
+                    let (sum, flags) = match files.take_gradient(unit)? {
+                        Some((stored, stored_used)) => {
+                            combine(&self.units[unit], stored, &stored_used, Some(g), &used)
+                                .map_err(err)?
+                        }
+                        None => (Some(g), used.clone()),
+                    };
+                    if let Some(sum) = sum {
+                        files.put_gradient(unit, &sum, flags)?;
+                    }
                 }
                 (None, used)
             }

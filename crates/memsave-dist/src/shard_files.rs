@@ -162,28 +162,17 @@ impl ShardFiles {
         Ok(())
     }
 
-    /// Adds a micro-batch's gradients of `unit` (its shard's length, `used` its flags
-    /// per parameter) to the sum in the unit's gradient file: the file's values plus
-    /// these, in that order (autograd's accumulation of `.grad`); the first micro-batch
-    /// writes them as they are.
-    pub(crate) fn add_gradient(&mut self, unit: usize, grads: &Tensor, used: &[f32]) -> Result<()> {
+    /// Keeps `sum` (the micro-batches' gradients of `unit` so far, its shard's length)
+    /// and `used` (which parameters some micro-batch gave one) in the unit's gradient
+    /// file, for [`take_gradient`](Self::take_gradient).
+    pub(crate) fn put_gradient(&mut self, unit: usize, sum: &Tensor, used: Vec<f32>) -> Result<()> {
         let name = format!("unit-{unit}.grad.f32");
-        let (sum, flags) = match self.units[unit].gradient.take() {
-            None => (grads.shallow_clone(), used.to_vec()),
-            Some((file, flags)) => {
-                let path = self.dir.join(&file.name);
-                let stored = read_checked(&path, self.units[unit].values, file.crc, self.rank)?;
-                let (sum, flags) = add_used(&stored, &flags, grads, used)
-                    .map_err(|e| io_error(self.rank, &path, "add to", e))?;
-                (sum, flags)
-            }
-        };
-        let crc = self.write(&name, &sum)?;
-        self.units[unit].gradient = Some((FileRef { name, crc }, flags));
+        let crc = self.write(&name, sum)?;
+        self.units[unit].gradient = Some((FileRef { name, crc }, used));
         Ok(())
     }
 
-    /// The sum [`add_gradient`](Self::add_gradient) kept for `unit`, read back (and
+    /// The sum [`put_gradient`](Self::put_gradient) kept for `unit`, read back (and
     /// its file removed), with its flags; `None` when there is none.
     pub(crate) fn take_gradient(&mut self, unit: usize) -> Result<Option<(Tensor, Vec<f32>)>> {
         let Some((file, flags)) = self.units[unit].gradient.take() else {
@@ -309,25 +298,6 @@ impl ShardFiles {
             .and_then(|()| fs::rename(&tmp, &path))
             .map_err(|e| io_error(self.rank, &path, "write", e))
     }
-}
-
-/// `stored + grads` (in place in `stored`, a tensor of its own read from its file),
-/// with the flags of either. A parameter without a gradient holds zeros on its side,
-/// so the sum is the side that has one (but for the sign of a zero gradient).
-fn add_used(
-    stored: &Tensor,
-    stored_used: &[f32],
-    grads: &Tensor,
-    used: &[f32],
-) -> tch::Result<(Tensor, Vec<f32>)> {
-    let flags = stored_used
-        .iter()
-        .zip(used)
-        .map(|(&a, &b)| if a != 0.0 || b != 0.0 { 1.0 } else { 0.0 })
-        .collect();
-    let mut sum = stored.shallow_clone();
-    let _ = sum.f_add_(grads)?;
-    Ok((sum, flags))
 }
 
 /// Writes the bytes of `t` (contiguous f32) to `path` a chunk at a time; returns their

@@ -169,7 +169,10 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
         state_lever_sets(request, optimizer, !modes.is_empty()),
-        params_lever_sets(optimizer, !params_may_leave(request, &*search.runs.workload, modes)),
+        params_lever_sets(
+            optimizer,
+            !params_may_leave(request, &*search.runs.workload, modes),
+        ),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
@@ -181,8 +184,13 @@ fn search_fit(
     }
     let mut chosen = None;
     for (pass, lever_sets) in passes.iter().enumerate() {
-        if chosen.is_some() || lever_sets.is_empty() {
+        if chosen.is_some() {
             break;
+        }
+        // (A pass may be empty, the state's for an optimizer without state: the next
+        // one still runs.)
+        if lever_sets.is_empty() {
+            continue;
         }
         let gradients_in_files = pass > 0 && lever_sets[0].offload_grads;
         search.predict_pass(gradients_in_files, lever_sets)?;
@@ -213,7 +221,13 @@ pub(super) fn params_may_leave(
     workload: &dyn memsave_step::workload::Workload,
     modes: &[ParallelMode],
 ) -> bool {
-    modes.is_empty() && request.offload_params && workload.device() == tch::Device::Cpu
+    // And only for a workload the units can be made of (each parameter in one layer
+    // or top-level block, layers that run inside their unit): the others would fail
+    // to set up, where they should only not be offered the lever.
+    modes.is_empty()
+        && request.offload_params
+        && workload.device() == tch::Device::Cpu
+        && memsave_step::parallel::units_of(workload).is_ok()
 }
 
 /// The search's state: the runs of the workload and every configuration considered

@@ -149,7 +149,9 @@ impl DataParallel {
 /// the bytes of their parameters, in order; layers without parameters make none. A
 /// model of blocks runs one forward of `model.batch(1)` in evaluation mode to find
 /// them. For messages: with the parameters in files the device holds the unit that
-/// runs, so the largest unit is what it holds at least.
+/// runs, so the largest unit is what it holds at least; and for whether a workload can
+/// be run so at all (an `Err` says why not). Removes any layer wrapper the workload
+/// has.
 ///
 /// # Errors
 /// As [`DataParallelHandle::for_workload`] refuses a workload.
@@ -165,7 +167,7 @@ pub fn units_of(model: &dyn Workload) -> Result<Vec<(String, u64)>, StepError> {
             .filter(|(_, ps)| !ps.is_empty())
             .map(|(name, ps)| (format!("block {name}"), bytes(&ps)))
             .collect(),
-        None => layer_units(model)?
+        None => find_layer_units(model)?
             .iter()
             .enumerate()
             .filter(|(_, ps)| !ps.is_empty())
@@ -542,11 +544,18 @@ impl DataParallelHandle {
         self.fsdp.as_ref().map(Fsdp::parameters).unwrap_or_default()
     }
 
-    /// Before a step: ZeRO-3's gathered peak starts again.
-    pub(crate) fn start_step(&self) {
+    /// Before a step: ZeRO-3's gathered peak starts again, and with the shards in
+    /// files what a step that failed half way left (gradient sums in files, units half
+    /// reduced) is dropped, so that it does not add to this step's.
+    pub(crate) fn start_step(&self) -> Result<(), StepError> {
         if let Some(fsdp) = &self.fsdp {
+            if fsdp.shard_dir().is_some() {
+                fsdp.f_discard_unfinished_step()
+                    .map_err(|e| StepError::lever("offload_params", e))?;
+            }
             fsdp.reset_gathered_peak();
         }
+        Ok(())
     }
 
     /// Runs a forward (and its loss) as the mode needs: under ZeRO-3 inside
@@ -567,15 +576,17 @@ impl DataParallelHandle {
 
     /// Turns DDP's reduction in backward on or off (nothing under ZeRO); see
     /// [`SyncGuard`].
-    pub(crate) fn set_grad_sync(&self, on: bool) {
+    pub(crate) fn set_grad_sync(&self, on: bool) -> Result<(), StepError> {
         if let Some(ddp) = &self.ddp {
             ddp.set_require_backward_grad_sync(on);
         }
         // With the shards in files (offload_params), a micro-batch before the last
         // adds its gradients to each unit's gradient file; the last one steps.
         if let Some(fsdp) = &self.fsdp {
-            fsdp.set_accumulate(!on);
+            fsdp.set_accumulate(!on)
+                .map_err(|e| StepError::lever("offload_params", e))?;
         }
+        Ok(())
     }
 
     /// After the step's last backward: reduces what backward left unreduced (DDP's
@@ -612,7 +623,9 @@ pub(crate) struct SyncGuard<'a>(pub Option<&'a DataParallelHandle>);
 impl Drop for SyncGuard<'_> {
     fn drop(&mut self) {
         if let Some(dp) = self.0 {
-            dp.set_grad_sync(true);
+            // A drop has no one to tell: a failure here shows at the next step,
+            // which starts by dropping what this one left.
+            let _ = dp.set_grad_sync(true);
         }
     }
 }

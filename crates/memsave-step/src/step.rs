@@ -325,7 +325,7 @@ impl<'a> StepRun<'a> {
         free_grads(&params).map_err(accumulation)?;
         if let Some(dp) = self.data_parallel {
             free_grads(&dp.shards()).map_err(accumulation)?;
-            dp.start_step();
+            dp.start_step()?;
         }
         let grad_offload = self.grad_offload(config, &params)?;
         let input = step_input(x, config)?;
@@ -537,7 +537,7 @@ impl<'a> StepRun<'a> {
                     g.set_last_micro_batch(last);
                 }
                 if let Some(dp) = data_parallel {
-                    dp.set_grad_sync(last);
+                    dp.set_grad_sync(last)?;
                 }
                 Ok::<_, StepError>(loss)
             })

@@ -298,7 +298,7 @@ fn train_share(group: &ProcessGroup, files: bool, out: &Path) {
     let half = local / 2;
     for _ in 0..10 {
         for m in 0..2 {
-            fsdp.set_accumulate(m == 0);
+            fsdp.set_accumulate(m == 0).expect("set_accumulate");
             let (xm, ym) = (x.narrow(0, m * half, half), y.narrow(0, m * half, half));
             let loss = fsdp
                 .forward(|| {
@@ -357,4 +357,59 @@ fn on_two_ranks_shards_in_files_train_bitwise_like_shards_in_memory() {
         memory,
         "rank 1, shards in files"
     );
+}
+
+/// One step of two micro-batches, each unit's gradients summed in its file until the
+/// second; `stop_after_first`: the step fails after the first micro-batch's backward
+/// (nothing after it runs).
+fn accumulated_step(
+    fsdp: &Fsdp,
+    units: &[Arc<Mutex<FsdpUnit>>],
+    x: &Tensor,
+    y: &Tensor,
+    stop_after_first: bool,
+) {
+    let half = x.size()[0] / 2;
+    for m in 0..2 {
+        fsdp.set_accumulate(m == 0).expect("set_accumulate");
+        let (xm, ym) = (x.narrow(0, m * half, half), y.narrow(0, m * half, half));
+        let loss = fsdp
+            .forward(|| {
+                let mut h = xm.shallow_clone();
+                for unit in units {
+                    h = unit.lock().unwrap().f_forward_t(&h, true).expect("unit");
+                }
+                h.mse_loss(&ym, tch::Reduction::Mean) * 0.5
+            })
+            .expect("forward");
+        loss.backward();
+        if stop_after_first {
+            return;
+        }
+    }
+    fsdp.f_finish_backward().expect("finish_backward");
+}
+
+/// A step that fails after its first micro-batch left each unit's gradient sum in a
+/// file; `f_discard_unfinished_step` drops them, and the next step's weights are those
+/// of a run where the failed step never happened.
+#[test]
+#[serial]
+fn a_failed_step_s_gradient_sums_do_not_reach_the_next_step() {
+    let (x, y) = data();
+    let run = |fail_between: bool| {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let group = group(tmp.path());
+        let (fsdp, units) = setup(&group, &tmp.path().join("weights"));
+        accumulated_step(&fsdp, &units, &x, &y, false);
+        if fail_between {
+            accumulated_step(&fsdp, &units, &x, &y, true);
+            fsdp.f_discard_unfinished_step().expect("discard");
+        }
+        accumulated_step(&fsdp, &units, &x, &y, false);
+        let weights = flat(&fsdp.f_full_parameters().expect("weights"));
+        fsdp.discard();
+        weights
+    };
+    assert_eq!(run(true), run(false));
 }

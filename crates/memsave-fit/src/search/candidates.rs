@@ -149,10 +149,7 @@ pub(super) fn state_lever_sets(
 /// weights are read from its file for its forward and its backward, and written when
 /// it steps. None where they may not leave the device (`kept`: on ranks, off the CPU,
 /// or the request keeps them; see `params_may_leave`).
-pub(super) fn params_lever_sets(
-    optimizer: Option<OptimizerSpec>,
-    kept: bool,
-) -> Vec<Levers> {
+pub(super) fn params_lever_sets(optimizer: Option<OptimizerSpec>, kept: bool) -> Vec<Levers> {
     let Some(spec) = optimizer else {
         return Vec::new();
     };
