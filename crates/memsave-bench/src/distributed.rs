@@ -803,6 +803,15 @@ pub(crate) fn rank_config(
             })),
             _ => None,
         })
+        .or_else(|| {
+            // The parameters in files: ZeRO-3 with its shards in files, on every rank
+            // (a group of one on one process).
+            let in_files = strategy
+                .techniques
+                .iter()
+                .any(|t| matches!(t, Technique::OffloadParams));
+            in_files.then(|| DataParallel::Fsdp(FsdpConfig::default()))
+        })
         .unwrap_or(DataParallel::Ddp(DdpConfig::default()));
     if matches!(mode, DataParallel::Fsdp(_)) {
         if let Some(reason) = model.kind.architecture().and_then(zero3_refuses) {
@@ -841,6 +850,15 @@ pub(crate) fn rank_config(
     };
     crate::models::residual_available(model, config.residual)
         .map_err(|e| RanksUnavailable::new(e.to_string()))?;
+    let mode = match mode {
+        DataParallel::Fsdp(c) if config.offload_params.is_some() => {
+            DataParallel::Fsdp(FsdpConfig {
+                shards_in_files: true,
+                ..c
+            })
+        }
+        other => other,
+    };
     mode.check(&config).map_err(|e| match e {
         StepError::InvalidConfig(reason) => RanksUnavailable::new(reason),
         other => RanksUnavailable::new(other.to_string()),

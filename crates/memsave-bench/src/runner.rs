@@ -191,6 +191,9 @@ pub fn availability(
 ) -> Result<(), Unavailable> {
     match world_size {
         None => resolve(strategy).and_then(|config| {
+            if config.offload_params.is_some() {
+                return Err(Unavailable::OffloadParamsNeedsRanks);
+            }
             crate::models::residual_available(model, config.residual)?;
             crate::models::plan_available(model, &config)
         }),

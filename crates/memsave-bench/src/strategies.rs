@@ -37,6 +37,9 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, Unavailable> {
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
             Technique::OffloadGrads => config.offload_grads = Some(GradsAfter::Restored),
+            Technique::OffloadParams => {
+                config.offload_params = Some(memsave_step::ParamsOffload::Disk)
+            }
             Technique::Zero(_) => return Err(Unavailable::ZeroNeedsRanks),
             // The runner searches for these (runner.rs); the step itself is plain.
             Technique::AutoBatch(_) | Technique::Fit(_) => {}
@@ -46,7 +49,10 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, Unavailable> {
         return Err(Unavailable::OffloadGradsWithScaler);
     }
     if config.optimizer.is_some_and(|o| o.in_backward) {
-        if config.micro_batches.is_some() && config.offload_grads.is_none() {
+        // With the parameters in files, each unit's gradients wait in a file of its
+        // own between micro-batches.
+        let in_files = config.offload_grads.is_some() || config.offload_params.is_some();
+        if config.micro_batches.is_some() && !in_files {
             return Err(Unavailable::InBackwardWithAccumulation);
         }
         if config.scaler.is_some() {
@@ -65,6 +71,11 @@ pub enum Unavailable {
         "zero shards the training state over ranks: set world_size: N on the suite (or --world-size N)"
     )]
     ZeroNeedsRanks,
+    /// `offload_params` on a suite without `world_size`.
+    #[error(
+        "offload_params runs the step as ZeRO-3 over a process group (of one on one process): set world_size: 1 on the suite (or --world-size 1)"
+    )]
+    OffloadParamsNeedsRanks,
     /// `offload_grads` with `grad_scaler`.
     #[error("offload_grads keeps gradients in files, but grad_scaler must check every gradient for inf/NaN at once; drop one")]
     OffloadGradsWithScaler,

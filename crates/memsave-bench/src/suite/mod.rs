@@ -48,6 +48,7 @@
 //!   - {name: zero2, with: [{zero: 2}, {optimizer: {kind: adamw}}]}  # needs world_size
 //!   - {name: zero3, with: [{zero: 3}, {optimizer: {kind: adamw}}]}  # parameters sharded too
 //!   - {name: zero3-keep, with: [{zero: {stage: 3, reshard_after_forward: false}}]}
+//!   - {name: params-in-files, with: [{offload_params: {to: disk}}, {optimizer: {kind: adamw, in_backward: true}}]}  # world_size: 1 or more
 //! ```
 //!
 //! Each model kind accepts only its own keys. The harness's kinds (`residual_linear`,

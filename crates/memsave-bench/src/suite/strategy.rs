@@ -163,6 +163,11 @@ pub enum Technique {
     /// passes (`memsave_hooks::GradOffload`); an `optimizer` with `in_backward: true`
     /// steps each whole gradient in the last micro-batch's backward.
     OffloadGrads,
+    /// `offload_params: {to: disk}`: the parameters in files between their uses
+    /// (`memsave_step::ParamsOffload::Disk`: ZeRO-3 with its shards in files, on a
+    /// group of one or under `zero: 3`). Runs on ranks only (`world_size: 1` for one
+    /// process), and needs an `optimizer` with `in_backward: true`.
+    OffloadParams,
     /// `zero: 1 | 2 | 3`: the optimizer's state (stage 1), and the gradients (stage 2),
     /// sharded over the suite's `world_size` ranks (`memsave_dist::ZeroOptimizer`), and
     /// the parameters too (stage 3, `memsave_dist::Fsdp`: one unit per layer; written
@@ -412,6 +417,7 @@ impl Technique {
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
             Technique::OffloadGrads => "offload_grads(to=disk)".into(),
+            Technique::OffloadParams => "offload_params(to=disk)".into(),
             Technique::Zero(ZeroSpec {
                 stage,
                 reshard_after_forward: true,
@@ -455,6 +461,7 @@ impl Technique {
                 "saved-tensor hook (compress, offload)"
             }
             Technique::OffloadGrads => "offload_grads",
+            Technique::OffloadParams => "offload_params",
             Technique::Zero(_) => "zero",
             Technique::AutoBatch(_) => "auto_batch",
             Technique::Fit(_) => "fit",
@@ -598,7 +605,7 @@ const PLAIN: [&str; 5] = [
     "grad_scaler",
 ];
 /// Techniques written as `{name: {arguments}}` (`grad_scaler` is both).
-const WITH_ARGS: [&str; 11] = [
+const WITH_ARGS: [&str; 12] = [
     "checkpoint",
     "autocast",
     "accumulate",
@@ -607,6 +614,7 @@ const WITH_ARGS: [&str; 11] = [
     "compress",
     "offload",
     "offload_grads",
+    "offload_params",
     "zero",
     "auto_batch",
     "fit",
@@ -633,7 +641,7 @@ fn example_args(name: &str) -> &'static str {
         "autocast" => "{dtype: bf16}",
         "optimizer" => "{kind: adamw}",
         "compress" => "{dtype: int8}",
-        "offload" | "offload_grads" => "{to: disk}",
+        "offload" | "offload_grads" | "offload_params" => "{to: disk}",
         "zero" => "2",
         "auto_batch" => "{policy: halving, budget: 40MiB}",
         "fit" => "{budget: 40MiB}",
@@ -671,6 +679,14 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
             other => {
                 return Err(de::Error::custom(format!(
                     "offload_grads: unknown target '{other}', expected disk"
+                )))
+            }
+        },
+        "offload_params" => match map.next_value::<OffloadGradsArgs>()?.to.as_str() {
+            "disk" => Technique::OffloadParams,
+            other => {
+                return Err(de::Error::custom(format!(
+                    "offload_params: unknown target '{other}', expected disk"
                 )))
             }
         },

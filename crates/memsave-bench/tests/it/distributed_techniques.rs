@@ -207,3 +207,62 @@ strategies:
         );
     }
 }
+
+/// `offload_params: {to: disk}` runs on one rank (`world_size: 1`): the rank holds the
+/// 4-byte NaN of its parameters between steps (the weights are in files), with AdamW
+/// stepped in backward and with accumulation; without `world_size` it is unavailable,
+/// naming what to set, and after backward (no `in_backward`) too.
+#[test]
+#[serial]
+fn offload_params_runs_on_one_rank_with_its_weights_in_files() {
+    let yaml = "suite: params
+seed: 0
+threads: 1
+warmup: 1
+repeats: 1
+world_size: 1
+models:
+  - {name: mlp, kind: residual_mlp, layers: 3, hidden: 16, expansion: 2, batch: [8, 32]}
+strategies:
+  - {name: files, with: [{offload_params: {to: disk}}, {optimizer: {kind: adamw, in_backward: true}}]}
+  - {name: files+accumulate, with: [{offload_params: {to: disk}}, {optimizer: {kind: adamw, in_backward: true}}, {accumulate: {micro_batches: 2}}]}
+  - {name: after-backward, with: [{offload_params: {to: disk}}, {optimizer: {kind: adamw}}]}
+";
+    let dir = tempfile::tempdir().unwrap();
+    let suite = dir.path().join("params.yaml");
+    std::fs::write(&suite, yaml).unwrap();
+    let json = dir.path().join("params.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .arg("bench")
+        .arg(&suite)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("memsave runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = Report::from_json(&std::fs::read_to_string(&json).unwrap())
+        .unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    for strategy in ["files", "files+accumulate"] {
+        let c = case(&report, strategy);
+        assert_eq!(c.status, Status::Ok, "{strategy}: {:?}", c.error);
+        assert_eq!(
+            c.parameter_bytes,
+            Some(4),
+            "{strategy}: only the NaN placeholder"
+        );
+        // AdamW's two moments of every value, on the device between steps.
+        assert_eq!(c.optimizer_state_bytes, Some(2 * 4 * NUMEL), "{strategy}");
+    }
+    let after = case(&report, "after-backward");
+    assert_eq!(after.status, Status::Unavailable);
+    assert!(
+        after
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("add in_backward: true")),
+        "{after:?}"
+    );
+    let one = Suite::from_yaml(&yaml.replace("world_size: 1\n", ""), "params.yaml").unwrap();
+    let why = availability(&one.models[0], &one.strategies[0], None).unwrap_err();
+    assert!(why.to_string().contains("world_size: 1"), "{why}");
+}
