@@ -48,7 +48,8 @@
 //! starts or anything is built), each with the reason: an optimizer `in_backward`
 //! except under ZeRO-3 (it would step each parameter from its own rank's gradient
 //! before any averaging), under ZeRO-3 with more than one micro-batch (each shard
-//! steps at every backward); `offload_grads` except under ZeRO-1 (it takes the
+//! steps at every backward; except with `offload_params`, whose shards are in files and
+//! whose gradient sums wait in files until the last micro-batch); `offload_grads` except under ZeRO-1 (it takes the
 //! post-accumulate-grad hook of each parameter that DDP, ZeRO-2 and ZeRO-3 reduce
 //! with); ZeRO-1/2 without an optimizer; and an enabled `GradScaler` with any ZeRO
 //! stage (the sharded step has no unscale or inf/NaN check).
