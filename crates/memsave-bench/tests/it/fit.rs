@@ -702,11 +702,22 @@ fn least_memory_counts_sgd_s_momentum_buffer() {
         assert_eq!(least.weights_copy, Some(576));
         // The largest parameter (an 8 × 8 weight): 64 of the 144 values' state.
         assert_eq!(least.largest_state, Some(state_bytes / 144 * 64));
-        // On one process the state may wait in files but for the largest parameter's;
-        // on two ranks each holds half of it all (and of the parameters and batch).
-        // The gradient of that weight is 256 bytes, the batch 128.
+        // On one process the state may wait in files but for the largest parameter's
+        // (64 values: one chunk), and the parameters too but for the largest (256
+        // bytes, held while it runs); on two ranks each holds half of it all (and of
+        // the parameters and batch). The gradient of that weight is 256 bytes, the
+        // batch 128.
         assert_eq!(
             least.in_budget(1),
+            Some(256 + 256 + state_bytes / 144 * 64 + 128)
+        );
+        // With the parameters kept on the device (--no-offload-params), all of them.
+        let kept = memsave_fit::FitRequest {
+            offload_params: false,
+            ..request.clone()
+        };
+        assert_eq!(
+            least_memory(&spec, &kept, Some(&optimizer)).in_budget(1),
             Some(576 + 256 + state_bytes / 144 * 64 + 128)
         );
         assert_eq!(least.in_budget(2), Some(288 + 256 + state_bytes / 2 + 64));
