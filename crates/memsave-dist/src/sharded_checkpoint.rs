@@ -564,10 +564,20 @@ impl Fsdp {
             .map_err(|e| io_refusal(rank, dir, "cannot write", &scratch, e))
             .and_then(|()| {
                 optimizer.load(&scratch).map_err(|source| {
+                    // The optimizer's tensors are one per parameter with the shards in
+                    // memory, one per chunk with them in files: a checkpoint of one
+                    // kind does not load into the other.
+                    let layout = if self.shard_dir().is_some() {
+                        "; if it was saved with the shards in memory (one optimizer tensor per parameter), it loads only into an Fsdp with its shards in memory: this one keeps them in files, whose optimizer steps each parameter in chunks of at most SHARD_FILE_CHUNK_VALUES values"
+                    } else {
+                        "; if it was saved with the shards in files (one optimizer tensor per chunk of a parameter), it loads only into an Fsdp with its shards in files"
+                    };
                     refuse(
                         rank,
                         dir,
-                        format!("the optimizer state in rank {rank}'s shard file: {source}"),
+                        format!(
+                            "the optimizer state in rank {rank}'s shard file: {source}{layout}"
+                        ),
                     )
                 })
             });

@@ -413,3 +413,55 @@ fn a_failed_step_s_gradient_sums_do_not_reach_the_next_step() {
     };
     assert_eq!(run(true), run(false));
 }
+
+/// A parameter of more than 64 Ki values is one optimizer tensor with the shards in
+/// memory and two with them in files: a checkpoint saved one way is refused the other
+/// way, saying so.
+#[test]
+#[serial]
+fn a_checkpoint_of_shards_in_memory_is_refused_with_shards_in_files_saying_why() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let group = group(tmp.path());
+    let dims = [300, 300];
+    let x = Tensor::randn([4, 300], (Kind::Float, Device::Cpu));
+    let train = |fsdp: &mut Fsdp| {
+        let (_vs, layers) = layers_of(&dims, 1);
+        let units = sharded(fsdp, layers);
+        let mut opt = AdamW::new(&fsdp.parameters(), CONFIG).expect("optimizer");
+        let loss = fsdp
+            .forward(|| {
+                let y = units[0]
+                    .lock()
+                    .unwrap()
+                    .f_forward_t(&x, true)
+                    .expect("unit");
+                y.square().mean(Kind::Float)
+            })
+            .expect("forward");
+        loss.backward();
+        fsdp.f_finish_backward().expect("finish");
+        opt
+    };
+    let mut memory = Fsdp::new(&group, FsdpConfig::default()).expect("fsdp");
+    let mut opt = train(&mut memory);
+    opt.f_step().expect("step");
+    let checkpoint = tmp.path().join("checkpoint");
+    memory.save_sharded(&checkpoint, &opt, 1).expect("saved");
+    memory.discard();
+    let mut files = Fsdp::new_in_dir(&group, FsdpConfig::default(), &tmp.path().join("w"))
+        .expect("fsdp in files");
+    let (_vs, layers) = layers_of(&dims, 1);
+    let _units = sharded(&mut files, layers);
+    let mut chunks = AdamW::new(&files.parameters(), CONFIG).expect("optimizer");
+    assert_eq!(
+        files.parameters().len(),
+        3,
+        "the weight in two chunks, the bias"
+    );
+    let e = files
+        .load_sharded(&checkpoint, &mut chunks)
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("saved with the shards in memory"), "{e}");
+    files.discard();
+}
