@@ -427,7 +427,7 @@ fn a_checkpoint_of_shards_in_memory_is_refused_with_shards_in_files_saying_why()
     let train = |fsdp: &mut Fsdp| {
         let (_vs, layers) = layers_of(&dims, 1);
         let units = sharded(fsdp, layers);
-        let mut opt = AdamW::new(&fsdp.parameters(), CONFIG).expect("optimizer");
+        let opt = AdamW::new(&fsdp.parameters(), CONFIG).expect("optimizer");
         let loss = fsdp
             .forward(|| {
                 let y = units[0]
