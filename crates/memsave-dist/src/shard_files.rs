@@ -8,17 +8,14 @@
 //! backward) replaces the manifest by an atomic rename and only then removes the files
 //! it no longer names. So a step that fails half way leaves the manifest naming the
 //! whole previous step, which [`read_manifest`] loads.
-use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::fs;
 use std::path::{Path, PathBuf};
+
+use memsave_hooks::FileError;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{DistError, Result};
-
-/// Bytes copied per chunk: the only memory outside libtorch's allocator that a write
-/// or a read of a shard uses.
-const CHUNK: usize = 1 << 20;
 
 /// The manifest's name in the directory.
 pub(crate) const MANIFEST: &str = "weights.manifest";
@@ -263,14 +260,16 @@ impl ShardFiles {
     fn write(&self, name: &str, shard: &Tensor) -> Result<u32> {
         let path = self.dir.join(name);
         let partial = self.dir.join(format!("{name}.partial"));
-        let written = write_tensor(&partial, shard).and_then(|crc| {
-            fs::rename(&partial, &path)?;
-            Ok(crc)
-        });
-        written.map_err(|e| {
+        let written = memsave_hooks::write_tensor_file(&partial, shard)
+            .map_err(|e| file_error(self.rank, &path, e))
+            .and_then(|crc| {
+                fs::rename(&partial, &path).map_err(|e| io_error(self.rank, &path, "write", e))?;
+                Ok(crc)
+            });
+        if written.is_err() {
             let _ = fs::remove_file(&partial);
-            io_error(self.rank, &path, "write", e)
-        })
+        }
+        written
     }
 
     fn write_manifest(&self) -> Result<()> {
@@ -300,68 +299,33 @@ impl ShardFiles {
     }
 }
 
-/// Writes the bytes of `t` (contiguous f32) to `path` a chunk at a time; returns their
-/// CRC-32.
-fn write_tensor(path: &Path, t: &Tensor) -> std::io::Result<u32> {
-    let other = |e: tch::TchError| std::io::Error::other(e.to_string());
-    let bytes = t
-        .f_reshape([-1])
-        .and_then(|flat| flat.f_view_dtype(Kind::Uint8))
-        .map_err(other)?;
-    let total = bytes.numel();
-    let mut file = File::create(path)?;
-    let mut crc = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; CHUNK.min(total)];
-    for start in (0..total).step_by(CHUNK) {
-        let len = CHUNK.min(total - start);
-        bytes
-            .f_narrow(0, start as i64, len as i64)
-            .and_then(|chunk| chunk.f_copy_data_u8(&mut buf[..len], len))
-            .map_err(other)?;
-        crc.update(&buf[..len]);
-        file.write_all(&buf[..len])?;
-    }
-    Ok(crc.finalize())
+/// Reads `values` f32 back from `path` (memsave-hooks' tensor files: straight into a
+/// new tensor a chunk at a time), refusing a file of another length or whose CRC-32 is
+/// not `crc`, with an error naming it.
+fn read_checked(path: &Path, values: i64, crc: u32, rank: usize) -> Result<Tensor> {
+    memsave_hooks::read_tensor_file(path, Kind::Float, &[values], Device::Cpu, crc)
+        .map_err(|e| file_error(rank, path, e))
 }
 
-/// Reads `values` f32 back from `path` straight into a new tensor, checking the file's
-/// length before and its CRC-32 after.
-fn read_checked(path: &Path, values: i64, crc: u32, rank: usize) -> Result<Tensor> {
-    let damaged = |reason: String| DistError::ShardFile {
+/// memsave-hooks' file error as this crate's, naming `path`.
+fn file_error(rank: usize, path: &Path, e: FileError) -> DistError {
+    let reason = match e {
+        FileError::Length {
+            found, expected, ..
+        } => format!(
+            "holds {found} bytes, {expected} expected: it was truncated or appended to after it was written"
+        ),
+        FileError::Checksum { .. } => {
+            "changed after it was written (CRC-32 mismatch); refusing to use it".to_owned()
+        }
+        FileError::Io { action, source, .. } => format!("could not {action}: {source}"),
+        other => other.to_string(),
+    };
+    DistError::ShardFile {
         rank,
         path: path.to_owned(),
         reason,
-    };
-    let mut file = File::open(path).map_err(|e| io_error(rank, path, "open", e))?;
-    let total = 4 * values as usize;
-    let len = file
-        .metadata()
-        .map_err(|e| io_error(rank, path, "read", e))?
-        .len();
-    if len != total as u64 {
-        return Err(damaged(format!(
-            "holds {len} bytes, {total} expected: it was truncated or appended to after it was written"
-        )));
     }
-    let tensor_error = |e: tch::TchError| io_error(rank, path, "read", e);
-    let out = Tensor::f_empty([total as i64], (Kind::Uint8, Device::Cpu)).map_err(tensor_error)?;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; CHUNK.min(total)];
-    for start in (0..total).step_by(CHUNK) {
-        let n = CHUNK.min(total - start);
-        file.read_exact(&mut buf[..n])
-            .map_err(|e| io_error(rank, path, "read", e))?;
-        hasher.update(&buf[..n]);
-        memsave_sys::tensor::write_bytes(&out, start, &buf[..n])
-            .map_err(|e| io_error(rank, path, "read", e))?;
-    }
-    let found = hasher.finalize();
-    if found != crc {
-        return Err(damaged(format!(
-            "changed after it was written (CRC-32 {found:08x}, {crc:08x} written); refusing to use it"
-        )));
-    }
-    out.f_view_dtype(Kind::Float).map_err(tensor_error)
 }
 
 /// The parameters a one-rank [`crate::Fsdp`] with shards in files last committed to

@@ -72,8 +72,8 @@ pub use codec::{Codec, Encoded, DEFAULT_BLOCK};
 pub use compress::{Compress, CompressStats, Compressed, SharedEncoded};
 pub use error::{FileError, HookError, HooksError, OffloadError, PolicyError, SharedError};
 pub use offload::{
-    DiskOffload, GradOffload, GradOffloadStats, OffloadStats, Offloaded, OnComplete,
-    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    read_tensor_file, write_tensor_file, DiskOffload, GradOffload, GradOffloadStats, OffloadStats,
+    Offloaded, OnComplete, DEFAULT_MAX_IN_FLIGHT_BYTES,
 };
 pub use pass_through::PassThrough;
 pub use policy::{

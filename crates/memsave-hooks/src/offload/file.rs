@@ -346,6 +346,35 @@ fn read_chunks(
     Ok(())
 }
 
+/// Writes the bytes of `t` (contiguous, any device) to `path` a 1 MiB chunk at a time
+/// (the only memory outside libtorch's allocator it uses); returns their CRC-32, for
+/// [`read_tensor_file`]. The file store of `DiskOffload` and `GradOffload`, for other
+/// crates that keep tensors in files (ZeRO-3's shards in files, `memsave-dist`).
+pub fn write_tensor_file(path: &Path, t: &Tensor) -> Result<u32, FileError> {
+    write(path, t)
+}
+
+/// Reads back a tensor of `kind` and `shape` on `device` that [`write_tensor_file`]
+/// wrote to `path`, straight into the new tensor a chunk at a time: refused
+/// ([`FileError::Length`]) unless the file holds exactly its bytes, and
+/// ([`FileError::Checksum`]) unless their CRC-32 is `crc`.
+pub fn read_tensor_file(
+    path: &Path,
+    kind: Kind,
+    shape: &[i64],
+    device: Device,
+    crc: u32,
+) -> Result<Tensor, FileError> {
+    let numel = shape.iter().product::<i64>().max(0) as u64;
+    let layout = Layout {
+        kind,
+        shape: shape.to_vec(),
+        device,
+        bytes: numel * kind.elt_size_in_bytes() as u64,
+    };
+    read(path, &layout, crc)
+}
+
 /// Reads the tensor `layout` describes back from `path`, checking its length and its
 /// CRC-32 against `crc`.
 pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, FileError> {
@@ -359,9 +388,15 @@ pub(crate) fn read(path: &Path, layout: &Layout, crc: u32) -> Result<Tensor, Fil
         memsave_sys::tensor::write_bytes(&out, start, chunk)
             .map_err(|e| FileError::io("restore the tensor from", path, e))
     })?;
+    // A flat tensor is the bytes' view as it is: a reshape would be one more view
+    // whose base (with grad on) holds another reference to the storage, which a caller
+    // counting the storage's users (ZeRO-3's shards in files) would take for a holder.
     let t = out
         .f_view_dtype(layout.kind)
-        .and_then(|t| t.f_reshape(&layout.shape))
+        .and_then(|t| match layout.shape.as_slice() {
+            [n] if *n == t.numel() as i64 => Ok(t),
+            shape => t.f_reshape(shape),
+        })
         .map_err(restore)?;
     match layout.device {
         Device::Cpu => Ok(t),

@@ -5,6 +5,7 @@ mod file;
 mod grads;
 
 pub use disk::{DiskOffload, OffloadStats, Offloaded, DEFAULT_MAX_IN_FLIGHT_BYTES};
+pub use file::{read_tensor_file, write_tensor_file};
 pub use grads::{GradOffload, GradOffloadStats, OnComplete};
 
 /// Locks `m`, going on after a panic of another holder (the data are plain counters
