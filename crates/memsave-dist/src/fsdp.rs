@@ -427,7 +427,6 @@ fn combine(
 /// shard): 256 KiB of f32, so that an update reads, and holds, that much of each state
 /// buffer (the state may wait in files too), however large the parameter.
 pub const SHARD_FILE_CHUNK_VALUES: i64 = 1 << 16;
-const PIECE_VALUES: i64 = SHARD_FILE_CHUNK_VALUES;
 
 /// A tensor of `shape` whose every value is `placeholder`'s one NaN (no storage of
 /// its own).
@@ -640,18 +639,18 @@ impl Fsdp {
                 // their shapes and read NaN until a step points them at its values.
                 files.add_unit(&shard, params.iter().map(Tensor::size).collect())?;
                 let nan = |len: i64| nan_view(&state.placeholder, &[len]).map_err(err);
-                // Each piece cut into chunks of at most `PIECE_VALUES`: the optimizer
+                // Each piece cut into chunks of at most `SHARD_FILE_CHUNK_VALUES`: the optimizer
                 // steps (and keeps the state of) one chunk at a time, so that a large
                 // parameter's update never holds its whole state (elementwise rules
                 // step a chunk as they step the whole).
                 let chunks = pieces.into_iter().flat_map(|piece| {
                     (0..piece.len)
-                        .step_by(PIECE_VALUES as usize)
+                        .step_by(SHARD_FILE_CHUNK_VALUES as usize)
                         .map(move |start| {
                             (
                                 piece.param,
                                 piece.at + start,
-                                PIECE_VALUES.min(piece.len - start),
+                                SHARD_FILE_CHUNK_VALUES.min(piece.len - start),
                             )
                         })
                 });
@@ -1452,7 +1451,10 @@ impl Shared {
         u.ready.iter_mut().for_each(|r| *r = false);
         u.owed = false;
         self.reductions += 1;
-        self.free(unit)?;
+        if self.files.is_none() {
+            // (With shards in files, freed before the gradients were gathered.)
+            self.free(unit)?;
+        }
         if self.step.is_some() {
             // With shards in files the pieces get this unit's values for the step, and
             // the stepped values go to the unit's file for this step.
