@@ -20,7 +20,8 @@ use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 const STEPS: usize = 20;
-const BATCH: i64 = 24;
+/// The batch of the ZeRO-3 tests (`data`).
+pub(crate) const BATCH: i64 = 24;
 /// Widths of the 8 layers' inputs and outputs: units of 96, 221, 224, 187, 192, 153,
 /// 160 and 51 values, 1,284 in all (odd sizes, so that 2 and 4 ranks pad).
 pub(crate) const DIMS: [i64; 9] = [5, 16, 13, 16, 11, 16, 9, 16, 3];
@@ -57,7 +58,8 @@ pub(crate) fn layers_of(dims: &[i64], seed: i64) -> (nn::VarStore, Vec<nn::Linea
     (vs, layers)
 }
 
-fn data() -> (Tensor, Tensor) {
+/// The inputs and targets every ZeRO-3 test of these 8 layers trains on.
+pub(crate) fn data() -> (Tensor, Tensor) {
     tch::manual_seed(2);
     let x = Tensor::randn([BATCH, DIMS[0]], (Kind::Float, Device::Cpu));
     let y = Tensor::randn([BATCH, DIMS[8]], (Kind::Float, Device::Cpu));
@@ -83,11 +85,22 @@ pub(crate) fn flat(params: &[Tensor]) -> Vec<f32> {
 
 /// Single-process training on the whole batch, AdamW with f32 state: the reference.
 fn reference() -> Vec<f32> {
-    let (vs, layers) = layers();
+    reference_by_step(STEPS).pop().expect("at least one step")
+}
+
+/// The weights after each of `steps` steps of single-process AdamW (f32 state, stepped
+/// after backward) on the whole batch, in the order the units take them (each layer's
+/// weight, then its bias).
+pub(crate) fn reference_by_step(steps: usize) -> Vec<Vec<f32>> {
+    let (_vs, layers) = layers();
     let (x, y) = data();
-    let params = vs.trainable_variables();
-    let mut opt = AdamW::new(&params, CONFIG).expect("optimizer");
-    for _ in 0..STEPS {
+    let ordered: Vec<Tensor> = layers
+        .iter()
+        .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+        .collect();
+    let mut opt = AdamW::new(&ordered, CONFIG).expect("optimizer");
+    let mut out = Vec::new();
+    for _ in 0..steps {
         opt.zero_grad(true);
         let mut h = x.shallow_clone();
         for (i, lin) in layers.iter().enumerate() {
@@ -95,18 +108,9 @@ fn reference() -> Vec<f32> {
         }
         h.mse_loss(&y, tch::Reduction::Mean).backward();
         opt.f_step().expect("step");
+        out.push(flat(&ordered));
     }
-    // The order fully_shard sees: each layer's weight, then its bias.
-    let ordered: Vec<Tensor> = layers
-        .iter()
-        .flat_map(|l| {
-            [
-                l.ws.shallow_clone(),
-                l.bs.as_ref().expect("bias").shallow_clone(),
-            ]
-        })
-        .collect();
-    flat(&ordered)
+    out
 }
 
 /// How a run uses the units.

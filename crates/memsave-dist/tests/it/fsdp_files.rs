@@ -3,7 +3,7 @@
 //! train 20 AdamW steps stepped in backward and must end bitwise equal to plain AdamW
 //! on one process; damaged files and failed writes fail the step naming the file and
 //! leave the last finished step's weights loadable.
-use crate::fsdp::{flat, layer_forward, layers_of, sharded, CONFIG, DIMS};
+use crate::fsdp::{data, flat, layers_of, reference_by_step, sharded, BATCH, CONFIG, DIMS};
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -15,38 +15,6 @@ use serial_test::{parallel, serial};
 use tch::{Device, Kind, Tensor};
 
 const STEPS: usize = 20;
-const BATCH: i64 = 24;
-
-fn data() -> (Tensor, Tensor) {
-    tch::manual_seed(2);
-    let x = Tensor::randn([BATCH, DIMS[0]], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([BATCH, DIMS[8]], (Kind::Float, Device::Cpu));
-    (x, y)
-}
-
-/// The weights after each of `steps` steps of plain AdamW (after backward) on one
-/// process, in the order the units take them.
-fn reference(steps: usize) -> Vec<Vec<f32>> {
-    let (_vs, layers) = layers_of(&DIMS, 1);
-    let (x, y) = data();
-    let ordered: Vec<Tensor> = layers
-        .iter()
-        .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
-        .collect();
-    let mut opt = AdamW::new(&ordered, CONFIG).expect("optimizer");
-    let mut out = Vec::new();
-    for _ in 0..steps {
-        opt.zero_grad(true);
-        let mut h = x.shallow_clone();
-        for (i, lin) in layers.iter().enumerate() {
-            h = layer_forward(lin, i, &h);
-        }
-        h.mse_loss(&y, tch::Reduction::Mean).backward();
-        opt.f_step().expect("step");
-        out.push(flat(&ordered));
-    }
-    out
-}
 
 /// The layers sharded into files in `dir`, with AdamW stepped in backward.
 fn setup(group: &ProcessGroup, dir: &Path) -> (Fsdp, Vec<Arc<Mutex<FsdpUnit>>>) {
@@ -61,18 +29,27 @@ fn setup(group: &ProcessGroup, dir: &Path) -> (Fsdp, Vec<Arc<Mutex<FsdpUnit>>>) 
 /// One step: the forward inside `Fsdp::forward`, backward (which steps), and the end of
 /// backward (which commits the step's files).
 fn step(fsdp: &Fsdp, units: &[Arc<Mutex<FsdpUnit>>], x: &Tensor, y: &Tensor) -> Result<(), String> {
-    let loss = fsdp
-        .forward(|| {
-            let mut h = x.shallow_clone();
-            for unit in units {
-                h = unit.lock().unwrap().f_forward_t(&h, true)?;
-            }
-            Ok::<_, DistError>(h.mse_loss(y, tch::Reduction::Mean))
-        })
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
+    let loss = loss(fsdp, units, x, y)?;
     loss.f_backward().map_err(|e| e.to_string())?;
     fsdp.f_finish_backward().map_err(|e| e.to_string())
+}
+
+/// The chain's mean squared error on `x` and `y`, its forward inside `Fsdp::forward`.
+fn loss(
+    fsdp: &Fsdp,
+    units: &[Arc<Mutex<FsdpUnit>>],
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor, String> {
+    fsdp.forward(|| {
+        let mut h = x.shallow_clone();
+        for unit in units {
+            h = unit.lock().unwrap().f_forward_t(&h, true)?;
+        }
+        Ok::<_, DistError>(h.mse_loss(y, tch::Reduction::Mean))
+    })
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())
 }
 
 fn group(dir: &Path) -> ProcessGroup {
@@ -91,7 +68,7 @@ fn unit_values() -> Vec<u64> {
 #[serial]
 fn one_process_with_shards_in_files_trains_bitwise_like_plain_adamw() {
     memsave_meter::install();
-    let expected = reference(STEPS);
+    let expected = reference_by_step(STEPS);
     let tmp = tempfile::tempdir().expect("tempdir");
     let group = group(tmp.path());
     let dir = tmp.path().join("weights");
@@ -181,7 +158,7 @@ fn a_damaged_shard_file_fails_the_step_naming_it() {
 #[test]
 #[serial]
 fn a_write_that_fails_half_way_leaves_the_last_finished_step_loadable() {
-    let expected = reference(2);
+    let expected = reference_by_step(2);
     let tmp = tempfile::tempdir().expect("tempdir");
     let group = group(tmp.path());
     let dir = tmp.path().join("weights");
@@ -295,23 +272,8 @@ fn train_share(group: &ProcessGroup, files: bool, out: &Path) {
     } else {
         (Some(opt), None)
     };
-    let half = local / 2;
     for _ in 0..10 {
-        for m in 0..2 {
-            fsdp.set_accumulate(m == 0).expect("set_accumulate");
-            let (xm, ym) = (x.narrow(0, m * half, half), y.narrow(0, m * half, half));
-            let loss = fsdp
-                .forward(|| {
-                    let mut h = xm.shallow_clone();
-                    for unit in &units {
-                        h = unit.lock().unwrap().f_forward_t(&h, true).expect("unit");
-                    }
-                    h.mse_loss(&ym, tch::Reduction::Mean) * 0.5
-                })
-                .expect("forward");
-            loss.backward();
-        }
-        fsdp.f_finish_backward().expect("finish_backward");
+        accumulated_step(&fsdp, &units, &x, &y, false);
         if let Some(opt) = after.as_mut() {
             opt.f_step().expect("step");
             opt.zero_grad(true);
@@ -360,7 +322,7 @@ fn on_two_ranks_shards_in_files_train_bitwise_like_shards_in_memory() {
 }
 
 /// One step of two micro-batches, each unit's gradients summed in its file until the
-/// second; `stop_after_first`: the step fails after the first micro-batch's backward
+/// second (with the shards in memory, in their `.grad`); `stop_after_first`: the step fails after the first micro-batch's backward
 /// (nothing after it runs).
 fn accumulated_step(
     fsdp: &Fsdp,
@@ -373,16 +335,7 @@ fn accumulated_step(
     for m in 0..2 {
         fsdp.set_accumulate(m == 0).expect("set_accumulate");
         let (xm, ym) = (x.narrow(0, m * half, half), y.narrow(0, m * half, half));
-        let loss = fsdp
-            .forward(|| {
-                let mut h = xm.shallow_clone();
-                for unit in units {
-                    h = unit.lock().unwrap().f_forward_t(&h, true).expect("unit");
-                }
-                h.mse_loss(&ym, tch::Reduction::Mean) * 0.5
-            })
-            .expect("forward");
-        loss.backward();
+        (loss(fsdp, units, &xm, &ym).expect("forward") * 0.5).backward();
         if stop_after_first {
             return;
         }

@@ -3,7 +3,9 @@
 //! when its unit's reduce-scatter lands). 1, 2 and 4 ranks train the 8 linear layers of
 //! `fsdp.rs` for 20 steps and are compared with single-process training.
 use crate::common;
-use crate::fsdp::{flat, layer_forward, layers_of, sharded, units_forward, CONFIG, DIMS};
+use crate::fsdp::{
+    data, flat, layer_forward, layers_of, sharded, units_forward, BATCH, CONFIG, DIMS,
+};
 
 use std::path::Path;
 use std::time::Duration;
@@ -14,7 +16,6 @@ use serial_test::serial;
 use tch::{Device, Kind, Tensor};
 
 const STEPS: usize = 20;
-const BATCH: i64 = 24;
 const INT8: State = State::Int8Blockwise { block: 64 };
 /// How far the int8 runs may end from one process with int8 state, relative to the
 /// largest weight: the bound memsave-dist's ZeRO-2 parity test (`parity.rs`,
@@ -25,13 +26,6 @@ const INT8: State = State::Int8Blockwise { block: 64 };
 /// scale, and so each value's rounding, differs. f32
 /// state has no blocks and is held to 1e-6.
 const INT8_TOLERANCE: f32 = 5e-2;
-
-fn data() -> (Tensor, Tensor) {
-    tch::manual_seed(2);
-    let x = Tensor::randn([BATCH, DIMS[0]], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([BATCH, DIMS[8]], (Kind::Float, Device::Cpu));
-    (x, y)
-}
 
 /// Single-process training on the whole batch with AdamW at `state`.
 fn reference(state: State) -> Vec<f32> {
