@@ -479,49 +479,25 @@ impl Setup {
             bytes: held.saturating_sub(counted.read),
             counted,
         };
-        let data_parallel = match (ranks.group(), choice.data_parallel) {
+        // Under ZeRO-3 (and with the parameters in files, ZeRO-3 on a group of one
+        // when there are no ranks) the workload's layers are sharded.
+        let set_up = match (ranks.group(), choice.data_parallel) {
             (None, None) if !choice.params_in_files => None,
-            (group, mode) if choice.params_in_files && group.is_none() == mode.is_none() => {
-                let set_up = match (group, mode) {
-                    (Some(group), Some(mode)) => {
-                        let fsdp = match mode.data_parallel() {
-                            DataParallel::Fsdp(c) => DataParallel::Fsdp(FsdpConfig {
-                                shards_in_files: true,
-                                ..c
-                            }),
-                            other => other,
-                        };
-                        DataParallelHandle::for_workload(group, fsdp, &*workload)
-                    }
-                    _ => DataParallelHandle::offload_params(&*workload, FsdpConfig::default()),
-                };
-                match set_up {
-                    Ok(dp) => Some(dp),
-                    Err(e) => {
-                        let back = unshard(&*workload, &params).and_then(|()| match weights {
-                            Some(w) => w.restore().map_err(failed),
-                            None => Ok(()),
-                        });
-                        return Err(failed_putting_back(e, back));
-                    }
-                }
-            }
+            (None, None) => Some(DataParallelHandle::offload_params(
+                &*workload,
+                FsdpConfig::default(),
+            )),
             (Some(group), Some(mode)) => {
-                let dp =
-                    match DataParallelHandle::for_workload(group, mode.data_parallel(), &*workload)
-                    {
-                        Ok(dp) => dp,
-                        Err(e) => {
-                            // Some layers may be sharded already, and their `Fsdp` gone:
-                            // put the weights back from the copy before saying why.
-                            let back = unshard(&*workload, &params).and_then(|()| match weights {
-                                Some(w) => w.restore().map_err(failed),
-                                None => Ok(()),
-                            });
-                            return Err(failed_putting_back(e, back));
-                        }
-                    };
-                Some(dp)
+                let mode = match mode.data_parallel() {
+                    DataParallel::Fsdp(c) if choice.params_in_files => {
+                        DataParallel::Fsdp(FsdpConfig {
+                            shards_in_files: true,
+                            ..c
+                        })
+                    }
+                    other => other,
+                };
+                Some(DataParallelHandle::for_workload(group, mode, &*workload))
             }
             (group, mode) => {
                 return Err(ProbeError::Failed(format!(
@@ -529,6 +505,18 @@ impl Setup {
                     if mode.is_some() { "with" } else { "without" },
                     if group.is_some() { "with" } else { "without" },
                 )))
+            }
+        };
+        let data_parallel = match set_up.transpose() {
+            Ok(dp) => dp,
+            Err(e) => {
+                // Some layers may be sharded already, and their `Fsdp` gone: put the
+                // weights back from the copy before saying why.
+                let back = unshard(&*workload, &params).and_then(|()| match weights {
+                    Some(w) => w.restore().map_err(failed),
+                    None => Ok(()),
+                });
+                return Err(failed_putting_back(e, back));
             }
         };
         let optimizer = config

@@ -162,6 +162,7 @@ fn search_fit(
         fell_back: false,
     };
     search.runs.per_block = request.per_block;
+    search.runs.param_units = param_units(request, &*search.runs.workload, modes);
     // Per block, the planner may then compress what a block saves (lossy).
     search.runs.compress_blocks = request.allow.compress;
     let mut passes = Vec::new();
@@ -169,10 +170,7 @@ fn search_fit(
         lever_sets(request, has_optimizer),
         grad_lever_sets(request, has_optimizer),
         state_lever_sets(request, optimizer, !modes.is_empty()),
-        params_lever_sets(
-            optimizer,
-            !params_may_leave(request, &*search.runs.workload, modes),
-        ),
+        params_lever_sets(optimizer, search.runs.param_units.is_none()),
     ] {
         let (run, refused) = in_modes(sets, modes, optimizer, &unfit);
         for (levers, why) in refused {
@@ -213,21 +211,22 @@ fn search_fit(
     Ok(search.report(chosen, coupling, raced, fastest_measured))
 }
 
-/// Whether the parameters may wait in files: on one process (ZeRO-3 on ranks shards
-/// them instead), on the CPU (the shards in files are f32 CPU tensors; host memory on
-/// CUDA is not done), unless the request keeps them on the device.
-pub(super) fn params_may_leave(
+/// The units (name, bytes) the parameters would wait in files as, where they may:
+/// on one process (ZeRO-3 on ranks shards them instead), on the CPU (the shards in
+/// files are f32 CPU tensors; host memory on CUDA is not done), unless the request
+/// keeps them on the device; `None` otherwise. Found once per fit (a model of blocks
+/// runs a forward to find them).
+fn param_units(
     request: &FitRequest,
     workload: &dyn memsave_step::workload::Workload,
     modes: &[ParallelMode],
-) -> bool {
+) -> Option<Vec<(String, u64)>> {
     // And only for a workload the units can be made of (each parameter in one layer
     // or top-level block, layers that run inside their unit): the others would fail
     // to set up, where they should only not be offered the lever.
-    modes.is_empty()
-        && request.offload_params
-        && workload.device() == tch::Device::Cpu
-        && memsave_step::parallel::units_of(workload).is_ok()
+    let may = modes.is_empty() && request.offload_params && workload.device() == tch::Device::Cpu;
+    may.then(|| memsave_step::parallel::units_of(workload).ok())
+        .flatten()
 }
 
 /// The search's state: the runs of the workload and every configuration considered

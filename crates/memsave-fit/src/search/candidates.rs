@@ -148,7 +148,7 @@ pub(super) fn state_lever_sets(
 /// Considered only when nothing fits with the parameters on the device: every unit's
 /// weights are read from its file for its forward and its backward, and written when
 /// it steps. None where they may not leave the device (`kept`: on ranks, off the CPU,
-/// or the request keeps them; see `params_may_leave`).
+/// or the request keeps them; see `param_units`).
 pub(super) fn params_lever_sets(optimizer: Option<OptimizerSpec>, kept: bool) -> Vec<Levers> {
     let Some(spec) = optimizer else {
         return Vec::new();

@@ -58,10 +58,11 @@ pub(super) fn error(
         .is_some_and(|(_, how, _)| how.contains("offload_params"))
     {
         // The least keeps the parameters in files: name the unit that sets its floor.
-        let largest = memsave_step::parallel::units_of(&*runs.workload)
-            .ok()
+        let largest = runs
+            .param_units
+            .as_ref()
             // The first of the largest (max_by_key keeps the last).
-            .and_then(|units| units.into_iter().rev().max_by_key(|(_, b)| *b));
+            .and_then(|units| units.iter().rev().max_by_key(|(_, b)| *b).cloned());
         if let Some((unit, bytes)) = largest {
             hint.push_str(&format!(
                 "with the parameters in files the device still holds one unit's weights while it runs, and its gradients in its backward: the largest, {unit}, takes {} of weights and as much of gradients, besides the input and the activations; ",
@@ -153,10 +154,7 @@ fn least_peaks(
         .into_iter()
         .chain(grad_lever_sets(&everything, has_optimizer))
         .chain(state_lever_sets(&everything, optimizer, !modes.is_empty()))
-        .chain(params_lever_sets(
-            optimizer,
-            !super::params_may_leave(request, &*runs.workload, modes),
-        ))
+        .chain(params_lever_sets(optimizer, runs.param_units.is_none()))
         .collect();
     // Those a data-parallel mode refuses cannot run at all.
     let unfit = |m: ParallelMode| m.refuses_workload(&*runs.workload);

@@ -57,6 +57,9 @@ pub(super) struct Runs<'w> {
     pub(super) compress_blocks: bool,
     /// Each block's lever chosen on its own ([`FitRequest::per_block`](crate::FitRequest::per_block)).
     pub(super) per_block: bool,
+    /// The units (name, bytes) the parameters would wait in files as, where they may
+    /// (see `param_units`): `None` keeps them on the device.
+    pub(super) param_units: Option<Vec<(String, u64)>>,
 }
 
 impl<'w> Runs<'w> {
@@ -89,6 +92,7 @@ impl<'w> Runs<'w> {
             ranks,
             compress_blocks: false,
             per_block: true,
+            param_units: None,
         }
     }
 }
