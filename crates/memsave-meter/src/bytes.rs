@@ -9,18 +9,25 @@ pub struct Bytes(pub u64);
 
 const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
 
+/// The unit `bytes` is shown in (the largest at most `bytes`, up to TiB) and its size.
+fn unit_of(bytes: u64) -> (u64, &'static str) {
+    let mut unit = 0;
+    let mut scale = 1u64;
+    while bytes / scale >= 1024 && unit + 1 < UNITS.len() {
+        scale *= 1024;
+        unit += 1;
+    }
+    (scale, UNITS[unit])
+}
+
 impl fmt::Display for Bytes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.0 < 1024 {
             return write!(f, "{} B", self.0);
         }
-        let mut value = self.0 as f64;
-        let mut unit = 0;
-        while value >= 1024.0 && unit + 1 < UNITS.len() {
-            value /= 1024.0;
-            unit += 1;
-        }
-        write!(f, "{value:.2} {}", UNITS[unit])
+        let (scale, unit) = unit_of(self.0);
+        // (A power of two: the division is exact before the rounding.)
+        write!(f, "{:.2} {unit}", self.0 as f64 / scale as f64)
     }
 }
 
@@ -36,21 +43,10 @@ impl fmt::Display for BytesAtLeast {
         if self.0 < 1024 {
             return write!(f, "{} B", self.0);
         }
-        let mut unit = 0;
-        let mut scale = 1u64;
-        while self.0 / scale >= 1024 && unit + 1 < UNITS.len() {
-            scale *= 1024;
-            unit += 1;
-        }
+        let (scale, unit) = unit_of(self.0);
         // Hundredths of the unit, rounded up, in integers (no float rounding).
         let hundredths = (self.0 as u128 * 100).div_ceil(scale as u128);
-        write!(
-            f,
-            "{}.{:02} {}",
-            hundredths / 100,
-            hundredths % 100,
-            UNITS[unit]
-        )
+        write!(f, "{}.{:02} {unit}", hundredths / 100, hundredths % 100)
     }
 }
 
