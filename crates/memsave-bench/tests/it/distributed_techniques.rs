@@ -48,12 +48,16 @@ fn case<'r>(report: &'r Report, strategy: &str) -> &'r CaseResult {
         .unwrap_or_else(|| panic!("no case {strategy}"))
 }
 
-#[test]
-fn every_technique_of_one_process_runs_on_two_ranks() {
-    let dir = tempfile::tempdir().unwrap();
-    let suite = dir.path().join("techniques.yaml");
-    std::fs::write(&suite, SUITE).unwrap();
-    let json = dir.path().join("techniques.json");
+/// `memsave bench` on the suite `yaml` (written as `name.yaml` in `dir`), with its
+/// JSON report in `name.json` there: the process's output and the report's path.
+fn bench(
+    dir: &std::path::Path,
+    name: &str,
+    yaml: &str,
+) -> (std::process::Output, std::path::PathBuf) {
+    let suite = dir.join(format!("{name}.yaml"));
+    std::fs::write(&suite, yaml).unwrap();
+    let json = dir.join(format!("{name}.json"));
     let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
         .arg("bench")
         .arg(&suite)
@@ -61,6 +65,13 @@ fn every_technique_of_one_process_runs_on_two_ranks() {
         .arg(&json)
         .output()
         .expect("memsave runs");
+    (out, json)
+}
+
+#[test]
+fn every_technique_of_one_process_runs_on_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, json) = bench(dir.path(), "techniques", SUITE);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -229,16 +240,7 @@ strategies:
   - {name: after-backward, with: [{offload_params: {to: disk}}, {optimizer: {kind: adamw}}]}
 ";
     let dir = tempfile::tempdir().unwrap();
-    let suite = dir.path().join("params.yaml");
-    std::fs::write(&suite, yaml).unwrap();
-    let json = dir.path().join("params.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .arg("bench")
-        .arg(&suite)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("memsave runs");
+    let (out, json) = bench(dir.path(), "params", yaml);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let report = Report::from_json(&std::fs::read_to_string(&json).unwrap())
         .unwrap_or_else(|e| panic!("{e}\n{stdout}"));
