@@ -22,6 +22,12 @@ pub enum Plan {
     /// profile of each layer (in the spirit of Rotor, Beaumont et al. 2019). The model
     /// assumes the caller holds the model's output until backward is over.
     Budget(u64),
+    /// Every layer under its own lever, set on the chain's
+    /// [`blocks`](crate::CheckpointedSequential::blocks) (`layer i`, call 0): kept,
+    /// recomputed, its inputs in a store, or its saves handed to hooks, layer by
+    /// layer, as for any model of [`Blocks`](crate::Blocks) (what `fit` plans per
+    /// block). Every layer is kept until levers are set.
+    PerLayer,
 }
 
 impl fmt::Display for Plan {
@@ -32,6 +38,7 @@ impl fmt::Display for Plan {
             Plan::Segments(k) => write!(f, "segments({k})"),
             Plan::Nested => write!(f, "nested"),
             Plan::Budget(b) => write!(f, "budget({})", Bytes(*b)),
+            Plan::PerLayer => write!(f, "per_layer"),
         }
     }
 }

@@ -1,4 +1,5 @@
 //! `CheckpointedSequential`: a chain of layers run under a checkpointing plan.
+use crate::blocks::{BlockLever, Blocks};
 use crate::error::{catching_panics, CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
@@ -40,6 +41,9 @@ pub struct CheckpointedSequential {
     checkpoint: Checkpoint,
     levers: Vec<Lever>,
     lever_profiles: Vec<LeverProfile>,
+    /// The engine every forward runs on: the schedule's checkpoints are its blocks
+    /// (`layers a..b`), and under [`Plan::PerLayer`] every layer is one (`layer i`).
+    blocks: Blocks,
 }
 
 impl Default for CheckpointedSequential {
@@ -60,6 +64,7 @@ impl CheckpointedSequential {
             checkpoint: Checkpoint::new().early_stop(false),
             levers: Vec::new(),
             lever_profiles: Vec::new(),
+            blocks: Blocks::new(),
         }
     }
 
@@ -82,6 +87,7 @@ impl CheckpointedSequential {
     /// [`Plan::None`] as with [`add`](Self::add).
     pub fn add_t<M: ModuleT + 'static>(mut self, module: M) -> Self {
         self.layers.push(SharedLayer::new(Box::new(module)));
+        self.blocks.set_every(BlockLever::Keep);
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
@@ -109,7 +115,11 @@ impl CheckpointedSequential {
 
     /// [`with_levers`](Self::with_levers) on a chain you hold by reference.
     pub fn set_levers(&mut self, stores: Vec<Arc<dyn BoundaryStore>>) {
-        self.levers = stores.into_iter().map(Lever::new).collect();
+        // The blocks count what each store takes; the chain reads the same counters.
+        self.levers = stores
+            .into_iter()
+            .map(|store| self.blocks.counted(&store))
+            .collect();
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
@@ -153,6 +163,7 @@ impl CheckpointedSequential {
     /// Changing it drops the profile, which measured the other setting.
     pub fn preserve_rng(mut self, preserve: bool) -> Self {
         self.checkpoint = self.checkpoint.preserve_rng(preserve);
+        self.blocks.preserve_rng(preserve);
         self.profile = None;
         self.lever_profiles.clear();
         self
@@ -209,7 +220,7 @@ impl CheckpointedSequential {
     pub fn set_plan(&mut self, plan: Plan) -> Result<()> {
         let n = self.layers.len();
         self.schedule = match plan {
-            Plan::None => Schedule::plain(n),
+            Plan::None | Plan::PerLayer => Schedule::plain(n),
             Plan::EveryLayer => Schedule::every_layer(n),
             Plan::Segments(k) => Schedule::segments(n, k)?,
             Plan::Nested => Schedule::nested(n),
@@ -218,6 +229,10 @@ impl CheckpointedSequential {
                 Solver::with_levers(profile, &self.lever_profiles).solve_budget(bytes)?
             }
         };
+        if plan != Plan::PerLayer {
+            // The schedule decides every checkpoint's lever.
+            self.blocks.set_every(BlockLever::Keep);
+        }
         self.plan = plan;
         Ok(())
     }
@@ -239,6 +254,10 @@ impl CheckpointedSequential {
         }
         self.schedule = Schedule::new(schedule.blocks().to_vec(), self.layers.len())?
             .with_stored(schedule.stored().to_vec())?;
+        if self.plan == Plan::PerLayer {
+            self.plan = Plan::None;
+        }
+        self.blocks.set_every(BlockLever::Keep);
         Ok(())
     }
 
@@ -358,18 +377,71 @@ impl CheckpointedSequential {
                 .lever_at(start)
                 .and_then(|j| self.levers.get(j).cloned())
         };
+        let per_layer = self.plan == Plan::PerLayer;
         let run = || {
-            run_blocks(
-                &self.layers,
-                self.schedule.blocks(),
-                x,
-                train,
-                self.checkpoint,
-                &store_for,
-            )
+            self.blocks.forward(|engine| {
+                run_blocks(
+                    &self.layers,
+                    self.schedule.blocks(),
+                    x,
+                    Run {
+                        train,
+                        engine,
+                        store_for: &store_for,
+                        per_layer,
+                    },
+                )
+            })?
         };
-        catching_panics("a layer panicked", run)
+        catching_panics("a layer panicked", run).map_err(|e| match e {
+            CheckpointError::BlocksChanged(what) if !per_layer => CheckpointError::BlocksChanged(
+                format!("{what} (levers per layer take effect under Plan::PerLayer; plan {} runs its schedule's checkpoints)", self.plan),
+            ),
+            e => e,
+        })
     }
+
+    /// The engine the chain's forward runs on. Under [`Plan::PerLayer`], layer `i` is
+    /// the block `layer i` (call 0) and runs under the lever set here for it
+    /// ([`Blocks::set`], [`Blocks::set_levers`]; kept by default): a lever per layer,
+    /// as for any model of blocks. Under the other plans, the schedule's checkpoints
+    /// are its blocks (`layers a..b`, recomputed, their inputs in a store where the
+    /// schedule says so) and levers set here are refused by the next forward: set
+    /// [`Plan::PerLayer`] first. [`Blocks::last_forward`] tells what each block did.
+    ///
+    /// ```
+    /// use memsave_checkpoint::{BlockKey, BlockLever, CheckpointedSequential, Plan};
+    /// use tch::nn::{self, Module};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let mut seq = CheckpointedSequential::new();
+    /// for i in 0..4 {
+    ///     let lin = nn::linear(vs.root() / i, 8, 8, Default::default());
+    ///     seq = seq.add_fn(move |x| lin.forward(x).tanh());
+    /// }
+    /// seq.set_plan(Plan::PerLayer)?;
+    /// seq.blocks().set(BlockKey::new("layer 2", 0), BlockLever::Recompute)?;
+    /// let x = Tensor::rand([4, 8], (Kind::Float, Device::Cpu));
+    /// seq.f_forward(&x)?.sum(Kind::Float).backward();
+    /// let levers: Vec<String> = seq.blocks().last_forward().into_iter().map(|r| r.lever).collect();
+    /// assert_eq!(levers, ["keep", "keep", "recompute", "keep"]);
+    /// # Ok::<(), memsave_checkpoint::CheckpointError>(())
+    /// ```
+    pub fn blocks(&self) -> &Blocks {
+        &self.blocks
+    }
+}
+
+/// How [`run_blocks`] runs: the train flag, the engine, the store of the input of a
+/// checkpoint starting at a layer (top level only: a checkpoint's recompute runs its
+/// inner checkpoints with none), and whether each plain layer is a block of its own.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    train: bool,
+    engine: &'a Blocks,
+    store_for: &'a dyn Fn(usize) -> Option<Lever>,
+    per_layer: bool,
 }
 
 impl CheckpointedSequential {
@@ -425,16 +497,14 @@ impl CheckpointedSequential {
     }
 }
 
-/// Runs `blocks` on `x`; `store_for(start)` names the store that keeps the input of a
-/// checkpoint starting at `start` (top level only: the recompute of a checkpoint runs
-/// its inner blocks with none).
+/// Runs `blocks` on `x`: each checkpoint as a block of `run.engine` (nested ones
+/// inside it), each plain layer directly or, with `run.per_layer`, as the block
+/// `layer i` under its own lever.
 fn run_blocks(
     layers: &[SharedLayer],
     blocks: &[Block],
     x: &Tensor,
-    train: bool,
-    options: Checkpoint,
-    store_for: &dyn Fn(usize) -> Option<Lever>,
+    run: Run<'_>,
 ) -> Result<Tensor> {
     let mut x = x.shallow_clone();
     for block in blocks {
@@ -444,16 +514,40 @@ fn run_blocks(
             break;
         }
         x = match block {
-            Block::Layer(i) => layers[*i].forward_t(&x, train),
+            Block::Layer(i) if run.per_layer => {
+                let layer = layers[*i].clone();
+                let train = run.train;
+                let f = move |xs: &[Tensor]| {
+                    Ok::<_, std::convert::Infallible>(vec![layer.forward_t(&xs[0], train)])
+                };
+                let mut out = run
+                    .engine
+                    .run_block(&format!("layer {i}"), &[&x], None, f)?;
+                out.remove(0)
+            }
+            Block::Layer(i) => layers[*i].forward_t(&x, run.train),
             Block::Checkpoint { start, end, inner } => {
+                debug_assert!(start < end);
                 let owned: Vec<SharedLayer> = layers.to_vec();
                 let inner = inner.clone();
-                debug_assert!(start < end);
+                let (train, engine) = (run.train, run.engine.clone());
                 let f = move |xs: &[Tensor]| {
-                    run_blocks(&owned, &inner, &xs[0], train, options, &|_| None).map(|y| vec![y])
+                    let run = Run {
+                        train,
+                        engine: &engine,
+                        store_for: &|_| None,
+                        per_layer: false,
+                    };
+                    run_blocks(&owned, &inner, &xs[0], run).map(|y| vec![y])
                 };
-                let name = format!("the layers of ckpt[{start}..{end}]");
-                let mut out = options.try_run_named(&[&x], &name, store_for(*start), f)?;
+                let lever = match (run.store_for)(*start) {
+                    Some(store) => BlockLever::RecomputeStoringInputs {
+                        store: Arc::clone(&store.0),
+                    },
+                    None => BlockLever::Recompute,
+                };
+                let name = format!("layers {start}..{end}");
+                let mut out = run.engine.run_block(&name, &[&x], Some(lever), f)?;
                 out.remove(0)
             }
         };

@@ -20,7 +20,7 @@ use tch::{Device, Kind, Tensor};
 const H: i64 = 6;
 
 /// Keeps a copy of every saved tensor (lossless, as a store to host memory would).
-struct CopyHooks;
+pub(crate) struct CopyHooks;
 
 impl RawHooks for CopyHooks {
     fn pack(&self, tensor: &Tensor, _: Option<&str>) -> Result<Packed, CallbackError> {
@@ -34,7 +34,7 @@ impl RawHooks for CopyHooks {
 
 /// Keeps a boundary's f32 values in a Rust vector, off libtorch's allocator (what the
 /// meter counts), as a file would: lossless.
-struct VecStore;
+pub(crate) struct VecStore;
 
 impl BoundaryStore for VecStore {
     fn name(&self) -> String {
@@ -137,7 +137,7 @@ const KEYS: [(&str, usize); 8] = [
 ];
 
 #[derive(Debug, Clone, Copy)]
-enum Entry {
+pub(crate) enum Entry {
     Backward,
     GradToParams,
     GradToInput,
@@ -145,7 +145,7 @@ enum Entry {
     RetainGraph,
 }
 
-const ENTRIES: [Entry; 5] = [
+pub(crate) const ENTRIES: [Entry; 5] = [
     Entry::Backward,
     Entry::GradToParams,
     Entry::GradToInput,
@@ -153,7 +153,7 @@ const ENTRIES: [Entry; 5] = [
     Entry::RetainGraph,
 ];
 
-fn lever(i: u8) -> BlockLever {
+pub(crate) fn lever(i: u8) -> BlockLever {
     match i {
         0 => BlockLever::Keep,
         1 => BlockLever::Recompute,
@@ -228,7 +228,7 @@ fn step(levers: Option<&[u8]>, entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
     (grads, names.into_iter().map(|(_, v)| v.copy()).collect())
 }
 
-fn assert_bitwise(a: &[Tensor], b: &[Tensor], what: &str) {
+pub(crate) fn assert_bitwise(a: &[Tensor], b: &[Tensor], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: count");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(x.defined() && y.defined(), "{what} {i}: undefined");

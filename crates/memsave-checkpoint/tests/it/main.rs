@@ -8,6 +8,7 @@ mod batch_norm;
 mod block_plan;
 mod block_wrapper;
 mod blocks;
+mod chain_blocks;
 mod common;
 mod entry_points;
 mod function;
