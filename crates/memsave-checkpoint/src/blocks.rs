@@ -1125,6 +1125,15 @@ impl Blocks {
         Ok(())
     }
 
+    /// Forgets the last forward's record and the order of top-level blocks levers were
+    /// assigned for: the next forward runs other blocks (a chain's blocks change with
+    /// its plan), and levers set before it are checked against it.
+    pub(crate) fn forget_forward(&self) {
+        let mut state = self.lock();
+        state.last.clear();
+        state.planned = None;
+    }
+
     /// The lever `key` runs under.
     pub fn lever(&self, key: &BlockKey) -> BlockLever {
         self.lock().lever_of(key)

@@ -88,6 +88,7 @@ impl CheckpointedSequential {
     pub fn add_t<M: ModuleT + 'static>(mut self, module: M) -> Self {
         self.layers.push(SharedLayer::new(Box::new(module)));
         self.blocks.set_every(BlockLever::Keep);
+        self.blocks.forget_forward();
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
@@ -233,6 +234,9 @@ impl CheckpointedSequential {
             // The schedule decides every checkpoint's lever.
             self.blocks.set_every(BlockLever::Keep);
         }
+        // The next forward runs the blocks of this plan: levers per layer are checked
+        // against it, not against the last one's.
+        self.blocks.forget_forward();
         self.plan = plan;
         Ok(())
     }
@@ -258,6 +262,7 @@ impl CheckpointedSequential {
             self.plan = Plan::None;
         }
         self.blocks.set_every(BlockLever::Keep);
+        self.blocks.forget_forward();
         Ok(())
     }
 

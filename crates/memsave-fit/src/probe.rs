@@ -953,15 +953,19 @@ fn failed_putting_back(e: impl std::fmt::Display, back: Result<(), ProbeError>) 
     }
 }
 
-/// Sets `choice`'s block levers on a workload of blocks (every block kept when it has
-/// none); nothing for a chain.
+/// Sets `choice`'s block levers: on a workload of blocks (every block kept when it has
+/// none), or on a chain's layers, which then go under `Plan::PerLayer`; nothing for a
+/// chain without them (its schedule is set).
 pub(crate) fn set_block_levers(
-    workload: &dyn Workload,
+    workload: &mut dyn Workload,
     choice: &Choice,
-) -> Result<(), memsave_checkpoint::CheckpointError> {
-    match workload.blocks() {
-        Some(blocks) => blocks.set_levers(choice.block_levers().unwrap_or_default()),
-        None => Ok(()),
+) -> Result<(), memsave_step::StepError> {
+    match (workload.blocks().is_some(), choice.block_levers()) {
+        (true, levers) => {
+            memsave_step::plan::set_block_levers(workload, levers.unwrap_or_default())
+        }
+        (false, Some(levers)) => memsave_step::plan::set_block_levers(workload, levers),
+        (false, None) => Ok(()),
     }
 }
 

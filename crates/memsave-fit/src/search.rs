@@ -339,9 +339,8 @@ impl Search<'_, '_> {
         if !plain_fits {
             for levers in lever_sets.iter().filter(usable).filter(|l| l.is_cheap()) {
                 let base = levers.apply(Choice::new(self.global, k));
-                if let Some(candidate) = self.runs.recompute(&base, m, k)? {
-                    self.candidates.push(candidate);
-                }
+                let candidates = self.runs.recompute(&base, m, k)?;
+                self.candidates.extend(candidates);
             }
         }
         if plain_fits && !request.exhaustive {
@@ -764,7 +763,7 @@ impl Search<'_, '_> {
             .cloned()
             .unwrap_or_else(|| Schedule::plain(runs.workload.layers().len()));
         let _ = runs.workload.layers_mut().set_schedule(schedule);
-        let _ = crate::probe::set_block_levers(&*runs.workload, &candidates[chosen].choice);
+        let _ = crate::probe::set_block_levers(&mut *runs.workload, &candidates[chosen].choice);
 
         let c = &candidates[chosen];
         let world_size = runs.ranks.world_size();

@@ -5,8 +5,8 @@ use crate::error::StepError;
 use crate::levers::{CompressDtype, OffloadSpec};
 use crate::workload::{Batch, Workload};
 use memsave_checkpoint::{
-    BlockLever, Blocks, BlocksProfile, BoundaryStore, ChainProfile, CheckpointedSequential, Plan,
-    ProfileOptions,
+    BlockKey, BlockLever, Blocks, BlocksProfile, BoundaryStore, ChainProfile,
+    CheckpointedSequential, Plan, ProfileOptions,
 };
 use memsave_hooks::{Compress, DiskOffload};
 use memsave_sys::hooks::RawHooks;
@@ -105,14 +105,70 @@ pub fn f_profile_blocks_with(
         .map_err(|e| StepError::lever("checkpoint", e))
 }
 
-/// The blocks of a workload of blocks; [`StepError::InvalidConfig`] for a chain.
+/// The blocks of a workload of blocks, or of a chain under
+/// [`Plan::PerLayer`]; [`StepError::InvalidConfig`] for a chain under another plan.
 fn blocks_of(model: &dyn Workload) -> Result<&Blocks, StepError> {
-    model.blocks().ok_or_else(|| {
+    planned_blocks(model).ok_or_else(|| {
         StepError::InvalidConfig(format!(
-            "'{}' is a chain of layers, not a model of blocks: profile its layers",
-            model.name()
+            "'{}' is a chain of layers under plan {}: profile its layers, or set Plan::PerLayer to profile each layer as a block",
+            model.name(),
+            model.layers().plan()
         ))
     })
+}
+
+/// The blocks whose levers decide what `model`'s step keeps: a model of blocks'
+/// own ([`Workload::blocks`]), or for a chain under [`Plan::PerLayer`] its layers'
+/// ([`CheckpointedSequential::blocks`], layer `i` the block `layer i`). `None` for a
+/// chain under a schedule (its checkpoints are blocks too, but the schedule sets
+/// their levers).
+pub fn planned_blocks(model: &dyn Workload) -> Option<&Blocks> {
+    model.blocks().or_else(|| {
+        let layers = model.layers();
+        (layers.plan() == Plan::PerLayer).then(|| layers.blocks())
+    })
+}
+
+/// Sets exactly `levers` on `model`'s blocks ([`Blocks::set_levers`]: every other
+/// block kept): a model of blocks' own, or a chain's layers, which go under
+/// [`Plan::PerLayer`] (their keys are `layer i`, call 0). What `fit`'s per-block
+/// choice ([`memsave_fit::Choice::block_levers`]) means on any model.
+///
+/// # Errors
+/// [`StepError::InvalidConfig`] naming a key no block of the last forward has.
+///
+/// [`memsave_fit::Choice::block_levers`]: https://docs.rs/memsave-fit
+pub fn set_block_levers(
+    model: &mut dyn Workload,
+    levers: Vec<(BlockKey, BlockLever)>,
+) -> Result<(), StepError> {
+    if model.blocks().is_none() {
+        model
+            .layers_mut()
+            .set_plan(Plan::PerLayer)
+            .map_err(|e| StepError::lever("checkpoint", e))?;
+    }
+    let blocks = planned_blocks(model).expect("a model of blocks, or a chain under PerLayer");
+    blocks
+        .set_levers(levers)
+        .map_err(|e| StepError::InvalidConfig(e.to_string()))
+}
+
+/// The lever each block of `model`'s last forward ran under, by key (see
+/// [`planned_blocks`]); `None` when the model has no such blocks. With
+/// [`set_block_levers`], what puts a step's levers back as they were.
+pub fn block_levers(model: &dyn Workload) -> Option<Vec<(BlockKey, BlockLever)>> {
+    let blocks = planned_blocks(model)?;
+    Some(
+        blocks
+            .keys()
+            .into_iter()
+            .map(|key| {
+                let lever = blocks.lever(&key);
+                (key, lever)
+            })
+            .collect(),
+    )
 }
 
 /// One profiled step of `model` on `example`: its forward (which runs the blocks) and

@@ -839,9 +839,14 @@ fn smallest_micro_batch(input: &Batch, config: &StepConfig) -> Option<i64> {
 
 /// What the boundary stores of `model` took so far: the chain's, then its blocks'.
 fn lever_stats(model: &dyn Workload) -> Vec<memsave_checkpoint::LeverStats> {
-    let mut stats = model.layers().lever_stats();
-    if let Some(blocks) = model.blocks() {
-        stats.extend(blocks.lever_stats());
+    match (model.blocks(), crate::plan::planned_blocks(model)) {
+        (Some(blocks), _) => {
+            let mut stats = model.layers().lever_stats();
+            stats.extend(blocks.lever_stats());
+            stats
+        }
+        // A chain's blocks count its boundary stores as well as its layers' own.
+        (None, Some(layers)) => layers.lever_stats(),
+        (None, None) => model.layers().lever_stats(),
     }
-    stats
 }

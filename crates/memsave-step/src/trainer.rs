@@ -95,11 +95,12 @@ impl TrainerBuilder {
         self
     }
 
-    /// For a model of blocks ([`Workload::blocks`]): sets these levers by key, every
-    /// other block kept, after the plan (e.g. the levers `fit` chose,
-    /// `memsave_fit::Choice::block_levers`). [`build`](Self::build) refuses them for a
-    /// chain, and a lever whose saves go to a store under ZeRO-3 (its unit's gathered
-    /// weights would go with them).
+    /// Sets these levers by key, every other block kept, after the plan (e.g. the
+    /// levers `fit` chose, `memsave_fit::Choice::block_levers`): on a model of blocks
+    /// ([`Workload::blocks`]) its blocks'; on a chain, layer `i` is the block `layer i`
+    /// and the layers go under `Plan::PerLayer` (see [`crate::plan::set_block_levers`]).
+    /// [`build`](Self::build) refuses a lever whose saves go to a store under ZeRO-3
+    /// (its unit's gathered weights would go with them).
     pub fn block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Self {
         self.block_levers = Some(levers);
         self
@@ -171,15 +172,8 @@ impl TrainerBuilder {
                     lever.name()
                 )));
             }
-            let Some(blocks) = model.blocks() else {
-                return Err(StepError::InvalidConfig(format!(
-                    "block levers for '{}', a chain of layers: they are for a model of blocks",
-                    model.name()
-                )));
-            };
-            blocks
-                .set_levers(levers)
-                .map_err(|e| StepError::InvalidConfig(e.to_string()))?;
+            // A chain's layers go under Plan::PerLayer, each under its lever.
+            crate::plan::set_block_levers(&mut *model, levers)?;
         }
         let data_parallel = match (self.data_parallel, config.offload_params) {
             (None, Some(_)) => Some(DataParallelHandle::offload_params(

@@ -175,27 +175,29 @@ fn the_schedule_s_checkpoints_run_as_blocks() {
 }
 
 /// Levers on the blocks of a chain under a schedule are refused by its next forward,
-/// naming the block; a new plan other than per-layer forgets them.
+/// naming the block; a new plan other than per-layer forgets them. Levers per layer
+/// may be set as soon as the plan is per-layer, before its first forward.
 #[test]
 #[serial]
 fn per_layer_levers_need_the_per_layer_plan() {
     let (_vs, mut seq) = chain();
     let x = Tensor::rand([4, H], (Kind::Float, Device::Cpu));
+    seq.set_plan(Plan::Segments(2)).unwrap();
+    let _ = seq.f_forward(&x).unwrap();
     seq.set_plan(Plan::PerLayer).unwrap();
     seq.blocks()
         .set(BlockKey::new("layer 2", 0), BlockLever::Recompute)
         .unwrap();
-    seq.set_plan(Plan::PerLayer).unwrap();
     let _ = seq.f_forward(&x).unwrap();
     assert_eq!(seq.blocks().last_forward()[2].lever, "recompute");
-    // Set again after the plan changed: the schedule's forward does not run it.
+    // Set after the plan changed: the schedule's forward does not run it.
     seq.set_plan(Plan::EveryLayer).unwrap();
     seq.blocks()
         .set(BlockKey::new("layer 2", 0), BlockLever::Recompute)
-        .unwrap_or(());
+        .unwrap();
     let err = seq.f_forward(&x).unwrap_err().to_string();
     assert!(
-        err.contains("block layer 0#0") && err.contains("under Plan::PerLayer"),
+        err.contains("layer 2#0") && err.contains("under Plan::PerLayer"),
         "{err}"
     );
     seq.set_plan(Plan::EveryLayer).unwrap();

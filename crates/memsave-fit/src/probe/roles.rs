@@ -83,8 +83,8 @@ fn traced(
                 optimizer.set_observer(Some(Arc::new(OptimizerRoles(session.clone()))));
             }
             // The caller's own block observer, if any, is put back after the step.
-            let theirs = workload.blocks().and_then(|b| b.observer());
-            if let Some(blocks) = workload.blocks() {
+            let theirs = memsave_step::plan::planned_blocks(workload).and_then(|b| b.observer());
+            if let Some(blocks) = memsave_step::plan::planned_blocks(workload) {
                 blocks.set_observer(Some(block_runs(session)));
             }
             let phases = Phases {
@@ -104,7 +104,7 @@ fn traced(
             if let Some(optimizer) = setup.optimizer.as_mut() {
                 optimizer.set_observer(None);
             }
-            if let Some(blocks) = workload.blocks() {
+            if let Some(blocks) = memsave_step::plan::planned_blocks(workload) {
                 blocks.set_observer(theirs);
             }
             session.phase(Phase::Other);

@@ -380,15 +380,40 @@ impl Runs<'_> {
     /// The recompute candidate of `base` at `k` micro-batches of at most `m`: the
     /// solver's schedule with the least recomputation whose real peak is predicted
     /// within the target, adjusted until the prediction from real runs agrees.
+    ///
+    /// On a chain, with levers chosen per block, a second candidate: the chain's layers
+    /// as blocks (`Plan::PerLayer`), each kept, recomputed or offloaded on its own by
+    /// the blocks planner, as any model of blocks (on one process, with the parameters
+    /// on the device: ZeRO-3's units wrap a chain's layers, not its blocks).
     pub(super) fn recompute(
         &mut self,
         base: &Choice,
         m: i64,
         k: usize,
-    ) -> Result<Option<Candidate>, FitError> {
+    ) -> Result<Vec<Candidate>, FitError> {
         if self.workload.blocks().is_some() {
-            return self.recompute_blocks(base, m, k);
+            return Ok(self.recompute_blocks(base, m, k)?.into_iter().collect());
         }
+        let mut candidates: Vec<Candidate> =
+            self.recompute_chain(base, m, k)?.into_iter().collect();
+        let per_layer = self.per_block
+            && self.ranks.world_size() == 1
+            && base.data_parallel.is_none()
+            && !base.params_in_files
+            && self.workload.layers().len() > 1;
+        if per_layer {
+            candidates.extend(self.recompute_blocks(base, m, k)?);
+        }
+        Ok(candidates)
+    }
+
+    /// [`recompute`](Self::recompute)'s chain candidate: the checkpoint solver's.
+    fn recompute_chain(
+        &mut self,
+        base: &Choice,
+        m: i64,
+        k: usize,
+    ) -> Result<Option<Candidate>, FitError> {
         let mut profile = self.profile(m)?;
         if base.offload_grads || base.params_in_files {
             // The gradients do not stay (in files, or each unit's stepped and freed as
@@ -477,6 +502,13 @@ impl Runs<'_> {
                     .with_free_gradients(free_gradients);
                 if compress {
                     options = options.with_compress(compress_block_lever(CompressDtype::Int8));
+                }
+                if self.workload.blocks().is_none() {
+                    // A chain: its layers are profiled as blocks.
+                    self.workload
+                        .layers_mut()
+                        .set_plan(memsave_checkpoint::Plan::PerLayer)
+                        .map_err(|e| FitError::Step(e.to_string()))?;
                 }
                 let at = |size: i64| -> Result<BlocksProfile, memsave_step::StepError> {
                     f_profile_blocks_with(&*self.workload, &self.workload.batch(size)?, &options)

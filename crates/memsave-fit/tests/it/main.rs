@@ -5,6 +5,7 @@
 //! process nothing else ran in.
 // The same small model as memsave-step's integration tests: one file, two crates.
 mod blocks;
+mod chain_per_layer;
 #[path = "../../../memsave-step/tests/it/common.rs"]
 mod common;
 mod device;

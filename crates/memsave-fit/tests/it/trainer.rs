@@ -89,6 +89,14 @@ fn trainer_matches_by_hand(
             c.choice.strategy
         );
         scheduled += usize::from(c.choice.schedule().is_some());
+        // A per-layer choice puts the chain's layers under their levers.
+        if let Some(levers) = c.choice.block_levers() {
+            let layers = trainer.model().layers();
+            assert_eq!(layers.plan(), memsave_checkpoint::Plan::PerLayer);
+            for (key, lever) in levers {
+                assert_eq!(layers.blocks().lever(&key).name(), lever.name(), "{key}");
+            }
+        }
     }
 
     let outside = crate::device::outside(&model);
@@ -120,6 +128,10 @@ fn trainer_matches_by_hand(
     let mut by_hand = make();
     assert_eq!(host(&by_hand.parameters()), before);
     by_hand.layers_mut().set_schedule(schedule.clone()).unwrap();
+    if let Some(levers) = choice.block_levers() {
+        // A per-layer choice: the layers as blocks, each under its lever.
+        memsave_step::plan::set_block_levers(&mut by_hand, levers).unwrap();
+    }
     let xh = by_hand.batch(by_hand.global_batch()).unwrap();
     let config = choice.step_config(by_hand.optimizer());
     let params = by_hand.parameters();
