@@ -66,7 +66,7 @@ use crate::suite::{
     AutoBatchSpec, DeviceChoice, FitSpec, ModelSpec, StrategySpec, Suite, Technique,
 };
 use memsave_amp::GradScaler;
-use memsave_checkpoint::{Plan, Schedule};
+use memsave_checkpoint::{BlockKey, BlockLever, Plan, Schedule};
 pub use memsave_step::plan::apply_plan;
 use memsave_step::{Batch, Workload};
 use regex::Regex;
@@ -606,6 +606,25 @@ struct Timing {
     config: StepConfig,
     x: Batch,
     schedule: Schedule,
+    /// The lever of each block of the measured step (a model of blocks, or a chain
+    /// under per-layer levers: `fit`'s per-block choice among them), put back before
+    /// each timed step.
+    block_levers: Option<Vec<(BlockKey, BlockLever)>>,
+    /// Each block call of the measured step's last forward and its lever's name: every
+    /// timed step must run the same, or its time is another configuration's.
+    ran: Vec<(BlockKey, String)>,
+}
+
+/// Each block call of `model`'s last forward with its lever's name (none for a chain
+/// under a schedule).
+fn blocks_ran(model: &dyn Workload) -> Vec<(BlockKey, String)> {
+    memsave_step::plan::planned_blocks(model).map_or_else(Vec::new, |blocks| {
+        blocks
+            .last_forward()
+            .into_iter()
+            .map(|r| (r.key, r.lever))
+            .collect()
+    })
 }
 
 /// How the first pass of a case ended.
@@ -798,6 +817,8 @@ fn measure_case(
         config: config.clone(),
         x: x.shallow_clone(),
         schedule: model.layers().schedule().clone(),
+        block_levers: memsave_step::plan::block_levers(&*model),
+        ran: blocks_ran(&*model),
     };
     let grads = f_grads(&model.parameters()).map_err(|e| e.to_string())?;
     let mut case = CaseResult {
@@ -1062,7 +1083,15 @@ fn timed_step(
             .layers_mut()
             .set_schedule(timing.schedule.clone())
             .map_err(|e| e.to_string())?;
-        memsave_step::plan::apply_block_plan(model, config).map_err(|e| e.to_string())?;
+        // The measured step's levers, block by block (`fit`'s per-block choice is not
+        // the configuration's plan, which keeps every block).
+        match &timing.block_levers {
+            Some(levers) => memsave_step::plan::set_block_levers(model, levers.clone())
+                .map_err(|e| e.to_string())?,
+            None => {
+                memsave_step::plan::apply_block_plan(model, config).map_err(|e| e.to_string())?;
+            }
+        }
         let m = f_step_with(
             model,
             &timing.x,
@@ -1073,10 +1102,36 @@ fn timed_step(
             state.optimizer.as_mut(),
         )
         .map_err(|e| e.to_string());
+        let ran = blocks_ran(&*model);
+        let same = if m.is_ok() && ran != timing.ran {
+            let differs = timing
+                .ran
+                .iter()
+                .zip(&ran)
+                .find(|(a, b)| a != b)
+                .map_or_else(
+                    || {
+                        format!(
+                            "{} block calls where it ran {}",
+                            ran.len(),
+                            timing.ran.len()
+                        )
+                    },
+                    |((key, lever), (_, now))| {
+                        format!("block {key} under {now} where it ran under {lever}")
+                    },
+                );
+            Err(CaseError(format!(
+                "a timed step ran other levers than the measured step ({differs}): its time would be another configuration's"
+            )))
+        } else {
+            Ok(())
+        };
         if let (Some(_), Some(weights)) = (&state.optimizer, weights) {
             weights.restore().map_err(|e| e.to_string())?;
         }
         let _ = memsave_accum::free_grads(&model.parameters());
+        same?;
         Ok(m?.time_s)
     })
 }
@@ -1200,5 +1255,79 @@ impl From<String> for CaseError {
 impl From<&str> for CaseError {
     fn from(message: &str) -> Self {
         CaseError(message.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suite::Suite;
+    use memsave_checkpoint::BlockLever;
+
+    /// A timed step of a case runs the measured step's levers block by block (`fit`'s
+    /// per-block choice is not the configuration's plan, which keeps every block: the
+    /// rounds used to time every block kept), and refuses to time other levers.
+    #[test]
+    fn a_timed_step_runs_the_measured_step_s_block_levers() {
+        let yaml = "suite: t\nmodels:\n  - {name: u, kind: unet, image: [2, 16, 16], classes: 3, base: 4, levels: 2, batch: 2}\nstrategies:\n  - baseline\n";
+        let suite = Suite::from_yaml(yaml, "t.yaml").unwrap();
+        let mut model = Model::build(&suite.models[0], Device::Cpu).unwrap();
+        let x = model.batch(2).unwrap();
+        let config = StepConfig::baseline();
+        memsave_step::plan::apply_block_plan(&model, &config).unwrap();
+        f_step(&model, &x, &config, Device::Cpu, false, None).unwrap();
+        let keys = model.blocks().unwrap().keys();
+        assert!(keys.len() > 2, "{keys:?}");
+        // A per-block choice: the first two blocks recomputed, the others kept.
+        let chosen: Vec<(BlockKey, BlockLever)> = keys[..2]
+            .iter()
+            .map(|k| (k.clone(), BlockLever::Recompute))
+            .collect();
+        memsave_step::plan::set_block_levers(&mut model, chosen).unwrap();
+        f_step(&model, &x, &config, Device::Cpu, false, None).unwrap();
+        let mut timing = Timing {
+            config: config.clone(),
+            x: x.shallow_clone(),
+            schedule: model.layers().schedule().clone(),
+            block_levers: memsave_step::plan::block_levers(&model),
+            ran: blocks_ran(&model),
+        };
+        let levers: Vec<&str> = timing.ran.iter().map(|(_, l)| l.as_str()).collect();
+        assert_eq!(levers[..3], ["recompute", "recompute", "keep"]);
+        let params = model.parameters();
+        let mut state = CaseState::build(&config, &params).unwrap();
+        let mut stores = None;
+        timed_step(
+            &mut model,
+            0,
+            &timing,
+            &mut state,
+            &mut stores,
+            None,
+            Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(blocks_ran(&model), timing.ran);
+        // A timed step that would run other levers than the measured one is refused.
+        timing.ran[0].1 = "keep".into();
+        let err = timed_step(
+            &mut model,
+            0,
+            &timing,
+            &mut state,
+            &mut stores,
+            None,
+            Device::Cpu,
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            err.contains("other levers than the measured step")
+                && err.contains(&format!(
+                    "block {} under recompute where it ran under keep",
+                    keys[0]
+                )),
+            "{err}"
+        );
     }
 }
