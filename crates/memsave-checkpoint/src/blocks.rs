@@ -1125,6 +1125,30 @@ impl Blocks {
         Ok(())
     }
 
+    /// The levers set other than keep, for a person to read (`layer 2#0: recompute`,
+    /// `every block: recompute`), or `None` when there is none.
+    pub(crate) fn levers_set(&self) -> Option<String> {
+        let state = self.lock();
+        let mut set: Vec<String> = state
+            .levers
+            .iter()
+            .map(|(key, lever)| format!("{key}: {}", lever.name()))
+            .collect();
+        set.sort();
+        if !matches!(state.every, BlockLever::Keep) {
+            set.insert(0, format!("every block: {}", state.every.name()));
+        }
+        (!set.is_empty()).then(|| set.join(", "))
+    }
+
+    /// Drops the counters of `stores` (a chain's boundary stores it no longer uses),
+    /// so that the stores themselves can go (a directory of files each).
+    pub(crate) fn release_stores(&self, stores: &[Lever]) {
+        self.lock()
+            .stores
+            .retain(|l| !stores.iter().any(|s| Arc::ptr_eq(&s.0, &l.0)));
+    }
+
     /// Forgets the last forward's record and the order of top-level blocks levers were
     /// assigned for: the next forward runs other blocks (a chain's blocks change with
     /// its plan), and levers set before it are checked against it.

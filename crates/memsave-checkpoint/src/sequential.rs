@@ -117,6 +117,9 @@ impl CheckpointedSequential {
     /// [`with_levers`](Self::with_levers) on a chain you hold by reference.
     pub fn set_levers(&mut self, stores: Vec<Arc<dyn BoundaryStore>>) {
         // The blocks count what each store takes; the chain reads the same counters.
+        self.blocks.release_stores(&self.levers);
+        self.blocks.set_every(BlockLever::Keep);
+        self.blocks.forget_forward();
         self.levers = stores
             .into_iter()
             .map(|store| self.blocks.counted(&store))
@@ -218,6 +221,8 @@ impl CheckpointedSequential {
     }
 
     /// Chooses the plan; [`Plan::Budget`] solves for a schedule and needs a profile.
+    /// Levers set on [`blocks`](Self::blocks) are dropped, except when the plan was
+    /// [`Plan::PerLayer`] and stays so (set levers per layer after this).
     pub fn set_plan(&mut self, plan: Plan) -> Result<()> {
         let n = self.layers.len();
         self.schedule = match plan {
@@ -230,8 +235,9 @@ impl CheckpointedSequential {
                 Solver::with_levers(profile, &self.lever_profiles).solve_budget(bytes)?
             }
         };
-        if plan != Plan::PerLayer {
-            // The schedule decides every checkpoint's lever.
+        if plan != Plan::PerLayer || self.plan != Plan::PerLayer {
+            // The schedule decides every checkpoint's lever; levers per layer start
+            // from every layer kept.
             self.blocks.set_every(BlockLever::Keep);
         }
         // The next forward runs the blocks of this plan: levers per layer are checked
@@ -267,7 +273,12 @@ impl CheckpointedSequential {
     }
 
     /// Predicted peak and time of the current schedule; needs a profile.
+    /// `None` under [`Plan::PerLayer`], whose levers the blocks planner predicts
+    /// ([`Blocks::profile`]).
     pub fn predict(&self) -> Option<Prediction> {
+        if self.plan == Plan::PerLayer {
+            return None;
+        }
         self.profile
             .as_ref()
             .map(|p| predict_with_levers(p, &self.lever_profiles, &self.schedule))
@@ -284,7 +295,13 @@ impl CheckpointedSequential {
             self.schedule.forward_count(),
             self.schedule.forward_count() - self.layers.len()
         );
-        if let Some(p) = self.predict() {
+        if self.plan == Plan::PerLayer {
+            let levers = self.blocks.levers_set();
+            out.push_str(&format!(
+                "\nlevers per layer: {}",
+                levers.as_deref().unwrap_or("every layer kept")
+            ));
+        } else if let Some(p) = self.predict() {
             out.push_str(&format!(
                 "\npredicted peak above the step's start: {}\npredicted step time: {:.3} s ({:.2}x the baseline's {:.3} s)",
                 Bytes(p.peak_bytes),
@@ -383,6 +400,35 @@ impl CheckpointedSequential {
                 .and_then(|j| self.levers.get(j).cloned())
         };
         let per_layer = self.plan == Plan::PerLayer;
+        if let Some(set) = self.blocks.levers_set().filter(|_| !per_layer) {
+            return Err(CheckpointError::Blocks(format!(
+                "levers are set on the chain's blocks ({set}), but plan {} runs its schedule, which decides every checkpoint's lever: set Plan::PerLayer for a lever per layer",
+                self.plan
+            )));
+        }
+        if !per_layer
+            && self
+                .schedule
+                .blocks()
+                .iter()
+                .all(|b| matches!(b, Block::Layer(_)))
+        {
+            // Nothing to checkpoint: the layers run directly, from any number of
+            // threads at once (the engine runs one forward at a time).
+            let run = || {
+                let mut x = x.shallow_clone();
+                for layer in &self.layers {
+                    // A recomputation around the chain that has what it needs stops
+                    // between layers (see Checkpoint::early_stop).
+                    if memsave_sys::checkpoint::recomputation_done() {
+                        break;
+                    }
+                    x = layer.forward_t(&x, train);
+                }
+                Ok(x)
+            };
+            return catching_panics("a layer panicked", run);
+        }
         let run = || {
             self.blocks.forward(|engine| {
                 run_blocks(

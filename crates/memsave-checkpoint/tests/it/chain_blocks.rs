@@ -197,9 +197,43 @@ fn per_layer_levers_need_the_per_layer_plan() {
         .unwrap();
     let err = seq.f_forward(&x).unwrap_err().to_string();
     assert!(
-        err.contains("layer 2#0") && err.contains("under Plan::PerLayer"),
+        err.contains("layer 2#0: recompute") && err.contains("set Plan::PerLayer"),
         "{err}"
     );
     seq.set_plan(Plan::EveryLayer).unwrap();
+    assert!(seq.f_forward(&x).is_ok());
+}
+
+/// Under a schedule, levers on the chain's blocks (for every block, or for a
+/// checkpoint's key) are refused by the next forward, naming them, instead of being
+/// ignored; new boundary stores (`set_levers`) forget the levers per layer.
+#[test]
+#[serial]
+fn levers_a_schedule_would_ignore_are_refused() {
+    let (_vs, mut seq) = chain();
+    let x = Tensor::rand([4, H], (Kind::Float, Device::Cpu));
+    seq.set_plan(Plan::Segments(2)).unwrap();
+    let _ = seq.f_forward(&x).unwrap();
+    seq.blocks().set_every(BlockLever::Recompute);
+    let err = seq.f_forward(&x).unwrap_err().to_string();
+    assert!(
+        err.contains("every block: recompute") && err.contains("set Plan::PerLayer"),
+        "{err}"
+    );
+    seq.set_plan(Plan::Segments(2)).unwrap();
+    let _ = seq.f_forward(&x).unwrap();
+    seq.blocks()
+        .set(BlockKey::new("layers 0..3", 0), BlockLever::Keep)
+        .unwrap();
+    let err = seq.f_forward(&x).unwrap_err().to_string();
+    assert!(err.contains("layers 0..3#0: keep"), "{err}");
+    // Per layer, then new stores: back to a plain chain that runs.
+    seq.set_plan(Plan::PerLayer).unwrap();
+    seq.blocks()
+        .set(BlockKey::new("layer 1", 0), BlockLever::Recompute)
+        .unwrap();
+    let _ = seq.f_forward(&x).unwrap();
+    seq.set_levers(Vec::new());
+    assert_eq!(seq.plan(), Plan::None);
     assert!(seq.f_forward(&x).is_ok());
 }
