@@ -36,7 +36,10 @@ pub fn resolve(strategy: &StrategySpec) -> Result<StepConfig, Unavailable> {
             Technique::Compress(dtype) => config.saved = Some(SavedTensors::Compress(*dtype)),
             Technique::Offload(spec) => config.saved = Some(SavedTensors::Offload(spec.clone())),
             Technique::Optimizer(spec) => config.optimizer = Some(*spec),
-            Technique::OffloadGrads => config.offload_grads = Some(GradsAfter::Restored),
+            Technique::OffloadGrads(at_least) => {
+                config.offload_grads = Some(GradsAfter::Restored);
+                config.offload_grads_at_least = at_least.as_ref().map(|s| s.bytes);
+            }
             Technique::OffloadParams => {
                 config.offload_params = Some(memsave_step::ParamsOffload::Disk)
             }

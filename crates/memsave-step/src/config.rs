@@ -85,6 +85,12 @@ pub struct StepConfig {
     /// in the default offload directory), if any: the optimizer in backward steps each
     /// whole gradient during the last micro-batch's backward.
     pub offload_grads: Option<GradsAfter>,
+    /// With [`offload_grads`](Self::offload_grads): only the gradients of parameters
+    /// of at least this many bytes go to files; the smaller ones accumulate in memory
+    /// (`memsave_hooks::GradOffload::keep_in_memory`). Files cost a write and a read per
+    /// parameter and backward, mostly time and little memory for biases and norms'
+    /// weights. `None` (the default): every gradient.
+    pub offload_grads_at_least: Option<u64>,
     /// The parameters off the device between their uses, if any (see
     /// [`ParamsOffload`]).
     pub offload_params: Option<ParamsOffload>,
@@ -140,6 +146,7 @@ impl StepConfig {
             optimizer: None,
             saved: None,
             offload_grads: None,
+            offload_grads_at_least: None,
             offload_params: None,
         }
     }

@@ -426,8 +426,13 @@ impl<'a> StepRun<'a> {
             Some(o) => o.param_stepper(params)?,
             None => None,
         };
-        let offload =
+        let mut offload =
             GradOffload::new(params, &dir).map_err(|e| StepError::lever("offload_grads", e))?;
+        if let Some(least) = config.offload_grads_at_least {
+            offload = offload.keep_in_memory(move |p| {
+                ((p.numel() * p.kind().elt_size_in_bytes()) as u64) < least
+            });
+        }
         Ok(Some(match stepper {
             Some(f) => offload.on_complete(f),
             None => offload,

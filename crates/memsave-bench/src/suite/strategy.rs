@@ -99,6 +99,13 @@ struct OffloadArgs {
 #[serde(deny_unknown_fields)]
 struct OffloadGradsArgs {
     to: String,
+    at_least: Option<Size>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OffloadParamsArgs {
+    to: String,
 }
 
 fn compress_args(args: CompressArgs) -> Result<CompressDtype, StrategyError> {
@@ -161,8 +168,10 @@ pub enum Technique {
     Offload(OffloadSpec),
     /// `offload_grads: {to: disk}`: gradients accumulated in files between backward
     /// passes (`memsave_hooks::GradOffload`); an `optimizer` with `in_backward: true`
-    /// steps each whole gradient in the last micro-batch's backward.
-    OffloadGrads,
+    /// steps each whole gradient in the last micro-batch's backward. With `at_least:
+    /// 64KiB`, only the gradients of parameters of at least that size go to files, the
+    /// smaller ones accumulate in memory (`StepConfig::offload_grads_at_least`).
+    OffloadGrads(Option<Size>),
     /// `offload_params: {to: disk}`: the parameters in files between their uses
     /// (`memsave_step::ParamsOffload::Disk`: ZeRO-3 with its shards in files, on a
     /// group of one or under `zero: 3`). Runs on ranks only (`world_size: 1` for one
@@ -416,7 +425,10 @@ impl Technique {
                 format!("offload({})", args.join(", "))
             }
             Technique::Offload(OffloadSpec::Cpu) => "offload(to=cpu)".into(),
-            Technique::OffloadGrads => "offload_grads(to=disk)".into(),
+            Technique::OffloadGrads(None) => "offload_grads(to=disk)".into(),
+            Technique::OffloadGrads(Some(least)) => {
+                format!("offload_grads(to=disk, at_least={})", least.text)
+            }
             Technique::OffloadParams => "offload_params(to=disk)".into(),
             Technique::Zero(ZeroSpec {
                 stage,
@@ -460,7 +472,7 @@ impl Technique {
             Technique::Compress(_) | Technique::Offload(_) => {
                 "saved-tensor hook (compress, offload)"
             }
-            Technique::OffloadGrads => "offload_grads",
+            Technique::OffloadGrads(_) => "offload_grads",
             Technique::OffloadParams => "offload_params",
             Technique::Zero(_) => "zero",
             Technique::AutoBatch(_) => "auto_batch",
@@ -674,15 +686,15 @@ fn technique_with_args<'de, A: MapAccess<'de>>(
             compress_args(map.next_value::<CompressArgs>()?).map_err(de::Error::custom)?,
         ),
         "offload" => Technique::Offload(offload_args(map.next_value::<OffloadArgs>()?)?),
-        "offload_grads" => match map.next_value::<OffloadGradsArgs>()?.to.as_str() {
-            "disk" => Technique::OffloadGrads,
-            other => {
+        "offload_grads" => match map.next_value::<OffloadGradsArgs>()? {
+            OffloadGradsArgs { to, at_least } if to == "disk" => Technique::OffloadGrads(at_least),
+            OffloadGradsArgs { to: other, .. } => {
                 return Err(de::Error::custom(format!(
                     "offload_grads: unknown target '{other}', expected disk"
                 )))
             }
         },
-        "offload_params" => match map.next_value::<OffloadGradsArgs>()?.to.as_str() {
+        "offload_params" => match map.next_value::<OffloadParamsArgs>()?.to.as_str() {
             "disk" => Technique::OffloadParams,
             other => {
                 return Err(de::Error::custom(format!(

@@ -129,6 +129,10 @@ struct Shared {
     /// The parameters' shapes, for errors.
     shapes: Vec<Vec<i64>>,
     last: AtomicBool,
+    /// Per parameter: its gradient stays in `.grad` (see `GradOffload::keep_in_memory`).
+    in_memory: Vec<AtomicBool>,
+    /// Per parameter: handed to `on_complete` since the last micro-batch began.
+    completed: Vec<AtomicBool>,
     on_complete: Mutex<Option<OnComplete>>,
     written: AtomicU64,
     read: AtomicU64,
@@ -277,6 +281,7 @@ impl Shared {
 
     /// Runs `f` (the `on_complete`) on parameter `index`, its error kept as the cause.
     fn complete(&self, f: &mut OnComplete, index: usize, p: &Tensor) -> Result<(), OffloadError> {
+        self.completed[index].store(true, Ordering::Relaxed);
         f(index, p).map_err(|source| OffloadError::OnComplete {
             index,
             shape: self.shapes[index].clone(),
@@ -298,6 +303,10 @@ impl Shared {
                 return self.complete(f, index, p);
             }
         }
+        if self.in_memory[index].load(Ordering::Relaxed) {
+            // Accumulates in `.grad`, as without the offload.
+            return Ok(());
+        }
         if self.store(index, &grad) {
             drop(grad);
             memsave_sys::tensor::set_grad_none(p).map_err(|e| self.grad_error(index, "free", e))?;
@@ -318,6 +327,8 @@ impl GradOffload {
             sums: Mutex::new(vec![Sum::Empty; params.len()]),
             shapes: params.iter().map(Tensor::size).collect(),
             last: AtomicBool::new(false),
+            in_memory: params.iter().map(|_| AtomicBool::new(false)).collect(),
+            completed: params.iter().map(|_| AtomicBool::new(false)).collect(),
             on_complete: Mutex::new(None),
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
@@ -353,10 +364,46 @@ impl GradOffload {
         self
     }
 
+    /// Keeps the gradients of the parameters `keep` picks in `.grad`, where they
+    /// accumulate as without the offload, and offloads only the others: files cost a
+    /// write and a read per parameter and backward, which for small parameters (biases,
+    /// norms' weights) is mostly time and little memory. Kept ones go to
+    /// [`on_complete`](Self::on_complete) in the last micro-batch's backward as the
+    /// others do (or in [`complete_remaining`](Self::complete_remaining), when their
+    /// hook did not fire then); gradients stay bitwise those of plain accumulation.
+    ///
+    /// ```
+    /// use memsave_hooks::GradOffload;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let w = Tensor::randn([64, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let b = Tensor::zeros([64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// // Only gradients of 1 KiB or more go to files.
+    /// let offload = GradOffload::new(&[w.shallow_clone(), b.shallow_clone()], dir.path())
+    ///     .unwrap()
+    ///     .keep_in_memory(|p| p.numel() * 4 < 1024);
+    /// let x = Tensor::randn([8, 64], (Kind::Float, Device::Cpu));
+    /// (x.mm(&w) + &b).sum(Kind::Float).backward();
+    /// assert!(!w.grad().defined() && b.grad().defined());
+    /// assert_eq!(offload.stats().stored_bytes, 64 * 64 * 4);
+    /// ```
+    pub fn keep_in_memory(self, keep: impl Fn(&Tensor) -> bool) -> Self {
+        for (p, flag) in self.params.iter().zip(&self.shared.in_memory) {
+            flag.store(keep(p), Ordering::Relaxed);
+        }
+        self
+    }
+
     /// Says whether the next backward passes are the last micro-batch's: their
     /// gradients, with the stored sums added, go to [`on_complete`](Self::on_complete)
     /// when there is one (without one, they are stored as in any backward).
     pub fn set_last_micro_batch(&self, last: bool) {
+        if last {
+            for done in &self.shared.completed {
+                done.store(false, Ordering::Relaxed);
+            }
+        }
         self.shared.last.store(last, Ordering::Relaxed);
     }
 
@@ -378,7 +425,12 @@ impl GradOffload {
         };
         let _no_grad = tch::no_grad_guard();
         for (index, p) in self.params.iter().enumerate() {
-            if matches!(lock(&self.shared.sums)[index], Sum::Empty) {
+            // A sum in its file, or one kept in `.grad` that was not handed over yet.
+            let stored = !matches!(lock(&self.shared.sums)[index], Sum::Empty);
+            let kept = self.shared.in_memory[index].load(Ordering::Relaxed)
+                && !self.shared.completed[index].load(Ordering::Relaxed)
+                && p.grad().defined();
+            if !stored && !kept {
                 continue;
             }
             self.shared.put_back(index, p)?;

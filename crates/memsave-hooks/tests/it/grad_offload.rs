@@ -80,6 +80,9 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// (parameter index, its whole gradient) as `on_complete` was handed them.
+type HandedOver = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+
 fn files_in(dir: &Path) -> usize {
     files_under(dir).len()
 }
@@ -554,4 +557,100 @@ fn a_sum_damaged_in_its_last_chunk_is_lost_and_its_partial_gradient_freed() {
     assert_eq!(offload.stats().read_bytes, 0);
     let err = offload.restore().unwrap_err();
     assert!(matches!(err, OffloadError::GradLost { .. }), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    /// Gradients per parameter group: the biases (and any parameter `keep_in_memory`
+    /// picks) accumulate in `.grad`, the weights in files. Bitwise plain accumulation
+    /// either way; between backward passes the device holds exactly the kept gradients;
+    /// with `on_complete`, every parameter is handed over once in the last micro-batch.
+    #[test]
+    #[serial]
+    fn gradients_kept_in_memory_by_group_are_plain_accumulation_and_handed_over_once(
+        depth in 1usize..4, width in 3i64..24, rows in 4i64..13, splits in 1i64..4, seed in 0i64..1000,
+    ) {
+        tch::manual_seed(seed);
+        let n = net(depth, width);
+        let x = Tensor::randn([rows, width], (Kind::Float, Device::Cpu));
+        let expected = n.accumulated(&x, splits);
+        let is_bias = |p: &Tensor| p.dim() == 1;
+        let kept_bytes: u64 = n.params().iter().filter(|p| is_bias(p)).map(|p| p.numel() as u64 * 4).sum();
+        // Plain accumulation in `.grad` for the kept ones, then restore.
+        let dir = tempfile::tempdir().unwrap();
+        let offload = GradOffload::new(&n.params(), dir.path()).unwrap().keep_in_memory(is_bias);
+        let start = f_memory_allocated(Device::Cpu).unwrap();
+        for mb in x.chunk(splits, 0) {
+            n.loss(&mb).backward();
+            prop_assert_eq!(f_memory_allocated(Device::Cpu).unwrap(), start + kept_bytes);
+        }
+        prop_assert_eq!(offload.stats().stored_bytes, n.param_bytes() - kept_bytes);
+        prop_assert_eq!(files_in(dir.path()), depth);
+        offload.restore().unwrap();
+        let got = host(&n.params().iter().map(Tensor::grad).collect::<Vec<_>>());
+        prop_assert_eq!(&got, &expected);
+        n.clear_grads();
+        drop(offload);
+        // With on_complete: each parameter once, with its whole gradient.
+        let seen: HandedOver = Arc::default();
+        let sink = Arc::clone(&seen);
+        let offload = GradOffload::new(&n.params(), dir.path())
+            .unwrap()
+            .keep_in_memory(is_bias)
+            .on_complete(Box::new(move |index, p| {
+                let g = Vec::<f32>::try_from(&p.grad().reshape([-1]))?;
+                sink.lock().unwrap().push((index, g));
+                memsave_sys::tensor::set_grad_none(p)?;
+                Ok(())
+            }));
+        let chunks = x.chunk(splits, 0);
+        for (i, mb) in chunks.iter().enumerate() {
+            offload.set_last_micro_batch(i + 1 == chunks.len());
+            n.loss(mb).backward();
+        }
+        offload.complete_remaining().unwrap();
+        let mut seen = seen.lock().unwrap().clone();
+        seen.sort_by_key(|(i, _)| *i);
+        prop_assert_eq!(
+            seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (0..n.params().len()).collect::<Vec<_>>()
+        );
+        let got: Vec<Vec<f32>> = seen.into_iter().map(|(_, g)| g).collect();
+        prop_assert_eq!(got, expected);
+        prop_assert_eq!(f_memory_allocated(Device::Cpu).unwrap(), start);
+    }
+}
+
+/// A parameter kept in memory that the last micro-batch does not use is handed over
+/// by `complete_remaining`, once, with the sum of the earlier micro-batches.
+#[test]
+#[serial]
+fn a_kept_parameter_unused_by_the_last_micro_batch_is_handed_over_after_it() {
+    tch::manual_seed(5);
+    let used = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let skipped = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    let dir = tempfile::tempdir().unwrap();
+    let seen: HandedOver = Arc::default();
+    let sink = Arc::clone(&seen);
+    let offload = GradOffload::new(&[used.shallow_clone(), skipped.shallow_clone()], dir.path())
+        .unwrap()
+        .keep_in_memory(|_| true)
+        .on_complete(Box::new(move |index, p| {
+            let g = Vec::<f32>::try_from(&p.grad().reshape([-1]))?;
+            sink.lock().unwrap().push((index, g));
+            memsave_sys::tensor::set_grad_none(p)?;
+            Ok(())
+        }));
+    (x.mm(&used).sum(Kind::Float) + x.mm(&skipped).sum(Kind::Float)).backward();
+    let expected = Vec::<f32>::try_from(&skipped.grad().reshape([-1])).unwrap();
+    offload.set_last_micro_batch(true);
+    x.mm(&used).sum(Kind::Float).backward();
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    offload.complete_remaining().unwrap();
+    offload.complete_remaining().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 1]);
+    assert_eq!(seen[1].1, expected);
+    assert_eq!(files_in(dir.path()), 0);
 }

@@ -7,6 +7,7 @@ mod device_peak;
 mod errors;
 mod failed_step;
 mod fsdp;
+mod grad_groups;
 mod loss;
 mod optimizer_hyperparameters;
 mod scaler_in_backward;
