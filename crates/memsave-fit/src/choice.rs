@@ -64,9 +64,11 @@ pub struct Choice {
     /// only when [`Allow::micro_batches`](super::Allow::micro_batches) is set. `None`
     /// when nothing coupling was found, or with one micro-batch.
     pub sample_coupling_op: Option<String>,
-    /// For a workload of blocks (`Workload::blocks`): the top-level blocks it
-    /// recomputes, offloads or compresses, as `recompute enc1#0, dec1#0; offload
-    /// bottom#0 (3 of 7 blocks)`; `None` when every block is kept (or for a chain).
+    /// For a workload of blocks (`Workload::blocks`), or a chain planned layer by
+    /// layer (its layers as the blocks `layer i` under `Plan::PerLayer`): the top-level
+    /// blocks it recomputes, offloads or compresses, as `recompute enc1#0, dec1#0;
+    /// offload bottom#0 (3 of 7 blocks)`; `None` when every block is kept, or for a
+    /// chain under the checkpoint solver's [`schedule`](Self::schedule).
     pub blocks: Option<String>,
     #[serde(skip)]
     pub(crate) schedule: Option<Schedule>,
@@ -113,8 +115,8 @@ impl Choice {
         self
     }
 
-    /// The levers of a workload of blocks this choice sets, by key (`None`: every
-    /// block kept): offloaded blocks write what they save to files
+    /// The levers this choice sets, by key, on a workload of blocks or a chain's
+    /// layers (`None`: every block kept, or a chain under its schedule): offloaded blocks write what they save to files
     /// ([`disk_block_lever`](memsave_step::plan::disk_block_lever)), compressed ones
     /// keep it in int8 ([`compress_block_lever`](memsave_step::plan::compress_block_lever),
     /// lossy: only with [`Allow::compress`](crate::Allow::compress)); with

@@ -9,8 +9,9 @@ impl Choice {
     /// micro-batches, offloaded activations, gradients in files, the step in backward,
     /// the optimizer's state in files, and the allowed lossy levers), and its checkpoint
     /// [`schedule`](Self::schedule) (recompute nothing when it has none), which
-    /// [`build`](TrainerBuilder::build) sets on the model's layers, and for a model of
-    /// blocks its [`block_levers`](Self::block_levers).
+    /// [`build`](TrainerBuilder::build) sets on the model's layers, and its
+    /// [`block_levers`](Self::block_levers) when it has them (a model of blocks', or a
+    /// chain's layer by layer: the layers then go under `Plan::PerLayer`).
     ///
     /// Use it to add to the choice before building (e.g. a per-block
     /// [`record_trace`](TrainerBuilder::record_trace)); [`FitReport::trainer`] builds

@@ -63,7 +63,8 @@ pub fn f_profile(model: &mut dyn Workload, example: &Batch) -> Result<ChainProfi
 /// were.
 ///
 /// # Errors
-/// [`StepError::InvalidConfig`] for a chain; the step's error.
+/// [`StepError::InvalidConfig`] for a chain, unless it is under `Plan::PerLayer` (its
+/// layers are then the blocks `layer i`, see [`planned_blocks`]); the step's error.
 pub fn f_profile_blocks(model: &dyn Workload, example: &Batch) -> Result<BlocksProfile, StepError> {
     blocks_of(model)?
         .profile(&model.parameters(), step_of(model, example))
@@ -135,7 +136,9 @@ pub fn planned_blocks(model: &dyn Workload) -> Option<&Blocks> {
 /// choice ([`memsave_fit::Choice::block_levers`]) means on any model.
 ///
 /// # Errors
-/// [`StepError::InvalidConfig`] naming a key no block of the last forward has.
+/// [`StepError::InvalidConfig`] naming a key no block of the last forward has (a model
+/// of blocks). A chain's blocks are new under `Plan::PerLayer`: a key no layer has
+/// (`layer 9` of six) is refused by its next forward, naming it.
 ///
 /// [`memsave_fit::Choice::block_levers`]: https://docs.rs/memsave-fit
 pub fn set_block_levers(

@@ -172,7 +172,16 @@ impl TrainerBuilder {
                     lever.name()
                 )));
             }
-            // A chain's layers go under Plan::PerLayer, each under its lever.
+            // A chain's layers go under Plan::PerLayer, each under its lever: instead of
+            // a schedule, not beside one.
+            let layers = model.layers();
+            if model.blocks().is_none() && *layers.schedule() != Schedule::plain(layers.len()) {
+                return Err(StepError::InvalidConfig(format!(
+                    "block levers for the chain '{}' beside its checkpoint schedule ({}): a chain takes a schedule or a lever per layer, not both; drop the plan (or pass the schedule None) for levers per layer",
+                    model.name(),
+                    layers.schedule()
+                )));
+            }
             crate::plan::set_block_levers(&mut *model, levers)?;
         }
         let data_parallel = match (self.data_parallel, config.offload_params) {

@@ -165,3 +165,24 @@ fn fit_plans_a_chain_layer_by_layer_and_its_per_layer_candidates_hold_as_predict
         assert!(grads == expected, "{}: gradients differ", c.choice.strategy);
     }
 }
+
+/// A fit that fails leaves the chain as it found it: its schedule, not the last
+/// candidate's levers per layer.
+#[test]
+#[serial]
+fn a_fit_that_fails_leaves_the_chain_s_schedule_as_it_was() {
+    memsave_meter::install();
+    let mut model = Chain::new();
+    let every = peak(&mut model, Plan::EveryLayer);
+    model.layers_mut().set_plan(Plan::Segments(2)).unwrap();
+    let before = model.layers().schedule().clone();
+    // Below what every layer recomputed needs, above what any step holds before
+    // building: fit searches (per layer too), then finds nothing.
+    let Err(err) = fit(&mut model, &FitRequest::new(every / 2)) else {
+        panic!("a configuration fits half of every layer recomputed");
+    };
+    // It searched: the error names the least memory it found.
+    assert!(err.to_string().contains("the least memory found"), "{err}");
+    assert_eq!(model.layers().schedule(), &before);
+    assert_eq!(model.layers().plan(), Plan::Segments(2));
+}
