@@ -129,6 +129,14 @@ pub struct BlockRecord {
     pub forward_s: f64,
 }
 
+/// The levers of [`Blocks`] as they were set ([`Blocks::levers_snapshot`]).
+#[derive(Clone, Debug)]
+pub struct LeversSnapshot {
+    every: BlockLever,
+    levers: HashMap<BlockKey, BlockLever>,
+    planned: Option<Vec<BlockKey>>,
+}
+
 /// What a [`Blocks`] observer is told (see [`Blocks::set_observer`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BlockNotice {
@@ -1125,13 +1133,15 @@ impl Blocks {
         Ok(())
     }
 
-    /// The levers set other than keep, for a person to read (`layer 2#0: recompute`,
-    /// `every block: recompute`), or `None` when there is none.
-    pub(crate) fn levers_set(&self) -> Option<String> {
+    /// The levers set, for a person to read (`layer 2#0: recompute`, `every block:
+    /// recompute`): every lever set for one call (with `keeps`, those that keep too),
+    /// and the lever of every call unless it keeps; `None` when that is nothing.
+    pub(crate) fn levers_set(&self, keeps: bool) -> Option<String> {
         let state = self.lock();
         let mut set: Vec<String> = state
             .levers
             .iter()
+            .filter(|(_, lever)| keeps || !matches!(lever, BlockLever::Keep))
             .map(|(key, lever)| format!("{key}: {}", lever.name()))
             .collect();
         set.sort();
@@ -1147,6 +1157,27 @@ impl Blocks {
         self.lock()
             .stores
             .retain(|l| !stores.iter().any(|s| Arc::ptr_eq(&s.0, &l.0)));
+    }
+
+    /// The levers as set now (for every call, for single calls, and the order of
+    /// top-level blocks they were assigned for), to put back with
+    /// [`restore_levers`](Self::restore_levers): what a caller that tries other
+    /// levers for a while (`memsave_fit::fit`) leaves behind as it found it.
+    pub fn levers_snapshot(&self) -> LeversSnapshot {
+        let state = self.lock();
+        LeversSnapshot {
+            every: state.every.clone(),
+            levers: state.levers.clone(),
+            planned: state.planned.clone(),
+        }
+    }
+
+    /// Puts back the levers of a [`levers_snapshot`](Self::levers_snapshot).
+    pub fn restore_levers(&self, snapshot: LeversSnapshot) {
+        let mut state = self.lock();
+        state.every = snapshot.every;
+        state.levers = snapshot.levers;
+        state.planned = snapshot.planned;
     }
 
     /// Forgets the last forward's record and the order of top-level blocks levers were

@@ -72,7 +72,8 @@ mod solver;
 
 pub use block_plan::{BlocksProfile, PlannedLever, ProfileOptions};
 pub use blocks::{
-    BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, BlockWrapper, Blocks, Shared,
+    BlockKey, BlockLever, BlockNotice, BlockObserver, BlockRecord, BlockWrapper, Blocks,
+    LeversSnapshot, Shared,
 };
 pub use error::{CheckpointError, Result};
 pub use function::{checkpoint, checkpoint1, Checkpoint};
@@ -84,5 +85,5 @@ pub use memsave_sys::checkpoint::recomputation_done;
 pub use plan::Plan;
 pub use profile::{ChainProfile, LayerProfile};
 pub use schedule::{Block, Schedule, StoredBoundary};
-pub use sequential::CheckpointedSequential;
+pub use sequential::{CheckpointedSequential, PlanSnapshot};
 pub use solver::{predict, predict_with_levers, Prediction, Solver};

@@ -1,5 +1,5 @@
 //! `CheckpointedSequential`: a chain of layers run under a checkpointing plan.
-use crate::blocks::{BlockLever, Blocks};
+use crate::blocks::{BlockLever, Blocks, LeversSnapshot};
 use crate::error::{catching_panics, CheckpointError, Result};
 use crate::function::Checkpoint;
 use crate::layers::SharedLayer;
@@ -296,7 +296,7 @@ impl CheckpointedSequential {
             self.schedule.forward_count() - self.layers.len()
         );
         if self.plan == Plan::PerLayer {
-            let levers = self.blocks.levers_set();
+            let levers = self.blocks.levers_set(false);
             out.push_str(&format!(
                 "\nlevers per layer: {}",
                 levers.as_deref().unwrap_or("every layer kept")
@@ -400,9 +400,9 @@ impl CheckpointedSequential {
                 .and_then(|j| self.levers.get(j).cloned())
         };
         let per_layer = self.plan == Plan::PerLayer;
-        if let Some(set) = self.blocks.levers_set().filter(|_| !per_layer) {
+        if let Some(set) = (!per_layer).then(|| self.blocks.levers_set(true)).flatten() {
             return Err(CheckpointError::Blocks(format!(
-                "levers are set on the chain's blocks ({set}), but plan {} runs its schedule, which decides every checkpoint's lever: set Plan::PerLayer for a lever per layer",
+                "levers are set on the chain's blocks ({set}), but plan {} runs its schedule, which decides every checkpoint's lever: for a lever per layer, set Plan::PerLayer first, then the levers",
                 self.plan
             )));
         }
@@ -446,10 +446,37 @@ impl CheckpointedSequential {
         };
         catching_panics("a layer panicked", run).map_err(|e| match e {
             CheckpointError::BlocksChanged(what) if !per_layer => CheckpointError::BlocksChanged(
-                format!("{what} (levers per layer take effect under Plan::PerLayer; plan {} runs its schedule's checkpoints)", self.plan),
+                format!("{what} (levers per layer take effect under Plan::PerLayer, set before them; plan {} runs its schedule's checkpoints)", self.plan),
             ),
             e => e,
         })
+    }
+
+    /// The plan, its schedule and the levers on [`blocks`](Self::blocks) as they are,
+    /// to put back with [`restore_plan`](Self::restore_plan) (a budget's schedule
+    /// without solving it again).
+    pub fn plan_snapshot(&self) -> PlanSnapshot {
+        PlanSnapshot {
+            plan: self.plan,
+            schedule: self.schedule.clone(),
+            levers: self.blocks.levers_snapshot(),
+        }
+    }
+
+    /// Puts back a [`plan_snapshot`](Self::plan_snapshot) of this chain (its layers
+    /// unchanged since: a schedule of another length is refused).
+    ///
+    /// # Errors
+    /// [`CheckpointError::InvalidPlan`] when the snapshot's schedule does not fit the
+    /// chain.
+    pub fn restore_plan(&mut self, snapshot: PlanSnapshot) -> Result<()> {
+        let schedule = Schedule::new(snapshot.schedule.blocks().to_vec(), self.layers.len())?
+            .with_stored(snapshot.schedule.stored().to_vec())?;
+        self.schedule = schedule;
+        self.plan = snapshot.plan;
+        self.blocks.forget_forward();
+        self.blocks.restore_levers(snapshot.levers);
+        Ok(())
     }
 
     /// The engine the chain's forward runs on. Under [`Plan::PerLayer`], layer `i` is
@@ -482,6 +509,15 @@ impl CheckpointedSequential {
     pub fn blocks(&self) -> &Blocks {
         &self.blocks
     }
+}
+
+/// A chain's plan, schedule and levers per layer as they were
+/// ([`CheckpointedSequential::plan_snapshot`]).
+#[derive(Clone, Debug)]
+pub struct PlanSnapshot {
+    plan: Plan,
+    schedule: Schedule,
+    levers: LeversSnapshot,
 }
 
 /// How [`run_blocks`] runs: the train flag, the engine, the store of the input of a

@@ -103,28 +103,13 @@ pub fn fit_with(
     let state = ModelState::save(&*workload).map_err(|e| FitError::Step(e.to_string()))?;
     // A fit that fails leaves the layers' schedule and the blocks' levers as it found
     // them (one that succeeds leaves its choice's).
-    let (plan, schedule) = (
-        workload.layers().plan(),
-        workload.layers().schedule().clone(),
-    );
-    let levers = memsave_step::plan::block_levers(&*workload);
+    let chain = workload.layers().plan_snapshot();
+    let blocks = workload.blocks().map(|b| b.levers_snapshot());
     let outcome = search_fit(workload, request, progress, started, global, ranks);
     if outcome.is_err() {
-        // A fixed plan's schedule again; a budget's as it was solved (fit's profile
-        // of the layers replaced the one it was solved from).
-        let fixed = !matches!(plan, memsave_checkpoint::Plan::Budget(_));
-        if !(fixed && workload.layers_mut().set_plan(plan).is_ok()) {
-            let _ = workload.layers_mut().set_schedule(schedule);
-        }
-        match levers {
-            Some(levers) => {
-                let _ = memsave_step::plan::set_block_levers(workload, levers);
-            }
-            None => {
-                if let Some(blocks) = workload.blocks() {
-                    blocks.set_every(memsave_checkpoint::BlockLever::Keep);
-                }
-            }
+        let _ = workload.layers_mut().restore_plan(chain);
+        if let (Some(b), Some(levers)) = (workload.blocks(), blocks) {
+            b.restore_levers(levers);
         }
     }
     let restored = state.restore().map_err(|e| FitError::Step(e.to_string()));

@@ -89,7 +89,8 @@ pub struct StepConfig {
     /// of at least this many bytes go to files; the smaller ones accumulate in memory
     /// (`memsave_hooks::GradOffload::keep_in_memory`). Files cost a write and a read per
     /// parameter and backward, mostly time and little memory for biases and norms'
-    /// weights. `None` (the default): every gradient.
+    /// weights. `None` (the default): every gradient. Under [`GradsAfter::Dropped`]
+    /// the kept ones stay in `.grad` after the step (the next step frees them).
     pub offload_grads_at_least: Option<u64>,
     /// The parameters off the device between their uses, if any (see
     /// [`ParamsOffload`]).

@@ -9,7 +9,7 @@ use crate::parallel::{DataParallel, DataParallelHandle};
 use crate::step::{StepMeasurement, StepRun};
 use crate::workload::{Batch, Workload};
 use memsave_amp::{GradScaler, GradScalerConfig};
-use memsave_checkpoint::{BlockKey, BlockLever, Schedule};
+use memsave_checkpoint::{BlockKey, BlockLever, Plan, Schedule};
 use memsave_dist::FsdpConfig;
 use memsave_dist::ProcessGroup;
 
@@ -98,8 +98,9 @@ impl TrainerBuilder {
     /// Sets these levers by key, every other block kept, after the plan (e.g. the
     /// levers `fit` chose, `memsave_fit::Choice::block_levers`): on a model of blocks
     /// ([`Workload::blocks`]) its blocks'; on a chain, layer `i` is the block `layer i`
-    /// and the layers go under `Plan::PerLayer` (see [`crate::plan::set_block_levers`]).
-    /// [`build`](Self::build) refuses a lever whose saves go to a store under ZeRO-3
+    /// and the layers go under `Plan::PerLayer` (see [`crate::plan::set_block_levers`])
+    /// instead of a schedule. [`build`](Self::build) refuses them on a chain beside a
+    /// checkpoint plan or schedule, and a lever whose saves go to a store under ZeRO-3
     /// (its unit's gathered weights would go with them).
     pub fn block_levers(mut self, levers: Vec<(BlockKey, BlockLever)>) -> Self {
         self.block_levers = Some(levers);
@@ -157,6 +158,22 @@ impl TrainerBuilder {
             .data_parallel
             .as_ref()
             .map_or(1, |(group, _)| group.world_size());
+        if self.block_levers.is_some() && model.blocks().is_none() {
+            // Levers per layer replace a chain's schedule; beside one, the schedule
+            // would be dropped without a word. Refused before the model changes.
+            let n = model.layers().len();
+            let plain = match &self.schedule {
+                Some(None) => true,
+                Some(Some(s)) => *s == Schedule::plain(n),
+                None => matches!(config.plan, PlanChoice::Fixed(Plan::None | Plan::PerLayer)),
+            };
+            if !plain {
+                return Err(StepError::InvalidConfig(format!(
+                    "block levers for the chain '{}' beside its checkpoint schedule: a chain takes a schedule or a lever per layer, not both; drop the plan (or pass the schedule None) for levers per layer",
+                    model.name()
+                )));
+            }
+        }
         set_plan(model, &config, self.schedule, world_size)?;
         if let Some(levers) = self.block_levers {
             let sharded = matches!(self.data_parallel, Some((_, DataParallel::Fsdp(_))))
@@ -172,16 +189,7 @@ impl TrainerBuilder {
                     lever.name()
                 )));
             }
-            // A chain's layers go under Plan::PerLayer, each under its lever: instead of
-            // a schedule, not beside one.
-            let layers = model.layers();
-            if model.blocks().is_none() && *layers.schedule() != Schedule::plain(layers.len()) {
-                return Err(StepError::InvalidConfig(format!(
-                    "block levers for the chain '{}' beside its checkpoint schedule ({}): a chain takes a schedule or a lever per layer, not both; drop the plan (or pass the schedule None) for levers per layer",
-                    model.name(),
-                    layers.schedule()
-                )));
-            }
+            // A chain's layers go under Plan::PerLayer, each under its lever.
             crate::plan::set_block_levers(&mut *model, levers)?;
         }
         let data_parallel = match (self.data_parallel, config.offload_params) {

@@ -185,4 +185,25 @@ fn a_fit_that_fails_leaves_the_chain_s_schedule_as_it_was() {
     assert!(err.to_string().contains("the least memory found"), "{err}");
     assert_eq!(model.layers().schedule(), &before);
     assert_eq!(model.layers().plan(), Plan::Segments(2));
+    // A schedule set by hand (the plan is left as it was), and levers per layer set
+    // before any forward: both as they were.
+    let every_layer = memsave_checkpoint::Schedule::every_layer(6);
+    model
+        .layers_mut()
+        .set_schedule(every_layer.clone())
+        .unwrap();
+    let plan = model.layers().plan();
+    assert!(fit(&mut model, &FitRequest::new(every / 2)).is_err());
+    assert_eq!(model.layers().schedule(), &every_layer);
+    assert_eq!(model.layers().plan(), plan);
+    model.layers_mut().set_plan(Plan::PerLayer).unwrap();
+    let key = memsave_checkpoint::BlockKey::new("layer 1", 0);
+    model
+        .layers()
+        .blocks()
+        .set(key.clone(), BlockLever::Recompute)
+        .unwrap();
+    assert!(fit(&mut model, &FitRequest::new(every / 2)).is_err());
+    assert_eq!(model.layers().plan(), Plan::PerLayer);
+    assert_eq!(model.layers().blocks().lever(&key).name(), "recompute");
 }

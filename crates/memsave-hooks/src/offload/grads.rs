@@ -106,7 +106,8 @@ pub struct GradOffloadStats {
     /// Bytes of gradient sums in files now.
     pub stored_bytes: u64,
     /// Gradients that could not be written and were kept in memory, over every
-    /// backward.
+    /// backward (write failures; not the parameters
+    /// [`GradOffload::keep_in_memory`] picks, which are never written).
     pub kept_in_memory: u64,
 }
 
@@ -399,12 +400,14 @@ impl GradOffload {
     /// gradients, with the stored sums added, go to [`on_complete`](Self::on_complete)
     /// when there is one (without one, they are stored as in any backward).
     pub fn set_last_micro_batch(&self, last: bool) {
-        if last {
+        // A new last micro-batch (not a second call within one: its backward passes
+        // hand each parameter over once) starts with none handed over.
+        let was = self.shared.last.swap(last, Ordering::Relaxed);
+        if last && !was {
             for done in &self.shared.completed {
                 done.store(false, Ordering::Relaxed);
             }
         }
-        self.shared.last.store(last, Ordering::Relaxed);
     }
 
     /// The offload's own directory, inside the one given to [`new`](Self::new).
@@ -440,7 +443,8 @@ impl GradOffload {
     }
 
     /// The stored gradient of parameter `index` (not removed), `None` when none is
-    /// stored (or `index` is out of range); `Err` when its sum is lost.
+    /// stored (a parameter [`keep_in_memory`](Self::keep_in_memory) picks: its sum is
+    /// in `.grad`; or `index` is out of range); `Err` when its sum is lost.
     pub fn f_grad(&self, index: usize) -> Result<Option<Tensor>, OffloadError> {
         if index >= self.params.len() {
             return Ok(None);
