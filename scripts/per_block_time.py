@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -162,7 +163,7 @@ def main():
             [v for k, v in got.items() if k.startswith("fit(")],
         ):
             if c["status"] != "ok":
-                row[label] = (c["status"], None, False, (c.get("error") or "")[:120])
+                row[label] = (c["status"], None, False, c.get("error") or "")
                 continue
             t = c["step_time_s"]["median"]
             within = c.get("fit_device_peak_bytes")
@@ -188,7 +189,10 @@ def table(rows, fraction):
         for label in ("uniform", "per_block"):
             choice, t, ok, within = r[label]
             if t is None:
-                cells += [f"{choice}: {within}", "-"]
+                # fit's refusal, short: the least it found.
+                least = re.search(r"least memory found is (.*?), predicted peak ([0-9.]+ ?[KMG]?i?B)", within)
+                why = f"least `{least.group(1)}`, {least.group(2)}" if least else within[:120]
+                cells += [f"{choice}: {why}", "-"]
                 continue
             mark = "" if ok else " (over the budget)"
             cells += [

@@ -201,31 +201,44 @@ fn step(levers: Option<&[u8]>, entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
         .filter(|(_, v)| v.requires_grad())
         .map(|(_, v)| v)
         .collect();
+    let grads = gradients_through(entry, &loss, &params, &x);
+    let mut names: Vec<_> = net.vs.variables().into_iter().collect();
+    names.sort_by(|a, b| a.0.cmp(&b.0));
+    (grads, names.into_iter().map(|(_, v)| v.copy()).collect())
+}
+
+/// The gradients `entry` produces from `loss`: backward (every parameter's, then the
+/// input's), `run_backward` to the parameters or to the input, double backward
+/// through the input's gradient, or two backward passes with `retain_graph` (the
+/// parameters').
+pub(crate) fn gradients_through(
+    entry: Entry,
+    loss: &Tensor,
+    params: &[Tensor],
+    x: &Tensor,
+) -> Vec<Tensor> {
     let grads_of = |ts: &[Tensor]| ts.iter().map(|p| p.grad().copy()).collect::<Vec<_>>();
-    let grads = match entry {
+    match entry {
         Entry::Backward => {
             loss.f_backward().unwrap();
-            let mut out = grads_of(&params);
+            let mut out = grads_of(params);
             out.push(x.grad().copy());
             out
         }
-        Entry::GradToParams => Tensor::f_run_backward(&[&loss], &params, false, false).unwrap(),
-        Entry::GradToInput => Tensor::f_run_backward(&[&loss], &[&x], false, false).unwrap(),
+        Entry::GradToParams => Tensor::f_run_backward(&[loss], params, false, false).unwrap(),
+        Entry::GradToInput => Tensor::f_run_backward(&[loss], &[x], false, false).unwrap(),
         Entry::DoubleBackward => {
-            let g = Tensor::f_run_backward(&[&loss], &[&x], true, true).unwrap();
+            let g = Tensor::f_run_backward(&[loss], &[x], true, true).unwrap();
             g[0].square().sum(Kind::Float).f_backward().unwrap();
-            grads_of(&params)
+            grads_of(params)
         }
         Entry::RetainGraph => {
             let one = Tensor::ones([], (Kind::Float, Device::Cpu));
             backward_with_grads(&[loss.shallow_clone()], &[one.shallow_clone()], true).unwrap();
             backward_with_grads(&[loss.shallow_clone()], &[one], false).unwrap();
-            grads_of(&params)
+            grads_of(params)
         }
-    };
-    let mut names: Vec<_> = net.vs.variables().into_iter().collect();
-    names.sort_by(|a, b| a.0.cmp(&b.0));
-    (grads, names.into_iter().map(|(_, v)| v.copy()).collect())
+    }
 }
 
 pub(crate) fn assert_bitwise(a: &[Tensor], b: &[Tensor], what: &str) {

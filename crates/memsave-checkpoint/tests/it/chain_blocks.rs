@@ -1,10 +1,10 @@
 //! A chain is a model of blocks: `CheckpointedSequential` runs every plan on its own
 //! `Blocks` (each checkpoint of the schedule a block, nested ones inside it), and
 //! `Plan::PerLayer` puts every layer under a lever of its own, as any model of blocks.
-use super::blocks::{assert_bitwise, lever, Entry, ENTRIES};
+use super::blocks::{assert_bitwise, gradients_through, lever, Entry, ENTRIES};
 use memsave_checkpoint::{BlockKey, BlockLever, CheckpointedSequential, Plan};
 use memsave_meter::measure;
-use memsave_sys::tensor::{backward_with_grads, set_grad_none};
+use memsave_sys::tensor::set_grad_none;
 use proptest::prelude::*;
 use serial_test::serial;
 use tch::nn::{self, Module, ModuleT};
@@ -31,10 +31,8 @@ fn chain() -> (nn::VarStore, CheckpointedSequential) {
     (vs, seq)
 }
 
-/// One step of a fresh chain under `plan` and, for `Plan::PerLayer`, `levers` (see
-/// `blocks::lever`), through `entry`: the gradients and every variable after it.
-fn step(plan: Plan, levers: &[u8], entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
-    let (vs, mut seq) = chain();
+/// Sets `plan` on `seq` and, for `Plan::PerLayer`, layer `i` under `lever(levers[i])`.
+fn set_plan(seq: &mut CheckpointedSequential, plan: Plan, levers: &[u8]) {
     seq.set_plan(plan).unwrap();
     if plan == Plan::PerLayer {
         let assignment = levers
@@ -43,6 +41,13 @@ fn step(plan: Plan, levers: &[u8], entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
             .map(|(i, &l)| (BlockKey::new(format!("layer {i}"), 0), lever(l)));
         seq.blocks().set_levers(assignment).unwrap();
     }
+}
+
+/// One step of a fresh chain under `plan` and, for `Plan::PerLayer`, `levers` (see
+/// `blocks::lever`), through `entry`: the gradients and every variable after it.
+fn step(plan: Plan, levers: &[u8], entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
+    let (vs, mut seq) = chain();
+    set_plan(&mut seq, plan, levers);
     for p in vs.trainable_variables() {
         set_grad_none(&p).unwrap();
     }
@@ -56,28 +61,7 @@ fn step(plan: Plan, levers: &[u8], entry: Entry) -> (Vec<Tensor>, Vec<Tensor>) {
         .filter(|(_, v)| v.requires_grad())
         .map(|(_, v)| v.shallow_clone())
         .collect();
-    let grads_of = |ts: &[Tensor]| ts.iter().map(|p| p.grad().copy()).collect::<Vec<_>>();
-    let grads = match entry {
-        Entry::Backward => {
-            loss.f_backward().unwrap();
-            let mut out = grads_of(&params);
-            out.push(x.grad().copy());
-            out
-        }
-        Entry::GradToParams => Tensor::f_run_backward(&[&loss], &params, false, false).unwrap(),
-        Entry::GradToInput => Tensor::f_run_backward(&[&loss], &[&x], false, false).unwrap(),
-        Entry::DoubleBackward => {
-            let g = Tensor::f_run_backward(&[&loss], &[&x], true, true).unwrap();
-            g[0].square().sum(Kind::Float).f_backward().unwrap();
-            grads_of(&params)
-        }
-        Entry::RetainGraph => {
-            let one = Tensor::ones([], (Kind::Float, Device::Cpu));
-            backward_with_grads(&[loss.shallow_clone()], &[one.shallow_clone()], true).unwrap();
-            backward_with_grads(&[loss.shallow_clone()], &[one], false).unwrap();
-            grads_of(&params)
-        }
-    };
+    let grads = gradients_through(entry, &loss, &params, &x);
     (grads, named.into_iter().map(|(_, v)| v.copy()).collect())
 }
 
@@ -113,14 +97,7 @@ fn per_layer_levers_hold_what_the_uniform_plans_hold() {
         let (_vs, seq) = chain();
         // No backward here: no generator state to keep per checkpoint.
         let mut seq = seq.preserve_rng(false);
-        seq.set_plan(plan).unwrap();
-        if plan == Plan::PerLayer {
-            let assignment = levers
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (BlockKey::new(format!("layer {i}"), 0), lever(l)));
-            seq.blocks().set_levers(assignment).unwrap();
-        }
+        set_plan(&mut seq, plan, levers);
         let (y, m) = measure(Device::Cpu, |_| seq.f_forward(&x).unwrap());
         drop(y);
         m.retained_bytes()
