@@ -87,8 +87,7 @@ impl CheckpointedSequential {
     /// [`Plan::None`] as with [`add`](Self::add).
     pub fn add_t<M: ModuleT + 'static>(mut self, module: M) -> Self {
         self.layers.push(SharedLayer::new(Box::new(module)));
-        self.blocks.set_every(BlockLever::Keep);
-        self.blocks.forget_forward();
+        self.keep_every_block();
         self.plan = Plan::None;
         self.schedule = Schedule::plain(self.layers.len());
         self.profile = None;
@@ -118,8 +117,7 @@ impl CheckpointedSequential {
     pub fn set_levers(&mut self, stores: Vec<Arc<dyn BoundaryStore>>) {
         // The blocks count what each store takes; the chain reads the same counters.
         self.blocks.release_stores(&self.levers);
-        self.blocks.set_every(BlockLever::Keep);
-        self.blocks.forget_forward();
+        self.keep_every_block();
         self.levers = stores
             .into_iter()
             .map(|store| self.blocks.counted(&store))
@@ -267,8 +265,7 @@ impl CheckpointedSequential {
         if self.plan == Plan::PerLayer {
             self.plan = Plan::None;
         }
-        self.blocks.set_every(BlockLever::Keep);
-        self.blocks.forget_forward();
+        self.keep_every_block();
         Ok(())
     }
 
@@ -406,49 +403,23 @@ impl CheckpointedSequential {
                 self.plan
             )));
         }
-        if !per_layer
-            && self
-                .schedule
-                .blocks()
-                .iter()
-                .all(|b| matches!(b, Block::Layer(_)))
-        {
-            // Nothing to checkpoint: the layers run directly, from any number of
-            // threads at once (the engine runs one forward at a time).
-            let run = || {
-                let mut x = x.shallow_clone();
-                for layer in &self.layers {
-                    // A recomputation around the chain that has what it needs stops
-                    // between layers (see Checkpoint::early_stop).
-                    if memsave_sys::checkpoint::recomputation_done() {
-                        break;
-                    }
-                    x = layer.forward_t(&x, train);
-                }
-                Ok(x)
-            };
-            return catching_panics("a layer panicked", run);
-        }
-        let run = || {
-            self.blocks.forward(|engine| {
-                run_blocks(
-                    &self.layers,
-                    self.schedule.blocks(),
-                    x,
-                    Run {
-                        train,
-                        engine,
-                        store_for: &store_for,
-                        per_layer,
-                    },
-                )
-            })?
+        let run = Run {
+            train,
+            engine: &self.blocks,
+            store_for: &store_for,
+            per_layer,
         };
-        catching_panics("a layer panicked", run).map_err(|e| match e {
-            CheckpointError::BlocksChanged(what) if !per_layer => CheckpointError::BlocksChanged(
-                format!("{what} (levers per layer take effect under Plan::PerLayer, set before them; plan {} runs its schedule's checkpoints)", self.plan),
-            ),
-            e => e,
+        let blocks = self.schedule.blocks();
+        if !per_layer && blocks.iter().all(|b| matches!(b, Block::Layer(_))) {
+            // Nothing runs as a block: the layers run directly, from any number of
+            // threads at once (the engine runs one forward at a time).
+            return catching_panics("a layer panicked", || {
+                run_blocks(&self.layers, blocks, x, run)
+            });
+        }
+        catching_panics("a layer panicked", || {
+            self.blocks
+                .forward(|engine| run_blocks(&self.layers, blocks, x, Run { engine, ..run }))?
         })
     }
 
@@ -477,6 +448,13 @@ impl CheckpointedSequential {
         self.blocks.forget_forward();
         self.blocks.restore_levers(snapshot.levers);
         Ok(())
+    }
+
+    /// Every block kept and the last forward forgotten: the schedule decides the
+    /// levers again, and the next forward runs other blocks.
+    fn keep_every_block(&self) {
+        self.blocks.set_every(BlockLever::Keep);
+        self.blocks.forget_forward();
     }
 
     /// The engine the chain's forward runs on. Under [`Plan::PerLayer`], layer `i` is
