@@ -396,14 +396,14 @@ fn combine(
     stored_used: &[f32],
     grads: Option<Tensor>,
     used: &[f32],
-) -> tch::Result<(Option<Tensor>, Vec<f32>)> {
+) -> tch::Result<(Tensor, Vec<f32>)> {
     let both: Vec<f32> = stored_used
         .iter()
         .zip(used)
         .map(|(&a, &b)| if a != 0.0 || b != 0.0 { 1.0 } else { 0.0 })
         .collect();
     let Some(grads) = grads else {
-        return Ok((Some(stored), both));
+        return Ok((stored, both));
     };
     for piece in &unit.pieces {
         let (old, new) = (stored_used[piece.param] != 0.0, used[piece.param] != 0.0);
@@ -419,7 +419,7 @@ fn combine(
             _ => {}
         }
     }
-    Ok((Some(stored), both))
+    Ok((stored, both))
 }
 
 /// With shards in files ([`FsdpConfig::shards_in_files`]), the most values of one of
@@ -1095,16 +1095,10 @@ impl Shared {
         let err = tensor_err(self.rank(), "gathering a unit");
         let n = self.group.world_size() as i64;
         let u = &self.units[unit];
-        let shard = match &self.files {
-            Some(files) => {
-                let shard = files.read(unit)?;
-                if n == 1 {
-                    return Ok(shard);
-                }
-                shard
-            }
-            None => u.shard.detach(),
-        };
+        let shard = self.shard_values(unit)?;
+        if n == 1 && self.files.is_some() {
+            return Ok(shard);
+        }
         let flat = Tensor::f_empty([u.shard_len * n], (Kind::Float, Device::Cpu)).map_err(err)?;
         self.group.all_gather(&flat, &shard)?;
         Ok(flat)
@@ -1414,17 +1408,18 @@ impl Shared {
                             combine(&self.units[unit], stored, &stored_used, Some(g), &used)
                                 .map_err(err)?
                         }
-                        None => (Some(g), used.clone()),
+                        None => (g, used.clone()),
                     };
-                    if let Some(sum) = sum {
-                        files.put_gradient(unit, &sum, flags)?;
-                    }
+                    files.put_gradient(unit, &sum, flags)?;
                 }
                 (None, used)
             }
             Some(files) => match files.take_gradient(unit)? {
                 Some((stored, stored_used)) => {
-                    combine(&self.units[unit], stored, &stored_used, grads, &used).map_err(err)?
+                    let (sum, flags) =
+                        combine(&self.units[unit], stored, &stored_used, grads, &used)
+                            .map_err(err)?;
+                    (Some(sum), flags)
                 }
                 None => (grads, used),
             },
@@ -1494,10 +1489,7 @@ impl Shared {
     /// optimizer's tensors) at their parts of it, which it returns.
     fn load_pieces(&self, unit: usize) -> Result<Tensor> {
         let err = tensor_err(self.rank(), "reading a unit's shard for its step");
-        let Some(files) = &self.files else {
-            return Ok(self.units[unit].shard.shallow_clone());
-        };
-        let shard = files.read(unit)?;
+        let shard = self.shard_values(unit)?;
         let _no_grad = tch::no_grad_guard();
         let pointed = self.units[unit].pieces.iter().try_for_each(|piece| {
             let part = shard.f_narrow(0, piece.at, piece.len)?;
@@ -1640,7 +1632,7 @@ impl Drop for Fsdp {
                 self.group.rank(),
                 state.units.len()
             );
-        } else if lost > 0 && !state.discarded && !std::thread::panicking() {
+        } else if lost > 0 && !quiet {
             eprintln!(
                 "memsave: rank {}: an Fsdp was dropped without f_restore_full_parameters (Trainer::restore_full_parameters): {lost} of {} units' weights are lost and their parameters read NaN; restore them before dropping to keep the trained weights",
                 self.group.rank(),
