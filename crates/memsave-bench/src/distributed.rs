@@ -850,15 +850,7 @@ pub(crate) fn rank_config(
     };
     crate::models::residual_available(model, config.residual)
         .map_err(|e| RanksUnavailable::new(e.to_string()))?;
-    let mode = match mode {
-        DataParallel::Fsdp(c) if config.offload_params.is_some() => {
-            DataParallel::Fsdp(FsdpConfig {
-                shards_in_files: true,
-                ..c
-            })
-        }
-        other => other,
-    };
+    let mode = mode.with_params_in_files(config.offload_params.is_some());
     mode.check(&config).map_err(|e| match e {
         StepError::InvalidConfig(reason) => RanksUnavailable::new(reason),
         other => RanksUnavailable::new(other.to_string()),

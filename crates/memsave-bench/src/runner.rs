@@ -1085,12 +1085,10 @@ fn timed_step(
             .map_err(|e| e.to_string())?;
         // The measured step's levers, block by block (`fit`'s per-block choice is not
         // the configuration's plan, which keeps every block).
-        match &timing.block_levers {
-            Some(levers) => memsave_step::plan::set_block_levers(model, levers.clone())
-                .map_err(|e| e.to_string())?,
-            None => {
-                memsave_step::plan::apply_block_plan(model, config).map_err(|e| e.to_string())?;
-            }
+        // (None only for a chain under its schedule, set above.)
+        if let Some(levers) = &timing.block_levers {
+            memsave_step::plan::set_block_levers(model, levers.clone())
+                .map_err(|e| e.to_string())?;
         }
         let m = f_step_with(
             model,

@@ -11,7 +11,7 @@ use memsave_step::config::StepConfig;
 use memsave_step::optimizer::{CaseOptimizer, SavedWeights};
 use memsave_step::step::{StepEvent, StepMeasurement, StepObserver, StepRun, Unobserved};
 use memsave_step::workload::{Batch, Workload};
-use memsave_step::{DataParallel, DataParallelHandle, FsdpConfig, OptimizerSpec, StepError};
+use memsave_step::{DataParallelHandle, FsdpConfig, OptimizerSpec, StepError};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
@@ -488,15 +488,9 @@ impl Setup {
                 FsdpConfig::default(),
             )),
             (Some(group), Some(mode)) => {
-                let mode = match mode.data_parallel() {
-                    DataParallel::Fsdp(c) if choice.params_in_files => {
-                        DataParallel::Fsdp(FsdpConfig {
-                            shards_in_files: true,
-                            ..c
-                        })
-                    }
-                    other => other,
-                };
+                let mode = mode
+                    .data_parallel()
+                    .with_params_in_files(choice.params_in_files);
                 Some(DataParallelHandle::for_workload(group, mode, &*workload))
             }
             (group, mode) => {
@@ -960,12 +954,12 @@ pub(crate) fn set_block_levers(
     workload: &mut dyn Workload,
     choice: &Choice,
 ) -> Result<(), memsave_step::StepError> {
-    match (workload.blocks().is_some(), choice.block_levers()) {
-        (true, levers) => {
-            memsave_step::plan::set_block_levers(workload, levers.unwrap_or_default())
+    match choice.block_levers() {
+        Some(levers) => memsave_step::plan::set_block_levers(workload, levers),
+        None if workload.blocks().is_some() => {
+            memsave_step::plan::set_block_levers(workload, Vec::new())
         }
-        (false, Some(levers)) => memsave_step::plan::set_block_levers(workload, levers),
-        (false, None) => Ok(()),
+        None => Ok(()),
     }
 }
 

@@ -321,11 +321,7 @@ impl Search<'_, '_> {
             state_in_files: lever_sets[0].state_in_files,
             parameters_in_files: lever_sets[0].params_in_files,
         });
-        // The step in backward frees each gradient as soon as it is complete, which
-        // accumulation over micro-batches needs kept, unless it is kept in files.
-        // (With the parameters in files, each unit's gradients wait in a file of its
-        // own until the last micro-batch.)
-        let usable = |l: &&Levers| k == 1 || !l.in_backward || l.offload_grads || l.params_in_files;
+        let usable = |l: &&Levers| k == 1 || l.accumulates();
         let base = lever_sets[0];
         let plain = self.evaluate_plain(base, k, m)?;
         let plain_fits = plain.predicted_fits;

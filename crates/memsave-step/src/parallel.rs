@@ -85,6 +85,19 @@ pub enum DataParallel {
 }
 
 impl DataParallel {
+    /// This mode with, under ZeRO-3 and `in_files`, each rank's shards in files
+    /// ([`FsdpConfig::shards_in_files`]): what [`ParamsOffload`](crate::ParamsOffload)
+    /// means on ranks. Other modes as they are.
+    pub fn with_params_in_files(self, in_files: bool) -> Self {
+        match self {
+            DataParallel::Fsdp(config) if in_files => DataParallel::Fsdp(FsdpConfig {
+                shards_in_files: true,
+                ..config
+            }),
+            other => other,
+        }
+    }
+
     /// Why `config` cannot run data parallel this way, decided from the configuration
     /// alone, so that a harness can refuse a case before starting any rank; each
     /// message names the lever at fault. [`TrainerBuilder::build`](crate::TrainerBuilder::build)
@@ -157,11 +170,7 @@ impl DataParallel {
 /// # Errors
 /// As [`DataParallelHandle::for_workload`] refuses a workload.
 pub fn units_of(model: &dyn Workload) -> Result<Vec<(String, u64)>, StepError> {
-    let bytes = |ps: &[Tensor]| -> u64 {
-        ps.iter()
-            .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64)
-            .sum()
-    };
+    let bytes = |ps: &[Tensor]| -> u64 { ps.iter().map(memsave_sys::tensor::nbytes).sum() };
     Ok(match model.blocks() {
         Some(blocks) => find_block_units(model, blocks)?
             .into_iter()

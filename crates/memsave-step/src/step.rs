@@ -429,9 +429,7 @@ impl<'a> StepRun<'a> {
         let mut offload =
             GradOffload::new(params, &dir).map_err(|e| StepError::lever("offload_grads", e))?;
         if let Some(least) = config.offload_grads_at_least {
-            offload = offload.keep_in_memory(move |p| {
-                ((p.numel() * p.kind().elt_size_in_bytes()) as u64) < least
-            });
+            offload = offload.keep_in_memory(move |p| memsave_sys::tensor::nbytes(p) < least);
         }
         Ok(Some(match stepper {
             Some(f) => offload.on_complete(f),
@@ -844,14 +842,14 @@ fn smallest_micro_batch(input: &Batch, config: &StepConfig) -> Option<i64> {
 
 /// What the boundary stores of `model` took so far: the chain's, then its blocks'.
 fn lever_stats(model: &dyn Workload) -> Vec<memsave_checkpoint::LeverStats> {
-    match (model.blocks(), crate::plan::planned_blocks(model)) {
-        (Some(blocks), _) => {
-            let mut stats = model.layers().lever_stats();
-            stats.extend(blocks.lever_stats());
-            stats
-        }
+    if let Some(blocks) = model.blocks() {
+        let mut stats = model.layers().lever_stats();
+        stats.extend(blocks.lever_stats());
+        return stats;
+    }
+    match crate::plan::planned_blocks(model) {
         // A chain's blocks count its boundary stores as well as its layers' own.
-        (None, Some(layers)) => layers.lever_stats(),
-        (None, None) => model.layers().lever_stats(),
+        Some(layers) => layers.lever_stats(),
+        None => model.layers().lever_stats(),
     }
 }

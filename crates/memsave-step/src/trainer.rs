@@ -192,24 +192,17 @@ impl TrainerBuilder {
             // A chain's layers go under Plan::PerLayer, each under its lever.
             crate::plan::set_block_levers(&mut *model, levers)?;
         }
-        let data_parallel = match (self.data_parallel, config.offload_params) {
-            (None, Some(_)) => Some(DataParallelHandle::offload_params(
+        let in_files = config.offload_params.is_some();
+        let data_parallel = match self.data_parallel {
+            None if in_files => Some(DataParallelHandle::offload_params(
                 &*model,
                 FsdpConfig::default(),
             )?),
-            (Some((group, DataParallel::Fsdp(fsdp))), Some(_)) => {
-                let files = FsdpConfig {
-                    shards_in_files: true,
-                    ..fsdp
-                };
-                Some(DataParallelHandle::for_workload(
-                    &group,
-                    DataParallel::Fsdp(files),
-                    &*model,
-                )?)
-            }
-            (data_parallel, _) => data_parallel
-                .map(|(group, mode)| DataParallelHandle::for_workload(&group, mode, &*model))
+            data_parallel => data_parallel
+                .map(|(group, mode)| {
+                    let mode = mode.with_params_in_files(in_files);
+                    DataParallelHandle::for_workload(&group, mode, &*model)
+                })
                 .transpose()?,
         };
         let params = model.parameters();

@@ -45,6 +45,15 @@ impl Levers {
     pub(super) fn is_cheap(&self) -> bool {
         !self.offload && !self.compress
     }
+
+    /// Whether a step of several micro-batches can accumulate under these levers: the
+    /// step in backward frees each gradient as soon as it is complete, which
+    /// accumulation needs kept, unless it waits in a file (gradients in files; with the
+    /// parameters in files, each unit's gradients in a file of its own until the last
+    /// micro-batch).
+    pub(super) fn accumulates(&self) -> bool {
+        !self.in_backward || self.offload_grads || self.params_in_files
+    }
 }
 
 /// The lever sets to consider: plain and offload, each also with the optimizer step in

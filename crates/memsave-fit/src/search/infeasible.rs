@@ -163,12 +163,9 @@ fn least_peaks(
     // of the allowed levers is the whole batch at once; the split is run too, to say
     // what allowing micro-batches would reach.
     let splits_allowed = !lossy_split || request.allow.micro_batches;
-    // The optimizer step in backward frees the gradients accumulation needs, unless
-    // they are in files: the whole batch at once only.
-    let shapes = |l: &Levers| match (
-        l.in_backward && !l.offload_grads && !l.params_in_files,
-        splits_allowed,
-    ) {
+    // Levers that cannot accumulate (see `Levers::accumulates`): the whole batch at
+    // once only.
+    let shapes = |l: &Levers| match (!l.accumulates(), splits_allowed) {
         (true, _) => vec![true],
         (false, true) => vec![false],
         (false, false) => vec![true, false],
