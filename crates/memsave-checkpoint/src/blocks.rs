@@ -306,6 +306,37 @@ impl Profiler {
     }
 }
 
+/// Orders names as people read them: runs of digits by their value (`layer 2` before
+/// `layer 10`), the rest as text.
+fn natural(a: &str, b: &str) -> std::cmp::Ordering {
+    fn runs(s: &str) -> Vec<(bool, &str)> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let bytes = s.as_bytes();
+        for i in 1..=bytes.len() {
+            if i == bytes.len() || bytes[i].is_ascii_digit() != bytes[start].is_ascii_digit() {
+                out.push((bytes[start].is_ascii_digit(), &s[start..i]));
+                start = i;
+            }
+        }
+        out
+    }
+    let (ra, rb) = (runs(a), runs(b));
+    for ((da, x), (db, y)) in ra.iter().zip(&rb) {
+        let order = match (da, db) {
+            (true, true) => {
+                let (x, y) = (x.trim_start_matches('0'), y.trim_start_matches('0'));
+                x.len().cmp(&y.len()).then_with(|| x.cmp(y))
+            }
+            _ => x.cmp(y),
+        };
+        if order.is_ne() {
+            return order;
+        }
+    }
+    ra.len().cmp(&rb.len()).then_with(|| a.cmp(b))
+}
+
 /// Named blocks of a forward function, each run under its own [`BlockLever`]. A
 /// handle: clones share the same blocks and levers.
 ///
@@ -1138,13 +1169,27 @@ impl Blocks {
     /// and the lever of every call unless it keeps; `None` when that is nothing.
     pub(crate) fn levers_set(&self, keeps: bool) -> Option<String> {
         let state = self.lock();
-        let mut set: Vec<String> = state
+        // In the forward's order (as last run, then as planned), then by name: `layer 2`
+        // before `layer 10`.
+        let order: Vec<&BlockKey> = (state.last.iter().map(|r| &r.key))
+            .chain(state.planned.iter().flatten())
+            .collect();
+        let position = |key: &BlockKey| order.iter().position(|k| *k == key);
+        let mut pairs: Vec<(&BlockKey, &BlockLever)> = state
             .levers
             .iter()
             .filter(|(_, lever)| keeps || !matches!(lever, BlockLever::Keep))
+            .collect();
+        pairs.sort_by(|(a, _), (b, _)| {
+            let (pa, pb) = (position(a), position(b));
+            (pa.is_none().cmp(&pb.is_none()).then(pa.cmp(&pb)))
+                .then_with(|| natural(&a.name, &b.name))
+                .then(a.call.cmp(&b.call))
+        });
+        let mut set: Vec<String> = pairs
+            .into_iter()
             .map(|(key, lever)| format!("{key}: {}", lever.name()))
             .collect();
-        set.sort();
         if !matches!(state.every, BlockLever::Keep) {
             set.insert(0, format!("every block: {}", state.every.name()));
         }

@@ -214,3 +214,43 @@ fn levers_a_schedule_would_ignore_are_refused() {
     assert_eq!(seq.plan(), Plan::None);
     assert!(seq.f_forward(&x).is_ok());
 }
+
+/// `explain()` lists the levers per layer in the chain's order: `layer 2` before
+/// `layer 10`, not as strings sort.
+#[test]
+#[serial]
+fn explain_lists_levers_per_layer_in_the_chain_s_order() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut seq = CheckpointedSequential::new();
+    for i in 0..12 {
+        let l = nn::linear(vs.root() / i, H, H, Default::default());
+        seq = seq.add_fn(move |x| l.forward(x).tanh());
+    }
+    seq.set_plan(Plan::PerLayer).unwrap();
+    let x = Tensor::randn([3, H], (Kind::Float, Device::Cpu));
+    // Before any forward (the order the levers were assigned for is not known yet) and
+    // after one.
+    let picked = [10usize, 2, 11, 1];
+    for forward in [false, true] {
+        if forward {
+            seq.f_forward(&x).unwrap();
+        }
+        let levers = picked.iter().map(|&i| {
+            (
+                BlockKey::new(format!("layer {i}"), 0),
+                BlockLever::Recompute,
+            )
+        });
+        seq.blocks().set_levers(levers).unwrap();
+        let text = seq.explain();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("levers per layer:"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert_eq!(
+            line,
+            "levers per layer: layer 1#0: recompute, layer 2#0: recompute, layer 10#0: recompute, layer 11#0: recompute",
+            "after a forward: {forward}"
+        );
+    }
+}
