@@ -28,6 +28,12 @@ pub(super) const RACE_WITHIN: f64 = 1.5;
 /// measured too when predicted within this factor.
 pub(super) const RACE_FAMILY_WITHIN: f64 = 3.0;
 
+/// When nothing fits, a lever set's whole batch at once (where micro-batches are lossy
+/// and not allowed) runs to learn its peak when the peak predicted from one and two
+/// examples is under this factor of the least peak found so far: those predictions are
+/// off by tens of percent, and a run far above the least would only take memory.
+pub(super) const WHOLE_BATCH_WITHIN: f64 = 1.5;
+
 /// At most this many runners-up are measured...
 pub(super) const RACE_MAX: usize = 16;
 
