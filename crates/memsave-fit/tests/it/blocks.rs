@@ -311,9 +311,24 @@ fn with_gradients_freed_in_backward_fit_keeps_some_blocks() {
                 })
         })
         .unwrap_or_else(|| panic!("no mix of kept and recomputed blocks in backward\n{text}"));
-    let measured = mixed
-        .measured_peak_bytes
-        .unwrap_or_else(|| panic!("the mix was not run\n{text}"));
+    // Which runners-up fit runs at their real size depends on their measured times
+    // (on a loaded machine the mix may not be raced): run it here when fit did not.
+    let measured = mixed.measured_peak_bytes.unwrap_or_else(|| {
+        let mut fresh = Graph::new(3, 256, 32);
+        fresh.optimizer = Some(OptimizerSpec::default());
+        let outside = crate::device::outside(&fresh);
+        let mut trainer = mixed
+            .choice
+            .trainer_builder(Some(OptimizerSpec::default()))
+            .build(&mut fresh)
+            .unwrap();
+        let batch = trainer.model().batch(32).unwrap();
+        let peaks: Vec<u64> = (0..2)
+            .map(|_| crate::device::peak(&trainer.step(&batch).unwrap(), &outside))
+            .collect();
+        assert!(peaks[0] <= budget, "first step {}\n{text}", peaks[0]);
+        peaks[1]
+    });
     assert!(measured <= budget, "{text}");
     let predicted = mixed.predicted_peak_bytes.unwrap() as f64;
     assert!(
