@@ -233,7 +233,7 @@ fn explain_lists_levers_per_layer_in_the_chain_s_order() {
     let picked = [10usize, 2, 11, 1];
     for forward in [false, true] {
         if forward {
-            seq.f_forward(&x).unwrap();
+            let _ = seq.f_forward(&x).unwrap();
         }
         let levers = picked.iter().map(|&i| {
             (
