@@ -4,6 +4,7 @@
 mod compress_zoo;
 mod configs;
 mod disk_offload_zoo;
+mod fit_floor;
 mod fit_params_in_files;
 mod fit_running_stats;
 mod fit_zoo;
