@@ -431,16 +431,30 @@ impl CheckpointedSequential {
             plan: self.plan,
             schedule: self.schedule.clone(),
             levers: self.blocks.levers_snapshot(),
+            stores: self.levers.iter().map(|l| Arc::clone(&l.0)).collect(),
         }
     }
 
     /// Puts back a [`plan_snapshot`](Self::plan_snapshot) of this chain (its layers
-    /// unchanged since: a schedule of another length is refused).
+    /// unchanged since: a schedule of another length is refused; its boundary stores
+    /// unchanged since: a schedule that stores a boundary after
+    /// [`set_levers`](Self::set_levers) replaced the stores is refused, since its
+    /// store numbers would name other stores, or none).
     ///
     /// # Errors
     /// [`CheckpointError::InvalidPlan`] when the snapshot's schedule does not fit the
-    /// chain.
+    /// chain or its stores; the chain is then left as it was.
     pub fn restore_plan(&mut self, snapshot: PlanSnapshot) -> Result<()> {
+        let same_stores = snapshot.stores.len() == self.levers.len()
+            && (snapshot.stores.iter())
+                .zip(&self.levers)
+                .all(|(a, b)| Arc::ptr_eq(a, &b.0));
+        if let (false, Some(b)) = (same_stores, snapshot.schedule.stored().first()) {
+            return Err(CheckpointError::InvalidPlan(format!(
+                "the snapshot's schedule stores boundary {} with store {}, but the chain's stores were replaced (set_levers) since the snapshot: solve the plan again (set_plan)",
+                b.layer, b.lever
+            )));
+        }
         let schedule = Schedule::new(snapshot.schedule.blocks().to_vec(), self.layers.len())?
             .with_stored(snapshot.schedule.stored().to_vec())?;
         self.schedule = schedule;
@@ -491,11 +505,26 @@ impl CheckpointedSequential {
 
 /// A chain's plan, schedule and levers per layer as they were
 /// ([`CheckpointedSequential::plan_snapshot`]).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct PlanSnapshot {
     plan: Plan,
     schedule: Schedule,
     levers: LeversSnapshot,
+    /// The chain's boundary stores when it was taken: the schedule's store numbers
+    /// index them.
+    stores: Vec<Arc<dyn BoundaryStore>>,
+}
+
+impl fmt::Debug for PlanSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let stores: Vec<String> = self.stores.iter().map(|s| s.name()).collect();
+        f.debug_struct("PlanSnapshot")
+            .field("plan", &self.plan)
+            .field("schedule", &self.schedule)
+            .field("levers", &self.levers)
+            .field("stores", &stores)
+            .finish()
+    }
 }
 
 /// How [`run_blocks`] runs: the train flag, the engine, the store of the input of a

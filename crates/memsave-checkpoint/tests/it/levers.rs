@@ -369,6 +369,39 @@ fn a_schedule_naming_a_missing_store_is_refused() {
     assert!(err.to_string().contains("with_levers"), "{err}");
 }
 
+/// A plan snapshot's schedule numbers its stores by their place among the chain's:
+/// after `set_levers` replaced them (as many, one lossy), putting the snapshot back is
+/// refused, naming the cause, and leaves the chain as it was (no store swapped in
+/// silently, no store index past the end).
+#[test]
+#[serial]
+fn a_plan_snapshot_is_refused_once_its_stores_were_replaced() {
+    let vs = nn::VarStore::new(CPU);
+    let x = rand(&[4, 16]);
+    let mut seq = profiled(&vs, 6, 16, &x, vec![Arc::new(HostStore::default())]);
+    seq.set_schedule(every_layer_stored(6)).unwrap();
+    let snapshot = seq.plan_snapshot();
+    // Same stores: it goes back.
+    seq.restore_plan(snapshot.clone()).unwrap();
+    assert!(seq.explain().contains("stored by"), "{}", seq.explain());
+    for stores in [
+        vec![Arc::new(Bf16Store) as Arc<dyn BoundaryStore>],
+        Vec::new(),
+    ] {
+        let count = stores.len();
+        seq.set_levers(stores);
+        let before = seq.explain();
+        let err = seq.restore_plan(snapshot.clone()).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::InvalidPlan(_))
+                && err.to_string().contains("set_levers"),
+            "{err}"
+        );
+        assert_eq!(seq.explain(), before, "with {count} stores");
+        assert!(!before.contains("stored by"), "{before}");
+    }
+}
+
 #[test]
 #[serial]
 fn a_lossy_store_keeps_gradients_close() {
