@@ -2,7 +2,7 @@
 
 Usage (after ./libtorch-setup.sh; the setup's Python, which has pyyaml):
     ~/.cache/memsave/torch-2.13.0/bin/python scripts/per_block_time.py [SUITE:MODEL ...]
-        [--fraction 0.25] [--out DIR] [--pytorch-suite PATH]
+        [--fraction 0.25] [--out DIR] [--pytorch-suite PATH] [--allow LEVER ...]
 
 For each model (by default every model of suites/zoo.yaml, then suites/levers.yaml's):
 
@@ -65,6 +65,12 @@ def main():
     ap.add_argument("specs", nargs="*")
     ap.add_argument("--fraction", type=float, default=0.25)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        help="a lossy lever fit may use (as memsave fit --allow: micro-batches, bf16, ...); repeat for more",
+    )
     ap.add_argument(
         "--table-only",
         action="store_true",
@@ -137,9 +143,10 @@ def main():
         start = cases(base_json)["baseline"]["start_bytes"]
         budget = start + math.ceil(args.fraction * best)
         # The strategies' names carry the budget in bytes ("B" is a unit of its own).
+        allow = {"allow": [a.replace("-", "_") for a in args.allow]} if args.allow else {}
         fits = [
-            {"fit": {"budget": f"{budget}B", "uniform": True}},
-            {"fit": {"budget": f"{budget}B"}},
+            {"fit": {"budget": f"{budget}B", "uniform": True, **allow}},
+            {"fit": {"budget": f"{budget}B", **allow}},
         ]
         run_yaml = os.path.join(out, f"{name}.yaml")
         run_json = os.path.join(out, f"{name}.json")
