@@ -434,6 +434,11 @@ impl Blocks {
     /// levers were set for, or none of a key a lever was set for (then `f`'s own
     /// result is dropped; not when a block failed, whose error `f` has);
     /// [`CheckpointError::Blocks`] when a forward is already running on these blocks.
+    ///
+    /// Trap: a refused forward has run what came before the refusal (every block, when
+    /// it ran fewer than planned): BatchNorm's running statistics in those blocks were
+    /// updated and the random stream moved. Set the levers again and run the next
+    /// batch, or restore the model's state before running the same batch again.
     pub fn forward<T>(&self, f: impl FnOnce(&Blocks) -> T) -> Result<T> {
         {
             let mut state = self.lock();
@@ -749,6 +754,11 @@ impl Blocks {
             panic::resume_unwind(payload);
         }
         match result {
+            // The function's outputs were checked; the wrapper's are what the block
+            // returns.
+            Some(Ok(())) if out.iter().all(|t| !t.defined()) => {
+                Err(RunError::Misuse(Misuse::WrapperDropped))
+            }
             Some(Ok(())) => Ok(out),
             Some(Err(e)) => Err(e),
             None => Err(RunError::Misuse(Misuse::NotRun)),
@@ -1306,6 +1316,9 @@ enum Misuse {
     /// The block wrapper ([`Blocks::set_wrapper`]) returned without running it.
     #[error("the block wrapper returned without running the block's function")]
     NotRun,
+    /// The block wrapper ran the function but returned no tensor of its own.
+    #[error("the block wrapper returned no tensor, though the block's function returned some: a wrapper returns what the function it runs returned")]
+    WrapperDropped,
 }
 
 /// What a block's run did wrong, if anything: an input changed in place (its version

@@ -251,3 +251,26 @@ fn a_panicking_block_leaves_the_wrapper_and_is_an_error_naming_it() {
     assert_eq!(y.len(), 1);
     assert_eq!(*depth.lock().unwrap(), (2, 2));
 }
+
+/// A wrapper that runs the block's function but returns no tensor of its own: the run
+/// is an error naming the block and the wrapper, not an empty output for the caller to
+/// index.
+#[test]
+#[serial]
+fn a_wrapper_that_drops_the_outputs_is_an_error_naming_the_block() {
+    let blocks = Blocks::new();
+    let wrapper: BlockWrapper = Arc::new(move |_, xs, f| {
+        let _ = f(xs);
+        Vec::new()
+    });
+    blocks.set_wrapper(Some(wrapper));
+    let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let out = blocks
+        .forward(|b| b.run("dropped", &[&x], |xs| vec![&xs[0] * 2.0]))
+        .unwrap();
+    let e = out.unwrap_err().to_string();
+    assert!(
+        e.contains("dropped#0") && e.contains("wrapper returned no tensor"),
+        "{e}"
+    );
+}
