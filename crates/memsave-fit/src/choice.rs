@@ -31,6 +31,14 @@ pub struct Choice {
     /// lossless): with the optimizer step in backward, each whole gradient is stepped
     /// during the last micro-batch's backward, so no step holds every gradient.
     pub offload_grads: bool,
+    /// With [`offload_grads`](Self::offload_grads): the gradients of parameters of fewer
+    /// bytes than this accumulate in memory instead
+    /// (`StepConfig::offload_grads_at_least`): a file for each small parameter (biases,
+    /// norms' weights) costs more time than its bytes save. `fit` offers it for the
+    /// smallest parameters, up to 2% of the gradients' bytes, beside its choice with
+    /// every gradient in files, and keeps it only where it measures faster within the
+    /// budget. `None`: every gradient in files.
+    pub offload_grads_at_least: Option<u64>,
     /// The optimizer steps each parameter from inside backward and frees its gradient.
     pub in_backward: bool,
     /// Forward under bf16 autocast (lossy; only when allowed).
@@ -88,6 +96,7 @@ impl Choice {
             checkpoint: None,
             offload: false,
             offload_grads: false,
+            offload_grads_at_least: None,
             in_backward: false,
             autocast_bf16: false,
             compress_int8: false,
@@ -270,8 +279,13 @@ impl Choice {
         if self.offload {
             parts.push("offload(to=disk)".to_owned());
         }
-        if self.offload_grads {
-            parts.push("offload_grads(to=disk)".to_owned());
+        match (self.offload_grads, self.offload_grads_at_least) {
+            (true, Some(least)) => parts.push(format!(
+                "offload_grads(to=disk, at_least={})",
+                memsave_meter::Bytes(least)
+            )),
+            (true, None) => parts.push("offload_grads(to=disk)".to_owned()),
+            (false, _) => {}
         }
         if self.params_in_files {
             parts.push("offload_params(to=disk)".to_owned());
@@ -331,6 +345,7 @@ impl Choice {
             config.saved = Some(SavedTensors::Compress(CompressDtype::Int8));
         }
         config.offload_grads = self.offload_grads.then_some(GradsAfter::Dropped);
+        config.offload_grads_at_least = self.offload_grads_at_least.filter(|_| self.offload_grads);
         config.offload_params = self.params_in_files.then_some(ParamsOffload::Disk);
         config.optimizer = optimizer.map(|mut o| {
             o.in_backward = self.in_backward;

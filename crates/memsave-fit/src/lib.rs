@@ -26,7 +26,12 @@
 //!   an optimizer, only together with its step in backward (which then steps each
 //!   whole gradient during the last micro-batch's backward), since a step after
 //!   backward needs them all back at once. They cost a write and a read of every
-//!   gradient per micro-batch, and reach budgets below the gradients' own size;
+//!   gradient per micro-batch, and reach budgets below the gradients' own size. On one
+//!   process, beside a choice with every gradient in files, its twin that keeps the
+//!   smallest parameters' gradients in memory (biases, norms' weights: up to 2% of
+//!   the gradients' bytes; `offload_grads(to=disk, at_least=..)`,
+//!   [`Choice::offload_grads_at_least`]) is probed and races it: a file per small
+//!   parameter costs more time than its bytes save;
 //! - **optimizer state in files** (`placement: disk`, lossless; on one process, for an
 //!   optimizer that keeps state: AdamW, SGD with momentum), only when nothing fits
 //!   with it on the device (a third pass, over the lever sets of the two before):

@@ -35,7 +35,7 @@ use self::tuning::{
     runs_for, CHEAP_SHARE, EXHAUSTIVE_MAX_ROUNDS, EXHAUSTIVE_MIN_ROUNDS, EXHAUSTIVE_OUT_OVER,
     EXHAUSTIVE_RECHECK_WITHIN, EXHAUSTIVE_ROUNDS_S, EXHAUSTIVE_RUN_WITHIN, ONE_RUN_FROM_S, RACE_S,
     RACE_SHARE, RECHECK_MAX, RECHECK_MAX_ROUNDS, RECHECK_MIN_ROUNDS, RECHECK_OUT_OVER, RECHECK_S,
-    RECHECK_SHARE, RECHECK_WITHIN,
+    RECHECK_SHARE, RECHECK_WITHIN, SMALL_GRADIENTS_SHARE,
 };
 use super::choice::Choice;
 use super::coupling::{check_size, split_changes_gradients, Coupling};
@@ -212,6 +212,7 @@ fn search_fit(
     let Some(chosen) = chosen else {
         return Err(search.infeasible()?);
     };
+    search.offer_gradient_groups(chosen)?;
     let raced = search.race(chosen)?;
     let mut chosen = search.recheck(chosen)?;
     let mut fastest_measured = None;
@@ -219,6 +220,27 @@ fn search_fit(
         (chosen, fastest_measured) = search.exhaustive(chosen)?;
     }
     Ok(search.report(chosen, coupling, raced, fastest_measured))
+}
+
+/// The gradient size from which gradients go to files when the smallest parameters'
+/// stay in memory: the smallest parameters, smallest first (all of one size together),
+/// as long as they hold at most [`SMALL_GRADIENTS_SHARE`] of all the gradients' bytes;
+/// `None` when not even the smallest do, or when every parameter would.
+fn small_gradients_threshold(params: &[tch::Tensor]) -> Option<u64> {
+    let mut sizes: Vec<u64> = params.iter().map(memsave_sys::tensor::nbytes).collect();
+    sizes.sort_unstable();
+    let cap = (sizes.iter().sum::<u64>() as f64 * SMALL_GRADIENTS_SHARE) as u64;
+    let (mut kept, mut i) = (0u64, 0usize);
+    while i < sizes.len() {
+        let end = sizes.partition_point(|&b| b <= sizes[i]);
+        let group: u64 = sizes[i..end].iter().sum();
+        if kept + group > cap {
+            break;
+        }
+        kept += group;
+        i = end;
+    }
+    (i > 0 && i < sizes.len()).then(|| sizes[i])
 }
 
 /// The units (name, bytes) the parameters would wait in files as, where they may:
@@ -275,6 +297,34 @@ struct Raced {
 }
 
 impl Search<'_, '_> {
+    /// With every gradient in files, the choice's twin that keeps the smallest
+    /// parameters' gradients in memory ([`small_gradients_threshold`]), probed as any
+    /// configuration is: it then races the choice as a runner-up, and wins only when
+    /// it fits the budget when run and measures faster. On one process, with the
+    /// parameters and the optimizer's state on the device.
+    fn offer_gradient_groups(&mut self, chosen: usize) -> Result<(), FitError> {
+        let choice = &self.candidates[chosen].choice;
+        let eligible = choice.offload_grads
+            && choice.offload_grads_at_least.is_none()
+            && choice.data_parallel.is_none()
+            && !choice.params_in_files
+            && !choice.state_in_files
+            && self.runs.ranks.group().is_none();
+        if !eligible {
+            return Ok(());
+        }
+        let Some(at_least) = small_gradients_threshold(&self.runs.workload.parameters()) else {
+            return Ok(());
+        };
+        let twin = choice
+            .clone()
+            .with(|c| c.offload_grads_at_least = Some(at_least));
+        let (k, m) = (twin.micro_batches, twin.micro_batch);
+        let candidate = self.runs.evaluate(&twin, m, k, None)?;
+        self.candidates.push(candidate);
+        Ok(())
+    }
+
     /// Predicts the configurations of one pass (`lever_sets`, with the gradients in
     /// files or not) split after split, fewest micro-batches first, until more
     /// micro-batches cannot win.

@@ -277,10 +277,12 @@ pub(super) fn probe_sizes_for(choice: &Choice, largest: i64) -> (i64, i64) {
 /// affine model, a family in the race).
 pub(super) fn lever_key(c: &Choice) -> String {
     format!(
-        "{}{}{}{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}{}{}{}",
         c.data_parallel.map_or("", ParallelMode::name),
         u8::from(c.offload),
         u8::from(c.offload_grads),
+        c.offload_grads_at_least
+            .map_or(String::new(), |b| format!("<{b}")),
         u8::from(c.in_backward),
         u8::from(c.autocast_bf16),
         u8::from(c.compress_int8),

@@ -201,6 +201,63 @@ fn a_budget_below_the_gradients_is_met_with_gradients_in_files() {
     assert!(roles.gradients < grads, "{roles:?}");
 }
 
+/// With every gradient in files, `fit` also probes its choice's twin that keeps the
+/// smallest parameters' gradients in memory: here the six biases (3,456 B, under 1% of
+/// the gradients), the weights (96 x 192 floats, 73,728 B each) in files. It races the
+/// choice; the winner fits the budget, the twin is predicted within 5% where it ran,
+/// and a step of it gives plain accumulation's gradients, bitwise.
+#[test]
+#[serial]
+fn with_gradients_in_files_fit_offers_the_biases_gradients_in_memory() {
+    let mut model = Mlp::new(3, 96, 4, 2);
+    let grads = gradient_bytes(&model);
+    let data = (model.batch(4).unwrap().input.numel() * 4) as u64;
+    let budget = grads + data + grads * 3 / 4;
+    let report = fit(&mut model, &FitRequest::new(budget)).unwrap();
+    check_report(&report, budget, 4);
+    let text = report.to_text();
+    let twin = report
+        .candidates
+        .iter()
+        .find(|c| c.choice.offload_grads_at_least.is_some())
+        .unwrap_or_else(|| panic!("no twin with small gradients in memory\n{text}"));
+    let weight = 96 * 192 * 4;
+    assert_eq!(twin.choice.offload_grads_at_least, Some(weight), "{text}");
+    assert!(
+        twin.choice
+            .strategy
+            .contains("offload_grads(to=disk, at_least=72.00 KiB)"),
+        "{text}"
+    );
+    if let (Some(p), Some(m)) = (twin.predicted_peak_bytes, twin.measured_peak_bytes) {
+        assert!(
+            (p as f64 / m as f64 - 1.0).abs() <= 0.05,
+            "{p} vs {m}\n{text}"
+        );
+        assert!(report.measured_peak_bytes <= budget, "{text}");
+    }
+    // The twin's step (its gradients put back after it) against plain accumulation.
+    let x = model.batch(4).unwrap();
+    let mut plain = StepConfig::baseline();
+    plain.micro_batches = Some(twin.choice.micro_batches).filter(|&k| k > 1);
+    let params = model.parameters();
+    let grads_of = |params: &[Tensor]| host(&params.iter().map(Tensor::grad).collect::<Vec<_>>());
+    memsave_accum::free_grads(&params).unwrap();
+    f_step(&model, &x, &plain, Device::Cpu, false, None).unwrap();
+    let expected = grads_of(&params);
+    memsave_accum::free_grads(&params).unwrap();
+    f_step(
+        &model,
+        &x,
+        &twin.choice.step_config(None),
+        Device::Cpu,
+        false,
+        None,
+    )
+    .unwrap();
+    assert_eq!(grads_of(&params), expected, "{}", twin.choice.strategy);
+}
+
 #[test]
 #[serial]
 fn gradients_in_files_give_the_plain_step_s_gradients_and_adamw_update_bitwise() {
