@@ -255,25 +255,28 @@ fn a_trainer_from_the_report_follows_the_chosen_blocks() {
     }
 }
 
-/// The second step's peak (the whole device's, as `fit` counts it) of a trainer with
-/// AdamW in backward, every block under `lever`.
-fn in_backward_peak(lever: BlockLever) -> u64 {
+/// The first two steps' peaks (the whole device's, as `fit` counts them) of a trainer
+/// from `builder` on a fresh `Graph::new(3, 256, 32)`, `setup` run on the model after
+/// the build (which sets the levers of its configuration).
+fn two_step_peaks(builder: memsave_step::TrainerBuilder, setup: impl FnOnce(&Graph)) -> [u64; 2] {
     let mut model = Graph::new(3, 256, 32);
     let outside = crate::device::outside(&model);
+    let mut trainer = builder.build(&mut model).unwrap();
+    setup(trainer.model());
+    let batch = trainer.model().batch(32).unwrap();
+    let mut peak = || crate::device::peak(&trainer.step(&batch).unwrap(), &outside);
+    [peak(), peak()]
+}
+
+/// The second step's peak of a trainer with AdamW in backward, every block under
+/// `lever`.
+fn in_backward_peak(lever: BlockLever) -> u64 {
     let adamw = OptimizerSpec {
         in_backward: true,
         ..OptimizerSpec::default()
     };
-    let mut trainer = memsave_step::Trainer::builder(StepConfig::baseline())
-        .optimizer(adamw)
-        .build(&mut model)
-        .unwrap();
-    // After the build, which sets the levers of its configuration (every block kept).
-    trainer.model().blocks.set_every(lever);
-    let batch = trainer.model().batch(32).unwrap();
-    trainer.step(&batch).unwrap();
-    let m = trainer.step(&batch).unwrap();
-    crate::device::peak(&m, &outside)
+    let builder = memsave_step::Trainer::builder(StepConfig::baseline()).optimizer(adamw);
+    two_step_peaks(builder, |model| model.blocks.set_every(lever))[1]
 }
 
 /// With an optimizer and a budget below its gradients, the steps that fit free each
@@ -314,18 +317,8 @@ fn with_gradients_freed_in_backward_fit_keeps_some_blocks() {
     // Which runners-up fit runs at their real size depends on their measured times
     // (on a loaded machine the mix may not be raced): run it here when fit did not.
     let measured = mixed.measured_peak_bytes.unwrap_or_else(|| {
-        let mut fresh = Graph::new(3, 256, 32);
-        fresh.optimizer = Some(OptimizerSpec::default());
-        let outside = crate::device::outside(&fresh);
-        let mut trainer = mixed
-            .choice
-            .trainer_builder(Some(OptimizerSpec::default()))
-            .build(&mut fresh)
-            .unwrap();
-        let batch = trainer.model().batch(32).unwrap();
-        let peaks: Vec<u64> = (0..2)
-            .map(|_| crate::device::peak(&trainer.step(&batch).unwrap(), &outside))
-            .collect();
+        let builder = mixed.choice.trainer_builder(Some(OptimizerSpec::default()));
+        let peaks = two_step_peaks(builder, |_| {});
         assert!(peaks[0] <= budget, "first step {}\n{text}", peaks[0]);
         peaks[1]
     });
