@@ -304,9 +304,9 @@ impl Search<'_, '_> {
     /// parameters and the optimizer's state on the device.
     fn offer_gradient_groups(&mut self, chosen: usize) -> Result<(), FitError> {
         let choice = &self.candidates[chosen].choice;
+        // One process: no data-parallel mode either (modes are tried on ranks only).
         let eligible = choice.offload_grads
             && choice.offload_grads_at_least.is_none()
-            && choice.data_parallel.is_none()
             && !choice.params_in_files
             && !choice.state_in_files
             && self.runs.ranks.group().is_none();
